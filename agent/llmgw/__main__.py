@@ -1,0 +1,5 @@
+import sys
+
+from llmgw.cli import main
+
+sys.exit(main())

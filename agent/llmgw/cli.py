@@ -1,0 +1,70 @@
+"""The ``llmgw`` command line.
+
+Each subsystem registers its own subcommand through an ``add_parser``
+function, so this file only knows which exist.  A subsystem that fails to
+import takes only its own command down, with the reason shown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# (module, what it registers); each module has add_parser(subparsers)
+_TOP = [
+    ("llmgw.config_cli", "config"),
+    ("llmgw.controlplane.cli", "server"),
+    ("llmgw.agent.cli", "agent"),
+    ("llmgw.router.cli", "router"),
+]
+_CTL = [
+    ("llmgw.ctl.explain", "explain"),
+    ("llmgw.ctl.cert", "cert"),
+    ("llmgw.ctl.fleet", "nodes, replicas, drain"),
+]
+
+
+def _register(subparsers: argparse._SubParsersAction, modules: list[tuple[str, str]]) -> None:
+    for modname, what in modules:
+        try:
+            mod = importlib.import_module(modname)
+        except ModuleNotFoundError as e:
+            if e.name == modname:
+                continue  # subsystem not installed in this build
+            raise
+        mod.add_parser(subparsers)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from llmgw import __version__
+
+    parser = argparse.ArgumentParser(prog="llmgw", description="LLM inference fleet: control plane, router, agent.")
+    parser.add_argument("--version", action="version", version=f"llmgw {__version__}")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR (default INFO)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _register(sub, _TOP)
+    ctl = sub.add_parser("ctl", help="operator commands: explain, cert, nodes, replicas, drain")
+    ctl_sub = ctl.add_subparsers(dest="ctl_command", metavar="SUBCOMMAND")
+    _register(ctl_sub, _CTL)
+    ctl.set_defaults(func=lambda args: (ctl.print_help(), 2)[1])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help()
+        return 2
+    return int(func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""Configuration loading and JSON Schema validation.
+
+Every file and every stream message has a Draft 2020-12 schema under
+``llmgw/schemas/``.  Validation reports *every* error at once, each with the
+JSON pointer of the offending key, so an operator fixes a file in one pass;
+nothing starts on an invalid file.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import ValidationError
+from referencing import Registry, Resource
+
+
+@dataclass(frozen=True, order=True)
+class ConfigError:
+    """One problem in one document: where (JSON pointer) and what."""
+
+    pointer: str  # "/profiles/0/engine"; "" for the document root
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.pointer or '/'}: {self.message}"
+
+
+class ConfigInvalid(Exception):
+    """Raised with every error of a document; str() lists them one per line."""
+
+    def __init__(self, source: str, errors: Iterable[ConfigError]):
+        self.source = source
+        self.errors = sorted(errors)
+        lines = [f"{source}: {len(self.errors)} error(s)"] + [f"  {e}" for e in self.errors]
+        super().__init__("\n".join(lines))
+
+
+def _schema_files() -> dict[str, dict[str, Any]]:
+    out = {}
+    root = resources.files("llmgw") / "schemas"
+    for entry in root.iterdir():
+        if entry.name.endswith(".schema.json"):
+            out[entry.name.removesuffix(".schema.json")] = json.loads(entry.read_text())
+    return out
+
+
+@functools.cache
+def _registry() -> Registry:
+    reg = Registry()
+    for name, schema in _schema_files().items():
+        res = Resource.from_contents(schema)
+        reg = reg.with_resource(schema.get("$id", f"{name}.schema.json"), res)
+        reg = reg.with_resource(f"{name}.schema.json", res)
+    return reg
+
+
+@functools.cache
+def load_schema(name: str) -> dict[str, Any]:
+    """The schema called ``name`` (file ``schemas/<name>.schema.json``)."""
+    schemas = _schema_files()
+    if name not in schemas:
+        raise KeyError(f"no schema named {name!r}; have {sorted(schemas)}")
+    return schemas[name]
+
+
+@functools.cache
+def validator(name: str) -> Draft202012Validator:
+    schema = load_schema(name)
+    Draft202012Validator.check_schema(schema)
+    return Draft202012Validator(
+        schema,
+        registry=_registry(),
+        format_checker=Draft202012Validator.FORMAT_CHECKER,
+    )
+
+
+def _pointer(err: ValidationError) -> str:
+    parts = [str(p).replace("~", "~0").replace("/", "~1") for p in err.absolute_path]
+    return "/" + "/".join(parts) if parts else ""
+
+
+def _leaf_errors(err: ValidationError) -> list[ValidationError]:
+    # oneOf/anyOf wrap the useful errors; report the deepest ones so the
+    # pointer names the key that is really wrong.
+    if err.context:
+        best = max(len(e.absolute_path) for e in err.context)
+        if best > len(err.absolute_path):
+            out: list[ValidationError] = []
+            for sub in err.context:
+                if len(sub.absolute_path) == best:
+                    out.extend(_leaf_errors(sub))
+            return out
+    return [err]
+
+
+def _describe(err: ValidationError) -> str:
+    if err.validator == "enum":
+        return f"{err.instance!r} is not one of {', '.join(map(repr, err.validator_value))}"
+    if err.validator == "type":
+        return f"expected {err.validator_value}, got {type(err.instance).__name__} {err.instance!r}"
+    return err.message
+
+
+def schema_errors(doc: Any, schema_name: str) -> list[ConfigError]:
+    """Every schema violation of ``doc``, de-duplicated, sorted by pointer."""
+    errors: set[ConfigError] = set()
+    for err in validator(schema_name).iter_errors(doc):
+        for leaf in _leaf_errors(err):
+            pointer = _pointer(leaf)
+            if leaf.validator == "additionalProperties":
+                # One error per unknown key, pointing at the key itself.
+                known = leaf.schema.get("properties", {})
+                for key in sorted(set(leaf.instance) - set(known)):
+                    errors.add(ConfigError(f"{pointer}/{key}", f"unknown key; allowed: {', '.join(sorted(known))}"))
+            else:
+                errors.add(ConfigError(pointer, _describe(leaf)))
+    return sorted(errors)
+
+
+def validate_document(doc: Any, schema_name: str, source: str = "<document>") -> None:
+    """Raise ``ConfigInvalid`` listing every error, or return quietly."""
+    errors = schema_errors(doc, schema_name)
+    if errors:
+        raise ConfigInvalid(source, errors)
+
+
+def read_yaml(path: str | Path) -> Any:
+    """Parse a YAML (or JSON) file; a syntax error is a ``ConfigInvalid`` with its line."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigInvalid(str(path), [ConfigError("", f"cannot read: {e.strerror}")]) from e
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise ConfigInvalid(str(path), [ConfigError("", f"{where}not valid YAML: {e}")]) from e

@@ -1,0 +1,237 @@
+"""Typed settings for ``server.yaml`` and ``agent.yaml``.
+
+Loading is: parse YAML -> JSON Schema (every error, with its pointer) ->
+semantic checks the schema cannot express (references between sections,
+timing invariants, engine profile rules) -> frozen dataclasses.  Nothing
+starts on a file that fails any step; every error is reported at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmgw.catalog import Catalog
+from llmgw.config import ConfigError, ConfigInvalid, read_yaml, schema_errors
+from llmgw.hardware.types import FabricDeclaration
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    ca: str
+    cert: str
+    key: str
+
+
+@dataclass(frozen=True)
+class Lifecycle:
+    heartbeat_interval: float = 5.0
+    keepalive_interval: float = 10.0
+    unreachable_after: float = 30.0
+    lost_after: float = 120.0
+    startup_grace: float = 120.0
+    max_unreachable_share: float = 0.55
+    replacements_per_minute: int = 10
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    backoff_initial: float = 5.0
+    backoff_max: float = 300.0
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    api_host: str
+    api_port: int
+    catalog: Catalog
+    tls: TLSFiles | None
+    insecure_no_tls: bool
+    admin_tokens: tuple[tuple[str, str], ...]  # (name, sha256 hex)
+    lifecycle: Lifecycle
+    restart: RestartPolicy
+    memory_headroom: float
+    router: dict[str, Any] | None  # validated against router.schema.json; the router parses it
+    raw: dict[str, Any] = field(repr=False, default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    node_id: str
+    control_plane_url: str
+    reconnect_initial: float
+    reconnect_max: float
+    tls: TLSFiles | None
+    insecure_no_tls: bool
+    state_dir: str
+    model_dir: str
+    advertise_address: str
+    engine_bind_host: str
+    engine_ports: tuple[int, int]
+    gpu_source: str
+    hardware_file: str | None
+    sysfs_root: str
+    fabrics: tuple[FabricDeclaration, ...]
+    engine_commands: dict[str, tuple[str, ...]]
+    raw: dict[str, Any] = field(repr=False, default_factory=dict)
+
+
+def _tls(d: dict[str, Any] | None) -> TLSFiles | None:
+    return TLSFiles(d["ca"], d["cert"], d["key"]) if d else None
+
+
+def _server_semantic_errors(doc: dict[str, Any]) -> list[ConfigError]:
+    errors: list[ConfigError] = []
+    lc = {**Lifecycle().__dict__, **doc.get("lifecycle", {})}
+    if lc["unreachable_after"] <= lc["keepalive_interval"] + lc["heartbeat_interval"]:
+        errors.append(ConfigError(
+            "/lifecycle/unreachable_after",
+            f"must exceed keepalive_interval + heartbeat_interval "
+            f"({lc['keepalive_interval']} + {lc['heartbeat_interval']} = "
+            f"{lc['keepalive_interval'] + lc['heartbeat_interval']}), got {lc['unreachable_after']}: "
+            "a healthy node would be declared unreachable between two heartbeats"))
+    if lc["lost_after"] <= lc["unreachable_after"]:
+        errors.append(ConfigError(
+            "/lifecycle/lost_after",
+            f"must exceed unreachable_after ({lc['unreachable_after']}), got {lc['lost_after']}"))
+    rs = {**RestartPolicy().__dict__, **doc.get("restart", {})}
+    if rs["backoff_max"] < rs["backoff_initial"]:
+        errors.append(ConfigError("/restart/backoff_max",
+                                  f"must be >= backoff_initial ({rs['backoff_initial']})"))
+    if not doc.get("insecure_no_tls") and "tls" not in doc:
+        errors.append(ConfigError("/tls", "required unless insecure_no_tls is true: "
+                                  "the agent stream and API need mutual TLS"))
+
+    for section in ("models", "profiles"):
+        seen: dict[str, int] = {}
+        for i, item in enumerate(doc.get(section, ())):
+            if item["name"] in seen:
+                errors.append(ConfigError(f"/{section}/{i}/name",
+                                          f"duplicate name {item['name']!r} (first at /{section}/{seen[item['name']]})"))
+            seen.setdefault(item["name"], i)
+    served: dict[str, int] = {}
+    for i, m in enumerate(doc.get("models", ())):
+        name = m.get("served_name", m["name"])
+        if name in served:
+            errors.append(ConfigError(f"/models/{i}/served_name",
+                                      f"served name {name!r} already used by /models/{served[name]}"))
+        served.setdefault(name, i)
+
+    models = {m["name"] for m in doc.get("models", ())}
+    profiles = {p["name"]: p for p in doc.get("profiles", ())}
+    pairs: dict[tuple[str, str], int] = {}
+    for i, d in enumerate(doc.get("deployments", ())):
+        if d["model"] not in models:
+            errors.append(ConfigError(f"/deployments/{i}/model",
+                                      f"unknown model {d['model']!r}; declared: {', '.join(sorted(models)) or 'none'}"))
+        if d["profile"] not in profiles:
+            errors.append(ConfigError(f"/deployments/{i}/profile",
+                                      f"unknown profile {d['profile']!r}; declared: {', '.join(sorted(profiles)) or 'none'}"))
+        key = (d["model"], d["profile"])
+        if key in pairs:
+            errors.append(ConfigError(f"/deployments/{i}", f"{key[0]}/{key[1]} already declared at /deployments/{pairs[key]}"))
+        pairs.setdefault(key, i)
+
+    catalog = Catalog.from_config(doc)
+    from llmgw.engines import validate_profile  # late: engines import catalog
+    from llmgw.engines.base import ProfileError
+
+    for i, p in enumerate(doc.get("profiles", ())):
+        prof = catalog.profiles[p["name"]]
+        if prof.gpus_total % prof.nodes:
+            errors.append(ConfigError(
+                f"/profiles/{i}/nodes",
+                f"{prof.nodes} nodes do not divide tensor_parallel_size * pipeline_parallel_size = {prof.gpus_total}"))
+        try:
+            validate_profile(prof)
+        except ProfileError as e:
+            errors.append(ConfigError(f"/profiles/{i}", str(e)))
+    return errors
+
+
+def parse_server_settings(doc: Any, source: str = "server.yaml") -> ServerSettings:
+    errors = schema_errors(doc, "server")
+    if errors:
+        raise ConfigInvalid(source, errors)
+    errors = _server_semantic_errors(doc)
+    if errors:
+        raise ConfigInvalid(source, errors)
+    api = doc["api"]
+    return ServerSettings(
+        api_host=api["listen"].get("host", "0.0.0.0"),
+        api_port=api["listen"]["port"],
+        catalog=Catalog.from_config(doc),
+        tls=_tls(doc.get("tls")),
+        insecure_no_tls=bool(doc.get("insecure_no_tls", False)),
+        admin_tokens=tuple((t["name"], t["sha256"]) for t in api.get("admin_tokens", ())),
+        lifecycle=Lifecycle(**{**Lifecycle().__dict__, **doc.get("lifecycle", {})}),
+        restart=RestartPolicy(**{**RestartPolicy().__dict__, **doc.get("restart", {})}),
+        memory_headroom=float(doc.get("placement", {}).get("memory_headroom", 0.2)),
+        router=doc.get("router"),
+        raw=doc,
+    )
+
+
+def _agent_semantic_errors(doc: dict[str, Any]) -> list[ConfigError]:
+    errors: list[ConfigError] = []
+    insecure = bool(doc.get("insecure_no_tls"))
+    url = doc["control_plane"]["url"]
+    if not insecure and "tls" not in doc:
+        errors.append(ConfigError("/tls", "required unless insecure_no_tls is true"))
+    if not insecure and url.startswith("ws://"):
+        errors.append(ConfigError("/control_plane/url", "ws:// is plaintext; use wss:// (or set insecure_no_tls for development)"))
+    if insecure and url.startswith("wss://"):
+        errors.append(ConfigError("/control_plane/url", "insecure_no_tls is set but the URL is wss://"))
+    cp = doc["control_plane"]
+    if cp.get("reconnect_max", 30) < cp.get("reconnect_initial", 1):
+        errors.append(ConfigError("/control_plane/reconnect_max", "must be >= reconnect_initial"))
+    ports = doc.get("engine_ports")
+    if ports and ports["last"] < ports["first"]:
+        errors.append(ConfigError("/engine_ports/last", f"must be >= first ({ports['first']})"))
+    seen: dict[str, int] = {}
+    for i, f in enumerate(doc.get("fabrics", ())):
+        if f["name"] in seen:
+            errors.append(ConfigError(f"/fabrics/{i}/name", f"duplicate fabric {f['name']!r}"))
+        seen.setdefault(f["name"], i)
+    return errors
+
+
+def parse_agent_settings(doc: Any, source: str = "agent.yaml") -> AgentSettings:
+    errors = schema_errors(doc, "agent")
+    if errors:
+        raise ConfigInvalid(source, errors)
+    errors = _agent_semantic_errors(doc)
+    if errors:
+        raise ConfigInvalid(source, errors)
+    state_dir = doc["state_dir"]
+    disc = doc.get("discovery", {})
+    ports = doc.get("engine_ports", {"first": 20000, "last": 20999})
+    return AgentSettings(
+        node_id=doc["node_id"],
+        control_plane_url=doc["control_plane"]["url"],
+        reconnect_initial=float(doc["control_plane"].get("reconnect_initial", 1)),
+        reconnect_max=float(doc["control_plane"].get("reconnect_max", 30)),
+        tls=_tls(doc.get("tls")),
+        insecure_no_tls=bool(doc.get("insecure_no_tls", False)),
+        state_dir=state_dir,
+        model_dir=doc.get("model_dir", str(Path(state_dir) / "models")),
+        advertise_address=doc.get("advertise_address", "127.0.0.1"),
+        engine_bind_host=doc.get("engine_bind_host", "0.0.0.0"),
+        engine_ports=(ports["first"], ports["last"]),
+        gpu_source=disc.get("gpus", "nvml"),
+        hardware_file=disc.get("hardware_file"),
+        sysfs_root=disc.get("sysfs_root", "/sys/class/infiniband"),
+        fabrics=tuple(FabricDeclaration(f["name"], tuple(f["hcas"]), f.get("min_rate_gbps"))
+                      for f in doc.get("fabrics", ())),
+        engine_commands={k: tuple(v) for k, v in doc.get("engines", {}).items()},
+        raw=doc,
+    )
+
+
+def load_server_settings(path: str | Path) -> ServerSettings:
+    return parse_server_settings(read_yaml(path), str(path))
+
+
+def load_agent_settings(path: str | Path) -> AgentSettings:
+    return parse_agent_settings(read_yaml(path), str(path))
