@@ -1,0 +1,296 @@
+"""GPUs and their NVLink topology from NVML (the ``pynvml`` bindings).
+
+NVML is the only source of NVLink topology, and the topology decides whether
+a tensor-parallel group is fast: on a PCIe box where bridges pair specific
+cards, a group straddling two bridges runs several times slower and nothing
+else says so.  Hence ``nvlink_known``: "no NVLink seen" and "could not look"
+must stay different answers.
+
+Peers are derived from what each active link's remote PCI id says, nothing
+more:
+
+* remote id == another local GPU's bus id: a direct link (a bridge, or a
+  board without switches); the two GPUs are peers.
+* remote id that is not a local GPU: an NVSwitch (on HGX A100, for example,
+  every GPU has links to each of six switches, seen as ``00000008:00:00.0``
+  and so on).  The id is recorded, and all GPUs that reach the *same* switch
+  id are peers of each other, since the switch forwards between any of its
+  ports.  Full connectivity is never assumed from the mere presence of a
+  switch link: two GPUs are peers only if they reach a common id.
+* a remote id that cannot be parsed is ignored for peers and marks the
+  topology as not known.
+
+Peering is symmetric: a link seen from one end joins both GPUs.
+
+Per link, NVML_ERROR_NOT_SUPPORTED / INVALID_ARGUMENT / NOT_FOUND mean "no
+NVLink on this link" (devices answer so for links they do not have; we probe
+all ``NVML_NVLINK_MAX_LINKS``) and leave the topology known.
+NVML_ERROR_FUNCTION_NOT_FOUND means the driver's NVML has no NVLink calls:
+the GPU is treated as having no NVLink, but the topology is then *unknown*.
+Any other NVML error on a link also makes the topology unknown.
+
+Without NVML (library missing, driver not loaded, init failing for any
+reason) discovery returns no GPUs and a reason, logs "0 GPUs: <reason>" once
+per process per reason at WARNING, and never raises: a node without GPUs
+still registers, so the operator sees why from the control plane.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections import defaultdict
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, NamedTuple
+
+from llmgw.hardware.types import GPU
+
+log = logging.getLogger(__name__)
+
+_BUS_ID = re.compile(
+    r"^\s*(?:(?P<domain>[0-9A-Fa-f]{1,8}):)?(?P<bus>[0-9A-Fa-f]{1,2}):"
+    r"(?P<device>[0-9A-Fa-f]{1,2})\.(?P<function>[0-7])\s*$"
+)
+
+
+def normalize_bus_id(value: str | bytes | None) -> str | None:
+    """NVML's canonical ``"00000000:1B:00.0"`` for any spelling of a PCI id
+    (4- or 8-digit domain, either case, bytes or str); None if unparseable.
+
+    NVML has used both the legacy ``"0000:1B:00.0"`` and the 8-digit domain
+    form over the years, and the remote end of an NVLink may be reported in
+    either, so ids are only ever compared in this form.
+    """
+    text = _text(value)
+    m = _BUS_ID.match(text.rstrip("\x00"))
+    if not m:
+        return None
+    domain = int(m.group("domain") or "0", 16)
+    return "%08X:%02X:%02X.%X" % (
+        domain,
+        int(m.group("bus"), 16),
+        int(m.group("device"), 16),
+        int(m.group("function")),
+    )
+
+
+def _text(value: Any) -> str:
+    """pynvml returns str from current bindings and bytes from older ones."""
+    if value is None:
+        return ""
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).split(b"\x00", 1)[0].decode("utf-8", errors="replace")
+    return str(value)
+
+
+# --- pure topology ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LinkReport:
+    """What one GPU's active links reach, as read from NVML."""
+
+    index: int
+    bus_id: str
+    remote_bus_ids: tuple[str | None, ...]  # one per active link; None = unparseable
+
+
+def nvlink_peers(
+    reports: list[LinkReport], unusable_bus_ids: frozenset[str] = frozenset()
+) -> tuple[dict[int, tuple[int, ...]], bool]:
+    """Peer indices per GPU from each GPU's active links (rules in the module
+    docstring), and whether every remote id could be interpreted.
+
+    ``unusable_bus_ids`` are GPUs of this node that are left out of the
+    inventory: a link to one is neither a peer nor a switch, or GPUs that
+    each reach it would wrongly become peers of each other.
+    """
+    by_bus = {r.bus_id: r.index for r in reports}
+    peers: dict[int, set[int]] = {r.index: set() for r in reports}
+    switches: dict[str, set[int]] = defaultdict(set)
+    known = True
+    for r in reports:
+        for remote in r.remote_bus_ids:
+            if remote is None:
+                known = False
+                continue
+            if remote in unusable_bus_ids:
+                continue
+            other = by_bus.get(remote)
+            if other is None:
+                switches[remote].add(r.index)
+            elif other != r.index:
+                peers[r.index].add(other)
+                peers[other].add(r.index)
+    for members in switches.values():
+        for i in members:
+            peers[i].update(m for m in members if m != i)
+    return {i: tuple(sorted(p)) for i, p in peers.items()}, known
+
+
+# --- NVML I/O ---------------------------------------------------------------
+
+
+class NvmlDiscovery(NamedTuple):
+    gpus: tuple[GPU, ...]
+    reason: str | None  # why there are no GPUs, when there are none
+    nvlink_known: bool
+
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_zero(reason: str) -> None:
+    with _warned_lock:
+        if reason in _warned:
+            return
+        _warned.add(reason)
+    log.warning("0 GPUs: %s", reason)
+
+
+def _reset_warnings() -> None:
+    """Forget which reasons were logged (for tests)."""
+    with _warned_lock:
+        _warned.clear()
+
+
+def _code(nvml: Any, err: BaseException) -> int | None:
+    return getattr(err, "value", None) if isinstance(err, nvml.NVMLError) else None
+
+
+def _init_reason(nvml: Any, err: BaseException) -> str:
+    code = _code(nvml, err)
+    if code == nvml.NVML_ERROR_LIBRARY_NOT_FOUND:
+        return "NVML library (libnvidia-ml.so.1) not found: is the NVIDIA driver installed?"
+    if code == nvml.NVML_ERROR_DRIVER_NOT_LOADED:
+        return "NVIDIA driver not loaded (nvmlInit: Driver Not Loaded)"
+    if code is not None:
+        return f"nvmlInit failed: {err} ({type(err).__name__})"
+    return f"nvmlInit failed: {type(err).__name__}: {err}"
+
+
+def _no_link_codes(nvml: Any) -> frozenset[int]:
+    return frozenset(
+        c
+        for c in (
+            getattr(nvml, "NVML_ERROR_NOT_SUPPORTED", None),
+            getattr(nvml, "NVML_ERROR_INVALID_ARGUMENT", None),
+            getattr(nvml, "NVML_ERROR_NOT_FOUND", None),
+        )
+        if c is not None
+    )
+
+
+def _active_remote_ids(nvml: Any, handle: Any, index: int) -> tuple[tuple[str | None, ...], bool]:
+    """Remote PCI ids of the device's active links, and whether every link answered."""
+    no_link = _no_link_codes(nvml)
+    remotes: list[str | None] = []
+    errors: list[str] = []
+    for link in range(int(nvml.NVML_NVLINK_MAX_LINKS)):
+        try:
+            if nvml.nvmlDeviceGetNvLinkState(handle, link) != nvml.NVML_FEATURE_ENABLED:
+                continue
+            pci = nvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link)
+        except nvml.NVMLError as e:
+            code = _code(nvml, e)
+            if code in no_link:
+                continue
+            if code == nvml.NVML_ERROR_FUNCTION_NOT_FOUND:
+                log.warning("GPU %d: this NVML has no NVLink queries (%s); NVLink topology unknown", index, e)
+                return tuple(remotes), False
+            errors.append(f"link {link}: {e}")
+            continue
+        raw = getattr(pci, "busId", None)
+        remote = normalize_bus_id(raw)
+        if remote is None:
+            errors.append(f"link {link}: unparseable remote PCI id {_text(raw)!r}")
+        remotes.append(remote)
+    if errors:
+        log.warning("GPU %d: NVLink topology unknown: %s", index, "; ".join(errors))
+    return tuple(remotes), not errors
+
+
+def _load_default_nvml() -> ModuleType:
+    import pynvml
+
+    return pynvml
+
+
+def discover_gpus(nvml: Any = None) -> NvmlDiscovery:
+    """Every GPU NVML sees, with NVLink peers; never raises.
+
+    ``nvml`` is the bindings module (default: the real ``pynvml``); anything
+    with the same functions, constants and exception classes will do, which
+    is how this is tested on machines without a GPU.
+    """
+    if nvml is None:
+        try:
+            nvml = _load_default_nvml()
+        except ImportError as e:
+            return _zero(f"pynvml is not installed ({e})")
+    try:
+        nvml.nvmlInit()
+    except Exception as e:  # noqa: BLE001 - any init failure means "no GPUs, and why"
+        return _zero(_init_reason(nvml, e))
+    try:
+        return _discover_initialised(nvml)
+    except Exception as e:  # noqa: BLE001 - a broken driver must not take the agent down
+        return _zero(f"NVML query failed: {type(e).__name__}: {e}")
+    finally:
+        try:
+            nvml.nvmlShutdown()
+        except Exception as e:  # noqa: BLE001
+            log.debug("nvmlShutdown: %s", e)
+
+
+def _discover_initialised(nvml: Any) -> NvmlDiscovery:
+    count = int(nvml.nvmlDeviceGetCount())
+    found: list[tuple[int, str, str, int, str, Any]] = []
+    failures: list[str] = []
+    unusable: set[str] = set()
+    for index in range(count):
+        bus: str | None = None
+        try:
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            raw_bus = nvml.nvmlDeviceGetPciInfo(handle).busId
+            bus = normalize_bus_id(raw_bus) or _text(raw_bus).strip()
+            uuid = _text(nvml.nvmlDeviceGetUUID(handle))
+            name = _text(nvml.nvmlDeviceGetName(handle))
+            memory = int(nvml.nvmlDeviceGetMemoryInfo(handle).total)
+        except nvml.NVMLError as e:
+            # One GPU NVML cannot describe (lost, no permission) is left out;
+            # the others are still usable.
+            log.warning("GPU %d: left out, NVML cannot describe it: %s (%s)", index, e, type(e).__name__)
+            failures.append(f"GPU {index}: {e}")
+            if bus:
+                unusable.add(bus)
+            continue
+        found.append((index, uuid, name, memory, bus, handle))
+    if not found:
+        if count == 0:
+            return _zero("NVML sees no GPUs", nvlink_known=True)
+        return _zero(f"NVML sees {count} GPU(s) but can describe none: " + "; ".join(failures),
+                     nvlink_known=False)
+
+    reports = []
+    # A GPU left out may carry links between the others we cannot see.
+    known = not failures
+    for index, _uuid, _name, _mem, bus, handle in found:
+        remotes, link_known = _active_remote_ids(nvml, handle, index)
+        known = known and link_known
+        reports.append(LinkReport(index=index, bus_id=bus, remote_bus_ids=remotes))
+    peers, ids_known = nvlink_peers(reports, frozenset(unusable))
+    gpus = tuple(
+        GPU(index=index, uuid=uuid, name=name, memory_bytes=mem, pci_bus_id=bus,
+            nvlink_peers=peers[index])
+        for index, uuid, name, mem, bus, _handle in found
+    )
+    return NvmlDiscovery(gpus, None, known and ids_known)
+
+
+def _zero(reason: str, *, nvlink_known: bool = False) -> NvmlDiscovery:
+    _warn_zero(reason)
+    return NvmlDiscovery((), reason, nvlink_known)

@@ -1,0 +1,119 @@
+"""Hardware from a file: the source for tests, demos and the fleet simulator.
+
+A hardware file is the document real discovery produces
+(``HardwareInventory.to_dict()``, schema ``hardware``), in YAML or JSON, so a
+real node's report can be saved and replayed, and a hand-written file means
+exactly what a node would have reported.  Nothing here touches a device; a
+production node uses ``gpu_source: nvml``.
+
+How a file becomes an inventory:
+
+* it is validated against the ``hardware`` schema, then checked for what a
+  schema cannot say (GPU indices unique, NVLink peers naming GPUs of the
+  file, adapter names and port numbers unique); every error is reported at
+  once with its JSON pointer;
+* ``node_id`` is the agent's own (its certificate's identity), not the file's,
+  and ``gpu_source`` is ``simulated``: the GPUs did not come from NVML;
+* NVLink peers are made symmetric, as NVML-derived peers are;
+* if the file has ``hcas`` and the agent declares fabrics, the fabric status
+  and the undeclared adapters are recomputed from those adapters with
+  ``validate_fabrics``, exactly as on a real node, and the file's own
+  ``fabrics`` / ``undeclared_hcas`` are ignored.  Otherwise they are kept as
+  written (a file can describe a fabric outcome for a demo).  A file without
+  ``hcas`` leaves adapters to sysfs (see ``llmgw.hardware.discover``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from llmgw.config import ConfigError, ConfigInvalid, read_yaml, validate_document
+from llmgw.hardware.infiniband import validate_fabrics
+from llmgw.hardware.types import GPU, FabricDeclaration, HardwareInventory
+
+SCHEMA = "hardware"
+
+
+def semantic_errors(doc: Mapping[str, Any]) -> list[ConfigError]:
+    """What the schema cannot check, for a document that passed it."""
+    errors: list[ConfigError] = []
+    first: dict[int, int] = {}
+    for i, g in enumerate(doc.get("gpus", ())):
+        idx = g["index"]
+        if idx in first:
+            errors.append(ConfigError(f"/gpus/{i}/index", f"duplicate GPU index {idx} (also /gpus/{first[idx]})"))
+        else:
+            first[idx] = i
+    for i, g in enumerate(doc.get("gpus", ())):
+        for j, peer in enumerate(g.get("nvlink_peers", ())):
+            where = f"/gpus/{i}/nvlink_peers/{j}"
+            if peer == g["index"]:
+                errors.append(ConfigError(where, f"GPU {peer} cannot be its own NVLink peer"))
+            elif peer not in first:
+                errors.append(ConfigError(where, f"no GPU with index {peer} in this file"))
+    seen_hca: dict[str, int] = {}
+    for i, h in enumerate(doc.get("hcas", ())):
+        if h["name"] in seen_hca:
+            errors.append(ConfigError(f"/hcas/{i}/name", f"duplicate adapter {h['name']!r} (also /hcas/{seen_hca[h['name']]})"))
+        else:
+            seen_hca[h["name"]] = i
+        ports: dict[int, int] = {}
+        for j, p in enumerate(h.get("ports", ())):
+            if p["port"] in ports:
+                errors.append(ConfigError(f"/hcas/{i}/ports/{j}/port",
+                                          f"duplicate port {p['port']} (also /hcas/{i}/ports/{ports[p['port']]})"))
+            else:
+                ports[p["port"]] = j
+    return errors
+
+
+def read_hardware_document(path: str | Path) -> dict[str, Any]:
+    """The file's document, validated; ``ConfigInvalid`` lists every error with its pointer."""
+    source = str(path)
+    doc = read_yaml(path)
+    validate_document(doc, SCHEMA, source)
+    errors = semantic_errors(doc)
+    if errors:
+        raise ConfigInvalid(source, errors)
+    return doc
+
+
+def _symmetric(gpus: Sequence[GPU]) -> tuple[GPU, ...]:
+    peers: dict[int, set[int]] = {g.index: set(g.nvlink_peers) for g in gpus}
+    for g in gpus:
+        for p in g.nvlink_peers:
+            peers[p].add(g.index)
+    return tuple(dataclasses.replace(g, nvlink_peers=tuple(sorted(peers[g.index]))) for g in gpus)
+
+
+def inventory_from_document(
+    doc: Mapping[str, Any],
+    *,
+    node_id: str | None = None,
+    fabrics: Sequence[FabricDeclaration] = (),
+) -> HardwareInventory:
+    """Turn a validated document into the inventory this node advertises (rules above)."""
+    inv = HardwareInventory.from_dict(dict(doc))
+    inv = dataclasses.replace(
+        inv,
+        node_id=node_id or inv.node_id,
+        gpu_source="simulated",
+        gpus=_symmetric(inv.gpus),
+    )
+    if "hcas" in doc and fabrics:
+        statuses, undeclared = validate_fabrics(fabrics, inv.hcas)
+        inv = dataclasses.replace(inv, fabrics=statuses, undeclared_hcas=undeclared)
+    return inv
+
+
+def load_hardware_file(
+    path: str | Path,
+    *,
+    node_id: str | None = None,
+    fabrics: Sequence[FabricDeclaration] = (),
+) -> HardwareInventory:
+    """Read, validate and interpret a hardware file (see the module docstring)."""
+    return inventory_from_document(read_hardware_document(path), node_id=node_id, fabrics=fabrics)

@@ -1,0 +1,209 @@
+"""Hardware inventory types: what a node has, as discovery saw it.
+
+These are the boundary between discovery (NVML, sysfs, a simulated file) and
+everything that consumes it (placement, the stream's `register` message, the
+inventory plugin).  ``to_dict``/``from_dict`` produce and read exactly the
+document that ``schemas/hardware.schema.json`` describes, so a simulated
+hardware file and a real node's report are the same thing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GPU:
+    index: int
+    uuid: str
+    name: str
+    memory_bytes: int
+    pci_bus_id: str
+    # Indices (on this node) of GPUs that at least one active NVLink reaches.
+    # Empty means "no NVLink seen", which is not the same as "topology unknown":
+    # ``HardwareInventory.nvlink_known`` says which.
+    nvlink_peers: tuple[int, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "uuid": self.uuid,
+            "name": self.name,
+            "memory_bytes": self.memory_bytes,
+            "pci_bus_id": self.pci_bus_id,
+            "nvlink_peers": list(self.nvlink_peers),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "GPU":
+        return cls(
+            index=int(d["index"]),
+            uuid=str(d["uuid"]),
+            name=str(d["name"]),
+            memory_bytes=int(d["memory_bytes"]),
+            pci_bus_id=str(d["pci_bus_id"]),
+            nvlink_peers=tuple(sorted(int(p) for p in d.get("nvlink_peers", ()))),
+        )
+
+
+@dataclass(frozen=True)
+class IBPort:
+    """One port of an adapter, as /sys/class/infiniband/<hca>/ports/<n>/ shows it."""
+
+    port: int
+    state: str  # "ACTIVE", "INIT", "ARMED", "DOWN" (name part of "4: ACTIVE")
+    phys_state: str  # "LinkUp", "Polling", "Disabled" ... (name part of "5: LinkUp")
+    rate_gbps: float  # numeric part of "200 Gb/sec (4X HDR)"
+    rate_text: str  # the whole rate line, for humans
+    link_layer: str  # "InfiniBand" or "Ethernet" (RoCE)
+    # Why a field could not be read or parsed (its value is then "UNKNOWN",
+    # 0.0 or ""); None when every file read cleanly.
+    reason: str | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.state == "ACTIVE"
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "port": self.port,
+            "state": self.state,
+            "phys_state": self.phys_state,
+            "rate_gbps": self.rate_gbps,
+            "rate_text": self.rate_text,
+            "link_layer": self.link_layer,
+        }
+        if self.reason is not None:
+            d["reason"] = self.reason
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "IBPort":
+        return cls(
+            port=int(d["port"]),
+            state=str(d["state"]),
+            phys_state=str(d.get("phys_state", "")),
+            rate_gbps=float(d.get("rate_gbps", 0.0)),
+            rate_text=str(d.get("rate_text", "")),
+            link_layer=str(d.get("link_layer", "InfiniBand")),
+            reason=None if d.get("reason") is None else str(d["reason"]),
+        )
+
+
+@dataclass(frozen=True)
+class HCA:
+    name: str
+    ports: tuple[IBPort, ...]
+
+    @property
+    def active_ports(self) -> tuple[IBPort, ...]:
+        return tuple(p for p in self.ports if p.active)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "ports": [p.to_dict() for p in self.ports]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "HCA":
+        return cls(name=str(d["name"]), ports=tuple(IBPort.from_dict(p) for p in d.get("ports", ())))
+
+
+@dataclass(frozen=True)
+class FabricDeclaration:
+    """A fabric as the operator declared it for one node (agent.yaml)."""
+
+    name: str
+    hcas: tuple[str, ...]
+    min_rate_gbps: float | None = None
+
+
+@dataclass(frozen=True)
+class FabricStatus:
+    """A declared fabric after comparing it with what the node really has.
+
+    ``advertised_hcas`` holds only adapters that are present with an ACTIVE
+    port; ``problems`` says, naming each adapter, why the others are not.
+    """
+
+    name: str
+    declared_hcas: tuple[str, ...]
+    advertised_hcas: tuple[str, ...]
+    rate_gbps: float | None  # slowest active link among advertised adapters
+    problems: tuple[str, ...] = ()
+
+    @property
+    def usable(self) -> bool:
+        return bool(self.advertised_hcas)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "declared_hcas": list(self.declared_hcas),
+            "advertised_hcas": list(self.advertised_hcas),
+            "rate_gbps": self.rate_gbps,
+            "problems": list(self.problems),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "FabricStatus":
+        rate = d.get("rate_gbps")
+        return cls(
+            name=str(d["name"]),
+            declared_hcas=tuple(d.get("declared_hcas", ())),
+            advertised_hcas=tuple(d.get("advertised_hcas", ())),
+            rate_gbps=None if rate is None else float(rate),
+            problems=tuple(d.get("problems", ())),
+        )
+
+
+@dataclass(frozen=True)
+class HardwareInventory:
+    node_id: str
+    gpus: tuple[GPU, ...]
+    hcas: tuple[HCA, ...] = ()
+    fabrics: tuple[FabricStatus, ...] = ()
+    # Discovered adapters that no declared fabric names: reported, never used.
+    undeclared_hcas: tuple[str, ...] = ()
+    gpu_source: str = "nvml"  # "nvml" | "simulated"
+    gpu_reason: str | None = None  # why there are 0 GPUs, when there are
+    nvlink_known: bool = True  # False when topology could not be read
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def gpu(self, index: int) -> GPU:
+        for g in self.gpus:
+            if g.index == index:
+                return g
+        raise KeyError(index)
+
+    def fabric(self, name: str) -> FabricStatus | None:
+        for f in self.fabrics:
+            if f.name == name:
+                return f
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "node_id": self.node_id,
+            "gpu_source": self.gpu_source,
+            "gpus": [g.to_dict() for g in self.gpus],
+            "nvlink_known": self.nvlink_known,
+            "hcas": [h.to_dict() for h in self.hcas],
+            "fabrics": [f.to_dict() for f in self.fabrics],
+            "undeclared_hcas": list(self.undeclared_hcas),
+        }
+        if self.gpu_reason is not None:
+            d["gpu_reason"] = self.gpu_reason
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "HardwareInventory":
+        return cls(
+            node_id=str(d["node_id"]),
+            gpus=tuple(GPU.from_dict(g) for g in d.get("gpus", ())),
+            hcas=tuple(HCA.from_dict(h) for h in d.get("hcas", ())),
+            fabrics=tuple(FabricStatus.from_dict(f) for f in d.get("fabrics", ())),
+            undeclared_hcas=tuple(d.get("undeclared_hcas", ())),
+            gpu_source=str(d.get("gpu_source", "simulated")),
+            gpu_reason=d.get("gpu_reason"),
+            nvlink_known=bool(d.get("nvlink_known", True)),
+        )
