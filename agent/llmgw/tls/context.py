@@ -1,0 +1,96 @@
+"""SSL contexts for both ends of every llmgw connection.
+
+Both trust the fleet CA and nothing else: no system roots, so a certificate
+from any public authority is as foreign as a self-signed one. TLS 1.3 only,
+because every endpoint is ours and 1.3 removes the negotiation surface.
+The contexts are plain ``ssl.SSLContext`` objects and go straight into
+aiohttp (``web.TCPSite(ssl_context=...)``, ``ClientSession(...).get(ssl=...)``).
+"""
+
+from __future__ import annotations
+
+import os
+import ssl
+from pathlib import Path
+
+PathLike = str | os.PathLike[str]
+
+
+class TLSConfigError(Exception):
+    """A certificate, key or CA file cannot be loaded; the message names the file."""
+
+
+def _harden(ctx: ssl.SSLContext, ca_file: PathLike) -> None:
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    # Strict RFC 5280 checks (AKI/SKI present, well-formed extensions). Our
+    # CA always satisfies them; a certificate that does not was made elsewhere.
+    ctx.verify_flags |= ssl.VERIFY_X509_STRICT
+    ctx.verify_flags &= ~ssl.VERIFY_X509_PARTIAL_CHAIN
+    ctx.options |= ssl.OP_NO_COMPRESSION
+    _load_ca(ctx, ca_file)
+
+
+def _load_ca(ctx: ssl.SSLContext, ca_file: PathLike) -> None:
+    path = Path(ca_file)
+    if not path.is_file():
+        raise TLSConfigError(f"CA file {path} does not exist")
+    try:
+        ctx.load_verify_locations(cafile=str(path))
+    except ssl.SSLError as exc:
+        raise TLSConfigError(f"CA file {path}: not a PEM certificate ({exc.reason or exc})") from exc
+
+
+def _load_pair(ctx: ssl.SSLContext, cert_file: PathLike, key_file: PathLike) -> None:
+    for p in (cert_file, key_file):
+        if not Path(p).is_file():
+            raise TLSConfigError(f"{p} does not exist")
+    try:
+        ctx.load_cert_chain(certfile=str(cert_file), keyfile=str(key_file))
+    except ssl.SSLError as exc:
+        raise TLSConfigError(
+            f"cannot load certificate {cert_file} with key {key_file}: {exc.reason or exc}"
+        ) from exc
+
+
+def server_context(
+    ca_file: PathLike,
+    cert_file: PathLike,
+    key_file: PathLike,
+    *,
+    require_client_cert: bool = True,
+) -> ssl.SSLContext:
+    """A TLS 1.3 server context that verifies client certificates against the fleet CA.
+
+    With ``require_client_cert=False`` a client may connect without a
+    certificate (for endpoints that accept an admin token instead), but a
+    certificate it does present is still verified and refused if foreign.
+    OpenSSL checks the client certificate's extended key usage here: a
+    serverAuth-only certificate is refused as a client.
+    """
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    _harden(ctx, ca_file)
+    ctx.verify_mode = ssl.CERT_REQUIRED if require_client_cert else ssl.CERT_OPTIONAL
+    _load_pair(ctx, cert_file, key_file)
+    return ctx
+
+
+def client_context(
+    ca_file: PathLike,
+    cert_file: PathLike | None = None,
+    key_file: PathLike | None = None,
+) -> ssl.SSLContext:
+    """A TLS 1.3 client context: server verified against the fleet CA, hostname
+    checked against its SANs, and our own certificate presented when given.
+
+    The certificate and key are read once, here; a caller that wants a rotated
+    certificate picked up builds a new context.
+    """
+    if (cert_file is None) != (key_file is None):
+        raise TLSConfigError("a client certificate needs both cert_file and key_file")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    _harden(ctx, ca_file)
+    ctx.check_hostname = True
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    if cert_file is not None and key_file is not None:
+        _load_pair(ctx, cert_file, key_file)
+    return ctx
