@@ -1,0 +1,57 @@
+"""What an engine adapter produces: the exact process to launch.
+
+Adapters are pure: profile + model + placement in, argv and env out.  The
+agent's supervisor does the launching; tests compare argv exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class ProfileError(ValueError):
+    """A profile the engine would refuse, or that fights the adapter.
+
+    ``problems`` lists every individual problem, so an operator fixes a
+    profile in one pass instead of one error per launch attempt.
+    """
+
+    def __init__(self, message: str, problems: tuple[str, ...] | list[str] = ()) -> None:
+        super().__init__(message)
+        self.problems: tuple[str, ...] = tuple(problems) or (message,)
+
+
+class SourceError(ProfileError):
+    """A model source the engine cannot be pointed at (missing path, wrong kind)."""
+
+
+class LaunchContextError(ValueError):
+    """A LaunchContext that contradicts the profile (wrong GPU count, no rendezvous address).
+
+    This is a bug in whoever built the context (placement, agent), not in the
+    operator's profile, hence a separate type.
+    """
+
+
+@dataclass(frozen=True)
+class LaunchContext:
+    """Everything about one shard's launch that is not in the catalog."""
+
+    host: str  # address the engine binds (rank 0 HTTP)
+    port: int  # HTTP port (rank 0)
+    model_path: str  # resolved weights location, or the hub id untouched
+    rank: int = 0  # node rank of this shard
+    nnodes: int = 1
+    master_addr: str | None = None  # rank-0 node address, multi-node only
+    master_port: int | None = None  # rendezvous port, multi-node only
+    gpu_indices: tuple[int, ...] = ()
+    extra_env: dict[str, str] = field(default_factory=dict)  # from placement (NCCL_IB_HCA ...)
+    command: tuple[str, ...] | None = None  # override the engine binary (e.g. the simulator)
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    serves_http: bool  # rank 0 serves HTTP; worker ranks are checked by liveness
+    port: int | None

@@ -1,0 +1,358 @@
+"""What every engine adapter shares: owned flags, shape checks, env, sources.
+
+An adapter turns (model, profile, launch context) into an exact argv and env.
+Three things go wrong in practice and are checked here, before anything is
+launched, because an engine that refuses its arguments does so minutes into a
+load:
+
+* a profile's ``extra_args`` sets a flag the adapter already sets (``--port``,
+  ``-tp``...).  Both would reach the engine; argparse keeps the last one, so the
+  replica would silently listen on a port nobody probes, or shard differently
+  from what placement reserved.  Owned flags are refused, naming the profile
+  field to use instead.
+* a profile's env sets ``CUDA_VISIBLE_DEVICES``, which must come from the GPUs
+  placement reserved for the shard.
+* a model source that is a local path that does not exist.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+from urllib.parse import urlparse
+
+from llmgw.catalog import Model, Profile, SourceKind, source_kind
+from llmgw.engines.base import (
+    LaunchContext,
+    LaunchContextError,
+    LaunchSpec,
+    ProfileError,
+    SourceError,
+)
+
+# What to do instead of setting an owned flag, worded for the operator who
+# wrote the profile in server.yaml.
+USE_HOST = "the bind address comes from engine_bind_host in agent.yaml"
+USE_PORT = "the port comes from engine_ports in agent.yaml"
+USE_SOURCE = "set the model's source instead"
+USE_SERVED = "set the model's served_name instead"
+USE_TP = "set the profile field tensor_parallel_size instead"
+USE_PP = "set the profile field pipeline_parallel_size instead"
+USE_NODES = "set the profile field nodes instead"
+USE_PLACEMENT = "placement sets it for each shard"
+USE_REPLICAS = "scale with the deployment's replicas instead (each replica is its own engine)"
+USE_MAX_LEN = "set the model's max_model_len instead"
+USE_GPUS = "placement picks the shard's GPUs and the adapter sets CUDA_VISIBLE_DEVICES from them"
+USE_LISTED = "list the flags in extra_args instead, so they can be checked"
+USE_TCP = "the router reaches every engine over TCP at the agent-assigned host:port"
+
+
+@dataclass(frozen=True)
+class OwnedFlag:
+    """A flag the adapter sets itself, under every spelling the engine accepts."""
+
+    spellings: tuple[str, ...]
+    use_instead: str
+
+    @property
+    def name(self) -> str:
+        longs = [s for s in self.spellings if s.startswith("--")]
+        return longs[0] if longs else self.spellings[0]
+
+
+@dataclass(frozen=True)
+class FlagSyntax:
+    """How an engine's command-line parser reads flags, so every form is caught.
+
+    ``underscores``: vLLM's FlexibleArgumentParser turns ``--tensor_parallel_size``
+    into ``--tensor-parallel-size`` before parsing.
+    ``abbreviations``: Python's argparse (vLLM, SGLang) accepts any unambiguous
+    prefix of a long flag, so ``--por 9000`` is ``--port 9000``.
+    ``attached_short``: argparse reads ``-n2`` as ``-n 2`` for one-letter flags.
+    llama.cpp's own parser does none of these.
+    """
+
+    underscores: bool = False
+    abbreviations: bool = False
+    attached_short: bool = False
+
+
+ARGPARSE = FlagSyntax(abbreviations=True, attached_short=True)
+
+
+def _flag_name(token: str, syntax: FlagSyntax) -> str:
+    name = token.split("=", 1)[0]
+    if syntax.underscores and name.startswith("--"):
+        key, dot, rest = name[2:].partition(".")
+        name = "--" + key.replace("_", "-") + dot + rest
+    return name
+
+
+def _is_flag(token: str) -> bool:
+    if not token.startswith("-") or token == "-" or token == "--":
+        return False
+    # "-1", "-0.5": a negative number is a value, as argparse treats it.
+    try:
+        float(token)
+    except ValueError:
+        return True
+    return False
+
+
+def find_owned(
+    args: Sequence[str], owned: Iterable[OwnedFlag], syntax: FlagSyntax
+) -> list[tuple[str, OwnedFlag]]:
+    """Every token in ``args`` that sets an owned flag, with the flag it sets."""
+    owned = tuple(owned)
+    exact: dict[str, OwnedFlag] = {s: f for f in owned for s in f.spellings}
+    longs = [(s, f) for f in owned for s in f.spellings if s.startswith("--")]
+    shorts = [(s, f) for f in owned for s in f.spellings if len(s) == 2 and s[1] != "-"]
+    hits: list[tuple[str, OwnedFlag]] = []
+    for token in args:
+        if not isinstance(token, str) or not _is_flag(token):
+            continue
+        name = _flag_name(token, syntax)
+        if name in exact:
+            hits.append((token, exact[name]))
+            continue
+        if syntax.abbreviations and name.startswith("--") and len(name) > 3:
+            flag = next((f for s, f in longs if s.startswith(name)), None)
+            if flag is not None:
+                hits.append((token, flag))
+                continue
+        if syntax.attached_short and not token.startswith("--"):
+            flag = next((f for s, f in shorts if token.startswith(s) and len(token) > 2), None)
+            if flag is not None:
+                hits.append((token, flag))
+    return hits
+
+
+def owned_problems(
+    engine: str, args: Sequence[str], owned: Iterable[OwnedFlag], syntax: FlagSyntax
+) -> list[str]:
+    problems = []
+    for token, flag in find_owned(args, owned, syntax):
+        form = "" if token == flag.name else f" (as {token!r})"
+        problems.append(
+            f"extra_args sets {flag.name}{form}, which the {engine} adapter sets itself: "
+            f"{flag.use_instead}"
+        )
+    return problems
+
+
+def shape_problems(profile: Profile) -> list[str]:
+    """Parallelism that no engine can run: non-positive sizes, uneven node split."""
+    problems = []
+    for field_name in ("tensor_parallel_size", "pipeline_parallel_size", "nodes"):
+        value = getattr(profile, field_name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            problems.append(f"{field_name} must be a positive integer, got {value!r}")
+    if not problems and profile.gpus_total % profile.nodes:
+        problems.append(
+            f"tensor_parallel_size x pipeline_parallel_size = {profile.gpus_total} GPUs "
+            f"cannot be split evenly over nodes={profile.nodes}"
+        )
+    return problems
+
+
+def env_problems(profile: Profile, forbidden: Mapping[str, str]) -> list[str]:
+    """Profile env keys the adapter owns; ``forbidden`` maps key -> what to use instead."""
+    problems = []
+    owned = {"CUDA_VISIBLE_DEVICES": USE_GPUS, **forbidden}
+    for key, _ in profile.env:
+        if key in owned:
+            problems.append(
+                f"env sets {key}, which the adapter sets itself: {owned[key]}"
+            )
+    return problems
+
+
+def args_type_problems(profile: Profile) -> list[str]:
+    return [
+        f"extra_args[{i}] must be a string, got {type(a).__name__}"
+        for i, a in enumerate(profile.extra_args)
+        if not isinstance(a, str)
+    ]
+
+
+def raise_if(problems: list[str], subject: str, source_problems: Sequence[str] = ()) -> None:
+    """Raise one error listing every problem (SourceError when a source is at fault)."""
+    allp = list(problems) + list(source_problems)
+    if not allp:
+        return
+    lines = "\n".join(f"  - {p}" for p in allp)
+    noun = "problem" if len(allp) == 1 else "problems"
+    cls = SourceError if source_problems else ProfileError
+    raise cls(f"{subject}: {len(allp)} {noun}:\n{lines}", allp)
+
+
+def check_context(profile: Profile, ctx: LaunchContext) -> None:
+    """The launch context must describe one shard of exactly this profile."""
+    problems = []
+    if ctx.nnodes != profile.nodes:
+        problems.append(f"nnodes={ctx.nnodes} but profile {profile.name!r} has nodes={profile.nodes}")
+    if not 0 <= ctx.rank < max(ctx.nnodes, 1):
+        problems.append(f"rank={ctx.rank} is outside 0..{ctx.nnodes - 1}")
+    if ctx.nnodes > 1 and not ctx.master_addr:
+        problems.append("master_addr is required when nnodes > 1")
+    if ctx.gpu_indices:
+        if len(ctx.gpu_indices) != profile.gpus_per_node:
+            problems.append(
+                f"gpu_indices={list(ctx.gpu_indices)} has {len(ctx.gpu_indices)} GPUs, "
+                f"profile {profile.name!r} needs {profile.gpus_per_node} per node"
+            )
+        if len(set(ctx.gpu_indices)) != len(ctx.gpu_indices):
+            problems.append(f"gpu_indices={list(ctx.gpu_indices)} repeats a GPU")
+    if ctx.rank == 0 and not 0 < ctx.port < 65536:
+        problems.append(f"port={ctx.port} is not a TCP port")
+    if "CUDA_VISIBLE_DEVICES" in ctx.extra_env:
+        problems.append("extra_env sets CUDA_VISIBLE_DEVICES; it is derived from gpu_indices")
+    if not ctx.model_path:
+        problems.append("model_path is empty")
+    if problems:
+        raise LaunchContextError(
+            "launch context does not fit profile "
+            f"{profile.name!r}: " + "; ".join(problems)
+        )
+
+
+def build_env(profile: Profile, ctx: LaunchContext) -> dict[str, str]:
+    """CUDA_VISIBLE_DEVICES from the shard's GPUs, then the profile's env, then placement's.
+
+    A profile key that placement also sets with a different value is an error:
+    placement's value (NCCL_IB_HCA naming only ACTIVE adapters) is a checked
+    fact, and silently overriding either side hides a misconfiguration.
+    No GPU indices (a CPU-only or simulated shard) leaves CUDA_VISIBLE_DEVICES unset.
+    """
+    env: dict[str, str] = {}
+    if ctx.gpu_indices:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in ctx.gpu_indices)
+    prof = profile.env_dict
+    clashes = [
+        f"env sets {k}={prof[k]!r} but placement sets {k}={v!r} for this shard"
+        for k, v in ctx.extra_env.items()
+        if k in prof and prof[k] != v
+    ]
+    raise_if(clashes, f"profile {profile.name!r}")
+    env.update(prof)
+    env.update(ctx.extra_env)
+    return env
+
+
+def resolve_model_path(model: Model, model_dir: str | None = None) -> str:
+    """Where the engine should load ``model`` from, checked.
+
+    * hub id (``Qwen/Qwen2.5-7B-Instruct``): returned untouched; vLLM and SGLang
+      resolve it themselves.
+    * absolute path: must exist.
+    * explicitly relative path (``./``, ``../``): resolved against ``model_dir``
+      (the agent's weights directory) or, without one, the working directory,
+      and must exist.  Returned absolute, so the engine's own working directory
+      does not matter.
+    * URL: the weight fetcher downloads it before launch; asking for its path
+      here is a caller bug and raises SourceError.
+    """
+    kind = source_kind(model.source)
+    if kind is SourceKind.HUB:
+        return model.source
+    if kind is SourceKind.URL:
+        raise SourceError(
+            f"model {model.name!r}: source {model.source!r} is a URL; "
+            "the weight fetcher downloads it and passes the local file to the adapter"
+        )
+    if os.path.isabs(model.source):
+        path = os.path.normpath(model.source)
+        where = ""
+    else:
+        base = model_dir or os.getcwd()
+        path = os.path.normpath(os.path.join(base, model.source))
+        where = f" (source {model.source!r} resolved against {base})"
+    if not os.path.exists(path):
+        raise SourceError(f"model {model.name!r}: model path {path} does not exist{where}")
+    return path
+
+
+def url_path(source: str) -> str:
+    return urlparse(source).path
+
+
+class Adapter:
+    """One engine's argv/env construction and profile validation.
+
+    Subclasses provide the engine's default command, owned flags and argv; the
+    checks and the LaunchSpec assembly are shared so every engine refuses the
+    same kinds of mistakes the same way.
+    """
+
+    name: str = ""
+    default_command: tuple[str, ...] = ()
+    syntax: FlagSyntax = FlagSyntax()
+    forbidden_env: Mapping[str, str] = {}
+
+    # -- what subclasses describe -------------------------------------------------
+    def owned_flags(self, profile: Profile) -> tuple[OwnedFlag, ...]:
+        raise NotImplementedError
+
+    def model_owned_flags(self, model: Model) -> tuple[OwnedFlag, ...]:
+        """Flags owned only because the model declares something (max_model_len)."""
+        return ()
+
+    def engine_problems(self, profile: Profile) -> list[str]:
+        """Engine-specific limits (llama.cpp: single node, no pipeline parallelism)."""
+        return []
+
+    def source_problems(self, model: Model) -> list[str]:
+        return []
+
+    def engine_args(self, model: Model, profile: Profile, ctx: LaunchContext) -> list[str]:
+        raise NotImplementedError
+
+    def serves_http(self, ctx: LaunchContext) -> bool:
+        return ctx.rank == 0
+
+    # -- shared -----------------------------------------------------------------
+    def profile_problems(self, profile: Profile) -> list[str]:
+        problems: list[str] = []
+        if profile.engine != self.name:
+            problems.append(f"engine is {profile.engine!r}, not {self.name!r}")
+        shape = shape_problems(profile)
+        problems += shape
+        if not shape:
+            problems += self.engine_problems(profile)
+        problems += args_type_problems(profile)
+        args = [a for a in profile.extra_args if isinstance(a, str)]
+        problems += owned_problems(self.name, args, self.owned_flags(profile), self.syntax)
+        problems += env_problems(profile, self.forbidden_env)
+        return problems
+
+    def validate_profile(self, profile: Profile) -> None:
+        """Raise ProfileError listing every problem with ``profile`` for this engine."""
+        raise_if(self.profile_problems(profile), f"profile {profile.name!r} (engine {self.name})")
+
+    def validate(self, model: Model, profile: Profile) -> None:
+        """Profile checks plus those that need the model (sources, model-owned flags)."""
+        problems = self.profile_problems(profile)
+        args = [a for a in profile.extra_args if isinstance(a, str)]
+        problems += owned_problems(self.name, args, self.model_owned_flags(model), self.syntax)
+        raise_if(
+            problems,
+            f"profile {profile.name!r} (engine {self.name}) for model {model.name!r}",
+            self.source_problems(model),
+        )
+
+    def command(self, ctx: LaunchContext) -> tuple[str, ...]:
+        return tuple(ctx.command) if ctx.command else self.default_command
+
+    def build(self, model: Model, profile: Profile, ctx: LaunchContext) -> LaunchSpec:
+        """The exact process for one shard; ``ctx.model_path`` is taken as resolved."""
+        self.validate(model, profile)
+        check_context(profile, ctx)
+        argv = (*self.command(ctx), *self.engine_args(model, profile, ctx), *profile.extra_args)
+        serves = self.serves_http(ctx)
+        return LaunchSpec(
+            argv=tuple(argv),
+            env=build_env(profile, ctx),
+            serves_http=serves,
+            port=ctx.port if serves else None,
+        )

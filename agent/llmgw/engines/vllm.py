@@ -1,0 +1,112 @@
+"""vLLM: ``vllm serve <model> --host H --port P ...``.
+
+Flags follow vLLM v0.11.1 and later (checked against vllm/engine/arg_utils.py,
+vllm/entrypoints/openai/cli_args.py and vllm/config/parallel.py).  Multi-node
+uses the multiprocessing backend, which v0.11.1 introduced (vLLM PR #23691)
+and the distributed-serving docs describe under "Running vLLM with
+MultiProcessing": every node runs ``vllm serve`` with the same parallel sizes
+plus ``--nnodes K --node-rank R --master-addr <rank-0 address>``
+(``--master-port``, default 29501), and nodes of rank > 0 add ``--headless``:
+they run the workers and serve no HTTP.  No Ray cluster has to be formed
+first, which is what lets the agent start every shard the same way.
+
+Worker ranks get no ``--host``/``--port``: a headless node binds nothing, and
+passing them would suggest an endpoint that does not exist.
+"""
+
+from __future__ import annotations
+
+from llmgw.catalog import Model, Profile
+from llmgw.engines.base import LaunchContext
+from llmgw.engines.common import (
+    USE_HOST,
+    USE_LISTED,
+    USE_MAX_LEN,
+    USE_NODES,
+    USE_PLACEMENT,
+    USE_PORT,
+    USE_PP,
+    USE_REPLICAS,
+    USE_SERVED,
+    USE_SOURCE,
+    USE_TCP,
+    USE_TP,
+    Adapter,
+    FlagSyntax,
+    OwnedFlag,
+)
+
+_OWNED = (
+    OwnedFlag(("--host",), USE_HOST),
+    OwnedFlag(("--port",), USE_PORT),
+    OwnedFlag(("--uds",), USE_TCP),
+    OwnedFlag(("--model",), USE_SOURCE),
+    OwnedFlag(("--served-model-name",), USE_SERVED),
+    OwnedFlag(("--tensor-parallel-size", "-tp"), USE_TP),
+    OwnedFlag(("--pipeline-parallel-size", "-pp"), USE_PP),
+    OwnedFlag(("--nnodes", "-n"), USE_NODES),
+    OwnedFlag(("--node-rank", "-r"), USE_PLACEMENT),
+    OwnedFlag(("--master-addr",), USE_PLACEMENT),
+    OwnedFlag(("--master-port",), USE_PLACEMENT),
+    OwnedFlag(("--headless",), USE_PLACEMENT),
+    OwnedFlag(("--data-parallel-size", "-dp"), USE_REPLICAS),
+    OwnedFlag(("--data-parallel-rank", "-dpn"), USE_REPLICAS),
+    OwnedFlag(("--data-parallel-start-rank", "-dpr"), USE_REPLICAS),
+    OwnedFlag(("--data-parallel-size-local", "-dpl"), USE_REPLICAS),
+    OwnedFlag(("--data-parallel-address", "-dpa"), USE_REPLICAS),
+    OwnedFlag(("--data-parallel-rpc-port", "-dpp"), USE_REPLICAS),
+    OwnedFlag(("--data-parallel-backend", "-dpb"), USE_REPLICAS),
+    OwnedFlag(("--data-parallel-hybrid-lb",), USE_REPLICAS),
+    OwnedFlag(("--data-parallel-external-lb",), USE_REPLICAS),
+    # A YAML file of flags could set any of the above out of sight.
+    OwnedFlag(("--config",), USE_LISTED),
+)
+
+# vLLM refuses nnodes > 1 unless the executor backend is mp (config/parallel.py).
+_MULTI_NODE_OWNED = (
+    OwnedFlag(
+        ("--distributed-executor-backend",),
+        "multi-node profiles always run vLLM's multiprocessing backend (--nnodes)",
+    ),
+)
+
+
+class VLLMAdapter(Adapter):
+    name = "vllm"
+    default_command = ("vllm",)
+    # FlexibleArgumentParser: underscores become dashes; argparse abbreviations.
+    syntax = FlagSyntax(underscores=True, abbreviations=True, attached_short=True)
+
+    def owned_flags(self, profile: Profile) -> tuple[OwnedFlag, ...]:
+        return _OWNED + (_MULTI_NODE_OWNED if profile.nodes > 1 else ())
+
+    def model_owned_flags(self, model: Model) -> tuple[OwnedFlag, ...]:
+        if model.max_model_len is not None:
+            return (OwnedFlag(("--max-model-len",), USE_MAX_LEN),)
+        return ()
+
+    def engine_args(self, model: Model, profile: Profile, ctx: LaunchContext) -> list[str]:
+        args = ["serve", ctx.model_path]
+        if ctx.rank == 0:
+            args += ["--host", ctx.host, "--port", str(ctx.port)]
+        args += [
+            "--served-model-name", model.served_name,
+            "--tensor-parallel-size", str(profile.tensor_parallel_size),
+            "--pipeline-parallel-size", str(profile.pipeline_parallel_size),
+        ]
+        if model.max_model_len is not None:
+            args += ["--max-model-len", str(model.max_model_len)]
+        if ctx.nnodes > 1:
+            args += [
+                "--nnodes", str(ctx.nnodes),
+                "--node-rank", str(ctx.rank),
+                "--master-addr", str(ctx.master_addr),
+            ]
+            if ctx.master_port is not None:
+                args += ["--master-port", str(ctx.master_port)]
+            if ctx.rank > 0:
+                args.append("--headless")
+        return args
+
+
+ADAPTER = VLLMAdapter()

@@ -1,0 +1,553 @@
+"""The simulator's HTTP surface: vLLM's OpenAI-compatible API, shapes included.
+
+Routes: GET /health, /v1/models, /metrics, /version; POST /v1/chat/completions,
+/v1/completions, /v1/embeddings.  Errors use vLLM's body
+``{"error": {"message", "type", "param", "code"}}``; an API key is enforced on
+/v1 paths only, answering 401 ``{"error": "Unauthorized"}`` as vLLM's
+middleware does.  A failure mid-stream is reported in-band, the way vLLM's
+serving_chat does: ``data: {"error": {...}}`` followed by ``data: [DONE]``.
+
+The streaming path is the upstream of router benchmarks (hundreds of
+concurrent streams), so it does no per-token JSON work: each request builds
+its chunk prefix and suffix once and every token is a byte concatenation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import math
+import os
+import struct
+import sys
+import time
+from typing import Any
+
+from aiohttp import web
+
+from llmgw.sim.sim_args import SimConfig
+from llmgw.sim.sim_knobs import Knobs
+from llmgw.sim.sim_metrics import CONTENT_TYPE, SimMetrics
+from llmgw.sim.sim_prefix import PrefixCache
+from llmgw.sim.sim_tokens import (
+    PromptError,
+    TokenBytes,
+    chat_prompt_tokens,
+    completion_prompts,
+    embedding_inputs,
+)
+
+SIM_VERSION = "0.11.1+llmgw.sim"
+SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+DONE = b"data: [DONE]\n\n"
+_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
+ENGINE_DEAD = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+def error_json(message: str, code: int, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": _TYPES.get(code, "BadRequestError"),
+                      "param": param, "code": code}}
+
+
+def error_response(code: int, message: str, param: str | None = None) -> web.Response:
+    return web.Response(status=code, text=_dumps(error_json(message, code, param)),
+                        content_type="application/json")
+
+
+class Rejected(Exception):
+    """A request answered with an error instead of tokens."""
+
+    def __init__(self, code: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.response = error_response(code, message, param)
+
+
+class SimState:
+    """Everything the handlers share: config, knobs, counters, the prefix cache."""
+
+    def __init__(self, cfg: SimConfig, knobs: Knobs) -> None:
+        self.cfg = cfg
+        self.knobs = knobs
+        self.model_name = cfg.served_names[0]
+        self.max_model_len = cfg.max_model_len or knobs.max_model_len
+        self.metrics = SimMetrics(self.model_name)
+        self.cache = PrefixCache(knobs.prefix_cache_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.tokens = TokenBytes()
+        self.created = int(time.time())
+        self._slots = asyncio.Semaphore(cfg.max_num_seqs)
+        self.running = 0
+        self.waiting = 0
+
+    # admission: at most --max-num-seqs requests run, the rest wait (and are counted)
+    async def __aenter__(self) -> "SimState":
+        self.waiting += 1
+        self.metrics.waiting.set(self.waiting)
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting -= 1
+            self.metrics.waiting.set(self.waiting)
+        self.running += 1
+        self.metrics.running.set(self.running)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.running -= 1
+        self.metrics.running.set(self.running)
+        self._slots.release()
+
+    def prefill(self, tokens: list[str]) -> int:
+        """Account one prompt: prefix-cache lookup and prompt-token counters."""
+        before_q, before_h = self.cache.queries, self.cache.hits
+        cached = self.cache.lookup_and_insert(tokens)
+        self.metrics.prefix_queries.inc(self.cache.queries - before_q)
+        self.metrics.prefix_hits.inc(self.cache.hits - before_h)
+        self.metrics.prompt_tokens.inc(len(tokens))
+        return cached
+
+
+# --------------------------------------------------------------------- request parsing
+
+async def read_body(request: web.Request) -> dict[str, Any]:
+    raw = await request.read()
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise Rejected(400, f"JSON decode error: {e}") from None
+    if not isinstance(body, dict):
+        raise Rejected(400, "Input should be a valid dictionary or object to extract fields from")
+    return body
+
+
+def check_model(state: SimState, body: dict[str, Any]) -> None:
+    model = body.get("model")
+    if model is not None and model not in state.cfg.served_names:
+        raise Rejected(404, f"The model `{model}` does not exist.", "model")
+
+
+def check_common(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(stream, include_usage), with vLLM's checks on the combination."""
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise Rejected(400, "stream must be a boolean", "stream")
+    opts = body.get("stream_options")
+    if opts is not None and not stream:
+        raise Rejected(400, "Stream options can only be defined when `stream=True`.", "stream_options")
+    include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
+    n = body.get("n", 1)
+    if n not in (None, 1):
+        raise Rejected(400, "the engine simulator serves n=1 only", "n")
+    return stream, include_usage
+
+
+def budget(state: SimState, body: dict[str, Any], prompt_len: int, chat: bool) -> tuple[int, str]:
+    """(tokens to generate, finish_reason when all are generated)."""
+    limit = state.max_model_len
+    requested = body.get("max_completion_tokens") if chat else None
+    if requested is None:
+        requested = body.get("max_tokens")
+    if prompt_len >= limit:
+        raise Rejected(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, your request "
+            f"has {prompt_len} input tokens. Please reduce the length of the input messages.",
+        )
+    if requested is not None:
+        if not isinstance(requested, int) or isinstance(requested, bool) or requested < 1:
+            raise Rejected(400, f"max_tokens must be at least 1, got {requested}.", "max_tokens")
+        if requested > limit - prompt_len:
+            raise Rejected(
+                400,
+                f"'max_tokens' or 'max_completion_tokens' is too large: {requested}. This "
+                f"model's maximum context length is {limit} tokens and your request has "
+                f"{prompt_len} input tokens ({requested} > {limit} - {prompt_len}).",
+                "max_tokens",
+            )
+        return requested, "length"
+    n = min(state.knobs.output_tokens, limit - prompt_len)
+    return n, ("stop" if n == state.knobs.output_tokens else "length")
+
+
+def usage(prompt: int, completion: int, cached: int, details: bool) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+        "prompt_tokens_details": {"cached_tokens": cached} if details else None,
+    }
+
+
+def usage_chunk(lead: str, prompt: int, completion: int, cached: int, details: bool) -> bytes:
+    """The final ``include_usage`` event; vLLM drops its null fields (exclude_none)."""
+    u = {k: v for k, v in usage(prompt, completion, cached, details).items() if v is not None}
+    return f'data: {lead},"choices":[],"usage":{_dumps(u)}}}\n\n'.encode()
+
+
+def request_id() -> str:
+    return os.urandom(16).hex()
+
+
+# ------------------------------------------------------------------------ generation
+
+class Generation:
+    """One request's output: how many tokens, and where an injected fault cuts it."""
+
+    def __init__(self, state: SimState, n: int) -> None:
+        self.n = n
+        fault = state.knobs.fault
+        self.fault = fault.kind
+        self.cut = fault.after if fault.kind in ("crash-after", "error-chunk-after") and fault.after < n else n
+
+    @property
+    def faulted(self) -> bool:
+        return self.cut < self.n
+
+
+async def crash(request: web.Request) -> None:
+    """Die the way a failed engine does: abruptly, after the bytes already sent leave."""
+    transport = request.transport
+    for _ in range(200):
+        if transport is None or transport.get_write_buffer_size() == 0:
+            break
+        await asyncio.sleep(0.01)
+    sys.stdout.flush()
+    sys.stderr.write(
+        f"ERROR {time.strftime('%m-%d %H:%M:%S')} [core_client.py:564] Engine core proc "
+        "EngineCore_DP0 died unexpectedly, shutting down client.\n"
+    )
+    sys.stderr.flush()
+    os._exit(1)
+
+
+async def hang_forever() -> None:
+    await asyncio.Event().wait()
+
+
+async def stream_tokens(
+    request: web.Request,
+    resp: web.StreamResponse,
+    state: SimState,
+    gen: Generation,
+    prefix: bytes,
+    mid: bytes,
+    last: bytes,
+) -> int:
+    """Write the request's token chunks; returns how many were written."""
+    toks = state.tokens.first(gen.n)
+    latency = state.knobs.token_latency
+    final = gen.n - 1
+    written = 0
+    # Token i is due at start + (i+1) * latency: pacing from a fixed origin keeps
+    # the token rate exact under load instead of accumulating scheduling delays.
+    clock = asyncio.get_running_loop().time
+    start = clock()
+    for i in range(gen.cut):
+        if latency:
+            delay = start + (i + 1) * latency - clock()
+            await asyncio.sleep(delay if delay > 0 else 0)
+        await resp.write(prefix + toks[i] + (last if i == final else mid))
+        written += 1
+    if gen.faulted and gen.fault == "crash-after":
+        await crash(request)
+    return written
+
+
+async def sse_error(resp: web.StreamResponse) -> None:
+    await resp.write(b"data: " + _dumps(error_json(ENGINE_DEAD, 500)).encode() + b"\n\n")
+    await resp.write(DONE)
+
+
+# --------------------------------------------------------------------------- handlers
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state: SimState = request.app["state"]
+    try:
+        body = await read_body(request)
+        check_model(state, body)
+        if state.knobs.fault.kind == "http-500":
+            raise Rejected(500, ENGINE_DEAD)
+        stream, include_usage = check_common(body)
+        try:
+            prompt = chat_prompt_tokens(body.get("messages"))
+        except PromptError as e:
+            raise Rejected(400, str(e), "messages") from None
+        n, reason = budget(state, body, len(prompt), chat=True)
+    except Rejected as r:
+        return r.response
+
+    details = state.cfg.enable_prompt_tokens_details
+    rid, created, model = f"chatcmpl-{request_id()}", int(time.time()), state.model_name
+    gen = Generation(state, n)
+    written = 0
+    finished = "abort"
+    resp: web.StreamResponse | None = None
+    async with state:
+        cached = state.prefill(prompt)
+        try:
+            if stream:
+                resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
+                await resp.prepare(request)
+                if state.knobs.fault.kind == "hang":
+                    await hang_forever()
+                head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+                lead = _dumps(head)[:-1]
+                await resp.write(
+                    f'data: {lead},"choices":[{{"index":0,"delta":{{"role":"assistant","content":""}},'
+                    f'"logprobs":null,"finish_reason":null}}]}}\n\n'.encode()
+                )
+                prefix = f'data: {lead},"choices":[{{"index":0,"delta":{{"content":"'.encode()
+                mid = b'"},"logprobs":null,"finish_reason":null}]}\n\n'
+                last = f'"}},"logprobs":null,"finish_reason":"{reason}","stop_reason":null}}]}}\n\n'.encode()
+                written = await stream_tokens(request, resp, state, gen, prefix, mid, last)
+                if gen.faulted:
+                    await sse_error(resp)
+                    return resp
+                if include_usage:
+                    await resp.write(usage_chunk(lead, len(prompt), written, cached, details))
+                await resp.write(DONE)
+                await resp.write_eof()
+                finished = reason
+                return resp
+            if state.knobs.fault.kind == "hang":
+                await hang_forever()
+            written = gen.cut
+            if state.knobs.token_latency:
+                await asyncio.sleep(state.knobs.token_latency * written)
+            if gen.faulted:
+                if gen.fault == "crash-after":
+                    await crash(request)
+                return error_response(500, ENGINE_DEAD)
+            text = b"".join(state.tokens.first(n)).decode()
+            finished = reason
+            return web.Response(
+                text=_dumps({
+                    "id": rid, "object": "chat.completion", "created": created, "model": model,
+                    "choices": [{
+                        "index": 0,
+                        "message": {"role": "assistant", "content": text, "refusal": None,
+                                    "tool_calls": [], "reasoning_content": None},
+                        "logprobs": None, "finish_reason": reason, "stop_reason": None,
+                    }],
+                    "usage": usage(len(prompt), n, cached, details),
+                    "prompt_logprobs": None,
+                }),
+                content_type="application/json",
+            )
+        except ConnectionResetError:
+            # The client went away mid-stream; aiohttp ignores the premature
+            # disconnect when finishing a prepared response.
+            if resp is None:
+                raise
+            return resp
+        finally:
+            state.metrics.generation_tokens.inc(written)
+            state.metrics.finished(finished)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state: SimState = request.app["state"]
+    try:
+        body = await read_body(request)
+        check_model(state, body)
+        if state.knobs.fault.kind == "http-500":
+            raise Rejected(500, ENGINE_DEAD)
+        stream, include_usage = check_common(body)
+        try:
+            prompts = completion_prompts(body.get("prompt"))
+        except PromptError as e:
+            raise Rejected(400, str(e), "prompt") from None
+        plans = [budget(state, body, len(p), chat=False) for p in prompts]
+    except Rejected as r:
+        return r.response
+
+    details = state.cfg.enable_prompt_tokens_details
+    rid, created, model = f"cmpl-{request_id()}", int(time.time()), state.model_name
+    total_prompt = sum(len(p) for p in prompts)
+    written = 0
+    finished = "abort"
+    resp: web.StreamResponse | None = None
+    async with state:
+        cached = sum(state.prefill(p) for p in prompts)
+        try:
+            if stream:
+                resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
+                await resp.prepare(request)
+                if state.knobs.fault.kind == "hang":
+                    await hang_forever()
+                head = {"id": rid, "object": "text_completion", "created": created, "model": model}
+                lead = _dumps(head)[:-1]
+                for index, (n, reason) in enumerate(plans):
+                    gen = Generation(state, n)
+                    prefix = f'data: {lead},"choices":[{{"index":{index},"text":"'.encode()
+                    mid = b'","logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'
+                    last = f'","logprobs":null,"finish_reason":"{reason}","stop_reason":null}}]}}\n\n'.encode()
+                    written += await stream_tokens(request, resp, state, gen, prefix, mid, last)
+                    if gen.faulted:
+                        await sse_error(resp)
+                        return resp
+                if include_usage:
+                    await resp.write(usage_chunk(lead, total_prompt, written, cached, details))
+                await resp.write(DONE)
+                await resp.write_eof()
+                finished = plans[-1][1]
+                return resp
+            if state.knobs.fault.kind == "hang":
+                await hang_forever()
+            choices = []
+            for index, (n, reason) in enumerate(plans):
+                gen = Generation(state, n)
+                if state.knobs.token_latency:
+                    await asyncio.sleep(state.knobs.token_latency * gen.cut)
+                written += gen.cut
+                if gen.faulted:
+                    if gen.fault == "crash-after":
+                        await crash(request)
+                    return error_response(500, ENGINE_DEAD)
+                choices.append({
+                    "index": index, "text": b"".join(state.tokens.first(n)).decode(),
+                    "logprobs": None, "finish_reason": reason, "stop_reason": None,
+                    "prompt_logprobs": None,
+                })
+            finished = plans[-1][1]
+            return web.Response(
+                text=_dumps({
+                    "id": rid, "object": "text_completion", "created": created, "model": model,
+                    "choices": choices,
+                    "usage": usage(total_prompt, written, cached, details),
+                }),
+                content_type="application/json",
+            )
+        except ConnectionResetError:
+            # The client went away mid-stream; aiohttp ignores the premature
+            # disconnect when finishing a prepared response.
+            if resp is None:
+                raise
+            return resp
+        finally:
+            state.metrics.generation_tokens.inc(written)
+            state.metrics.finished(finished)
+
+
+def embed(text: str, dim: int) -> list[float]:
+    """A unit vector determined by ``text`` alone (vLLM normalizes embeddings too)."""
+    values: list[float] = []
+    counter = 0
+    while len(values) < dim:
+        digest = hashlib.sha256(counter.to_bytes(4, "little") + text.encode()).digest()
+        counter += 1
+        values.extend(int.from_bytes(digest[k:k + 4], "little") / 2**31 - 1.0 for k in range(0, 32, 4))
+    vec = values[:dim]
+    norm = math.sqrt(sum(x * x for x in vec)) or 1.0
+    return [x / norm for x in vec]
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    state: SimState = request.app["state"]
+    try:
+        body = await read_body(request)
+        check_model(state, body)
+        try:
+            inputs = embedding_inputs(body.get("input"))
+        except PromptError as e:
+            raise Rejected(400, str(e), "input") from None
+        fmt = body.get("encoding_format") or "float"
+        if fmt not in ("float", "base64"):
+            raise Rejected(400, f"encoding_format must be 'float' or 'base64', got {fmt!r}",
+                           "encoding_format")
+    except Rejected as r:
+        return r.response
+    dim = state.knobs.embed_dim
+    data = []
+    prompt_tokens = 0
+    for i, text in enumerate(inputs):
+        vec = embed(text, dim)
+        prompt_tokens += len(text.split())
+        if fmt == "base64":
+            value: Any = base64.b64encode(struct.pack(f"<{dim}f", *vec)).decode()
+        else:
+            value = vec
+        data.append({"index": i, "object": "embedding", "embedding": value})
+    state.metrics.prompt_tokens.inc(prompt_tokens)
+    state.metrics.finished("stop")
+    return web.Response(
+        text=_dumps({
+            "id": f"embd-{request_id()}", "object": "list", "created": int(time.time()),
+            "model": state.model_name, "data": data,
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens,
+                      "completion_tokens": 0, "prompt_tokens_details": None},
+        }),
+        content_type="application/json",
+    )
+
+
+async def health(request: web.Request) -> web.Response:
+    state: SimState = request.app["state"]
+    if state.cfg.dialect == "llamacpp":
+        return web.json_response({"status": "ok"})
+    return web.Response(status=200)
+
+
+async def models(request: web.Request) -> web.Response:
+    state: SimState = request.app["state"]
+    data = [
+        {
+            "id": name, "object": "model", "created": state.created, "owned_by": state.cfg.owned_by,
+            "root": state.cfg.model, "parent": None, "max_model_len": state.max_model_len,
+            "permission": [{
+                "id": f"modelperm-{request_id()}", "object": "model_permission",
+                "created": state.created, "allow_create_engine": False, "allow_sampling": True,
+                "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                "allow_fine_tuning": False, "organization": "*", "group": None,
+                "is_blocking": False,
+            }],
+        }
+        for name in state.cfg.served_names
+    ]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state: SimState = request.app["state"]
+    return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": SIM_VERSION})
+
+
+async def not_found(request: web.Request) -> web.Response:
+    return web.json_response({"detail": "Not Found"}, status=404)
+
+
+def auth_middleware(keys: tuple[str, ...]):
+    allowed = {f"Bearer {k}" for k in keys}
+
+    @web.middleware
+    async def auth(request: web.Request, handler):
+        if (request.method != "OPTIONS" and request.path.startswith("/v1")
+                and request.headers.get("Authorization") not in allowed):
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    return auth
+
+
+def build_app(state: SimState) -> web.Application:
+    middlewares = [auth_middleware(state.cfg.api_keys)] if state.cfg.api_keys else []
+    app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
+    app["state"] = state
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/version", version)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_route("*", "/{tail:.*}", not_found)
+    return app

@@ -1,0 +1,99 @@
+"""Simulator-only settings, read from the environment so argv stays the engine's.
+
+=============================== ======= =============================================
+variable                        default meaning
+=============================== ======= =============================================
+LLMGW_SIM_STARTUP_DELAY         0       seconds of "loading" before the port listens
+LLMGW_SIM_TOKEN_LATENCY         0       seconds per generated token
+LLMGW_SIM_OUTPUT_TOKENS         16      tokens generated when a request sets no max_tokens
+LLMGW_SIM_EMBED_DIM             16      embedding dimensions
+LLMGW_SIM_PREFIX_CACHE_BLOCKS   4096    prefix-cache capacity, in blocks
+LLMGW_SIM_MAX_MODEL_LEN         8192    context length when --max-model-len is absent
+                                        (stands in for the model's config.json)
+LLMGW_SIM_FAULT                 (none)  one injected failure, see below
+=============================== ======= =============================================
+
+Faults: ``exit-during-start`` (exit 1 after an engine-core traceback, port never
+listens), ``crash-after:N`` (the process dies abruptly once a request has
+streamed N tokens), ``hang`` (/health answers 200, completions never produce a
+token), ``error-chunk-after:N`` (a stream carries an in-band error after N
+tokens, then ``[DONE]``), ``http-500`` (every completion answers 500).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
+FAULTS = ("exit-during-start", "crash-after", "hang", "error-chunk-after", "http-500")
+_COUNTED = ("crash-after", "error-chunk-after")
+
+
+class KnobError(ValueError):
+    """An LLMGW_SIM_* variable with a value the simulator cannot use."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str | None = None  # None: healthy
+    after: int = 0  # tokens before the fault, for the counted kinds
+
+    def __bool__(self) -> bool:
+        return self.kind is not None
+
+
+@dataclass(frozen=True)
+class Knobs:
+    startup_delay: float = 0.0
+    token_latency: float = 0.0
+    output_tokens: int = 16
+    embed_dim: int = 16
+    prefix_cache_blocks: int = 4096
+    max_model_len: int = 8192
+    fault: Fault = Fault()
+
+
+def parse_fault(value: str) -> Fault:
+    value = value.strip()
+    if not value or value == "none":
+        return Fault()
+    kind, sep, arg = value.partition(":")
+    if kind not in FAULTS:
+        raise KnobError(
+            f"LLMGW_SIM_FAULT={value!r}: unknown fault {kind!r}; known: "
+            + ", ".join(f + (":N" if f in _COUNTED else "") for f in FAULTS)
+        )
+    if kind in _COUNTED:
+        if not sep or not arg.isdigit():
+            raise KnobError(f"LLMGW_SIM_FAULT={value!r}: {kind} needs a token count, e.g. {kind}:5")
+        return Fault(kind, int(arg))
+    if sep:
+        raise KnobError(f"LLMGW_SIM_FAULT={value!r}: {kind} takes no argument")
+    return Fault(kind)
+
+
+def _number(env: Mapping[str, str], name: str, default: float, *, integer: bool, minimum: float):
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw) if integer else float(raw)
+    except ValueError:
+        kind = "an integer" if integer else "a number"
+        raise KnobError(f"{name}={raw!r}: must be {kind}") from None
+    if not math.isfinite(value) or value < minimum:
+        raise KnobError(f"{name}={raw!r}: must be >= {minimum:g}")
+    return value
+
+
+def knobs_from_env(env: Mapping[str, str]) -> Knobs:
+    return Knobs(
+        startup_delay=_number(env, "LLMGW_SIM_STARTUP_DELAY", 0.0, integer=False, minimum=0),
+        token_latency=_number(env, "LLMGW_SIM_TOKEN_LATENCY", 0.0, integer=False, minimum=0),
+        output_tokens=_number(env, "LLMGW_SIM_OUTPUT_TOKENS", 16, integer=True, minimum=1),
+        embed_dim=_number(env, "LLMGW_SIM_EMBED_DIM", 16, integer=True, minimum=1),
+        prefix_cache_blocks=_number(env, "LLMGW_SIM_PREFIX_CACHE_BLOCKS", 4096, integer=True, minimum=0),
+        max_model_len=_number(env, "LLMGW_SIM_MAX_MODEL_LEN", 8192, integer=True, minimum=1),
+        fault=parse_fault(env.get("LLMGW_SIM_FAULT", "")),
+    )

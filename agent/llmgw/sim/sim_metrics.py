@@ -1,0 +1,55 @@
+"""Prometheus metrics under vLLM v1's names and labels (vllm/v1/metrics/loggers.py).
+
+vLLM declares counters without the ``_total`` suffix (``vllm:prompt_tokens``);
+prometheus_client appends it on the wire, exactly as here.  Labels are
+``model_name`` (the first served name) and ``engine`` (the engine index, "0").
+Every dialect exposes these vLLM names: the simulator imitates one metrics
+surface, not three.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class SimMetrics:
+    def __init__(self, model_name: str, engine: str = "0") -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name", "engine"]
+        values = (model_name, engine)
+
+        def gauge(name: str, doc: str):
+            return Gauge(name, doc, labels, registry=self.registry).labels(*values)
+
+        def counter(name: str, doc: str):
+            return Counter(name, doc, labels, registry=self.registry).labels(*values)
+
+        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.prefix_queries = counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
+        self.prefix_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            labels + ["finished_reason"],
+            registry=self.registry,
+        )
+        self._success = {r: success.labels(*values, r) for r in ("stop", "length", "abort")}
+
+    def finished(self, reason: str) -> None:
+        child = self._success.get(reason)
+        if child is not None:
+            child.inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
