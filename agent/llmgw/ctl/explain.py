@@ -1,0 +1,95 @@
+"""``llmgw ctl explain``: where each declared replica would go, or why not.
+
+The offline form (``--config server.yaml --hardware FILE...``) runs the same
+pure placement the control plane runs, over hardware files, so an operator
+can check a catalog against a fleet before anything is deployed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from llmgw.config import ConfigInvalid
+from llmgw.placement import NodeCapacity, PlacementRequest, format_result, place_many
+from llmgw.settings import ServerSettings, load_server_settings
+
+
+def declared_requests(settings: ServerSettings, model: str | None = None) -> list[tuple[str, PlacementRequest]]:
+    """One request per declared replica, labelled ``model/profile#n``."""
+    out = []
+    cat = settings.catalog
+    for dep in cat.deployments:
+        if model and model not in (dep.model, cat.models[dep.model].served_name):
+            continue
+        m, p = cat.models[dep.model], cat.profiles[dep.profile]
+        for n in range(dep.replicas):
+            out.append((f"{dep.key}#{n}", PlacementRequest(
+                model=m, profile=p, weights_bytes=m.size_bytes, memory_headroom=settings.memory_headroom)))
+    return out
+
+
+def explain_offline(settings: ServerSettings, inventories: list, model: str | None = None) -> list[dict[str, Any]]:
+    nodes = [NodeCapacity(inventory=inv, free_gpus=frozenset(g.index for g in inv.gpus)) for inv in inventories]
+    labelled = declared_requests(settings, model)
+    results = place_many([r for _, r in labelled], nodes)
+    report = []
+    for (label, req), res in zip(labelled, results):
+        report.append({
+            "replica": label,
+            "placed": res.ok,
+            "text": format_result(res, req),
+            "placement": None if res.placement is None else {
+                "rule": res.placement.rule,
+                "detail": res.placement.detail,
+                "fabric": res.placement.fabric,
+                "shards": [{"node": s.node_id, "rank": s.rank, "gpus": list(s.gpu_indices), "env": s.env}
+                           for s in res.placement.shards],
+            },
+            "reason": res.reason,
+            "nodes": [{"node": v.node_id, "ok": v.ok, "reason": v.reason} for v in res.verdicts],
+        })
+    return report
+
+
+def _cmd_explain(args: argparse.Namespace) -> int:
+    if not args.config:
+        online = getattr(args, "online_func", None)
+        if online is None:
+            print("llmgw ctl explain: --config and --hardware are required (the online form needs the "
+                  "control-plane client)", file=sys.stderr)
+            return 2
+        return online(args)
+    from llmgw.hardware.simulated import load_hardware_file
+
+    try:
+        settings = load_server_settings(args.config)
+        inventories = [load_hardware_file(f) for f in args.hardware]
+    except ConfigInvalid as e:
+        print(e, file=sys.stderr)
+        return 1
+    if not inventories:
+        print("llmgw ctl explain: --hardware FILE is required with --config", file=sys.stderr)
+        return 2
+    report = explain_offline(settings, inventories, args.model)
+    if args.output == "json":
+        json.dump(report, sys.stdout, indent=2)
+        print()
+    else:
+        for item in report:
+            print(f"{item['replica']}:")
+            for line in item["text"].splitlines():
+                print(f"  {line}")
+    return 0 if all(r["placed"] for r in report) else 3
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("explain", help="show where each declared replica goes, or why not")
+    p.add_argument("model", nargs="?", help="only this model (name or served name)")
+    p.add_argument("--config", help="server.yaml (offline mode, with --hardware)")
+    p.add_argument("--hardware", nargs="*", default=[], metavar="FILE", help="hardware files (offline mode)")
+    p.add_argument("-o", "--output", choices=("text", "json"), default="text")
+    p.set_defaults(func=_cmd_explain)
+    return p
