@@ -31,8 +31,8 @@ def _register(subparsers: argparse._SubParsersAction, modules: list[tuple[str, s
         try:
             mod = importlib.import_module(modname)
         except ModuleNotFoundError as e:
-            if e.name == modname:
-                continue  # subsystem not installed in this build
+            if e.name and (modname == e.name or modname.startswith(e.name + ".")):
+                continue  # subsystem not part of this build
             raise
         mod.add_parser(subparsers)
 

@@ -29,7 +29,7 @@ def _resolve(schema: dict[str, Any], node: dict[str, Any]) -> tuple[dict[str, An
     return node, ref  # another file
 
 
-def _type(node: dict[str, Any]) -> str:
+def _type(schema: dict[str, Any], node: dict[str, Any]) -> str:
     if "enum" in node:
         return " \\| ".join(f"`{json.dumps(v)}`" for v in node["enum"])
     if "const" in node:
@@ -38,7 +38,8 @@ def _type(node: dict[str, Any]) -> str:
     if isinstance(t, list):
         t = " \\| ".join(t)
     if t == "array" and isinstance(node.get("items"), dict):
-        inner = node["items"].get("type") or ("object" if "$ref" in node["items"] else "")
+        item, other = _resolve(schema, node["items"])
+        inner = _type(schema, item) if not other else "object"
         t = f"array of {inner}" if inner else t
     return t
 
@@ -64,7 +65,7 @@ def _rows(schema: dict[str, Any], node: dict[str, Any], prefix: str, required: s
             desc = (desc + " " if desc else "") + f"See {other.removesuffix('.schema.json')}."
         default = f"`{json.dumps(sub['default'])}`" if "default" in sub else ""
         req = "yes" if key in required else ""
-        out.append(f"| `{path}` | {_type(sub) or ('object' if other else '')} | {req} | {default} | "
+        out.append(f"| `{path}` | {_type(schema, sub) or ('object' if other else '')} | {req} | {default} | "
                    f"{_bounds(sub)} | {desc} |")
         if sub.get("type") == "object" and "properties" in sub:
             _rows(schema, sub, path + ".", set(sub.get("required", ())), out)
