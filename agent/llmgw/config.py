@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable
+from urllib.parse import urlsplit
 
 import yaml
-from jsonschema import Draft202012Validator
+from jsonschema import Draft202012Validator, FormatChecker
 from jsonschema.exceptions import ValidationError
 from referencing import Registry, Resource
 
@@ -70,6 +71,22 @@ def load_schema(name: str) -> dict[str, Any]:
     return schemas[name]
 
 
+def _is_uri(value: object) -> bool:
+    if not isinstance(value, str):
+        return True
+    parts = urlsplit(value)
+    return bool(parts.scheme and parts.netloc) and not any(c.isspace() for c in value)
+
+
+# Only the formats our schemas use, checked with the standard library. The
+# jsonschema extras pull in grammar compilers that cost seconds at every
+# start of every llmgw command.
+FORMAT_CHECKER = FormatChecker(formats=())
+FORMAT_CHECKER.checks("uri")(_is_uri)
+for _fmt in ("ipv4", "ipv6", "email", "date", "regex"):
+    FORMAT_CHECKER.checkers[_fmt] = Draft202012Validator.FORMAT_CHECKER.checkers[_fmt]
+
+
 @functools.cache
 def validator(name: str) -> Draft202012Validator:
     schema = load_schema(name)
@@ -77,7 +94,7 @@ def validator(name: str) -> Draft202012Validator:
     return Draft202012Validator(
         schema,
         registry=_registry(),
-        format_checker=Draft202012Validator.FORMAT_CHECKER,
+        format_checker=FORMAT_CHECKER,
     )
 
 

@@ -140,3 +140,9 @@ def test_stream_message_error_points_into_the_message():
     msg = {"type": "heartbeat", "seq": -1}
     errs = schema_errors(msg, "stream")
     assert any(e.pointer == "/seq" for e in errs)
+
+
+def test_formats_are_checked():
+    doc = {"node_id": "a", "control_plane": {"url": "wss://"}, "state_dir": "/x", "insecure_no_tls": True}
+    errs = schema_errors(doc, "agent")
+    assert [(e.pointer, e.message) for e in errs] == [("/control_plane/url", "'wss://' is not a 'uri'")]
