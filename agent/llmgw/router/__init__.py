@@ -1,0 +1,1 @@
+"""OpenAI-compatible router: proxy, balancing, outlier ejection, retries, endpoint table."""

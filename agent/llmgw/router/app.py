@@ -1,0 +1,83 @@
+"""The router's aiohttp application: OpenAI paths, /healthz and /metrics only.
+
+There is deliberately no admin surface on this port: endpoints arrive from
+the control plane (in process, or over its authenticated watch API), never
+from router clients.
+
+Run it with ``web.AppRunner(app, **RUNNER_KWARGS)``: handler cancellation
+lets a client that hangs up abort the engine request it caused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import AsyncIterator
+
+from aiohttp import web
+
+from .balancing import make_scorer
+from .endpoints import EndpointTable
+from .errors import INVALID_REQUEST, RouterError
+from .metrics import CONTENT_TYPE, RouterMetrics
+from .proxy import Proxy
+from .runtime import Routing, run_housekeeping
+from .settings import RouterSettings
+
+__all__ = ["build_app", "RouterSettings", "RUNNER_KWARGS", "PROXY_KEY"]
+
+OPENAI_POST_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+RUNNER_KWARGS = {"access_log": None, "handler_cancellation": True}
+PROXY_KEY: web.AppKey[Proxy] = web.AppKey("llmgw_router_proxy", Proxy)
+
+
+def build_app(cfg: RouterSettings, table: EndpointTable, metrics: RouterMetrics | None = None) -> web.Application:
+    """An application routing by ``model`` to the endpoints in ``table``.
+
+    ``table`` is read on every request (one integer comparison when it did
+    not change), so callers just ``table.replace(...)`` when replicas change.
+    """
+    metrics = metrics or RouterMetrics()
+    scorer = make_scorer(cfg.balancing.scorer, cfg.balancing.prefix_tokens, cfg.balancing.load_bound)
+    routing = Routing(table, cfg, metrics, scorer)
+    proxy = Proxy(cfg, routing, metrics)
+    app = web.Application(client_max_size=cfg.limits.max_body_bytes)
+    app[PROXY_KEY] = proxy
+    for path in OPENAI_POST_PATHS:
+        app.router.add_post(path, proxy.handle)
+    app.router.add_get("/v1/models", proxy.list_models)
+    app.router.add_get("/v1/models/{model}", proxy.get_model)
+
+    async def healthz(request: web.Request) -> web.Response:
+        routing.sync()
+        return web.json_response({"status": "ok", "revision": routing.revision,
+                                  "endpoints": len(routing.runtimes()), "models": len(routing.models())})
+
+    async def metrics_handler(request: web.Request) -> web.Response:
+        body = await asyncio.get_running_loop().run_in_executor(None, metrics.render)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+    async def fallback(request: web.Request) -> web.Response:
+        if request.path in OPENAI_POST_PATHS or request.path.startswith("/v1/models"):
+            allow = "POST" if request.path in OPENAI_POST_PATHS else "GET"
+            err = RouterError(405, f"method {request.method} not allowed on {request.path}; use {allow}",
+                              INVALID_REQUEST, "method_not_allowed")
+            resp = err.response()
+            resp.headers["Allow"] = allow
+            return resp
+        return RouterError(404, f"unknown path {request.path}", INVALID_REQUEST, "unknown_url").response()
+
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics_handler)
+    app.router.add_route("*", "/{tail:.*}", fallback)
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(run_housekeeping(routing), name="llmgw-router-housekeeping")
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await routing.close()
+
+    app.cleanup_ctx.append(lifecycle)
+    return app

@@ -1,0 +1,186 @@
+"""Choosing an endpoint among the eligible ones: pure, pluggable scorers.
+
+- ``LeastOutstanding``: power of two random choices on in-flight requests.
+  Sampling two avoids the herd that "globally least loaded" causes when
+  several router processes share stale-identical views.
+- ``PrefixAffinity``: requests whose prompts start alike (shared system
+  prompt, same conversation) go to the same endpoint, so its prefix cache
+  hits.  Consistent hashing keeps the mapping stable as endpoints come and
+  go; the load bound (Mirrokni et al., "Consistent Hashing with Bounded
+  Loads") moves a request along the ring when its home endpoint already
+  carries more than ``load_bound`` times the mean, so a hot prefix cannot
+  melt one replica.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+import random
+from typing import Any, Callable, Iterator, Protocol, Sequence, TypeVar
+
+
+class Loaded(Protocol):
+    id: str
+
+    @property
+    def outstanding(self) -> int: ...
+
+
+T = TypeVar("T", bound=Loaded)
+
+# A scorer gets the model's endpoints in a stable order (the ring is built on
+# it), a predicate saying which may take a request now, and the parsed body.
+Eligible = Callable[[Any], bool]
+
+
+def _h64(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+def power_of_two(cands: Sequence[T], rng: random.Random) -> T:
+    """Pick the less loaded of two distinct random candidates."""
+    n = len(cands)
+    if n == 1:
+        return cands[0]
+    i = rng.randrange(n)
+    j = rng.randrange(n - 1)
+    if j >= i:
+        j += 1
+    a, b = cands[i], cands[j]
+    return a if a.outstanding <= b.outstanding else b
+
+
+class LeastOutstanding:
+    name = "least-outstanding"
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+
+    def pick(self, members: Sequence[T], eligible: Eligible, payload: dict[str, Any] | None) -> T | None:
+        cands = [m for m in members if eligible(m)]
+        if not cands:
+            return None
+        return power_of_two(cands, self._rng)
+
+
+class HashRing:
+    """Consistent-hash ring over member indices, ``vnodes`` points each."""
+
+    def __init__(self, ids: Sequence[str], vnodes: int = 64) -> None:
+        points = sorted(
+            (_h64(f"{ident}#{v}".encode()), idx) for idx, ident in enumerate(ids) for v in range(vnodes)
+        )
+        self._hashes = [p[0] for p in points]
+        self._owners = [p[1] for p in points]
+        self.size = len(ids)
+
+    def walk(self, key_hash: int) -> Iterator[int]:
+        """Distinct member indices in ring order starting at ``key_hash``."""
+        if not self._hashes:
+            return
+        start = bisect.bisect_left(self._hashes, key_hash)
+        seen: set[int] = set()
+        n = len(self._hashes)
+        for k in range(n):
+            owner = self._owners[(start + k) % n]
+            if owner not in seen:
+                seen.add(owner)
+                yield owner
+                if len(seen) == self.size:
+                    return
+
+
+def prefix_text(payload: dict[str, Any] | None, n_chars: int) -> str:
+    """The first ``n_chars`` characters of what the engine will tokenize first.
+
+    Chat: messages in order (role and text parts); completions: the prompt;
+    embeddings: the input.  Token-id prompts use their decimal form.  Empty
+    when the body carries nothing usable.
+    """
+    if not payload:
+        return ""
+    out: list[str] = []
+    size = 0
+
+    def add(s: str) -> bool:
+        nonlocal size
+        out.append(s)
+        size += len(s)
+        return size >= n_chars
+
+    msgs = payload.get("messages")
+    if isinstance(msgs, list):
+        for m in msgs:
+            if not isinstance(m, dict):
+                continue
+            if add(f"{m.get('role', '')}\x00"):
+                break
+            content = m.get("content")
+            if isinstance(content, str):
+                if add(content):
+                    break
+            elif isinstance(content, list):
+                stop = False
+                for part in content:
+                    if isinstance(part, dict) and isinstance(part.get("text"), str):
+                        if add(part["text"]):
+                            stop = True
+                            break
+                if stop:
+                    break
+            if add("\x01"):
+                break
+    else:
+        prompt = payload.get("prompt", payload.get("input"))
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch: the first prompt decides
+        if isinstance(prompt, str):
+            add(prompt)
+        elif isinstance(prompt, list):
+            add(",".join(str(t) for t in prompt[: n_chars // 2]))
+    return "".join(out)[:n_chars]
+
+
+class PrefixAffinity:
+    name = "prefix-affinity"
+
+    def __init__(self, prefix_tokens: int, load_bound: float, rng: random.Random | None = None) -> None:
+        self.n_chars = prefix_tokens * 4  # ~4 characters per token for BPE vocabularies
+        self.load_bound = load_bound
+        self._fallback = LeastOutstanding(rng)
+        self._rings: dict[tuple[str, ...], HashRing] = {}
+
+    def ring(self, members: Sequence[Loaded]) -> HashRing:
+        ids = tuple(m.id for m in members)
+        r = self._rings.get(ids)
+        if r is None:
+            if len(self._rings) > 256:  # membership changes; do not keep every old ring
+                self._rings.clear()
+            r = self._rings[ids] = HashRing(ids)
+        return r
+
+    def pick(self, members: Sequence[T], eligible: Eligible, payload: dict[str, Any] | None) -> T | None:
+        text = prefix_text(payload, self.n_chars)
+        if not text:
+            return self._fallback.pick(members, eligible, payload)
+        cands = [m for m in members if eligible(m)]
+        if not cands:
+            return None
+        total = sum(m.outstanding for m in cands)
+        cap = math.ceil(self.load_bound * (total + 1) / len(cands))
+        ok = {id(m) for m in cands}
+        for idx in self.ring(members).walk(_h64(text.encode("utf-8", "surrogatepass"))):
+            m = members[idx]
+            if id(m) in ok and m.outstanding + 1 <= cap:
+                return m
+        return power_of_two(cands, self._fallback._rng)  # unreachable by the bound's arithmetic
+
+
+def make_scorer(name: str, prefix_tokens: int, load_bound: float) -> LeastOutstanding | PrefixAffinity:
+    if name == "least-outstanding":
+        return LeastOutstanding()
+    if name == "prefix-affinity":
+        return PrefixAffinity(prefix_tokens, load_bound)
+    raise ValueError(f"unknown scorer {name!r}")

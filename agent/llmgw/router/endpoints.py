@@ -1,0 +1,195 @@
+"""The set of endpoints the router may send traffic to.
+
+The control plane owns the truth (which replicas are Ready, which drain) and
+pushes it with ``EndpointTable.replace``; the data path only reads.  Reads are
+a single attribute load of an immutable snapshot, so the hot path never takes
+a lock; writers may live on another thread or another event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import threading
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Mapping
+from urllib.parse import urlsplit
+
+
+class EndpointError(ValueError):
+    """An endpoint description that cannot be routed to; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One engine HTTP server (a replica's rank 0) serving one model name."""
+
+    id: str
+    model: str  # the served model name clients put in "model"
+    url: str  # "http://10.0.0.5:8000"; a path prefix is kept
+    replica_id: str = ""
+    draining: bool = False  # receives nothing new, finishes what it has
+    max_concurrency: int | None = None  # None: the router's default limit
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            raise EndpointError("id: must be a non-empty string")
+        if not self.model:
+            raise EndpointError(f"endpoint {self.id!r}: model: must be a non-empty string")
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise EndpointError(f"endpoint {self.id!r}: url: {self.url!r} is not an http(s) URL with a host")
+        if parts.query or parts.fragment:
+            raise EndpointError(f"endpoint {self.id!r}: url: {self.url!r} must not carry a query or fragment")
+        if self.max_concurrency is not None and (
+            not isinstance(self.max_concurrency, int) or isinstance(self.max_concurrency, bool) or self.max_concurrency < 1
+        ):
+            raise EndpointError(f"endpoint {self.id!r}: max_concurrency: must be a positive integer")
+
+    @property
+    def base_url(self) -> str:
+        return self.url.rstrip("/")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "model": self.model,
+            "url": self.url,
+            "replica_id": self.replica_id,
+            "draining": self.draining,
+            "max_concurrency": self.max_concurrency,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "endpoint") -> "Endpoint":
+        """Build from a JSON object (watch API, static config); errors name ``where``."""
+        if not isinstance(d, Mapping):
+            raise EndpointError(f"{where}: expected an object, got {type(d).__name__}")
+        unknown = set(d) - {"id", "model", "url", "replica_id", "draining", "max_concurrency"}
+        if unknown:
+            raise EndpointError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
+        for key in ("model", "url"):
+            if not isinstance(d.get(key), str):
+                raise EndpointError(f"{where}/{key}: required string")
+        for key in ("id", "replica_id"):
+            if key in d and not isinstance(d[key], str):
+                raise EndpointError(f"{where}/{key}: must be a string")
+        if "draining" in d and not isinstance(d["draining"], bool):
+            raise EndpointError(f"{where}/draining: must be a boolean")
+        mc = d.get("max_concurrency")
+        if mc is not None and (not isinstance(mc, int) or isinstance(mc, bool)):
+            raise EndpointError(f"{where}/max_concurrency: must be an integer or null")
+        try:
+            return cls(
+                id=d.get("id") or f"{d['model']}@{d['url']}",
+                model=d["model"],
+                url=d["url"],
+                replica_id=d.get("replica_id", ""),
+                draining=d.get("draining", False),
+                max_concurrency=mc,
+            )
+        except EndpointError as e:
+            raise EndpointError(f"{where}: {e}") from None
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    revision: int
+    endpoints: tuple[Endpoint, ...]
+    by_model: Mapping[str, tuple[Endpoint, ...]]
+
+
+class EndpointTable:
+    """Atomically replaced endpoint set with a revision and change notification.
+
+    ``replace`` may be called from any thread; ``wait_changed`` may be awaited
+    from any event loop (each waiter is woken on its own loop).
+    """
+
+    def __init__(self, endpoints: list[Endpoint] | tuple[Endpoint, ...] = ()) -> None:
+        self._lock = threading.Lock()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self._snap = self._build(0, tuple(endpoints))
+        # Identifies this table for its lifetime: after a control-plane restart
+        # revisions start over, and watchers must not mistake an old number for news.
+        self.epoch = secrets.token_hex(8)
+
+    @staticmethod
+    def _build(revision: int, endpoints: tuple[Endpoint, ...]) -> _Snapshot:
+        seen: set[str] = set()
+        by_model: dict[str, list[Endpoint]] = {}
+        for ep in endpoints:
+            if not isinstance(ep, Endpoint):
+                raise TypeError(f"expected Endpoint, got {type(ep).__name__}")
+            if ep.id in seen:
+                raise EndpointError(f"duplicate endpoint id {ep.id!r}")
+            seen.add(ep.id)
+            by_model.setdefault(ep.model, []).append(ep)
+        return _Snapshot(
+            revision,
+            endpoints,
+            MappingProxyType({m: tuple(v) for m, v in by_model.items()}),
+        )
+
+    @property
+    def revision(self) -> int:
+        return self._snap.revision
+
+    def replace(self, endpoints: list[Endpoint] | tuple[Endpoint, ...]) -> int:
+        """Set the whole endpoint set at once; returns the new revision.
+
+        Raises (and changes nothing) on duplicate ids, so a bad update never
+        half-applies.
+        """
+        with self._lock:
+            snap = self._build(self._snap.revision + 1, tuple(endpoints))
+            self._snap = snap
+            waiters, self._waiters = self._waiters, []
+        for loop, fut in waiters:
+            try:
+                loop.call_soon_threadsafe(_wake, fut)
+            except RuntimeError:  # that loop is closed; its waiter is gone with it
+                pass
+        return snap.revision
+
+    def for_model(self, name: str) -> tuple[Endpoint, ...]:
+        return self._snap.by_model.get(name, ())
+
+    def models(self) -> list[str]:
+        """Model names with at least one endpoint (draining included)."""
+        return sorted(self._snap.by_model)
+
+    def snapshot(self) -> tuple[int, list[Endpoint]]:
+        snap = self._snap
+        return snap.revision, list(snap.endpoints)
+
+    async def wait_changed(self, after_revision: int, timeout: float | None) -> tuple[int, list[Endpoint]]:
+        """Return the snapshot as soon as its revision exceeds ``after_revision``.
+
+        On timeout the current snapshot is returned anyway; callers compare
+        the revision to tell a change from a timeout.
+        """
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._snap.revision > after_revision:
+                return self.snapshot()
+            fut: asyncio.Future[None] = loop.create_future()
+            entry = (loop, fut)
+            self._waiters.append(entry)
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            with self._lock:
+                try:
+                    self._waiters.remove(entry)
+                except ValueError:
+                    pass
+        return self.snapshot()
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)

@@ -1,0 +1,123 @@
+"""Prometheus metrics of the data path.
+
+Each app gets its own registry (several routers may share a process in
+tests and in ``llmgw server``).  With ``--workers N`` every worker writes to
+prometheus-client's multiprocess directory and any worker's ``/metrics``
+answers for all of them, so a scrape that lands on one worker through
+SO_REUSEPORT still sees the whole router.
+
+Labels are bounded: ``model`` only takes names present in the endpoint
+table (an unknown model a client invents is counted as ``-``), ``endpoint``
+is an endpoint id (control-plane endpoints use replica names; static ones
+default to MODEL@URL).  Nothing secret is exported: no keys, key hashes,
+key names or request contents.
+"""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import multiprocess
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
+
+
+def multiprocess_dir() -> str | None:
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "llmgw_router_requests", "Client requests answered, by model and HTTP status.",
+            ["model", "status"], registry=r)
+        self.errors = Counter(
+            "llmgw_router_errors", "Client-visible errors by class (bad_request, unauthorized, forbidden, "
+            "model_not_found, too_large, saturated, unavailable, upstream_error, upstream_timeout, "
+            "stream_broken, stream_error).",
+            ["model", "class"], registry=r)
+        self.attempts = Counter(
+            "llmgw_router_upstream_attempts", "Requests sent to engines, by outcome (ok, client_error, "
+            "status_5xx, rate_limited, connect, timeout, first_token_timeout, inter_token_timeout, "
+            "inband_error, broken, cancelled).",
+            ["model", "endpoint", "outcome"], registry=r)
+        self.retries = Counter(
+            "llmgw_router_retries", "Retries made, by the failure that caused them.",
+            ["model", "reason"], registry=r)
+        self.retries_denied = Counter(
+            "llmgw_router_retries_denied", "Retries not made because the retry budget was spent.",
+            ["model"], registry=r)
+        self.ejections = Counter(
+            "llmgw_router_ejections", "Times an endpoint was ejected by outlier detection.",
+            ["model", "endpoint"], registry=r)
+        self.ejected = Gauge(
+            "llmgw_router_endpoint_ejected", "1 while an endpoint is ejected (max over workers).",
+            ["model", "endpoint"], registry=r, multiprocess_mode="livemax")
+        self.outstanding = Gauge(
+            "llmgw_router_endpoint_outstanding", "Requests in flight to an endpoint (sampled every second).",
+            ["model", "endpoint"], registry=r, multiprocess_mode="livesum")
+        self.active_streams = Gauge(
+            "llmgw_router_active_streams", "Streams being relayed to clients.",
+            ["model", "endpoint"], registry=r, multiprocess_mode="livesum")
+        self.ttft = Histogram(
+            "llmgw_router_ttft_seconds", "Time from request arrival to the first token sent (streams).",
+            ["model", "endpoint"], buckets=TTFT_BUCKETS, registry=r)
+        self.inter_token = Histogram(
+            "llmgw_router_inter_token_seconds", "Gap between consecutive chunks relayed on a stream.",
+            ["model", "endpoint"], buckets=ITL_BUCKETS, registry=r)
+        self.duration = Histogram(
+            "llmgw_router_request_duration_seconds", "Whole request duration as seen by the router.",
+            ["model"], buckets=DURATION_BUCKETS, registry=r)
+
+        self._done: dict[tuple[str, int], tuple] = {}
+        self._errors: dict[tuple[str, str], Counter] = {}
+
+    def request_done(self, model: str, status: int, seconds: float) -> None:
+        """Count a finished client request (children cached: ``labels()`` takes a lock)."""
+        c = self._done.get((model, status))
+        if c is None:
+            c = self._done[(model, status)] = (self.requests.labels(model, str(status)), self.duration.labels(model))
+        c[0].inc()
+        c[1].observe(seconds)
+
+    def error(self, model: str, klass: str) -> None:
+        c = self._errors.get((model, klass))
+        if c is None:
+            c = self._errors[(model, klass)] = self.errors.labels(model, klass)
+        c.inc()
+
+    def render(self) -> bytes:
+        path = multiprocess_dir()
+        if path:
+            reg = CollectorRegistry()
+            multiprocess.MultiProcessCollector(reg, path=path)
+            return generate_latest(reg)
+        return generate_latest(self.registry)
+
+
+class EndpointMetrics:
+    """Label children of one endpoint, resolved once (label lookup takes a lock)."""
+
+    __slots__ = ("_m", "model", "endpoint", "ttft", "inter_token", "active_streams", "_attempts")
+
+    def __init__(self, m: RouterMetrics, model: str, endpoint: str) -> None:
+        self._m = m
+        self.model = model
+        self.endpoint = endpoint
+        self.ttft = m.ttft.labels(model, endpoint)
+        self.inter_token = m.inter_token.labels(model, endpoint)
+        self.active_streams = m.active_streams.labels(model, endpoint)
+        self._attempts: dict[str, Counter] = {}
+
+    def attempt(self, outcome: str) -> None:
+        c = self._attempts.get(outcome)
+        if c is None:
+            c = self._attempts[outcome] = self._m.attempts.labels(self.model, self.endpoint, outcome)
+        c.inc()

@@ -1,0 +1,551 @@
+"""The OpenAI data path: authenticate, pick, forward, retry, relay.
+
+Commit point.  Nothing reaches the client before the engine produced its
+first token (for streams) or its whole answer (otherwise).  Until then a
+failure is invisible and may be retried on another endpoint; after it, a
+failure ends the stream with an explicit error event, because resending the
+request elsewhere would duplicate tokens the client already has.  vLLM's
+first chat chunk carries only the assistant role, so such chunks are held
+back with the rest until real output arrives.
+
+Failures that count against an endpoint (outlier ejection): connect
+errors, 5xx, timeouts (per try, first token, inter token), streams that
+break or end without ``[DONE]``, and in-band error events on a 200 stream.
+A 4xx is the client's problem and counts as the engine being alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from .auth import AuthFailure, KeyRing
+from .budget import RetryBudget
+from .errors import (AUTHENTICATION, INVALID_REQUEST, NOT_FOUND, PERMISSION, SERVER, RouterError,
+                     sse_error_events)
+from .metrics import RouterMetrics
+from .request import parse_body
+from .runtime import EndpointRuntime, ModelGroup, Routing
+from .settings import RouterSettings
+from .sse import (DONE, ERROR_MARK, EventBuffer, Kind, classify, ends_with_done, error_message, event_data,
+                  first_error, iter_events)
+
+log = logging.getLogger("llmgw.router")
+access_log = logging.getLogger("llmgw.router.access")
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
+_ERROR_BODY_LIMIT = 64 * 1024
+
+
+class StreamStalled(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass
+class Failed:
+    """An attempt that failed before the commit point."""
+
+    outcome: str  # attempts metric label
+    error: RouterError  # what the client gets if no retry happens
+    counts: bool = True  # against the endpoint's health
+    retryable: bool = True
+    upstream: web.Response | None = None  # pass-through answer (upstream 429)
+
+
+class _Watchdog:
+    """Inter-token and total deadlines of a committed stream without a timer per chunk.
+
+    The relay only stores the time of the last chunk; one timer re-arms itself
+    lazily and, when a deadline truly passed, poisons the upstream reader so
+    the pending read raises.  Time spent writing to a slow client is not the
+    engine's silence and is not counted against it.
+    """
+
+    __slots__ = ("loop", "idle", "deadline", "content", "last", "writing", "handle", "fired")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, idle: float, loop_deadline: float,
+                 content: aiohttp.StreamReader) -> None:
+        self.loop = loop
+        self.idle = idle
+        self.last = time.perf_counter()  # the relay's clock; set on every chunk
+        self.deadline = self.last + (loop_deadline - loop.time())
+        self.content = content
+        self.writing = False
+        self.fired: str | None = None
+        self.handle = loop.call_later(max(0.0, min(idle, self.deadline - self.last)), self._check)
+
+    def _check(self) -> None:
+        now = time.perf_counter()
+        if now >= self.deadline:
+            self._fire("total_timeout")
+            return
+        if self.writing:
+            self.last = now
+        due = self.last + self.idle
+        if now >= due:
+            self._fire("inter_token_timeout")
+            return
+        self.handle = self.loop.call_later(min(due, self.deadline) - now, self._check)
+
+    def _fire(self, reason: str) -> None:
+        self.fired = reason
+        self.content.set_exception(StreamStalled(reason))
+
+    def cancel(self) -> None:
+        self.handle.cancel()
+
+
+class Proxy:
+    def __init__(self, settings: RouterSettings, routing: Routing, metrics: RouterMetrics) -> None:
+        self.s = settings
+        self.routing = routing
+        self.metrics = metrics
+        self.keys = KeyRing(settings.api_keys, settings.allow_unauthenticated)
+        r = settings.retries
+        self.budget = RetryBudget(r.budget_ratio, r.budget_min, r.budget_window)
+        self.started = int(time.time())
+
+    # -- entry points -------------------------------------------------------
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        rid = request.headers.get("X-Request-Id")
+        if rid is None or not _REQUEST_ID.match(rid):
+            rid = os.urandom(12).hex()
+        ctx = _Ctx(rid, loop.time())
+        try:
+            resp = await self._handle(request, ctx)
+        except RouterError as e:
+            ctx.status = e.status
+            self.metrics.error(ctx.model_label, e.klass)
+            resp = e.response(rid)
+        except asyncio.CancelledError:
+            ctx.status = 499  # client went away (handler cancelled)
+            self._account(ctx, request, loop)
+            raise
+        self._account(ctx, request, loop)
+        return resp
+
+    def _account(self, ctx: "_Ctx", request: web.Request, loop: asyncio.AbstractEventLoop) -> None:
+        dur = time.perf_counter() - ctx.t0
+        self.metrics.request_done(ctx.model_label, ctx.status, dur)
+        if self.s.access_log:
+            access_log.info(
+                'rid=%s key=%s "%s %s" model=%s status=%d endpoint=%s attempts=%d ttft_ms=%s dur_ms=%.1f%s',
+                ctx.rid, ctx.key, request.method, request.path, ctx.model or "-", ctx.status,
+                ctx.endpoint or "-", ctx.attempts,
+                f"{(ctx.ttft * 1000):.1f}" if ctx.ttft is not None else "-", dur * 1000,
+                f" note={ctx.note}" if ctx.note else "")
+
+    def authenticate(self, request: web.Request):
+        try:
+            return self.keys.authenticate(request.headers.get("Authorization"))
+        except AuthFailure as e:
+            raise RouterError(401, str(e), AUTHENTICATION, "invalid_api_key", klass="unauthorized") from None
+
+    async def _handle(self, request: web.Request, ctx: "_Ctx") -> web.StreamResponse:
+        principal = self.authenticate(request)
+        ctx.key = principal.name
+        limit = self.s.limits.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise _too_large(limit)
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise _too_large(limit) from None
+        parsed = parse_body(body)
+        ctx.model = parsed.model
+        self.routing.sync()
+        group = self.routing.group(parsed.model)
+        if group is None:
+            raise RouterError(404, f"the model {parsed.model!r} does not exist or has no ready endpoint",
+                              NOT_FOUND, "model_not_found", "model", klass="model_not_found")
+        ctx.model_label = parsed.model
+        if not principal.allows(parsed.model):
+            raise RouterError(403, f"key {principal.name!r} may not use model {parsed.model!r}", PERMISSION,
+                              "model_not_allowed", "model", klass="forbidden")
+        return await self._forward(request, ctx, group, body, parsed.stream, parsed.payload)
+
+    # -- attempts -----------------------------------------------------------
+
+    async def _forward(self, request: web.Request, ctx: "_Ctx", group: ModelGroup, body: bytes, stream: bool,
+                       payload: dict) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        total_deadline = ctx.t0_loop + self.s.timeouts.total
+        headers = {
+            "Content-Type": "application/json",  # parse_body proved it is JSON, whatever the client said
+            "Accept": request.headers.get("Accept", "text/event-stream" if stream else "application/json"),
+            "Accept-Encoding": "identity",
+            "X-Request-Id": ctx.rid,
+        }
+        path = request.raw_path  # path and query as the client sent them
+        self.budget.note_request()
+        tried: set[str] = set()
+        last: Failed | None = None
+        max_attempts = self.s.retries.max_attempts
+        while True:
+            pick = self.routing.pick(group, tried, payload)
+            if isinstance(pick, RouterError):
+                raise pick
+            if pick is None:  # a retry with nothing left to try
+                break
+            if last is not None:
+                if not self.budget.try_acquire():
+                    self.metrics.retries_denied.labels(group.model).inc()
+                    ctx.note = "retry_budget_exhausted"
+                    break
+                self.metrics.retries.labels(group.model, last.outcome).inc()
+            rt = pick
+            tried.add(rt.id)
+            ctx.attempts += 1
+            ctx.endpoint = rt.id
+            url = rt.endpoint.base_url + path
+            now = loop.time()
+            if now >= total_deadline:
+                break
+            rt.outstanding += 1
+            try:
+                if stream:
+                    pre_deadline = min(now + self.s.timeouts.per_try, now + self.s.timeouts.first_token,
+                                       total_deadline)
+                    result = await self._stream_attempt(request, ctx, rt, group, url, body, headers,
+                                                        pre_deadline, total_deadline)
+                else:
+                    result = await self._plain_attempt(ctx, rt, group, url, body, headers,
+                                                       min(now + self.s.timeouts.per_try, total_deadline))
+            finally:
+                rt.outstanding -= 1
+            if not isinstance(result, Failed):
+                return result
+            last = result
+            if not result.retryable or ctx.attempts >= max_attempts:
+                break
+        if last is None:  # total deadline passed before any attempt
+            raise RouterError(504, "request timed out before it could be sent", SERVER, "timeout",
+                              klass="upstream_timeout")
+        if last.upstream is not None:
+            ctx.status = last.upstream.status
+            return last.upstream
+        raise last.error
+
+    async def _plain_attempt(self, ctx: "_Ctx", rt: EndpointRuntime, group: ModelGroup, url: str, body: bytes,
+                             headers: dict[str, str], deadline: float) -> web.Response | Failed:
+        session = rt.get_session()
+        try:
+            async with asyncio.timeout_at(deadline):
+                async with session.post(url, data=body, headers=headers) as resp:
+                    data = await resp.read()
+                    status = resp.status
+                    ctype = resp.headers.get("Content-Type", "application/json")
+                    retry_after = resp.headers.get("Retry-After")
+        except asyncio.CancelledError:
+            self.routing.record(rt, group, "cancelled", failure=False)
+            raise
+        except BaseException as e:  # noqa: BLE001 - classified below, re-raised if unknown
+            failed = _classify_exception(e, rt, ctx, "per-try timeout")
+            self.routing.record(rt, group, failed.outcome, failure=failed.counts)
+            return failed
+        if status >= 500 or status == 429:
+            failed = _status_failure(status, data, ctype, rt, ctx, retry_after)
+            self.routing.record(rt, group, failed.outcome, failure=failed.counts)
+            return failed
+        self.routing.record(rt, group, "ok" if status < 400 else "client_error", failure=False)
+        ctx.status = status
+        return web.Response(status=status, body=data, headers={"Content-Type": ctype, "X-Request-Id": ctx.rid})
+
+    async def _stream_attempt(self, request: web.Request, ctx: "_Ctx", rt: EndpointRuntime, group: ModelGroup,
+                              url: str, body: bytes, headers: dict[str, str], pre_deadline: float,
+                              total_deadline: float) -> web.StreamResponse | Failed:
+        session = rt.get_session()
+        resp: aiohttp.ClientResponse | None = None
+        buf = EventBuffer()
+        held: list[bytes] = []
+        try:
+            async with asyncio.timeout_at(pre_deadline):
+                resp = await session.post(url, data=body, headers=headers)
+                ctype = resp.headers.get("Content-Type", "")
+                if resp.status != 200 or not ctype.startswith("text/event-stream"):
+                    data = await resp.content.read(_ERROR_BODY_LIMIT) if resp.status >= 400 else await resp.read()
+                    resp.release()
+                    status = resp.status
+                    if status >= 500 or status == 429:
+                        failed = _status_failure(status, data, ctype, rt, ctx, resp.headers.get("Retry-After"))
+                        self.routing.record(rt, group, failed.outcome, failure=failed.counts)
+                        return failed
+                    self.routing.record(rt, group, "ok" if status < 400 else "client_error", failure=False)
+                    ctx.status = status
+                    return web.Response(status=status, body=data,
+                                        headers={"Content-Type": ctype or "application/json",
+                                                 "X-Request-Id": ctx.rid})
+                committed = False
+                while not committed:
+                    chunk = await resp.content.readany()
+                    if not chunk:
+                        if held and ends_with_done(held[-1]):
+                            break  # a complete stream without output (e.g. max_tokens=0)
+                        resp.close()
+                        self.routing.record(rt, group, "broken", failure=True)
+                        return Failed("broken", RouterError(
+                            502, f"endpoint {rt.id} closed the stream before the first token", SERVER,
+                            "upstream_stream_broken", klass="upstream_error"))
+                    complete = buf.feed(chunk)
+                    if not complete:
+                        continue
+                    err: bytes | None = None
+                    for block in iter_events(complete):
+                        kind = classify(block)
+                        if kind is Kind.ERROR:
+                            err = event_data(block) or b""
+                            break
+                        if kind is not Kind.HOLD:
+                            committed = True
+                            break
+                    if committed and ERROR_MARK in complete:
+                        # an error later in the same read is still before anything was sent
+                        err = first_error(complete)
+                    if err is not None:
+                        resp.close()
+                        self.routing.record(rt, group, "inband_error", failure=True)
+                        return Failed("inband_error", RouterError(
+                            502, f"endpoint {rt.id} failed before the first token: {error_message(err)}",
+                            SERVER, "upstream_error", klass="upstream_error"))
+                    held.append(complete)
+        except asyncio.CancelledError:
+            if resp is not None:
+                resp.close()
+            self.routing.record(rt, group, "cancelled", failure=False)
+            raise
+        except BaseException as e:  # noqa: BLE001
+            if resp is not None:
+                resp.close()
+            failed = _classify_exception(e, rt, ctx, "no first token within the first-token timeout"
+                                         if resp is not None else "per-try timeout")
+            if resp is not None and failed.outcome == "timeout":
+                failed.outcome = "first_token_timeout"
+            self.routing.record(rt, group, failed.outcome, failure=failed.counts)
+            return failed
+        return await self._relay(request, ctx, rt, group, resp, buf, held, total_deadline)
+
+    async def _relay(self, request: web.Request, ctx: "_Ctx", rt: EndpointRuntime, group: ModelGroup,
+                     resp: aiohttp.ClientResponse, buf: EventBuffer, held: list[bytes],
+                     total_deadline: float) -> web.StreamResponse:
+        """Past the commit point: relay raw bytes, event-aligned, until [DONE] or failure."""
+        loop = asyncio.get_running_loop()
+        out = web.StreamResponse(status=200, headers={
+            "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
+            "Cache-Control": "no-cache",
+            "X-Request-Id": ctx.rid,
+        })
+        ctx.status = 200
+        m = rt.m
+        outcome, failure = "cancelled", False
+        saw_error = False
+        wd: _Watchdog | None = None
+        m.active_streams.inc()
+        try:
+            first = b"".join(held)
+            try:
+                await out.prepare(request)
+                await out.write(first)
+            except (ConnectionError, aiohttp.ClientConnectionError):
+                ctx.note = "client_gone"
+                return out
+            now = time.perf_counter()
+            ctx.ttft = now - ctx.t0
+            m.ttft.observe(ctx.ttft)
+            saw_error = first_error(first) is not None
+            tail = first
+            wd = _Watchdog(loop, self.s.timeouts.inter_token, total_deadline, resp.content)
+            # the per-chunk loop: locals only, one clock read, no parsing unless an error may be in it
+            readany = resp.content.readany
+            write = out.write
+            feed = buf.feed
+            observe = m.inter_token.observe
+            clock = time.perf_counter
+            last_write = now
+            try:
+                while True:
+                    chunk = await readany()
+                    if not chunk:
+                        break
+                    t = clock()
+                    wd.last = t
+                    complete = feed(chunk)
+                    if not complete:
+                        continue
+                    if ERROR_MARK in complete and first_error(complete) is not None:
+                        saw_error = True
+                    wd.writing = True
+                    try:
+                        await write(complete)
+                    except (ConnectionError, aiohttp.ClientConnectionError):
+                        ctx.note = "client_gone"
+                        return out
+                    finally:
+                        wd.writing = False
+                    observe(t - last_write)
+                    last_write = t
+                    tail = complete
+            except StreamStalled as e:
+                if e.reason == "total_timeout":
+                    outcome = "timeout"  # the request's own deadline: not the engine's fault
+                    await self._end_with_error(out, ctx, "total request timeout reached while streaming",
+                                               "timeout")
+                else:
+                    outcome, failure = e.reason, True
+                    await self._end_with_error(
+                        out, ctx, f"stream from endpoint {rt.id} stalled: no output for "
+                                  f"{self.s.timeouts.inter_token:g}s", "upstream_stream_stalled")
+                return out
+            except (aiohttp.ClientError, OSError) as e:
+                outcome, failure = "broken", True
+                await self._end_with_error(
+                    out, ctx, f"stream from endpoint {rt.id} broke after output started ({type(e).__name__})",
+                    "upstream_stream_broken")
+                return out
+            saw_done = ends_with_done(tail)
+            if saw_error:
+                outcome, failure = "inband_error", True
+                self.metrics.error(group.model, "stream_error")
+                ctx.note = "inband_error"
+                if not saw_done:
+                    await _write_quiet(out, b"data: " + DONE + b"\n\n")
+            elif not saw_done:
+                outcome, failure = "broken", True
+                await self._end_with_error(out, ctx, f"stream from endpoint {rt.id} ended before [DONE]",
+                                           "upstream_stream_broken")
+                return out
+            else:
+                outcome = "ok"
+            try:
+                await out.write_eof()
+            except (ConnectionError, aiohttp.ClientConnectionError):
+                pass
+            return out
+        finally:
+            if wd is not None:
+                wd.cancel()
+            if outcome == "cancelled" and saw_error:
+                # the client hung up on the engine's error event: still the engine's failure
+                outcome, failure = "inband_error", True
+            m.active_streams.dec()
+            if outcome == "ok":
+                resp.release()
+            else:
+                resp.close()
+            self.routing.record(rt, group, outcome, failure=failure)
+
+    async def _end_with_error(self, out: web.StreamResponse, ctx: "_Ctx", message: str, code: str) -> None:
+        self.metrics.error(ctx.model_label, "stream_broken")
+        ctx.note = code
+        log.warning("rid=%s %s", ctx.rid, message)
+        await _write_quiet(out, sse_error_events(message, code))
+        try:
+            await out.write_eof()
+        except (ConnectionError, aiohttp.ClientConnectionError):
+            pass
+
+    # -- catalogue ------------------------------------------------------------
+
+    def _model_card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.started, "owned_by": "llmgw"}
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        try:
+            principal = self.authenticate(request)
+        except RouterError as e:
+            self.metrics.error("-", e.klass)
+            return e.response()
+        self.routing.sync()
+        data = [self._model_card(m) for m in self.routing.models() if principal.allows(m)]
+        return web.json_response({"object": "list", "data": data})
+
+    async def get_model(self, request: web.Request) -> web.Response:
+        try:
+            principal = self.authenticate(request)
+        except RouterError as e:
+            self.metrics.error("-", e.klass)
+            return e.response()
+        self.routing.sync()
+        name = request.match_info["model"]
+        if name in self.routing.models() and principal.allows(name):
+            return web.json_response(self._model_card(name))
+        return RouterError(404, f"the model {name!r} does not exist or has no ready endpoint", NOT_FOUND,
+                           "model_not_found", "model").response()
+
+
+class _Ctx:
+    __slots__ = ("rid", "t0", "t0_loop", "model", "model_label", "key", "status", "endpoint", "attempts", "ttft",
+                 "note")
+
+    def __init__(self, rid: str, t0_loop: float) -> None:
+        self.rid = rid
+        self.t0 = time.perf_counter()  # for measurements (uvloop's loop.time() has 1 ms resolution)
+        self.t0_loop = t0_loop  # for deadlines, which the loop's timers enforce
+        self.model: str | None = None
+        self.model_label = "-"  # only models in the table become label values
+        self.key = "-"
+        self.status = 0
+        self.endpoint: str | None = None
+        self.attempts = 0
+        self.ttft: float | None = None
+        self.note = ""
+
+
+def _too_large(limit: int) -> RouterError:
+    return RouterError(413, f"request body exceeds the limit of {limit} bytes", INVALID_REQUEST,
+                       "request_too_large", klass="too_large")
+
+
+def _classify_exception(e: BaseException, rt: EndpointRuntime, ctx: _Ctx, timeout_what: str) -> Failed:
+    if isinstance(e, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)):
+        return Failed("connect", RouterError(
+            502, f"cannot connect to endpoint {rt.id}: {_reason(e)}", SERVER, "upstream_connect_error",
+            klass="upstream_error"))
+    if isinstance(e, TimeoutError):
+        return Failed("timeout", RouterError(
+            504, f"endpoint {rt.id}: {timeout_what}", SERVER, "upstream_timeout", klass="upstream_timeout"))
+    if isinstance(e, (aiohttp.ClientError, OSError)):
+        return Failed("broken", RouterError(
+            502, f"endpoint {rt.id} dropped the connection: {type(e).__name__}", SERVER,
+            "upstream_disconnected", klass="upstream_error"))
+    raise e
+
+
+def _reason(e: BaseException) -> str:
+    os_err = getattr(e, "os_error", None)
+    if os_err is not None and getattr(os_err, "strerror", None):
+        return os_err.strerror
+    return type(e).__name__
+
+
+def _status_failure(status: int, data: bytes, ctype: str, rt: EndpointRuntime, ctx: _Ctx,
+                    retry_after: str | None) -> Failed:
+    if status == 429:
+        # The engine's own back-pressure: try another endpoint, do not hold it against this one,
+        # and when nothing else can take it, hand the engine's answer through.
+        headers = {"Content-Type": ctype or "application/json", "X-Request-Id": ctx.rid}
+        if retry_after:
+            headers["Retry-After"] = retry_after
+        return Failed("rate_limited", RouterError(429, f"endpoint {rt.id} is overloaded", "rate_limit_error",
+                                                  "upstream_rate_limited", klass="saturated", retry_after=1),
+                      counts=False, upstream=web.Response(status=429, body=data, headers=headers))
+    return Failed("status_5xx", RouterError(
+        502, f"endpoint {rt.id} answered HTTP {status}: {error_message(data)}", SERVER,
+        "upstream_error", klass="upstream_error"))
+
+
+async def _write_quiet(out: web.StreamResponse, data: bytes) -> None:
+    try:
+        await out.write(data)
+    except (ConnectionError, aiohttp.ClientConnectionError):
+        pass

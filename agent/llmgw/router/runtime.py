@@ -1,0 +1,208 @@
+"""Live per-endpoint state: in-flight count, health, connection pool.
+
+The endpoint table says what exists; this module keeps what the data path
+learns about each endpoint and carries it across table revisions (an
+endpoint that merely started draining keeps its health record and its
+pool).  Each endpoint has its own ``ClientSession`` so that a backend that
+accepts connections and never answers exhausts only its own pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from .balancing import LeastOutstanding, PrefixAffinity
+from .endpoints import Endpoint, EndpointTable
+from .errors import RATE_LIMIT, SERVER, RouterError
+from .metrics import EndpointMetrics, RouterMetrics
+from .outlier import Health, OutlierPolicy
+from .settings import RouterSettings
+
+log = logging.getLogger("llmgw.router")
+
+
+class EndpointRuntime:
+    __slots__ = ("id", "key", "endpoint", "outstanding", "limit", "health", "session", "retired", "m",
+                 "_settings")
+
+    def __init__(self, ep: Endpoint, settings: RouterSettings, metrics: RouterMetrics) -> None:
+        self.id = ep.id
+        self.key = (ep.id, ep.url, ep.model)
+        self.endpoint = ep
+        self.outstanding = 0
+        self.limit = ep.max_concurrency or settings.limits.max_concurrency_per_endpoint
+        self.health = Health()
+        self.session: aiohttp.ClientSession | None = None
+        self.retired = False
+        self.m = EndpointMetrics(metrics, ep.model, ep.id)
+        self._settings = settings
+
+    def update(self, ep: Endpoint) -> None:
+        self.endpoint = ep
+        self.limit = ep.max_concurrency or self._settings.limits.max_concurrency_per_endpoint
+
+    def get_session(self) -> aiohttp.ClientSession:
+        if self.session is None or self.session.closed:
+            s = self._settings
+            connector = aiohttp.TCPConnector(
+                # The router's own per-endpoint gate (self.limit) bounds concurrency;
+                # the pool must not be a second, silent cap (aiohttp's default is 100).
+                limit=0,
+                limit_per_host=0,
+                keepalive_timeout=s.limits.upstream_keepalive,
+                ttl_dns_cache=60,
+                enable_cleanup_closed=False,
+            )
+            self.session = aiohttp.ClientSession(
+                connector=connector,
+                timeout=aiohttp.ClientTimeout(total=None, connect=None, sock_connect=s.timeouts.connect,
+                                              sock_read=None),
+                auto_decompress=False,
+                cookie_jar=aiohttp.DummyCookieJar(),  # engines set no cookies; skip the per-request jar work
+                skip_auto_headers=("User-Agent", "Accept-Encoding"),
+                raise_for_status=False,
+            )
+        return self.session
+
+    async def close(self) -> None:
+        if self.session is not None and not self.session.closed:
+            await self.session.close()
+
+
+@dataclass(frozen=True)
+class ModelGroup:
+    model: str
+    members: tuple[EndpointRuntime, ...]
+
+    def ejected_count(self, now: float) -> int:
+        return sum(1 for m in self.members if m.health.is_ejected(now))
+
+
+class Routing:
+    """Endpoint runtimes for the table's current revision, and the pick."""
+
+    def __init__(self, table: EndpointTable, settings: RouterSettings, metrics: RouterMetrics,
+                 scorer: LeastOutstanding | PrefixAffinity) -> None:
+        self.table = table
+        self.settings = settings
+        self.metrics = metrics
+        self.scorer = scorer
+        self.policy = OutlierPolicy(settings.outlier)
+        self._rev = -1
+        self._groups: dict[str, ModelGroup] = {}
+        self._runtimes: dict[tuple[str, str, str], EndpointRuntime] = {}
+        self._retired: list[EndpointRuntime] = []
+        self.sync()
+
+    def sync(self) -> None:
+        """Follow the table; cheap when the revision did not move."""
+        if self.table.revision == self._rev:
+            return
+        rev, eps = self.table.snapshot()
+        runtimes: dict[tuple[str, str, str], EndpointRuntime] = {}
+        groups: dict[str, list[EndpointRuntime]] = {}
+        for ep in eps:
+            key = (ep.id, ep.url, ep.model)
+            rt = self._runtimes.get(key)
+            if rt is None:
+                rt = EndpointRuntime(ep, self.settings, self.metrics)
+            else:
+                rt.update(ep)
+            runtimes[key] = rt
+            groups.setdefault(ep.model, []).append(rt)
+        for key, rt in self._runtimes.items():
+            if key not in runtimes:
+                rt.retired = True
+                self._retired.append(rt)
+        self._runtimes = runtimes
+        self._groups = {m: ModelGroup(m, tuple(v)) for m, v in groups.items()}
+        self._rev = rev
+
+    @property
+    def revision(self) -> int:
+        return self._rev
+
+    def group(self, model: str) -> ModelGroup | None:
+        return self._groups.get(model)
+
+    def models(self) -> list[str]:
+        """Models with at least one endpoint not draining."""
+        return sorted(m for m, g in self._groups.items() if any(not r.endpoint.draining for r in g.members))
+
+    def runtimes(self) -> list[EndpointRuntime]:
+        return list(self._runtimes.values())
+
+    def pick(self, group: ModelGroup, tried: set[str], payload: dict[str, Any] | None) -> EndpointRuntime | RouterError | None:
+        """An endpoint for the next attempt; a RouterError saying why there is none on a
+        first attempt; None when a retry has nothing left to try."""
+        now = time.monotonic()
+
+        def eligible(m: EndpointRuntime) -> bool:
+            return (m.outstanding < m.limit and not m.endpoint.draining and m.id not in tried
+                    and not m.retired and now >= m.health.ejected_until)
+
+        choice = self.scorer.pick(group.members, eligible, payload)
+        if choice is not None:
+            return choice
+        if tried:
+            return None
+        return self._why_none(group, now)
+
+    def _why_none(self, group: ModelGroup, now: float) -> RouterError:
+        draining = sum(1 for m in group.members if m.endpoint.draining)
+        ejected = sum(1 for m in group.members if not m.endpoint.draining and m.health.is_ejected(now))
+        full = [m for m in group.members if not m.endpoint.draining and not m.health.is_ejected(now)]
+        if full:
+            return RouterError(
+                429, f"all {len(full)} endpoint(s) of model {group.model!r} are at their concurrency limit; "
+                     "retry later", RATE_LIMIT, "endpoints_saturated", klass="saturated", retry_after=1)
+        return RouterError(
+            503, f"no endpoint of model {group.model!r} can take requests now "
+                 f"({ejected} ejected after failures, {draining} draining)",
+            SERVER, "no_healthy_endpoint", klass="unavailable", retry_after=1)
+
+    def record(self, rt: EndpointRuntime, group: ModelGroup, outcome: str, failure: bool) -> None:
+        """An attempt ended; feed outlier detection (failures only count against the engine)."""
+        now = time.monotonic()
+        rt.m.attempt(outcome)
+        if failure:
+            if self.policy.on_failure(rt.health, now, group.ejected_count(now), len(group.members)):
+                self.metrics.ejections.labels(group.model, rt.id).inc()
+                self.metrics.ejected.labels(group.model, rt.id).set(1)
+                log.warning("ejected endpoint %s (model %s, %s) for %.0fs after %s; ejection #%d",
+                            rt.id, group.model, rt.endpoint.url, rt.health.ejected_until - now, outcome,
+                            rt.health.ejections)
+        elif outcome in ("ok", "client_error"):
+            self.policy.on_success(rt.health, now)
+
+    def housekeeping(self) -> list[EndpointRuntime]:
+        """Refresh sampled gauges; return retired runtimes whose last request finished."""
+        self.sync()
+        now = time.monotonic()
+        for rt in self._runtimes.values():
+            self.metrics.outstanding.labels(rt.endpoint.model, rt.id).set(rt.outstanding)
+            self.metrics.ejected.labels(rt.endpoint.model, rt.id).set(1 if rt.health.is_ejected(now) else 0)
+        done = [rt for rt in self._retired if rt.outstanding == 0]
+        if done:
+            self._retired = [rt for rt in self._retired if rt.outstanding > 0]
+            for rt in done:
+                self.metrics.outstanding.labels(rt.endpoint.model, rt.id).set(0)
+                self.metrics.ejected.labels(rt.endpoint.model, rt.id).set(0)
+        return done
+
+    async def close(self) -> None:
+        for rt in list(self._runtimes.values()) + self._retired:
+            await rt.close()
+
+
+async def run_housekeeping(routing: Routing, interval: float = 1.0) -> None:
+    while True:
+        for rt in routing.housekeeping():
+            await rt.close()
+        await asyncio.sleep(interval)

@@ -1,0 +1,277 @@
+"""Running the router standalone: one or N worker processes on one port.
+
+Each worker binds the port with SO_REUSEPORT and builds its own app,
+endpoint table and connection pools; the kernel spreads new connections
+across them.  One Python process saturates around one core of SSE relaying,
+so workers are how the router scales.  The parent only supervises: it
+restarts a worker that died, and on SIGTERM asks every worker to finish its
+in-flight requests (up to ``timeouts.shutdown_grace``) before exiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import socket
+import ssl
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+from aiohttp import web
+
+from llmgw.config import ConfigError, ConfigInvalid
+from llmgw.tls.context import client_context
+from llmgw.tls.files import private_mode_problem
+
+from .app import RUNNER_KWARGS, build_app
+from .endpoints import EndpointTable
+from .settings import ControlPlane, RouterSettings
+from .watch import watch_endpoints
+
+log = logging.getLogger("llmgw.router")
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"
+
+
+def configure_logging(level: str = "info") -> None:
+    root = logging.getLogger()
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        root.addHandler(handler)
+    root.setLevel(level.upper())
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def standalone_errors(settings: RouterSettings) -> list[ConfigError]:
+    """What a router without an in-process control plane additionally needs."""
+    errors = []
+    if settings.static_endpoints is None and settings.control_plane is None:
+        errors.append(ConfigError("", "a standalone router needs static_endpoints or control_plane"))
+    cp = settings.control_plane
+    if cp is not None:
+        for field in ("ca", "cert", "key"):
+            path = getattr(cp, field)
+            if not os.path.isfile(path):
+                errors.append(ConfigError(f"/control_plane/{field}", f"no such file: {path}"))
+        if os.path.isfile(cp.key):
+            problem = private_mode_problem(cp.key)
+            if problem:
+                errors.append(ConfigError("/control_plane/key", problem))
+    return errors
+
+
+def control_plane_ssl_context(cp: ControlPlane) -> ssl.SSLContext:
+    """Client context for the watch API: the control plane verified against the fleet CA
+    (and nothing else), our certificate presented."""
+    return client_context(cp.ca, cp.cert, cp.key)
+
+
+def listen_socket(host: str, port: int, backlog: int, listen: bool = True) -> socket.socket:
+    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    family, addr = info[0], info[4]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(addr)
+        if listen:
+            sock.listen(backlog)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def run_loop(coro: Any) -> None:
+    """Run on uvloop when it is installed: it roughly halves the loop's share of CPU per event."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency; keep running without it
+        asyncio.run(coro)
+        return
+    uvloop.run(coro)
+
+
+async def serve_worker(settings: RouterSettings, sock: socket.socket, on_ready: Callable[[], None]) -> None:
+    """One worker: app + table (+ watch client) on an already bound socket, until SIGTERM/SIGINT."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    table = EndpointTable(settings.static_endpoints or ())
+    watch_task = None
+    if settings.control_plane is not None:
+        ctx = control_plane_ssl_context(settings.control_plane)
+        watch_task = asyncio.create_task(watch_endpoints(settings.control_plane.url, ctx, None, table),
+                                         name="llmgw-endpoint-watch")
+    app = build_app(settings, table)
+    runner = web.AppRunner(app, shutdown_timeout=settings.timeouts.shutdown_grace, **RUNNER_KWARGS)
+    await runner.setup()
+    site = web.SockSite(runner, sock, backlog=settings.backlog)
+    await site.start()
+    on_ready()
+    await stop.wait()
+    log.info("stopping: finishing in-flight requests (up to %gs)", settings.timeouts.shutdown_grace)
+    if watch_task is not None:
+        watch_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch_task
+    await runner.cleanup()
+
+
+def _announce(host: str, port: int, workers: int) -> None:
+    line = f"llmgw router listening on http://{host}:{port} ({workers} worker{'s' if workers > 1 else ''})"
+    log.info(line)
+    print(line, flush=True)
+
+
+def _die_with_parent() -> None:
+    """A worker must not outlive its supervisor (it would hold the port forever)."""
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _worker_entry(doc: Any, source: str, port: int, index: int, ready: Any, log_level: str) -> None:
+    _die_with_parent()
+    configure_logging(log_level)
+    settings = RouterSettings.from_config(doc, source)
+    sock = listen_socket(settings.host, port, settings.backlog)
+    run_loop(serve_worker(settings, sock, lambda: ready.put((index, os.getpid()))))
+
+
+def serve(settings: RouterSettings, doc: Any, source: str, workers: int | None = None,
+          log_level: str = "info") -> int:
+    """Run until SIGTERM/SIGINT; returns the process exit status."""
+    errors = standalone_errors(settings)
+    if errors:
+        raise ConfigInvalid(source, errors)
+    n = workers or settings.workers
+    if n == 1:
+        sock = listen_socket(settings.host, settings.port, settings.backlog)
+        port = sock.getsockname()[1]
+        run_loop(serve_worker(settings, sock, lambda: _announce(settings.host, port, 1)))
+        return 0
+    return _Supervisor(settings, doc, source, n, log_level).run()
+
+
+class _Supervisor:
+    def __init__(self, settings: RouterSettings, doc: Any, source: str, workers: int, log_level: str) -> None:
+        self.s = settings
+        self.doc = doc
+        self.source = source
+        self.n = workers
+        self.log_level = log_level
+        self.stopping = False
+        self.ctx = multiprocessing.get_context("spawn")
+        self.ready = self.ctx.Queue()
+        self.procs: dict[int, Any] = {}
+        self.port = settings.port
+
+    def _start(self, index: int) -> None:
+        p = self.ctx.Process(target=_worker_entry, name=f"llmgw-router-worker-{index}",
+                             args=(self.doc, self.source, self.port, index, self.ready, self.log_level))
+        p.start()
+        self.procs[index] = p
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.stopping = True
+
+    def run(self) -> int:
+        metrics_dir = tempfile.mkdtemp(prefix="llmgw-router-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        reserve = None
+        try:
+            if self.port == 0:
+                # Pick the port once, for every worker; holding it bound (not listening)
+                # keeps anyone else from taking it until the workers have it.
+                reserve = listen_socket(self.s.host, 0, 1, listen=False)
+                self.port = reserve.getsockname()[1]
+            for i in range(self.n):
+                self._start(i)
+            if not self._await_ready():
+                self._stop_all()
+                return 1
+            if reserve is not None:
+                reserve.close()
+                reserve = None
+            _announce(self.s.host, self.port, self.n)
+            self._supervise()
+            self._stop_all()
+            return 0
+        finally:
+            if reserve is not None:
+                reserve.close()
+            for s, h in old.items():
+                signal.signal(s, h)
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+            os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+
+    def _await_ready(self) -> bool:
+        pending = set(self.procs)
+        deadline = time.monotonic() + 120
+        while pending and not self.stopping:
+            try:
+                index, _pid = self.ready.get(timeout=0.2)
+                pending.discard(index)
+            except Exception:  # queue.Empty
+                pass
+            for i in list(pending):
+                if not self.procs[i].is_alive():
+                    log.error("worker %d exited with status %s during startup", i, self.procs[i].exitcode)
+                    return False
+            if time.monotonic() > deadline:
+                log.error("workers %s not ready after 120s", sorted(pending))
+                return False
+        return not pending
+
+    def _supervise(self) -> None:
+        from prometheus_client import multiprocess
+
+        restarts: dict[int, int] = {}
+        due: dict[int, float] = {}
+        while not self.stopping:
+            sentinels = {p.sentinel: i for i, p in self.procs.items() if p.is_alive() or p.exitcode is None}
+            multiprocessing.connection.wait(list(sentinels), timeout=0.5)
+            with contextlib.suppress(Exception):
+                while True:
+                    self.ready.get_nowait()
+            now = time.monotonic()
+            for i, p in list(self.procs.items()):
+                if p.exitcode is not None and i not in due and not self.stopping:
+                    with contextlib.suppress(Exception):
+                        multiprocess.mark_process_dead(p.pid)
+                    restarts[i] = restarts.get(i, 0) + 1
+                    delay = min(30.0, 0.5 * 2 ** (restarts[i] - 1))
+                    log.error("worker %d (pid %d) exited with status %s; restarting in %.1fs",
+                              i, p.pid, p.exitcode, delay)
+                    due[i] = now + delay
+            for i, t in list(due.items()):
+                if now >= t and not self.stopping:
+                    del due[i]
+                    self._start(i)
+
+    def _stop_all(self) -> None:
+        for p in self.procs.values():
+            if p.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.s.timeouts.shutdown_grace + 5
+        for p in self.procs.values():
+            p.join(max(0.1, deadline - time.monotonic()))
+            if p.is_alive():
+                log.error("worker pid %d did not stop in time; killing it", p.pid)
+                p.kill()
+                p.join(5)

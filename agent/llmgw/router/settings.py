@@ -1,0 +1,189 @@
+"""Router settings: the validated ``router`` document as typed, defaulted values.
+
+Schema validation (``router.schema.json``) catches shape errors; the checks
+here are the ones a schema cannot express (relations between fields,
+duplicates), reported the same way: every error at once, with its pointer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from llmgw.config import ConfigError, ConfigInvalid, schema_errors
+
+from .endpoints import Endpoint
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    name: str
+    sha256: str  # lower-case hex digest of the key's bytes
+    models: frozenset[str] | None  # None: every model
+
+
+@dataclass(frozen=True)
+class ControlPlane:
+    url: str
+    ca: str
+    cert: str
+    key: str
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    connect: float = 2.0
+    per_try: float = 600.0  # a non-streaming answer arrives whole: this bounds the longest generation
+    total: float = 900.0
+    first_token: float = 60.0
+    inter_token: float = 30.0
+    shutdown_grace: float = 30.0
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_concurrency_per_endpoint: int = 1024
+    upstream_keepalive: float = 4.0
+
+
+@dataclass(frozen=True)
+class Balancing:
+    scorer: str = "least-outstanding"  # or "prefix-affinity"
+    prefix_tokens: int = 256
+    load_bound: float = 1.25
+
+
+@dataclass(frozen=True)
+class Retries:
+    max_attempts: int = 3
+    budget_ratio: float = 0.2
+    budget_min: int = 3
+    budget_window: float = 10.0
+
+
+@dataclass(frozen=True)
+class Outlier:
+    consecutive_errors: int = 5
+    base_ejection: float = 10.0
+    max_ejection: float = 300.0
+    max_ejection_share: float = 0.5
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    backlog: int = 1024
+    workers: int = 1
+    api_keys: tuple[ApiKey, ...] = ()
+    allow_unauthenticated: bool = False
+    static_endpoints: tuple[Endpoint, ...] | None = None  # None: not configured
+    control_plane: ControlPlane | None = None
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    limits: Limits = field(default_factory=Limits)
+    balancing: Balancing = field(default_factory=Balancing)
+    retries: Retries = field(default_factory=Retries)
+    outlier: Outlier = field(default_factory=Outlier)
+    access_log: bool = True
+
+    @classmethod
+    def from_config(cls, doc: Mapping[str, Any] | None, source: str = "router config") -> "RouterSettings":
+        """Validate ``doc`` against schema ``router`` and build settings.
+
+        Raises ``ConfigInvalid`` listing every problem with its JSON pointer
+        (relative to the router document).
+        """
+        doc = {} if doc is None else doc
+        errors = schema_errors(doc, "router")
+        if errors:
+            raise ConfigInvalid(source, errors)
+        errors = semantic_errors(doc)
+        if errors:
+            raise ConfigInvalid(source, errors)
+        return _build(doc)
+
+
+def _section(doc: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    return doc.get(key) or {}
+
+
+def semantic_errors(doc: Mapping[str, Any]) -> list[ConfigError]:
+    """Cross-field rules; ``doc`` already passed the schema."""
+    errors: list[ConfigError] = []
+    keys = doc.get("api_keys") or []
+    if not keys and not doc.get("allow_unauthenticated", False):
+        errors.append(ConfigError(
+            "/api_keys",
+            "no API keys configured; add keys or set allow_unauthenticated: true to serve without them",
+        ))
+    names: dict[str, int] = {}
+    hashes: dict[str, int] = {}
+    for i, k in enumerate(keys):
+        if k["name"] in names:
+            errors.append(ConfigError(f"/api_keys/{i}/name", f"duplicate key name {k['name']!r} (also /api_keys/{names[k['name']]})"))
+        names.setdefault(k["name"], i)
+        if k["sha256"] in hashes:
+            errors.append(ConfigError(f"/api_keys/{i}/sha256", f"same key hash as /api_keys/{hashes[k['sha256']]}"))
+        hashes.setdefault(k["sha256"], i)
+    if "static_endpoints" in doc and "control_plane" in doc:
+        errors.append(ConfigError("/control_plane", "set either static_endpoints or control_plane, not both"))
+    ids: dict[str, int] = {}
+    for i, raw in enumerate(doc.get("static_endpoints") or []):
+        try:
+            ep = Endpoint.from_dict(raw, where=f"/static_endpoints/{i}")
+        except ValueError as e:
+            errors.append(ConfigError(f"/static_endpoints/{i}", str(e)))
+            continue
+        if ep.id in ids:
+            errors.append(ConfigError(f"/static_endpoints/{i}/id", f"duplicate endpoint id {ep.id!r} (also /static_endpoints/{ids[ep.id]})"))
+        ids.setdefault(ep.id, i)
+    t = _section(doc, "timeouts")
+    d = Timeouts()
+    per_try = t.get("per_try", d.per_try)
+    total = t.get("total", d.total)
+    if per_try > total:
+        errors.append(ConfigError("/timeouts/per_try", f"per_try ({per_try}) exceeds total ({total})"))
+    first = t.get("first_token", d.first_token)
+    if first > total:
+        errors.append(ConfigError("/timeouts/first_token", f"first_token ({first}) exceeds total ({total})"))
+    o = _section(doc, "outlier")
+    od = Outlier()
+    if o.get("base_ejection", od.base_ejection) > o.get("max_ejection", od.max_ejection):
+        errors.append(ConfigError("/outlier/base_ejection", "base_ejection exceeds max_ejection"))
+    return errors
+
+
+def _build(doc: Mapping[str, Any]) -> RouterSettings:
+    listen = _section(doc, "listen")
+    keys = tuple(
+        ApiKey(
+            name=k["name"],
+            sha256=k["sha256"],
+            models=None if k.get("models", "*") == "*" else frozenset(k["models"]),
+        )
+        for k in doc.get("api_keys") or []
+    )
+    static = None
+    if "static_endpoints" in doc:
+        static = tuple(
+            Endpoint.from_dict(raw, where=f"/static_endpoints/{i}")
+            for i, raw in enumerate(doc["static_endpoints"])
+        )
+    cp = doc.get("control_plane")
+    return RouterSettings(
+        host=listen.get("host", RouterSettings.host),
+        port=listen.get("port", RouterSettings.port),
+        backlog=listen.get("backlog", RouterSettings.backlog),
+        workers=doc.get("workers", 1),
+        api_keys=keys,
+        allow_unauthenticated=doc.get("allow_unauthenticated", False),
+        static_endpoints=static,
+        control_plane=ControlPlane(cp["url"], cp["ca"], cp["cert"], cp["key"]) if cp else None,
+        timeouts=Timeouts(**_section(doc, "timeouts")),
+        limits=Limits(**_section(doc, "limits")),
+        balancing=Balancing(**_section(doc, "balancing")),
+        retries=Retries(**_section(doc, "retries")),
+        outlier=Outlier(**_section(doc, "outlier")),
+        access_log=doc.get("access_log", True),
+    )

@@ -1,0 +1,149 @@
+"""Server-sent events at the granularity the relay needs, and no finer.
+
+The relay forwards raw bytes.  It only needs event *boundaries* (so that a
+stream cut mid-event is never forwarded half-written, and the router's own
+error event starts on a clean line) and, rarely, an event's meaning: before
+the first token (to decide whether a retry is still invisible to the
+client) and when an event might be an in-band error.  Splitting on blank
+lines is a C-level ``rfind``; parsing lines one by one costs several times
+more CPU per stream.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from typing import Iterator
+
+DONE = b"[DONE]"
+ERROR_MARK = b'"error"'  # appears unescaped only as a key or a value, never inside a token's text
+
+
+class EventBuffer:
+    """Accumulates bytes and releases them up to the last complete event."""
+
+    __slots__ = ("_rest",)
+
+    def __init__(self) -> None:
+        self._rest = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        if not self._rest and chunk[-2:] == b"\n\n":
+            return chunk  # the common case: whole events, nothing pending
+        data = self._rest + chunk if self._rest else chunk
+        cut = last_boundary(data)
+        if cut == 0:
+            self._rest = data
+            return b""
+        if cut == len(data):
+            self._rest = b""
+            return data
+        self._rest = data[cut:]
+        return data[:cut]
+
+    @property
+    def pending(self) -> bytes:
+        """Bytes of an event not yet terminated."""
+        return self._rest
+
+
+def last_boundary(data: bytes) -> int:
+    """Offset just past the last blank line (``\\n\\n`` or ``\\r\\n\\r\\n``); 0 if none."""
+    a = data.rfind(b"\n\n")
+    b = data.rfind(b"\r\n\r\n")
+    end_a = a + 2 if a >= 0 else 0
+    end_b = b + 4 if b >= 0 else 0
+    return max(end_a, end_b)
+
+
+def iter_events(data: bytes) -> Iterator[bytes]:
+    """Event blocks of ``data`` (complete events), without their terminators."""
+    for block in data.replace(b"\r\n", b"\n").split(b"\n\n"):
+        if block.strip():
+            yield block
+
+
+def event_data(block: bytes) -> bytes | None:
+    """The event's data field (multiple ``data:`` lines joined by newlines), or None."""
+    parts = []
+    for line in block.split(b"\n"):
+        if line.startswith(b"data:"):
+            v = line[5:]
+            parts.append(v[1:] if v.startswith(b" ") else v)
+    return b"\n".join(parts) if parts else None
+
+
+class Kind(enum.Enum):
+    HOLD = "hold"  # carries no output yet: comments, a role-only first chunk
+    TOKEN = "token"  # output (or anything else the client must see)
+    DONE = "done"
+    ERROR = "error"  # the engine reports a failure inside a 200 stream
+
+
+_OUTPUT_KEYS = ("content", "tool_calls", "function_call", "reasoning_content", "reasoning", "refusal")
+
+
+def classify(block: bytes) -> Kind:
+    data = event_data(block)
+    if data is None:
+        return Kind.HOLD
+    if data.strip() == DONE:
+        return Kind.DONE
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        return Kind.TOKEN
+    if not isinstance(obj, dict):
+        return Kind.TOKEN
+    if obj.get("error") or obj.get("object") == "error":
+        return Kind.ERROR
+    choices = obj.get("choices")
+    if not isinstance(choices, list) or not choices or obj.get("usage"):
+        return Kind.TOKEN
+    for c in choices:
+        if not isinstance(c, dict) or c.get("finish_reason"):
+            return Kind.TOKEN
+        delta = c.get("delta")
+        if isinstance(delta, dict):
+            if any(delta.get(k) for k in _OUTPUT_KEYS):
+                return Kind.TOKEN
+        elif c.get("text") or "text" not in c:
+            return Kind.TOKEN
+    return Kind.HOLD
+
+
+def first_error(data: bytes) -> bytes | None:
+    """The data of the first in-band error event in ``data`` (complete events), if any."""
+    if ERROR_MARK not in data:
+        return None
+    for block in iter_events(data):
+        if ERROR_MARK in block and classify(block) is Kind.ERROR:
+            return event_data(block)
+    return None
+
+
+def ends_with_done(data: bytes) -> bool:
+    tail = data[-64:].rstrip()
+    if not tail.endswith(DONE):
+        return False
+    line_start = tail.rfind(b"\n") + 1
+    return tail[line_start:].replace(b" ", b"") == b"data:[DONE]"
+
+
+def error_message(data: bytes | None) -> str:
+    """Best-effort human message of an engine's error event."""
+    if not data:
+        return "engine reported an error"
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        return data[:200].decode("utf-8", "replace")
+    if isinstance(obj, dict):
+        err = obj.get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return err["message"]
+        if isinstance(err, str):
+            return err
+        if isinstance(obj.get("message"), str):
+            return obj["message"]
+    return data[:200].decode("utf-8", "replace")

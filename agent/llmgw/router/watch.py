@@ -1,0 +1,132 @@
+"""Endpoint distribution from the control plane to standalone routers.
+
+Long polling over plain HTTPS (mTLS): ``GET /v1/router/endpoints?after=REV``
+answers at once when the table moved past ``REV``, otherwise after up to
+30 s of waiting.  Every answer is the whole set, so a router that missed
+updates or restarted is correct after one answer.  ``epoch`` identifies the
+control plane process: after its restart revisions start over, and a
+differing epoch makes the next poll answer at once.
+
+The client keeps the last endpoints it received while the control plane is
+unreachable: engines keep serving, and so does the router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import ssl
+from typing import Any, Mapping
+
+import aiohttp
+from aiohttp import web
+
+from .endpoints import Endpoint, EndpointError, EndpointTable
+from .errors import INVALID_REQUEST, RouterError
+
+log = logging.getLogger("llmgw.router.watch")
+
+WATCH_PATH = "/v1/router/endpoints"
+WATCH_WAIT_S = 30.0
+
+def endpoints_watch_handler(table: EndpointTable, wait_s: float = WATCH_WAIT_S):
+    """aiohttp handler for ``GET /v1/router/endpoints?after=REV[&epoch=E]``.
+
+    Mount it on an authenticated API: the answer names every engine URL.
+    """
+
+    async def handler(request: web.Request) -> web.Response:
+        raw = request.query.get("after", "-1")
+        try:
+            after = int(raw)
+        except ValueError:
+            return RouterError(400, f"after: expected an integer revision, got {raw!r}", INVALID_REQUEST,
+                               "invalid_revision", "after").response()
+        epoch = table.epoch
+        if request.query.get("epoch", epoch) != epoch or table.revision != after:
+            rev, eps = table.snapshot()
+        else:
+            rev, eps = await table.wait_changed(after, wait_s)
+        return web.json_response({"revision": rev, "epoch": epoch, "endpoints": [e.to_dict() for e in eps]})
+
+    return handler
+
+
+class WatchError(Exception):
+    pass
+
+
+def parse_watch_response(doc: Any) -> tuple[int, str, list[Endpoint]]:
+    """Validate a watch answer; errors name the offending field."""
+    if not isinstance(doc, Mapping):
+        raise WatchError(f"expected a JSON object, got {type(doc).__name__}")
+    rev = doc.get("revision")
+    if not isinstance(rev, int) or isinstance(rev, bool):
+        raise WatchError("/revision: expected an integer")
+    epoch = doc.get("epoch", "")
+    if not isinstance(epoch, str):
+        raise WatchError("/epoch: expected a string")
+    raw = doc.get("endpoints")
+    if not isinstance(raw, list):
+        raise WatchError("/endpoints: expected an array")
+    eps = []
+    seen: set[str] = set()
+    for i, d in enumerate(raw):
+        try:
+            ep = Endpoint.from_dict(d, where=f"/endpoints/{i}")
+        except EndpointError as e:
+            raise WatchError(str(e)) from None
+        if ep.id in seen:
+            raise WatchError(f"/endpoints/{i}/id: duplicate endpoint id {ep.id!r}")
+        seen.add(ep.id)
+        eps.append(ep)
+    return rev, epoch, eps
+
+
+async def watch_endpoints(
+    url: str,
+    ssl_context: ssl.SSLContext | None,
+    headers: Mapping[str, str] | None,
+    table: EndpointTable,
+    *,
+    backoff_initial: float = 0.5,
+    backoff_max: float = 30.0,
+) -> None:
+    """Keep ``table`` equal to the control plane's endpoint set, forever.
+
+    Errors (unreachable, bad answer) are logged and retried with jittered
+    exponential backoff; the table keeps its last good content meanwhile.
+    Cancel the task to stop.
+    """
+    target = url.rstrip("/") + WATCH_PATH
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=WATCH_WAIT_S + 15)
+    connector = aiohttp.TCPConnector(limit=2, ssl=ssl_context if ssl_context is not None else True)
+    after, epoch = -1, ""
+    delay = backoff_initial
+    failing_since_logged = False
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector, headers=dict(headers or {})) as s:
+        while True:
+            try:
+                async with s.get(target, params={"after": str(after), "epoch": epoch}) as r:
+                    if r.status != 200:
+                        text = (await r.content.read(300)).decode("utf-8", "replace")
+                        raise WatchError(f"HTTP {r.status}: {text}")
+                    doc = await r.json(content_type=None)
+                rev, new_epoch, eps = parse_watch_response(doc)
+                if (rev, new_epoch) != (after, epoch):
+                    table.replace(eps)
+                    if after == -1 or failing_since_logged:
+                        log.info("endpoint watch: %d endpoint(s) at revision %d from %s", len(eps), rev, target)
+                    after, epoch = rev, new_epoch
+                failing_since_logged = False
+                delay = backoff_initial
+            except asyncio.CancelledError:
+                raise
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError, WatchError) as e:
+                sleep = delay * random.uniform(0.5, 1.0)
+                log.warning("endpoint watch %s failed (%s: %s); keeping %d known endpoint(s), retrying in %.1fs",
+                            target, type(e).__name__, e, len(table.snapshot()[1]), sleep)
+                failing_since_logged = True
+                await asyncio.sleep(sleep)
+                delay = min(delay * 2, backoff_max)

@@ -1,0 +1,164 @@
+"""Closed-loop HTTP load generator for OpenAI chat completions (its own process).
+
+``concurrency`` workers each send one request at a time until ``duration``
+seconds have passed or ``max_requests`` were sent, whichever comes first.
+Loopback targets only.  Prints one JSON object with counts, rates and
+latency percentiles.
+
+TTFT is measured to the first chunk that carries generated content, not to
+the role-only chunk engines send first, so proxies that hold that chunk back
+and those that do not are compared on the same event.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from urllib.parse import urlsplit
+
+import re
+
+import aiohttp
+
+# a content delta with at least one character (not the role chunk's empty content);
+# matched loosely because proxies that re-serialise chunks order keys differently
+CONTENT = re.compile(rb'"content": ?"[^"]')
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    k = min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))
+    return s[k]
+
+
+def bodies(args: argparse.Namespace):
+    """Request bodies, as bytes, cycled through by the workers."""
+    if args.prefix_prompts:
+        systems = [" ".join(f"s{p}w{k}" for k in range(args.prefix_words)) for p in range(args.prefix_prompts)]
+        i = 0
+        while True:
+            sys_prompt = systems[i % len(systems)]
+            body = {"model": args.model, "stream": args.stream, "max_tokens": args.max_tokens,
+                    "messages": [{"role": "system", "content": sys_prompt},
+                                 {"role": "user", "content": f"question number {i} about item {i * 7919 % 10007}"}]}
+            yield json.dumps(body).encode()
+            i += 1
+    body = json.dumps({"model": args.model, "stream": args.stream, "max_tokens": args.max_tokens,
+                       "messages": [{"role": "user", "content": "Say something short."}]}).encode()
+    while True:
+        yield body
+
+
+async def main(args: argparse.Namespace) -> dict:
+    host = urlsplit(args.url).hostname
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        raise SystemExit(f"refusing non-loopback target {args.url}")
+    url = args.url.rstrip("/") + "/v1/chat/completions"
+    connector = aiohttp.TCPConnector(limit=args.concurrency, limit_per_host=0, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=args.request_timeout)
+    gen = bodies(args)
+    lat: list[float] = []
+    ttft: list[float] = []
+    errors: dict[str, int] = {}
+    counts = {"requests": 0, "ok": 0, "chunks": 0, "tokens": 0, "bytes": 0}
+    sent = 0
+    loop = asyncio.get_running_loop()
+
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as s:
+        # warm the pool so connection set-up is not measured
+        auth = {"Authorization": f"Bearer {args.api_key}"}
+        await asyncio.gather(*(s.get(args.url.rstrip("/") + args.warm_path, headers=auth)
+                               for _ in range(min(args.concurrency, 8))), return_exceptions=True)
+        start = time.perf_counter()
+        deadline = start + args.duration
+
+        async def worker() -> None:
+            nonlocal sent
+            while time.perf_counter() < deadline and sent < args.max_requests:
+                sent += 1
+                body = next(gen)
+                t0 = time.perf_counter()
+                first = None
+                try:
+                    async with s.post(url, data=body, headers={"Content-Type": "application/json",
+                                                               **auth}) as r:
+                        if args.stream:
+                            tail = b""
+                            async for data in r.content.iter_any():
+                                counts["bytes"] += len(data)
+                                n = len(CONTENT.findall(data))
+                                if first is None and n:
+                                    first = time.perf_counter()
+                                counts["chunks"] += data.count(b"\n\n")
+                                counts["tokens"] += n
+                                tail = (tail + data)[-32:]
+                            ok = r.status == 200 and tail.rstrip().endswith(b"data: [DONE]") \
+                                and b'"error"' not in tail
+                        else:
+                            data = await r.read()
+                            counts["bytes"] += len(data)
+                            ok = r.status == 200
+                            first = time.perf_counter()
+                    counts["requests"] += 1
+                    if ok:
+                        counts["ok"] += 1
+                        lat.append(time.perf_counter() - t0)
+                        if first is not None:
+                            ttft.append(first - t0)
+                    else:
+                        errors[f"status_{r.status}"] = errors.get(f"status_{r.status}", 0) + 1
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                    counts["requests"] += 1
+                    errors[type(e).__name__] = errors.get(type(e).__name__, 0) + 1
+
+        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        elapsed = time.perf_counter() - start
+    return {
+        "elapsed_s": elapsed,
+        **counts,
+        "errors": errors,
+        "rps": counts["ok"] / elapsed,
+        "tokens_per_s": counts["tokens"] / elapsed,
+        "chunks_per_s": counts["chunks"] / elapsed,
+        "latency_p50_ms": _ms(percentile(lat, 0.5)),
+        "latency_p99_ms": _ms(percentile(lat, 0.99)),
+        "ttft_p50_ms": _ms(percentile(ttft, 0.5)),
+        "ttft_p99_ms": _ms(percentile(ttft, 0.99)),
+        "loop": type(loop).__module__,
+    }
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else v * 1000
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--url", required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--stream", action="store_true")
+    p.add_argument("--max-tokens", type=int, default=1)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--duration", type=float, default=8.0)
+    p.add_argument("--max-requests", type=int, default=1_000_000)
+    p.add_argument("--request-timeout", type=float, default=60.0)
+    p.add_argument("--prefix-prompts", type=int, default=0, help="cycle through N shared system prompts")
+    p.add_argument("--prefix-words", type=int, default=200)
+    p.add_argument("--warm-path", default="/v1/models")
+    p.add_argument("--api-key", default="bench")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ns = parse(sys.argv[1:])
+    try:
+        import uvloop
+        result = uvloop.run(main(ns))
+    except ImportError:
+        result = asyncio.run(main(ns))
+    print(json.dumps(result))

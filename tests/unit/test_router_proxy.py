@@ -1,0 +1,528 @@
+"""The proxy against scripted engines: real sockets, one process.
+
+Each engine here is a small aiohttp server whose behaviour the test scripts
+byte for byte (where exactly a stream breaks, what an error chunk looks
+like), which the simulator cannot do at this granularity.  The simulator
+versions of these scenarios are in tests/integration/test_router_faults.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+
+import aiohttp
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+from llmgw.router.app import PROXY_KEY, RUNNER_KWARGS, build_app
+from llmgw.router.auth import hash_key
+from llmgw.router.endpoints import Endpoint, EndpointTable
+from llmgw.router.settings import RouterSettings
+
+
+def run(fn):
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        asyncio.run(asyncio.wait_for(fn(*a, **kw), 60))
+    return wrapper
+
+
+def chunk(i: int) -> bytes:
+    return b'data: {"choices":[{"index":0,"delta":{"content":"t%d"},"finish_reason":null}]}\n\n' % i
+
+
+ROLE = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n'
+DONE = b"data: [DONE]\n\n"
+ERR = b'data: {"error":{"message":"EngineCore died","type":"InternalServerError","param":null,"code":500}}\n\n'
+
+
+class Engine:
+    """A scripted upstream.  ``behaviour(request, body)`` returns the response."""
+
+    def __init__(self, behaviour):
+        self.behaviour = behaviour
+        self.requests: list[tuple[object, bytes]] = []
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self) -> "Engine":
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        self.requests.append((request.headers.copy(), body))
+        return await self.behaviour(request, body)
+
+    async def stop(self):
+        await self.runner.cleanup()
+
+
+async def stream(request, parts, delay=0.0, abort=False, hold: asyncio.Event | None = None):
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for p in parts:
+        if delay:
+            await asyncio.sleep(delay)
+        await resp.write(p)
+        if hold is not None and p is parts[0]:
+            await hold.wait()
+    if abort:
+        await asyncio.sleep(0.05)  # let the bytes leave before the connection dies
+        request.transport.abort()
+        return resp
+    await resp.write_eof()
+    return resp
+
+
+def healthy(n=3, delay=0.0):
+    async def b(request, body):
+        if json.loads(body).get("stream"):
+            return await stream(request, [ROLE] + [chunk(i) for i in range(n)] + [DONE], delay)
+        return web.json_response({"choices": [{"message": {"content": "ok"}}]})
+    return b
+
+
+def status(code, text='{"error":{"message":"nope","type":"x","param":null,"code":0}}'):
+    async def b(request, body):
+        return web.Response(status=code, text=text, content_type="application/json")
+    return b
+
+
+BASE = {"allow_unauthenticated": True, "access_log": False,
+        "outlier": {"consecutive_errors": 1000}}
+
+
+class Router:
+    def __init__(self, endpoints, doc=None):
+        d = dict(BASE)
+        d.update(doc or {})
+        self.settings = RouterSettings.from_config(d)
+        self.table = EndpointTable(endpoints)
+        self.app = build_app(self.settings, self.table)
+
+    async def __aenter__(self):
+        self.runner = web.AppRunner(self.app, **RUNNER_KWARGS)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        self.http = aiohttp.ClientSession()
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.http.close()
+        await self.runner.cleanup()
+
+    async def post(self, path="/v1/chat/completions", body=None, headers=None, raw=None):
+        data = raw if raw is not None else json.dumps(body if body is not None else {"model": "m"}).encode()
+        async with self.http.post(self.url + path, data=data, headers=headers or {}) as r:
+            return r.status, r.headers.copy(), await r.read()
+
+    async def chat_stream(self, headers=None, model="m"):
+        return await self.post(body={"model": model, "stream": True, "messages": []}, headers=headers)
+
+    async def metric(self, name, **labels) -> float:
+        async with self.http.get(self.url + "/metrics") as r:
+            text = await r.text()
+        total = 0.0
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                    total += s.value
+        return total
+
+    @property
+    def routing(self):
+        return self.app[PROXY_KEY].routing
+
+
+def eps(*engines, **kw):
+    return [Endpoint(id=f"e{i}", model="m", url=e.url, **kw) for i, e in enumerate(engines)]
+
+
+def events(body: bytes) -> list[bytes]:
+    return [e + b"\n\n" for e in body.split(b"\n\n") if e]
+
+
+def error_event(body: bytes) -> dict | None:
+    for e in events(body):
+        if e.startswith(b"data: {\"error\""):
+            return json.loads(e[6:])["error"]
+    return None
+
+
+# ---------------------------------------------------------------- streaming
+
+@run
+async def test_stream_is_relayed_byte_for_byte():
+    a = await Engine(healthy(5)).start()
+    async with Router(eps(a)) as r:
+        st, hdrs, body = await r.chat_stream()
+    assert st == 200 and hdrs["Content-Type"].startswith("text/event-stream")
+    assert body == ROLE + b"".join(chunk(i) for i in range(5)) + DONE
+    await a.stop()
+
+
+@run
+async def test_crash_before_first_token_is_retried_invisibly():
+    """The role-only chunk went out, then the engine died: the client must see one clean stream."""
+    async def dies(request, body):
+        return await stream(request, [ROLE], abort=True)
+    a, b = await Engine(dies).start(), await Engine(healthy(3)).start()
+    async with Router(eps(a, b), {"retries": {"budget_min": 100}}) as r:
+        for _ in range(60):  # until the dying engine got its share of picks
+            st, _, body = await r.chat_stream()
+            assert st == 200
+            assert body == ROLE + chunk(0) + chunk(1) + chunk(2) + DONE
+            if len(a.requests) >= 2:
+                break
+        assert await r.metric("llmgw_router_upstream_attempts_total", endpoint="e0", outcome="broken") >= 1
+        assert await r.metric("llmgw_router_retries_total", reason="broken") >= 1
+    await a.stop(); await b.stop()
+
+
+@run
+async def test_break_after_first_token_ends_with_error_event_and_no_partial_event():
+    async def breaks(request, body):
+        half = chunk(2)[:20]
+        return await stream(request, [ROLE, chunk(0), chunk(1) + half], abort=True)
+    a, b = await Engine(breaks).start(), await Engine(healthy()).start()
+    async with Router(eps(a) + [Endpoint(id="e1", model="m", url=b.url, draining=True)]) as r:
+        st, _, body = await r.chat_stream()
+        assert st == 200
+        evs = events(body)
+        assert evs[:3] == [ROLE, chunk(0), chunk(1)]  # never the half-written third one
+        err = error_event(body)
+        assert err and err["code"] == "upstream_stream_broken" and err["type"] == "server_error"
+        assert evs[-1] == DONE and len(evs) == 5
+        assert len(b.requests) == 0  # not retried after the commit point
+        assert await r.metric("llmgw_router_upstream_attempts_total", endpoint="e0", outcome="broken") == 1
+    await a.stop(); await b.stop()
+
+
+@run
+async def test_stream_ending_without_done_is_an_error_not_a_short_answer():
+    async def short(request, body):
+        return await stream(request, [ROLE, chunk(0)])
+    a = await Engine(short).start()
+    async with Router(eps(a)) as r:
+        _, _, body = await r.chat_stream()
+    assert events(body)[:2] == [ROLE, chunk(0)]
+    assert error_event(body)["code"] == "upstream_stream_broken"
+    assert body.endswith(DONE)
+    await a.stop()
+
+
+@run
+async def test_inband_error_after_tokens_is_relayed_and_counts_as_failure():
+    async def err(request, body):
+        return await stream(request, [ROLE, chunk(0), ERR, DONE], delay=0.05)
+    a = await Engine(err).start()
+    async with Router(eps(a), {"outlier": {"consecutive_errors": 2}}) as r:
+        _, _, body = await r.chat_stream()
+        assert body == ROLE + chunk(0) + ERR + DONE
+        assert r.routing.runtimes()[0].health.consecutive_failures == 1
+        _, _, body = await r.chat_stream()
+        assert r.routing.runtimes()[0].health.is_ejected(__import__("time").monotonic())
+        assert await r.metric("llmgw_router_ejections_total", endpoint="e0") == 1
+        st, hdrs, body = await r.chat_stream()  # the only endpoint is out: fast, explicit 503
+        assert st == 503 and json.loads(body)["error"]["code"] == "no_healthy_endpoint"
+        assert "Retry-After" in hdrs
+    await a.stop()
+
+
+@run
+async def test_inband_error_as_first_event_is_retried():
+    async def err(request, body):
+        return await stream(request, [ROLE, ERR, DONE])
+    a, b = await Engine(err).start(), await Engine(healthy(2)).start()
+    async with Router(eps(a, b), {"retries": {"budget_min": 100}}) as r:
+        for _ in range(60):
+            st, _, body = await r.chat_stream()
+            assert st == 200 and body == ROLE + chunk(0) + chunk(1) + DONE
+            if len(a.requests) >= 2:
+                break
+        assert await r.metric("llmgw_router_upstream_attempts_total", outcome="inband_error") >= 1
+    await a.stop(); await b.stop()
+
+
+@run
+async def test_stalled_stream_is_cut_by_the_inter_token_watchdog():
+    never = asyncio.Event()
+
+    async def stalls(request, body):
+        return await stream(request, [chunk(0), chunk(1)], hold=never)
+    a = await Engine(stalls).start()
+    async with Router(eps(a), {"timeouts": {"inter_token": 0.3}}) as r:
+        st, _, body = await r.chat_stream()
+        assert st == 200
+        assert events(body)[0] == chunk(0)
+        assert error_event(body)["code"] == "upstream_stream_stalled"
+        assert await r.metric("llmgw_router_upstream_attempts_total", outcome="inter_token_timeout") == 1
+    never.set()
+    await a.stop()
+
+
+@run
+async def test_no_first_token_is_a_watchdog_failure_and_retried():
+    never = asyncio.Event()
+
+    async def silent(request, body):
+        return await stream(request, [ROLE], hold=never)
+    a, b = await Engine(silent).start(), await Engine(healthy(1)).start()
+    async with Router(eps(a, b), {"timeouts": {"first_token": 0.3}}) as r:
+        for _ in range(60):
+            st, _, body = await r.chat_stream()
+            assert st == 200 and body == ROLE + chunk(0) + DONE
+            if a.requests:
+                break
+        assert await r.metric("llmgw_router_upstream_attempts_total", endpoint="e0",
+                              outcome="first_token_timeout") >= 1
+    never.set()
+    await a.stop(); await b.stop()
+
+
+# ------------------------------------------------------------- status codes
+
+@run
+async def test_client_errors_pass_through_without_retry():
+    a = await Engine(status(400)).start()
+    b = await Engine(status(400)).start()
+    async with Router(eps(a, b)) as r:
+        st, _, body = await r.post(body={"model": "m", "messages": []})
+        assert st == 400 and json.loads(body)["error"]["message"] == "nope"
+        assert len(a.requests) + len(b.requests) == 1
+    await a.stop(); await b.stop()
+
+
+@run
+async def test_5xx_is_retried_elsewhere_and_reported_when_no_retry_is_left():
+    bad, good = await Engine(status(500)).start(), await Engine(healthy()).start()
+    async with Router(eps(bad, good), {"retries": {"budget_min": 100}}) as r:
+        for _ in range(60):
+            st, _, _ = await r.post()
+            assert st == 200
+            if len(bad.requests) >= 2:
+                break
+        assert len(bad.requests) >= 2
+    async with Router(eps(bad), {"retries": {"max_attempts": 1}}) as r:
+        st, _, body = await r.post()
+        err = json.loads(body)["error"]
+        assert st == 502 and err["code"] == "upstream_error" and "HTTP 500" in err["message"]
+        assert set(err) == {"message", "type", "param", "code"}
+    await bad.stop(); await good.stop()
+
+
+@run
+async def test_retry_budget_caps_amplification():
+    a, b, c = [await Engine(status(503)).start() for _ in range(3)]
+    async with Router(eps(a, b, c), {"retries": {"budget_min": 0, "budget_ratio": 0.2}}) as r:
+        for _ in range(50):
+            st, _, _ = await r.post()
+            assert st == 502
+        attempts = len(a.requests) + len(b.requests) + len(c.requests)
+        assert attempts <= 60
+        assert await r.metric("llmgw_router_retries_denied_total") >= 30
+    for e in (a, b, c):
+        await e.stop()
+
+
+@run
+async def test_connect_refused_is_retried_and_ejects():
+    good = await Engine(healthy()).start()
+    s = __import__("socket").socket()
+    s.bind(("127.0.0.1", 0))
+    dead_url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    s.close()  # nothing listens there now
+    endpoints = [Endpoint("dead", "m", dead_url), Endpoint("good", "m", good.url)]
+    async with Router(endpoints, {"outlier": {"consecutive_errors": 2}, "retries": {"budget_min": 100}}) as r:
+        for _ in range(20):
+            st, _, _ = await r.post()
+            assert st == 200
+        assert await r.metric("llmgw_router_ejections_total", endpoint="dead") >= 1
+        assert await r.metric("llmgw_router_upstream_attempts_total", endpoint="dead", outcome="connect") >= 2
+    await good.stop()
+
+
+# ------------------------------------------------------- limits and table
+
+@run
+async def test_saturated_model_answers_429_with_retry_after():
+    release = asyncio.Event()
+
+    async def slow(request, body):
+        return await stream(request, [chunk(0), DONE], hold=release)
+    a = await Engine(slow).start()
+    async with Router(eps(a, max_concurrency=1)) as r:
+        first = asyncio.create_task(r.chat_stream())
+        while r.routing.runtimes()[0].outstanding == 0:
+            await asyncio.sleep(0.01)
+        st, hdrs, body = await r.chat_stream()
+        assert st == 429 and hdrs["Retry-After"] == "1"
+        assert json.loads(body)["error"]["code"] == "endpoints_saturated"
+        release.set()
+        assert (await first)[0] == 200
+        assert (await r.chat_stream())[0] == 200
+    await a.stop()
+
+
+@run
+async def test_draining_and_removed_endpoints_finish_what_they_have():
+    release = asyncio.Event()
+
+    async def slow(request, body):
+        return await stream(request, [chunk(0), chunk(1), DONE], hold=release)
+    a, b = await Engine(slow).start(), await Engine(healthy()).start()
+    async with Router([Endpoint("a", "m", a.url)]) as r:
+        inflight = asyncio.create_task(r.chat_stream())
+        while not a.requests:
+            await asyncio.sleep(0.01)
+        r.table.replace([Endpoint("a", "m", a.url, draining=True), Endpoint("b", "m", b.url)])
+        for _ in range(5):
+            assert (await r.chat_stream())[0] == 200
+        assert len(a.requests) == 1 and len(b.requests) == 5
+        r.table.replace([Endpoint("b", "m", b.url)])  # gone from the table entirely
+        assert (await r.chat_stream())[0] == 200
+        release.set()
+        st, _, body = await inflight
+        assert st == 200 and body == chunk(0) + chunk(1) + DONE
+        r.routing.housekeeping()
+        assert [rt.id for rt in r.routing.runtimes()] == ["b"]
+    await a.stop(); await b.stop()
+
+
+@run
+async def test_client_disconnect_releases_the_endpoint():
+    never = asyncio.Event()
+
+    async def slow(request, body):
+        return await stream(request, [chunk(0), chunk(1)], hold=never)
+    a = await Engine(slow).start()
+    async with Router(eps(a)) as r:
+        async with r.http.post(r.url + "/v1/chat/completions",
+                               json={"model": "m", "stream": True}) as resp:
+            assert (await resp.content.readany()).startswith(b"data:")
+        rt = r.routing.runtimes()[0]
+        for _ in range(500):
+            if rt.outstanding == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert rt.outstanding == 0
+        assert not rt.health.consecutive_failures  # the client left; the engine did nothing wrong
+    never.set()
+    await a.stop()
+
+
+@run
+async def test_request_id_passes_through_or_is_generated():
+    a = await Engine(healthy()).start()
+    async with Router(eps(a)) as r:
+        _, hdrs, _ = await r.post(headers={"X-Request-Id": "req-123"})
+        assert hdrs["X-Request-Id"] == "req-123" and a.requests[-1][0]["X-Request-Id"] == "req-123"
+        _, hdrs, _ = await r.post()
+        assert len(hdrs["X-Request-Id"]) == 24 and a.requests[-1][0]["X-Request-Id"] == hdrs["X-Request-Id"]
+        _, hdrs, _ = await r.post(headers={"X-Request-Id": "bad id\twith spaces"})
+        assert hdrs["X-Request-Id"] != "bad id\twith spaces"
+    await a.stop()
+
+
+@run
+async def test_original_body_bytes_are_forwarded_and_client_key_is_not():
+    a = await Engine(healthy()).start()
+    raw = b'{"model":"m",   "messages":[], "extra_field": {"keep": [1, 2.50]}}'
+    async with Router(eps(a), {"api_keys": [{"name": "k", "sha256": hash_key("sk-1")}],
+                               "allow_unauthenticated": False}) as r:
+        st, _, _ = await r.post(raw=raw, headers={"Authorization": "Bearer sk-1",
+                                                  "Content-Type": "application/json"})
+        assert st == 200
+        headers, body = a.requests[-1]
+        assert body == raw
+        assert "Authorization" not in headers
+    await a.stop()
+
+
+# ------------------------------------------------------- errors of the API
+
+@run
+async def test_api_errors_are_openai_shaped():
+    a = await Engine(healthy()).start()
+    doc = {"allow_unauthenticated": False, "limits": {"max_body_bytes": 2048},
+           "api_keys": [{"name": "alice", "sha256": hash_key("sk-a"), "models": ["other"]},
+                        {"name": "ops", "sha256": hash_key("sk-o")}]}
+    async with Router(eps(a), doc) as r:
+        ok = {"Authorization": "Bearer sk-o"}
+        cases = [
+            (await r.post(), 401, "invalid_api_key"),
+            (await r.post(headers={"Authorization": "Bearer nope"}), 401, "invalid_api_key"),
+            (await r.post(headers={"Authorization": "Bearer sk-a"}), 403, "model_not_allowed"),
+            (await r.post(raw=b"{", headers=ok), 400, "invalid_json"),
+            (await r.post(body={"messages": []}, headers=ok), 400, "missing_model"),
+            (await r.post(body={"model": "zzz"}, headers=ok), 404, "model_not_found"),
+            (await r.post(raw=b'{"model":"m","p":"' + b"x" * 4096 + b'"}', headers=ok), 413, "request_too_large"),
+        ]
+        for (st, hdrs, body), want_status, want_code in cases:
+            err = json.loads(body)["error"]
+            assert (st, err["code"]) == (want_status, want_code), body
+            assert set(err) == {"message", "type", "param", "code"}
+        async with r.http.get(r.url + "/v1/chat/completions") as resp:
+            assert resp.status == 405 and resp.headers["Allow"] == "POST"
+            assert (await resp.json())["error"]["code"] == "method_not_allowed"
+        async with r.http.get(r.url + "/admin/endpoints") as resp:
+            assert resp.status == 404 and (await resp.json())["error"]["code"] == "unknown_url"
+        async with r.http.get(r.url + "/v1/models", headers={"Authorization": "Bearer sk-a"}) as resp:
+            assert (await resp.json())["data"] == []  # alice may use only "other", which has no endpoint
+        async with r.http.get(r.url + "/v1/models", headers=ok) as resp:
+            assert [m["id"] for m in (await resp.json())["data"]] == ["m"]
+        async with r.http.get(r.url + "/v1/models") as resp:
+            assert resp.status == 401
+        async with r.http.get(r.url + "/healthz") as resp:
+            assert resp.status == 200 and (await resp.json())["revision"] == 0
+        assert len(a.requests) == 0
+        assert await r.metric("llmgw_router_errors_total", **{"class": "unauthorized"}) == 3
+        async with r.http.get(r.url + "/metrics") as resp:
+            text = await resp.text()
+        assert "sk-" not in text and hash_key("sk-o") not in text and "alice" not in text
+    await a.stop()
+
+
+@run
+async def test_client_hanging_up_on_an_error_event_still_counts_against_the_engine():
+    never = asyncio.Event()
+
+    async def err(request, body):
+        return await _err_then_hold(request, never)
+    a = await Engine(err).start()
+    async with Router(eps(a)) as r:
+        async with r.http.post(r.url + "/v1/chat/completions", json={"model": "m", "stream": True}) as resp:
+            seen = b""
+            while b'"error"' not in seen:
+                seen += await resp.content.readany()
+        rt = r.routing.runtimes()[0]
+        for _ in range(500):
+            if rt.outstanding == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert rt.health.consecutive_failures == 1
+        assert await r.metric("llmgw_router_upstream_attempts_total", outcome="inband_error") == 1
+    never.set()
+    await a.stop()
+
+
+async def _err_then_hold(request, never):
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for part in (ROLE, chunk(0), ERR):
+        await asyncio.sleep(0.05)
+        await resp.write(part)
+    await never.wait()
+    return resp

@@ -1,0 +1,84 @@
+import pytest
+
+from llmgw.config import ConfigInvalid, schema_errors
+from llmgw.router.auth import hash_key
+from llmgw.router.settings import RouterSettings
+
+KEY = {"name": "alice", "sha256": hash_key("sk-a"), "models": ["m"]}
+
+
+def pointers(exc):
+    return [e.pointer for e in exc.errors]
+
+
+def test_defaults():
+    s = RouterSettings.from_config({"allow_unauthenticated": True})
+    assert (s.host, s.port, s.workers) == ("127.0.0.1", 8080, 1)
+    assert s.retries.max_attempts == 3 and s.retries.budget_ratio == 0.2 and s.retries.budget_min == 3
+    assert s.balancing.scorer == "least-outstanding" and s.balancing.load_bound == 1.25
+    assert s.static_endpoints is None and s.control_plane is None and s.access_log
+
+
+def test_full_document():
+    s = RouterSettings.from_config({
+        "listen": {"host": "0.0.0.0", "port": 9000},
+        "workers": 2,
+        "api_keys": [KEY, {"name": "ops", "sha256": hash_key("sk-o")}],
+        "static_endpoints": [{"model": "m", "url": "http://127.0.0.1:8000", "max_concurrency": 8},
+                             {"id": "b", "model": "m", "url": "http://127.0.0.1:8001", "draining": True}],
+        "timeouts": {"connect": 1, "per_try": 5, "total": 50, "first_token": 3, "inter_token": 2},
+        "limits": {"max_body_bytes": 2048, "max_concurrency_per_endpoint": 4},
+        "balancing": {"scorer": "prefix-affinity", "prefix_tokens": 32, "load_bound": 1.5},
+        "retries": {"max_attempts": 2, "budget_ratio": 0.1, "budget_min": 1, "budget_window": 30},
+        "outlier": {"consecutive_errors": 2, "base_ejection": 1, "max_ejection": 4, "max_ejection_share": 1},
+        "access_log": False,
+    })
+    assert s.api_keys[0].models == frozenset({"m"}) and s.api_keys[1].models is None
+    assert [e.id for e in s.static_endpoints] == ["m@http://127.0.0.1:8000", "b"]
+    assert s.static_endpoints[1].draining and s.static_endpoints[0].max_concurrency == 8
+    assert s.timeouts.first_token == 3 and s.limits.max_body_bytes == 2048
+    assert s.balancing.scorer == "prefix-affinity" and s.outlier.max_ejection_share == 1
+
+
+def test_no_keys_needs_explicit_open_mode():
+    with pytest.raises(ConfigInvalid) as ei:
+        RouterSettings.from_config({})
+    assert pointers(ei.value) == ["/api_keys"]
+    assert "allow_unauthenticated" in str(ei.value)
+
+
+@pytest.mark.parametrize("doc,pointer", [
+    ({"retries": {"max_attempts": 4}}, "/retries/max_attempts"),
+    ({"api_keys": [{"name": "a", "sha256": "secret-in-clear"}]}, "/api_keys/0/sha256"),
+    ({"api_keys": [{"name": "a", "sha256": "0" * 64, "models": "all"}]}, "/api_keys/0/models"),
+    ({"balancing": {"scorer": "random"}}, "/balancing/scorer"),
+    ({"control_plane": {"url": "http://cp:8443", "ca": "a", "cert": "b", "key": "c"}}, "/control_plane/url"),
+    ({"timeouts": {"per_try": 0}}, "/timeouts/per_try"),
+    ({"static_endpoints": [{"model": "m", "url": "10.0.0.1:8000"}]}, "/static_endpoints/0/url"),
+    ({"colour": "blue"}, "/colour"),
+])
+def test_schema_errors_name_the_key(doc, pointer):
+    doc = {"allow_unauthenticated": True, **doc}
+    with pytest.raises(ConfigInvalid) as ei:
+        RouterSettings.from_config(doc)
+    assert pointer in pointers(ei.value)
+
+
+def test_cross_field_errors_are_all_reported():
+    with pytest.raises(ConfigInvalid) as ei:
+        RouterSettings.from_config({
+            "api_keys": [KEY, dict(KEY, sha256=hash_key("other")), dict(KEY, name="bob")],
+            "static_endpoints": [{"id": "x", "model": "m", "url": "http://h:1"},
+                                 {"id": "x", "model": "m", "url": "http://h:2"}],
+            "control_plane": {"url": "https://cp:8443", "ca": "a", "cert": "b", "key": "c"},
+            "timeouts": {"per_try": 100, "total": 10, "first_token": 5},
+            "outlier": {"base_ejection": 50, "max_ejection": 10},
+        })
+    assert set(pointers(ei.value)) == {
+        "/api_keys/1/name", "/api_keys/2/sha256", "/control_plane", "/static_endpoints/1/id",
+        "/timeouts/per_try", "/outlier/base_ejection"}
+
+
+def test_server_schema_embeds_router_schema():
+    errs = schema_errors({"router": {"retries": {"max_attempts": 9}}}, "server")
+    assert any(e.pointer == "/router/retries/max_attempts" for e in errs)

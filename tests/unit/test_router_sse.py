@@ -1,0 +1,53 @@
+import json
+
+from llmgw.router.sse import EventBuffer, Kind, classify, ends_with_done, error_message, first_error, last_boundary
+
+ROLE = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}'
+TOK = b'data: {"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}]}'
+TEXT = b'data: {"choices":[{"index":0,"text":"hi","finish_reason":null}]}'
+EMPTY_TEXT = b'data: {"choices":[{"index":0,"text":"","finish_reason":null}]}'
+FINISH = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}'
+USAGE = b'data: {"choices":[],"usage":{"prompt_tokens":1}}'
+ERR = b'data: {"error":{"message":"EngineCore died","type":"InternalServerError","param":null,"code":500}}'
+OLD_ERR = b'data: {"object":"error","message":"boom","type":"x","code":500}'
+
+
+def test_buffer_releases_only_complete_events():
+    b = EventBuffer()
+    assert b.feed(TOK[:10]) == b""
+    assert b.feed(TOK[10:] + b"\n\n" + ROLE[:5]) == TOK + b"\n\n"
+    assert b.pending == ROLE[:5]
+    assert b.feed(ROLE[5:] + b"\n") == b""
+    assert b.feed(b"\n") == ROLE + b"\n\n"
+    assert b.pending == b""
+
+
+def test_crlf_boundaries():
+    assert last_boundary(b"data: a\r\n\r\ndata: b") == len(b"data: a\r\n\r\n")
+    assert last_boundary(b"data: a") == 0
+
+
+def test_classify():
+    assert classify(ROLE) is Kind.HOLD
+    assert classify(b": keep-alive comment") is Kind.HOLD
+    assert classify(EMPTY_TEXT) is Kind.HOLD
+    for tok in (TOK, TEXT, FINISH, USAGE, b"data: not json", b"data: [1]"):
+        assert classify(tok) is Kind.TOKEN, tok
+    assert classify(b"data: [DONE]") is Kind.DONE
+    assert classify(ERR) is Kind.ERROR
+    assert classify(OLD_ERR) is Kind.ERROR
+
+
+def test_error_detection_ignores_the_word_inside_token_text():
+    quoted = json.dumps({"choices": [{"delta": {"content": 'the "error" key'}}]}).encode()
+    data = b"data: " + quoted + b"\n\ndata: " + b'{"choices":[{"delta":{"content":"error"}}]}' + b"\n\n"
+    assert first_error(data) is None
+    data += ERR + b"\n\n"
+    assert error_message(first_error(data)) == "EngineCore died"
+
+
+def test_ends_with_done():
+    assert ends_with_done(TOK + b"\n\ndata: [DONE]\n\n")
+    assert ends_with_done(b"data:[DONE]\r\n\r\n")
+    assert not ends_with_done(TOK + b"\n\n")
+    assert not ends_with_done(b'data: {"content":"[DONE]"}\n\n')

@@ -1,0 +1,138 @@
+"""The endpoint watch API and its client over real loopback sockets."""
+
+import asyncio
+import functools
+import logging
+
+import aiohttp
+from aiohttp import web
+
+from llmgw.router.endpoints import Endpoint, EndpointTable
+from llmgw.router.watch import WATCH_PATH, endpoints_watch_handler, parse_watch_response, watch_endpoints
+
+
+def run(fn):
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        asyncio.run(asyncio.wait_for(fn(*a, **kw), 60))
+    return wrapper
+
+
+def ep(i, **kw):
+    return Endpoint(id=f"e{i}", model="m", url=f"http://127.0.0.1:{9000 + i}", **kw)
+
+
+class ControlPlane:
+    def __init__(self, table, wait_s=30.0, port=0, handler=None):
+        self.table = table
+        self.wait_s = wait_s
+        self.port = port
+        self.handler = handler
+
+    async def __aenter__(self):
+        app = web.Application()
+        app.router.add_get(WATCH_PATH, self.handler or endpoints_watch_handler(self.table, self.wait_s))
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", self.port, reuse_address=True)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.runner.cleanup()
+
+
+async def until(pred, timeout=20.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not pred():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+@run
+async def test_handler_answers_at_once_when_behind_and_waits_otherwise():
+    table = EndpointTable([ep(1)])
+    async with ControlPlane(table) as cp, aiohttp.ClientSession() as s:
+        async with s.get(cp.url + WATCH_PATH, params={"after": "-1"}) as r:
+            doc = await r.json()
+        assert doc["revision"] == 0 and doc["epoch"] == table.epoch
+        assert doc["endpoints"] == [ep(1).to_dict()]
+        waiting = asyncio.create_task(s.get(cp.url + WATCH_PATH, params={"after": "0", "epoch": table.epoch}))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()  # nothing new: the poll is held open
+        table.replace([ep(2, draining=True)])
+        r = await waiting
+        doc = await r.json()
+        assert doc["revision"] == 1 and doc["endpoints"][0]["draining"] is True
+        async with s.get(cp.url + WATCH_PATH, params={"after": "1", "epoch": "other"}) as r:
+            assert (await r.json())["revision"] == 1  # a different epoch is answered at once
+        async with s.get(cp.url + WATCH_PATH, params={"after": "x"}) as r:
+            assert r.status == 400 and (await r.json())["error"]["param"] == "after"
+
+
+@run
+async def test_handler_times_out_with_the_unchanged_set():
+    table = EndpointTable([ep(1)])
+    async with ControlPlane(table, wait_s=0.1) as cp, aiohttp.ClientSession() as s:
+        async with s.get(cp.url + WATCH_PATH, params={"after": "0", "epoch": table.epoch}) as r:
+            doc = await r.json()
+    assert doc["revision"] == 0 and len(doc["endpoints"]) == 1
+
+
+def test_parse_watch_response_names_bad_fields():
+    import pytest
+    from llmgw.router.watch import WatchError
+    good = {"revision": 3, "epoch": "e", "endpoints": [ep(1).to_dict()]}
+    assert parse_watch_response(good)[0] == 3
+    for doc, where in [
+        ([], "object"),
+        ({"revision": "3", "endpoints": []}, "/revision"),
+        ({"revision": 1, "endpoints": {}}, "/endpoints"),
+        ({"revision": 1, "endpoints": [{"model": "m"}]}, "/endpoints/0/url"),
+        ({"revision": 1, "endpoints": [ep(1).to_dict(), ep(1).to_dict()]}, "/endpoints/1/id"),
+    ]:
+        with pytest.raises(WatchError, match=where):
+            parse_watch_response(doc)
+
+
+@run
+async def test_client_follows_keeps_last_known_and_recovers_after_restart(caplog):
+    caplog.set_level(logging.WARNING, "llmgw.router.watch")
+    remote = EndpointTable([ep(1), ep(2)])
+    local = EndpointTable()
+    async with ControlPlane(remote, wait_s=0.5) as cp:  # short polls: shutdown waits for held ones
+        port = cp.port
+        task = asyncio.create_task(watch_endpoints(cp.url, None, {"X-Test": "1"}, local,
+                                                   backoff_initial=0.05, backoff_max=0.2))
+        await until(lambda: len(local.snapshot()[1]) == 2)
+        remote.replace([ep(3)])
+        await until(lambda: [e.id for e in local.snapshot()[1]] == ["e3"])
+    # the control plane is gone: the router keeps routing to what it knew
+    await until(lambda: "keeping 1 known endpoint" in caplog.text)
+    assert [e.id for e in local.snapshot()[1]] == ["e3"]
+    # a restarted control plane starts its revisions over; the epoch tells the client
+    fresh = EndpointTable([ep(4)])
+    async with ControlPlane(fresh, wait_s=0.5, port=port):
+        await until(lambda: [e.id for e in local.snapshot()[1]] == ["e4"])
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+
+
+@run
+async def test_client_ignores_a_malformed_answer():
+    local = EndpointTable([ep(9)])
+
+    async def garbage(request):
+        return web.json_response({"revision": 5, "endpoints": [{"model": "m", "url": "not a url"}]})
+
+    async with ControlPlane(EndpointTable(), handler=garbage) as cp:
+        task = asyncio.create_task(watch_endpoints(cp.url, None, None, local,
+                                                   backoff_initial=0.05, backoff_max=0.1))
+        await asyncio.sleep(0.5)
+        task.cancel()
+    assert [e.id for e in local.snapshot()[1]] == ["e9"] and local.revision == 0
