@@ -88,9 +88,20 @@ for _fmt in ("ipv4", "ipv6", "email", "date", "regex"):
 
 
 @functools.cache
-def validator(name: str) -> Draft202012Validator:
+def validator(name: str, definition: str | None = None) -> Draft202012Validator:
+    """Validator for schema ``name``, or for one of its ``$defs`` entries.
+
+    Validating a stream message against the definition its ``type`` names
+    gives errors about that message ("/seq: -1 is less than 0"), where the
+    schema's top-level ``oneOf`` would only say which other types it is not.
+    """
     schema = load_schema(name)
     Draft202012Validator.check_schema(schema)
+    if definition is not None:
+        if definition not in schema.get("$defs", {}):
+            raise KeyError(f"schema {name!r} has no definition {definition!r}")
+        schema = {"$id": f"{name}-{definition}.schema.json", "$defs": schema["$defs"],
+                  "$ref": f"#/$defs/{definition}"}
     return Draft202012Validator(
         schema,
         registry=_registry(),
@@ -125,10 +136,10 @@ def _describe(err: ValidationError) -> str:
     return err.message
 
 
-def schema_errors(doc: Any, schema_name: str) -> list[ConfigError]:
+def schema_errors(doc: Any, schema_name: str, definition: str | None = None) -> list[ConfigError]:
     """Every schema violation of ``doc``, de-duplicated, sorted by pointer."""
     errors: set[ConfigError] = set()
-    for err in validator(schema_name).iter_errors(doc):
+    for err in validator(schema_name, definition).iter_errors(doc):
         for leaf in _leaf_errors(err):
             pointer = _pointer(leaf)
             if leaf.validator == "additionalProperties":

@@ -1,0 +1,265 @@
+"""What an agent does before it tells anyone what this node has.
+
+On start the agent reconciles three sources of truth about its engines: the
+records in the state dir, the processes those records name, and every
+process on the node that looks like an engine.
+
+* A record whose process is still the one it describes (pid, start time and
+  boot id all match) is **adopted**: the engine keeps serving, untouched.
+* A record whose process is gone, or whose pid now belongs to a different
+  process (start time or boot id differ), is **removed**.  Its pid is never
+  signalled: after a reuse it names a stranger.
+* An engine process that no record describes is **killed**, and the agent
+  waits for it to be gone before it registers.  Nothing could describe it to
+  the control plane, so its GPUs would be advertised free and handed out
+  again while it still holds them.
+
+The rule for "looks like an engine of this node" (``engine_evidence``):
+
+1. its environment carries ``LLMGW_SHARD_ID`` (set by this package's
+   supervisor on every engine and inherited by its workers) and its
+   ``LLMGW_NODE_ID`` is this node's id or absent; or
+2. its command line starts with an engine command this node runs: the
+   commands configured under ``engines`` in agent.yaml plus each adapter's
+   default binary (``vllm``, ``python -m sglang.launch_server``,
+   ``llama-server``); an interpreter in front (a console script's shebang)
+   is looked through.
+
+Never touched: this process and its ancestors; processes whose
+``LLMGW_NODE_ID`` names another node (agents of a simulated fleet sharing
+one host each own their engines); processes of adopted engines (same process
+group, or the adopted shard's id in their environment); processes whose
+environment cannot be read (another user's: we could not signal them either).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+from llmgw.agent import procident
+from llmgw.agent.procident import ProcessIdentity
+from llmgw.agent.schema import definition_problems
+from llmgw.agent.statedir import ShardRecord, StateDir
+from llmgw.agent.supervisor import ENV_NODE_ID, ENV_SHARD_ID
+
+log = logging.getLogger(__name__)
+
+_INTERPRETERS = ("python", "python3", "sh", "bash", "env")
+# A record is written once its engine is launched, so it says one of these.
+ADOPTABLE_STATES = ("starting", "ready", "draining")
+
+
+@dataclass(frozen=True)
+class RecordVerdict:
+    record: ShardRecord
+    adopt: bool
+    why: str
+
+
+@dataclass(frozen=True)
+class UnknownEngine:
+    identity: ProcessIdentity
+    pgid: int
+    why: str
+    cmdline: tuple[str, ...] = ()
+
+
+@dataclass
+class RecoveryResult:
+    adopted: list[ShardRecord] = field(default_factory=list)
+    removed: list[tuple[str, str]] = field(default_factory=list)  # (record, why)
+    killed: list[UnknownEngine] = field(default_factory=list)
+    survivors: list[UnknownEngine] = field(default_factory=list)  # could not be killed
+
+
+def judge_record(record: ShardRecord) -> RecordVerdict:
+    """Adopt iff the recorded process is, right now, the same running process."""
+    problems = definition_problems("shard_spec", record.spec)
+    if problems:
+        # Reporting it would get the register refused; not reporting it would
+        # leave its engine undescribed.  Dropping the record makes the engine
+        # an unknown one, which the scan then kills.
+        return RecordVerdict(record, False, f"its spec is not a valid shard spec ({'; '.join(problems)[:300]})")
+    ident = record.process
+    if ident is None:
+        return RecordVerdict(record, False, "no engine was launched for it (the start did not get that far)")
+    if record.state not in ADOPTABLE_STATES:
+        return RecordVerdict(record, False, f"recorded state {record.state!r} is not one a running engine has")
+    if ident.boot_id != procident.boot_id():
+        return RecordVerdict(record, False, f"recorded under boot {ident.boot_id}; the node rebooted since")
+    st = procident.read_stat(ident.pid)
+    if st is None:
+        return RecordVerdict(record, False, f"engine pid {ident.pid} is gone")
+    if st.start_time != ident.start_time:
+        return RecordVerdict(record, False, f"pid {ident.pid} now belongs to another process (start time "
+                                            f"{st.start_time}, recorded {ident.start_time}); not signalled")
+    if st.state in ("Z", "X"):
+        return RecordVerdict(record, False, f"engine pid {ident.pid} has exited")
+    return RecordVerdict(record, True, f"engine pid {ident.pid} is still running")
+
+
+def _element_matches(want: str, have: str, first: bool) -> bool:
+    if want == have:
+        return True
+    if not first or "/" in want:
+        return False
+    # A bare command name ("vllm") matches whatever path it was run by, and a
+    # bare "python" any Python interpreter (python3, python3.11).
+    have_base = os.path.basename(have)
+    if want.startswith("python"):
+        return have_base.startswith("python")
+    return have_base == want
+
+
+def command_matches(cmdline: Sequence[str], command: Sequence[str]) -> bool:
+    """Does ``cmdline`` run ``command`` (possibly behind an interpreter)?"""
+    if not command or not cmdline:
+        return False
+    starts = [0]
+    base = os.path.basename(cmdline[0])
+    if base.startswith(_INTERPRETERS) and len(cmdline) > 1:
+        starts.append(1)
+    for s in starts:
+        window = cmdline[s : s + len(command)]
+        if len(window) == len(command) and all(
+            _element_matches(w, h, i == 0) for i, (w, h) in enumerate(zip(command, window))
+        ):
+            return True
+    return False
+
+
+def engine_commands(configured: Mapping[str, Sequence[str]]) -> list[tuple[str, ...]]:
+    """Command prefixes this node's engines run as: configured ones plus the adapters' defaults."""
+    from llmgw.engines import ENGINES
+
+    out = [tuple(c) for c in configured.values() if c]
+    out += [tuple(a.default_command) for a in ENGINES.values() if a.default_command]
+    # A bare interpreter alone ("python") would match every Python process.
+    return [c for c in dict.fromkeys(out) if not (len(c) == 1 and os.path.basename(c[0]).startswith(_INTERPRETERS))]
+
+
+def engine_evidence(environ: Mapping[str, str], cmdline: Sequence[str], node_id: str,
+                    commands: Iterable[Sequence[str]]) -> str | None:
+    """Why this process is an engine belonging to this node, or None (pure)."""
+    owner = environ.get(ENV_NODE_ID)
+    if owner is not None and owner != node_id:
+        return None  # another agent's engine on a shared host
+    shard = environ.get(ENV_SHARD_ID)
+    if shard:
+        return f"launched for shard {shard} ({ENV_SHARD_ID} set) but no record describes it"
+    for cmd in commands:
+        if command_matches(cmdline, cmd):
+            return f"runs engine command {' '.join(cmd)!r} but no record describes it"
+    return None
+
+
+def find_unknown_engines(node_id: str, commands: Sequence[Sequence[str]],
+                         adopted: Sequence[ShardRecord]) -> list[UnknownEngine]:
+    """Every process that looks like this node's engine and that no adopted record covers."""
+    protected = procident.ancestors()
+    adopted_groups = {r.process.pid for r in adopted if r.process}
+    adopted_ids = {r.shard_id for r in adopted}
+    my_uid = os.getuid()
+    found: list[UnknownEngine] = []
+    for pid in procident.list_pids():
+        if pid in protected:
+            continue
+        st = procident.read_stat(pid)
+        if st is None or st.state in ("Z", "X") or st.pgid in adopted_groups:
+            continue
+        try:
+            if my_uid != 0 and os.stat(f"/proc/{pid}").st_uid != my_uid:
+                continue
+        except OSError:
+            continue
+        env = procident.read_environ(pid)
+        cmdline = procident.read_cmdline(pid)
+        if env is None or not cmdline:
+            continue
+        if env.get(ENV_SHARD_ID) in adopted_ids and env.get(ENV_NODE_ID, node_id) == node_id:
+            continue
+        why = engine_evidence(env, cmdline, node_id, commands)
+        if why is None:
+            continue
+        ident = procident.identify(pid)
+        if ident is not None and ident.start_time == st.start_time:
+            found.append(UnknownEngine(ident, st.pgid, why, tuple(cmdline)))
+    return found
+
+
+def _signal_unknown(engine: UnknownEngine, sig: int) -> None:
+    if not procident.is_same_process(engine.identity):
+        return
+    try:
+        # The group only when the engine leads it (as our supervisor's engines
+        # do) and it is not ours: never signal a group we are part of.
+        if engine.pgid == engine.identity.pid and engine.pgid != os.getpgrp():
+            os.killpg(engine.pgid, sig)
+        else:
+            os.kill(engine.identity.pid, sig)
+    except ProcessLookupError:
+        pass
+    except PermissionError as e:
+        log.error("cannot signal unidentified engine pid %d: %s", engine.identity.pid, e)
+
+
+async def kill_engines(engines: Sequence[UnknownEngine], grace: float = 5.0,
+                       poll: float = 0.1, kill_wait: float = 30.0) -> list[UnknownEngine]:
+    """SIGTERM, wait ``grace``, SIGKILL, wait; return the ones that still live."""
+    if not engines:
+        return []
+    for e in engines:
+        log.warning("killing unidentified engine pid %d: %s; cmdline: %s",
+                    e.identity.pid, e.why, " ".join(e.cmdline)[:500])
+        _signal_unknown(e, signal.SIGTERM)
+
+    def alive() -> list[UnknownEngine]:
+        return [e for e in engines if procident.is_running(e.identity)]
+
+    loop = asyncio.get_running_loop()
+    end = loop.time() + grace
+    while alive() and loop.time() < end:
+        await asyncio.sleep(poll)
+    left = alive()
+    for e in left:
+        log.warning("unidentified engine pid %d survived SIGTERM for %gs; sending SIGKILL", e.identity.pid, grace)
+        _signal_unknown(e, signal.SIGKILL)
+    end = loop.time() + kill_wait
+    while alive() and loop.time() < end:
+        await asyncio.sleep(poll)
+    return alive()
+
+
+async def recover(statedir: StateDir, node_id: str, configured_commands: Mapping[str, Sequence[str]],
+                  *, kill_grace: float = 5.0) -> RecoveryResult:
+    """Judge every record, remove the dead, kill the unknown; return what to adopt.
+
+    Must complete before the first ``register``: that message advertises the
+    node's GPUs, and a GPU an unknown engine still holds is not free.
+    """
+    result = RecoveryResult()
+    records, unreadable = statedir.load()
+    for bad in unreadable:
+        log.warning("state dir: removing %s: %s", bad.path, bad.reason)
+        statedir.remove_path(bad.path)
+        result.removed.append((str(bad.path), bad.reason))
+    for rec in records:
+        verdict = judge_record(rec)
+        if verdict.adopt:
+            result.adopted.append(rec)
+        else:
+            log.info("shard %s: removing its record: %s", rec.shard_id, verdict.why)
+            statedir.log_note(rec.shard_id, f"agent restarted; record removed: {verdict.why}")
+            statedir.remove(rec.shard_id)
+            result.removed.append((rec.shard_id, verdict.why))
+    unknown = find_unknown_engines(node_id, engine_commands(configured_commands), result.adopted)
+    result.survivors = await kill_engines(unknown, grace=kill_grace)
+    result.killed = [e for e in unknown if e not in result.survivors]
+    for e in result.survivors:
+        log.error("unidentified engine pid %d survives SIGKILL; its GPUs may not be free", e.identity.pid)
+    return result

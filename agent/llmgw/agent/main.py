@@ -1,0 +1,151 @@
+"""``llmgw agent``: one node's agent, start to finish, on one event loop.
+
+Order matters and is the point of this module:
+
+1. check the configuration's files (every problem at once) and build the TLS
+   context: a node that cannot prove its identity must not start at all;
+2. discover the hardware once, so a broken hardware file stops the agent
+   here rather than after it adopted engines;
+3. recover from the state dir: adopt live engines, drop dead records, kill
+   engines nothing describes, *before* anything is advertised;
+4. only then dial the control plane.
+
+SIGTERM and SIGINT end the agent and nothing else: engines run in their own
+sessions, their records stay on disk, and the next agent adopts them.  (Under
+systemd the unit needs ``KillMode=process`` so the service manager does not
+kill the engines itself.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from llmgw.agent.adoption import recover
+from llmgw.agent.statedir import StateDir
+from llmgw.agent.stream import StreamClient
+from llmgw.agent.supervisor import Supervisor, SupervisorConfig
+from llmgw.hardware.types import HardwareInventory
+from llmgw.settings import AgentSettings
+
+log = logging.getLogger(__name__)
+
+
+def preflight_problems(settings: AgentSettings) -> list[str]:
+    """Every reason the agent cannot start with ``settings``, each naming its file or key."""
+    problems: list[str] = []
+    if settings.tls is not None:
+        for key in ("ca", "cert", "key"):
+            path = getattr(settings.tls, key)
+            if not Path(path).is_file():
+                problems.append(f"tls.{key}: {path} does not exist")
+        key_path = Path(settings.tls.key)
+        if key_path.is_file() and os.stat(key_path).st_mode & 0o077:
+            problems.append(f"tls.key: {key_path} is readable by group or others "
+                            f"(mode {os.stat(key_path).st_mode & 0o777:04o}); run: chmod 600 {key_path}")
+    if settings.gpu_source == "simulated" and settings.hardware_file and not Path(settings.hardware_file).is_file():
+        problems.append(f"discovery.hardware_file: {settings.hardware_file} does not exist")
+    for engine, cmd in settings.engine_commands.items():
+        if cmd and "/" in cmd[0] and not os.access(cmd[0], os.X_OK):
+            problems.append(f"engines.{engine}: {cmd[0]} is not an executable file")
+    try:
+        StateDir(settings.state_dir)
+    except OSError as e:
+        problems.append(f"state_dir: cannot use {settings.state_dir}: {e.strerror or e}")
+    return problems
+
+
+def _discover_sync(settings: AgentSettings) -> HardwareInventory:
+    from llmgw.hardware.discover import discover
+
+    return discover(settings.node_id, gpu_source=settings.gpu_source,  # type: ignore[arg-type]
+                    hardware_file=settings.hardware_file, sysfs_root=settings.sysfs_root,
+                    fabrics=settings.fabrics)
+
+
+class _Discovery:
+    """Rediscovers on every connection; a failure then reuses the last good inventory."""
+
+    def __init__(self, settings: AgentSettings, first: HardwareInventory):
+        self.settings = settings
+        self.last = first
+
+    async def __call__(self) -> HardwareInventory:
+        try:
+            self.last = await asyncio.to_thread(_discover_sync, self.settings)
+        except Exception as e:
+            log.error("hardware discovery failed; registering the last inventory: %s", e)
+        return self.last
+
+
+async def agent_main(settings: AgentSettings, stop: asyncio.Event | None = None) -> int:
+    from llmgw.config import ConfigInvalid
+    from llmgw.tls import TLSConfigError, client_context
+
+    problems = preflight_problems(settings)
+    ssl_context = None
+    if settings.tls is not None and not problems:
+        try:
+            ssl_context = client_context(settings.tls.ca, settings.tls.cert, settings.tls.key)
+        except TLSConfigError as e:
+            problems.append(f"tls: {e}")
+    if settings.insecure_no_tls:
+        log.warning("INSECURE: insecure_no_tls is set: the stream to %s is plaintext and this node proves "
+                    "no identity; development only", settings.control_plane_url)
+    try:
+        inventory = await asyncio.to_thread(_discover_sync, settings)
+    except (ConfigInvalid, ValueError, OSError) as e:
+        problems.append(f"discovery: {e}")
+    if problems:
+        print(f"llmgw agent: cannot start ({len(problems)} problem(s)):", file=sys.stderr)
+        for p in problems:
+            print(f"  {p}", file=sys.stderr)
+        return 2
+
+    statedir = StateDir(settings.state_dir)
+    recovered = await recover(statedir, settings.node_id, settings.engine_commands)
+    for e in recovered.killed:
+        log.warning("killed unidentified engine pid %d before registering: %s", e.identity.pid, e.why)
+
+    stream: StreamClient | None = None
+
+    def emit(msg: dict) -> None:
+        if stream is not None:
+            stream.send(msg)
+
+    supervisor = Supervisor(SupervisorConfig.from_settings(settings), statedir, emit)
+    for rec in recovered.adopted:
+        supervisor.adopt(rec)
+    stream = StreamClient(url=settings.control_plane_url, node_id=settings.node_id,
+                          address=settings.advertise_address, ssl_context=ssl_context,
+                          supervisor=supervisor, discover=_Discovery(settings, inventory),
+                          reconnect_initial=settings.reconnect_initial, reconnect_max=settings.reconnect_max)
+
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    log.info("agent %s: %d engine(s) adopted, %d record(s) removed, %d unidentified engine(s) killed",
+             settings.node_id, len(recovered.adopted), len(recovered.removed), len(recovered.killed))
+    runner = asyncio.create_task(stream.run_forever(), name="stream")
+    stopper = asyncio.create_task(stop.wait(), name="stop")
+    await asyncio.wait({runner, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    for t in (runner, stopper):
+        t.cancel()
+    await asyncio.gather(runner, stopper, return_exceptions=True)
+    await supervisor.detach()
+    log.info("agent %s exiting; %d engine(s) left running for the next agent to adopt",
+             settings.node_id, len(supervisor.live_shards()))
+    return 0
+
+
+def run_agent(settings: AgentSettings) -> int:
+    """Run the agent until SIGTERM/SIGINT; the exit status (2: could not start)."""
+    return asyncio.run(agent_main(settings))

@@ -1,0 +1,61 @@
+"""Rank-0 readiness: a real one-token completion, not only ``/health``.
+
+vLLM answers ``/health`` with 200 as soon as its HTTP server is up, which
+can be long before (or entirely without) the model being able to generate:
+a wedged worker, an NCCL hang on the first all-reduce, a sampler that fails
+on the first request.  The only evidence that a replica can serve is that it
+served, so rank 0 is Ready only after ``POST /v1/completions`` with
+``max_tokens: 1`` returns a choice.  Ranks > 0 serve no HTTP and are judged
+by liveness (their process is running).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+
+import aiohttp
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    ok: bool
+    detail: str  # what went wrong (or "ok"), for logs and the failure reason
+
+
+def probe_host(bind_host: str) -> str:
+    """Where to reach an engine bound to ``bind_host`` from this node."""
+    if bind_host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if bind_host in ("::", "[::]"):
+        return "::1"
+    return bind_host
+
+
+def base_url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+async def completion_probe(session: aiohttp.ClientSession, url: str, served_name: str,
+                           timeout: float) -> ProbeResult:
+    """One attempt: does the engine at ``url`` complete one token for ``served_name``?"""
+    body = {"model": served_name, "prompt": "ping", "max_tokens": 1}
+    try:
+        async with session.post(f"{url}/v1/completions", json=body,
+                                timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            text = await resp.text(errors="replace")
+            if resp.status != 200:
+                return ProbeResult(False, f"completion probe: HTTP {resp.status}: {text[:300]}")
+            try:
+                doc = json.loads(text)
+            except ValueError:
+                return ProbeResult(False, f"completion probe: response is not JSON: {text[:300]}")
+            choices = doc.get("choices") if isinstance(doc, dict) else None
+            if not isinstance(choices, list) or not choices:
+                return ProbeResult(False, f"completion probe: no choice in response: {text[:300]}")
+            return ProbeResult(True, "ok")
+    except asyncio.TimeoutError:
+        return ProbeResult(False, f"completion probe: no answer within {timeout:g}s")
+    except aiohttp.ClientError as e:
+        return ProbeResult(False, f"completion probe: {type(e).__name__}: {e}")

@@ -1,0 +1,211 @@
+"""The agent's end of the stream: dial out, register, heartbeat, obey.
+
+GPU nodes sit behind firewalls far more often than control planes do, so the
+agent dials out (``wss://.../v1/agent/stream``, mutual TLS) and keeps one
+connection.  It reconnects forever with full-jitter backoff, and nothing that
+happens to the connection ever stops an engine: the router talks to engines
+directly, so a control plane that is away costs no traffic.
+
+Each connection starts with a ``register`` carrying the node's freshly
+discovered hardware and every shard the agent runs, built at the instant the
+connection is up.  Status messages produced while disconnected are dropped
+rather than queued: a replay of stale transitions after the fact could only
+contradict the register, which already says what is true now.
+
+Incoming messages are validated against the stream schema; an invalid one is
+logged and ignored (it is the control plane's bug, and dropping the link over
+it would only make the node look unreachable).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import ssl
+import time
+from typing import Any, Awaitable, Callable
+
+import aiohttp
+
+from llmgw import __version__
+from llmgw.agent import procident
+from llmgw.agent.backoff import Backoff
+from llmgw.agent.schema import definition_problems
+from llmgw.agent.supervisor import Supervisor
+from llmgw.hardware.types import HardwareInventory
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE = 4 * 1024 * 1024
+DOWN_TYPES = ("registered", "start", "stop", "drain", "error")
+
+Discover = Callable[[], Awaitable[HardwareInventory]]
+
+
+def incoming_problems(msg: Any) -> list[str]:
+    """Why ``msg`` is not a valid control-plane -> agent message (empty when it is)."""
+    if not isinstance(msg, dict):
+        return [f"not a JSON object: {type(msg).__name__}"]
+    kind = msg.get("type")
+    if kind not in DOWN_TYPES:
+        return [f"type {kind!r} is not sent to agents (expected one of {', '.join(DOWN_TYPES)})"]
+    return definition_problems(kind, msg)
+
+
+class StreamClient:
+    """One agent's connection loop.  ``send`` is safe to call at any time."""
+
+    def __init__(self, *, url: str, node_id: str, address: str, ssl_context: ssl.SSLContext | None,
+                 supervisor: Supervisor, discover: Discover, reconnect_initial: float,
+                 reconnect_max: float, keepalive: float = 10.0, connect_timeout: float = 15.0):
+        self.url = url
+        self.node_id = node_id
+        self.address = address
+        self.ssl_context = ssl_context
+        self.supervisor = supervisor
+        self.discover = discover
+        self.backoff = Backoff(reconnect_initial, reconnect_max)
+        self.keepalive = keepalive
+        self.connect_timeout = connect_timeout
+        self.epoch: int | None = None
+        self.connections = 0  # successful WebSocket upgrades, for logs and tests
+        self._queue: asyncio.Queue[dict[str, Any]] | None = None
+        self._commands: set[asyncio.Task[Any]] = set()
+
+    # ----------------------------------------------------------------- sending
+    def send(self, msg: dict[str, Any]) -> None:
+        """Queue ``msg`` on the live connection; drop it when there is none (see module doc)."""
+        q = self._queue
+        if q is None:
+            log.debug("not connected; dropping %s (the next register carries the current state)", msg.get("type"))
+            return
+        q.put_nowait(msg)
+
+    def register_message(self, hw: HardwareInventory) -> dict[str, Any]:
+        return {
+            "type": "register",
+            "node_id": self.node_id,
+            "agent_version": __version__,
+            "boot_id": procident.boot_id(),
+            "address": self.address,
+            "hardware": hw.to_dict(),
+            "shards": self.supervisor.reports(),
+        }
+
+    # ----------------------------------------------------------------- the loop
+    async def run_forever(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.connect_timeout, sock_connect=self.connect_timeout)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while True:
+                try:
+                    await self._connect_once(session)
+                except asyncio.CancelledError:
+                    raise
+                except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ssl.SSLError) as e:
+                    log.warning("control plane %s: %s: %s", self.url, type(e).__name__, e)
+                except Exception:
+                    log.exception("stream to %s failed", self.url)
+                delay = self.backoff.next_delay()
+                log.info("reconnecting to %s in %.2fs (attempt %d); engines keep running",
+                         self.url, delay, self.backoff.attempt)
+                await asyncio.sleep(delay)
+
+    async def _connect_once(self, session: aiohttp.ClientSession) -> None:
+        # Discover before dialling: the control plane gives a fresh stream only
+        # so long to register, and NVML can be slow to initialise.
+        hw = await self.discover()
+        async with session.ws_connect(self.url, ssl=self.ssl_context if self.ssl_context is not None else True,
+                                      heartbeat=self.keepalive, max_msg_size=MAX_MESSAGE,
+                                      autoping=True) as ws:
+            self.connections += 1
+            log.info("connected to %s", self.url)
+            queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+            # Snapshot and queue hookup happen with no await in between, so no
+            # transition can fall between what register says and what follows it.
+            queue.put_nowait(self.register_message(hw))
+            self._queue = queue
+            sender = asyncio.create_task(self._sender(ws, queue), name="stream sender")
+            heartbeat: asyncio.Task[None] | None = None
+            try:
+                async for raw in ws:
+                    if raw.type == aiohttp.WSMsgType.TEXT:
+                        hb = self._handle_text(raw.data)
+                        if hb is not None:
+                            if heartbeat is not None:
+                                heartbeat.cancel()
+                            heartbeat = asyncio.create_task(self._heartbeats(hb), name="heartbeats")
+                    elif raw.type == aiohttp.WSMsgType.BINARY:
+                        log.warning("control plane sent a binary frame; ignored (messages are JSON text)")
+                    elif raw.type == aiohttp.WSMsgType.ERROR:
+                        log.warning("stream error: %s", ws.exception())
+                        break
+                if sender.done() and sender.exception() is not None:
+                    log.warning("sending failed: %s", sender.exception())
+                log.warning("stream closed (code %s)", ws.close_code)
+            finally:
+                self._queue = None
+                for t in (sender, heartbeat):
+                    if t is not None:
+                        t.cancel()
+                await asyncio.gather(*(t for t in (sender, heartbeat) if t is not None), return_exceptions=True)
+
+    async def _sender(self, ws: aiohttp.ClientWebSocketResponse, queue: asyncio.Queue[dict[str, Any]]) -> None:
+        try:
+            while True:
+                msg = await queue.get()
+                await ws.send_str(json.dumps(msg, separators=(",", ":")))
+        except (ConnectionError, aiohttp.ClientError, RuntimeError) as e:
+            log.warning("cannot send on stream: %s", e)
+            await ws.close()
+
+    async def _heartbeats(self, interval: float) -> None:
+        seq = 0
+        while True:
+            self.send({"type": "heartbeat", "seq": seq, "time": time.time()})
+            seq += 1
+            await asyncio.sleep(interval)
+
+    # ---------------------------------------------------------------- receiving
+    def _handle_text(self, data: str) -> float | None:
+        """Act on one message; return the heartbeat interval when it was ``registered``."""
+        try:
+            msg = json.loads(data)
+        except ValueError as e:
+            log.warning("ignoring control-plane message that is not JSON (%s): %.200s", e, data)
+            return None
+        problems = incoming_problems(msg)
+        if problems:
+            log.warning("ignoring invalid control-plane message %.200s: %s", data, "; ".join(problems))
+            return None
+        kind = msg["type"]
+        if kind == "registered":
+            self.epoch = int(msg["epoch"])
+            self.backoff.reset()
+            log.info("registered as %s (epoch %d, heartbeat every %gs)", self.node_id, self.epoch,
+                     msg["heartbeat_interval"])
+            return float(msg["heartbeat_interval"])
+        if kind == "start":
+            try:
+                self.supervisor.start(msg["spec"])
+            except Exception:  # one bad start must not cost the node its stream
+                log.exception("cannot act on start for %s", msg["spec"].get("shard_id"))
+        elif kind == "stop":
+            self._command(self.supervisor.stop(msg["shard_id"], msg.get("reason") or "stop requested"))
+        elif kind == "drain":
+            self._command(self.supervisor.stop(msg["shard_id"], "drain requested", drain=True))
+        elif kind == "error":
+            log.error("control plane refused this agent: %s", msg["reason"])
+        return None
+
+    def _command(self, coro: Awaitable[Any]) -> None:
+        # Commands outlive the connection that carried them: a stop keeps
+        # going even if the stream drops while the engine is shutting down.
+        task = asyncio.ensure_future(coro)
+        self._commands.add(task)
+        task.add_done_callback(self._command_done)
+
+    def _command_done(self, task: asyncio.Future[Any]) -> None:
+        self._commands.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("command failed", exc_info=task.exception())

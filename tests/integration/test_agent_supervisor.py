@@ -1,0 +1,334 @@
+"""The supervisor with real engines: the simulator, launched through the real vLLM adapter.
+
+Each test drives one ``Supervisor`` on its own event loop and watches the
+``shard_status`` messages it emits, as the stream would carry them.  Every
+emitted message must pass the stream schema the control plane enforces.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import re
+import signal
+import stat
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from llmgw.agent import procident
+from llmgw.agent.statedir import StateDir
+from llmgw.agent.supervisor import URL_SOURCE_UNAVAILABLE, Supervisor, SupervisorConfig
+from llmgw.config import schema_errors
+
+pytestmark = pytest.mark.integration
+
+WAIT = 90.0  # generous: a loaded 2-core machine must not turn slowness into failure
+SIM = (sys.executable, "-m", "llmgw.sim.engine")
+
+
+def make_spec(shard_id: str, *, timeout: float = 120, env: dict | None = None, gpus=(0,),
+              source: str = "org/tiny", extra_args=()) -> dict:
+    return {
+        "shard_id": shard_id, "replica_id": shard_id.split("/")[0],
+        "model": {"name": "tiny", "source": source, "served_name": "tiny-served"},
+        "profile": {"name": "sim", "engine": "vllm", "tensor_parallel_size": len(gpus), "pipeline_parallel_size": 1,
+                    "nodes": 1, "extra_args": list(extra_args), "env": env or {}, "start_timeout": timeout},
+        "rank": 0, "nnodes": 1, "gpu_indices": list(gpus), "env": {},
+    }
+
+
+class Harness:
+    def __init__(self, tmp_path: Path, command=SIM, stop_grace: float = 15.0, drain_grace: float = 120.0):
+        self.statedir = StateDir(tmp_path / "state")
+        first = random.randrange(30000, 60000, 200)
+        self.config = SupervisorConfig(
+            node_id=f"n-{os.getpid()}", advertise_address="127.0.0.1", engine_bind_host="127.0.0.1",
+            engine_ports=(first, first + 199), engine_commands={"vllm": tuple(command)},
+            model_dir=str(tmp_path / "models"), stop_grace=stop_grace, drain_grace=drain_grace,
+            probe_interval=0.2)
+        self.messages: list[dict] = []
+        self.sup: Supervisor | None = None
+
+    def emit(self, msg: dict) -> None:
+        errors = schema_errors(msg, "stream")
+        assert not errors, f"emitted message fails the stream schema: {errors}: {msg}"
+        self.messages.append(msg)
+
+    def states(self, shard_id: str) -> list[str]:
+        return [m["state"] for m in self.messages if m["shard_id"] == shard_id]
+
+    def last(self, shard_id: str) -> dict:
+        return [m for m in self.messages if m["shard_id"] == shard_id][-1]
+
+    async def until(self, pred, what: str, timeout: float = WAIT) -> None:
+        end = time.monotonic() + timeout
+        while not pred():
+            if time.monotonic() > end:
+                raise AssertionError(f"timed out waiting for {what}; messages: {self.messages}")
+            await asyncio.sleep(0.05)
+
+    async def terminal(self, shard_id: str, timeout: float = WAIT) -> dict:
+        await self.until(lambda: any(s in ("failed", "stopped") for s in self.states(shard_id)),
+                         f"{shard_id} to end", timeout)
+        return self.last(shard_id)
+
+
+def run(tmp_path, body, **kw):
+    async def main():
+        h = Harness(tmp_path, **kw)
+        h.sup = Supervisor(h.config, h.statedir, h.emit)
+        try:
+            await body(h, h.sup)
+        finally:
+            for s in h.sup.live_shards():  # leave nothing running behind a failed assertion
+                if s.launched:
+                    await h.sup.stop(s.shard_id, "test cleanup")
+            await h.sup.detach()
+    asyncio.run(main())
+
+
+def test_start_reaches_ready_through_a_real_completion_and_records_identity(tmp_path):
+    async def body(h, sup):
+        sup.start(make_spec("tiny.sim.1-aa/r0"))
+        await h.until(lambda: "ready" in h.states("tiny.sim.1-aa/r0"), "ready")
+        assert h.states("tiny.sim.1-aa/r0") == ["pending", "starting", "ready"]
+        ready = h.last("tiny.sim.1-aa/r0")
+        pid = ready["process"]["pid"]
+        assert procident.is_running(procident.ProcessIdentity.from_dict(ready["process"]))
+        assert ready["address"] == "127.0.0.1" and h.config.engine_ports[0] <= ready["port"] <= h.config.engine_ports[1]
+        # the engine was started in its own session (a dying agent cannot take it along)
+        st = procident.read_stat(pid)
+        assert st.sid == pid and st.pgid == pid
+        env = procident.read_environ(pid)
+        assert env["LLMGW_SHARD_ID"] == "tiny.sim.1-aa/r0" and env["LLMGW_NODE_ID"] == h.config.node_id
+        assert env["CUDA_VISIBLE_DEVICES"] == "0"
+        # the record holds the full spec and the identity, privately
+        path = h.statedir.record_path("tiny.sim.1-aa/r0")
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        (rec,), _ = h.statedir.load()
+        assert rec.spec == make_spec("tiny.sim.1-aa/r0") and rec.state == "ready"
+        assert rec.process.to_dict() == ready["process"]
+        # output goes to the state dir's log, and the served name came from the model
+        log = h.statedir.log_path("tiny.sim.1-aa/r0").read_text()
+        assert "--served-model-name tiny-served" in log
+        await sup.stop("tiny.sim.1-aa/r0", "done")
+        assert h.states("tiny.sim.1-aa/r0")[-2:] == ["draining", "stopped"]
+        assert not procident.is_running(rec.process)
+        assert h.statedir.load() == ([], [])
+    run(tmp_path, body)
+
+
+def test_healthy_engine_whose_completions_fail_is_never_ready(tmp_path):
+    # /health answers 200 throughout: only a real completion tells the truth.
+    async def body(h, sup):
+        # A start_timeout long enough for the simulator to be serving (and failing) well before it.
+        sup.start(make_spec("tiny.sim.1-bb/r0", timeout=20, env={"LLMGW_SIM_FAULT": "http-500"}))
+        end = await h.terminal("tiny.sim.1-bb/r0")
+        assert "ready" not in h.states("tiny.sim.1-bb/r0")
+        assert end["state"] == "failed"
+        assert "start_timeout (20s)" in end["reason"] and "HTTP 500" in end["reason"]
+    run(tmp_path, body)
+
+
+def test_hanging_engine_fails_at_start_timeout_with_its_output_tail(tmp_path):
+    async def body(h, sup):
+        sup.start(make_spec("tiny.sim.1-cc/r0", timeout=20, env={"LLMGW_SIM_FAULT": "hang"}))
+        await h.until(lambda: "starting" in h.states("tiny.sim.1-cc/r0"), "starting")
+        ident = procident.ProcessIdentity.from_dict(h.last("tiny.sim.1-cc/r0")["process"])
+        end = await h.terminal("tiny.sim.1-cc/r0")
+        assert end["state"] == "failed" and "not ready within start_timeout (20s)" in end["reason"]
+        assert end["output_tail"].strip(), "the failure carries the engine's output"
+        assert "=== llmgw-agent" not in end["output_tail"].split("\n")[0]
+        assert not procident.is_running(ident), "a timed-out engine is killed, not left holding GPUs"
+        assert h.statedir.load() == ([], [])
+    run(tmp_path, body)
+
+
+def test_slow_loading_engine_fails_at_start_timeout(tmp_path):
+    async def body(h, sup):
+        sup.start(make_spec("tiny.sim.1-dd/r0", timeout=3, env={"LLMGW_SIM_STARTUP_DELAY": "600"}))
+        end = await h.terminal("tiny.sim.1-dd/r0")
+        assert end["state"] == "failed" and "start_timeout (3s)" in end["reason"]
+        assert h.states("tiny.sim.1-dd/r0") == ["pending", "starting", "failed"]
+    run(tmp_path, body)
+
+
+def test_exit_during_start_reports_failed_with_the_tail(tmp_path):
+    async def body(h, sup):
+        sup.start(make_spec("tiny.sim.1-ee/r0", env={"LLMGW_SIM_FAULT": "exit-during-start"}))
+        end = await h.terminal("tiny.sim.1-ee/r0")
+        assert end["state"] == "failed"
+        assert end["reason"] == "engine exited with status 1 during start"
+        assert "CUDA out of memory" in end["output_tail"]
+    run(tmp_path, body)
+
+
+def test_engine_dying_while_serving_is_reported_failed(tmp_path):
+    async def body(h, sup):
+        sup.start(make_spec("tiny.sim.1-ff/r0"))
+        await h.until(lambda: "ready" in h.states("tiny.sim.1-ff/r0"), "ready")
+        os.kill(h.last("tiny.sim.1-ff/r0")["process"]["pid"], signal.SIGKILL)
+        end = await h.terminal("tiny.sim.1-ff/r0")
+        assert end["state"] == "failed" and end["reason"] == "engine was killed by SIGKILL while serving"
+    run(tmp_path, body)
+
+
+# An engine whose group leader ignores SIGTERM (the simulator child does not,
+# which is fine: only SIGKILL can end the leader).
+STUBBORN = f"#!/bin/sh\ntrap '' TERM\n{' '.join(SIM)} \"$@\" &\nwhile :; do sleep 1; done\n"
+
+
+def _wrapper(tmp_path: Path) -> Path:
+    """An engine that, like vLLM, has a worker process in its group."""
+    w = tmp_path / "engine-with-worker"
+    w.write_text(f"#!/bin/sh\nsleep 100000 &\necho \"worker pid $!\"\nexec {' '.join(SIM)} \"$@\"\n")
+    w.chmod(0o755)
+    return w
+
+
+def _worker_pid(h: Harness, shard_id: str) -> int:
+    m = re.search(r"worker pid (\d+)", h.statedir.log_path(shard_id).read_text())
+    assert m, "wrapper did not start its worker"
+    return int(m.group(1))
+
+
+def test_stop_kills_the_whole_process_group(tmp_path):
+    async def body(h, sup):
+        sup.start(make_spec("tiny.sim.1-gg/r0"))
+        await h.until(lambda: "ready" in h.states("tiny.sim.1-gg/r0"), "ready")
+        worker = procident.identify(_worker_pid(h, "tiny.sim.1-gg/r0"))
+        assert procident.is_running(worker)
+        await sup.stop("tiny.sim.1-gg/r0", "scale down")
+        assert h.last("tiny.sim.1-gg/r0")["state"] == "stopped"
+        assert not procident.is_running(worker)
+    run(tmp_path, body, command=(str(_wrapper(tmp_path)),))
+
+
+def test_a_crashed_leaders_workers_are_killed_before_failed_is_reported(tmp_path):
+    async def body(h, sup):
+        sup.start(make_spec("tiny.sim.1-hh/r0"))
+        await h.until(lambda: "ready" in h.states("tiny.sim.1-hh/r0"), "ready")
+        worker = procident.identify(_worker_pid(h, "tiny.sim.1-hh/r0"))
+        seen_alive_at_report = []
+        orig = h.emit
+        h.emit = lambda m: (seen_alive_at_report.append(procident.is_running(worker))
+                            if m["state"] == "failed" else None, orig(m))
+        sup.emit = h.emit
+        os.kill(h.last("tiny.sim.1-hh/r0")["process"]["pid"], signal.SIGKILL)
+        await h.terminal("tiny.sim.1-hh/r0")
+        assert seen_alive_at_report == [False], "failed promises free GPUs: the worker must be gone first"
+    run(tmp_path, body, command=(str(_wrapper(tmp_path)),))
+
+
+def test_engine_ignoring_sigterm_is_killed_after_the_grace(tmp_path):
+    stubborn = tmp_path / "stubborn"
+    stubborn.write_text(STUBBORN)
+    stubborn.chmod(0o755)
+
+    async def body(h, sup):
+        sup.start(make_spec("tiny.sim.1-ii/r0"))
+        await h.until(lambda: "ready" in h.states("tiny.sim.1-ii/r0"), "ready")
+        leader = procident.ProcessIdentity.from_dict(h.last("tiny.sim.1-ii/r0")["process"])
+        await sup.stop("tiny.sim.1-ii/r0", "scale down")
+        assert not procident.is_running(leader)
+        assert "engine was killed by SIGKILL; shard stopped" in h.statedir.log_path("tiny.sim.1-ii/r0").read_text()
+        assert h.last("tiny.sim.1-ii/r0")["state"] == "stopped"
+    run(tmp_path, body, command=(str(stubborn),), stop_grace=1.0)
+
+
+def test_stop_during_a_drain_cuts_the_drain_grace_short(tmp_path):
+    stubborn = tmp_path / "stubborn"
+    stubborn.write_text(STUBBORN)
+    stubborn.chmod(0o755)
+
+    async def body(h, sup):
+        sup.start(make_spec("tiny.sim.1-jj/r0"))
+        await h.until(lambda: "ready" in h.states("tiny.sim.1-jj/r0"), "ready")
+        leader = procident.ProcessIdentity.from_dict(h.last("tiny.sim.1-jj/r0")["process"])
+        drain = asyncio.ensure_future(sup.stop("tiny.sim.1-jj/r0", "drain requested", drain=True))
+        await h.until(lambda: "draining" in h.states("tiny.sim.1-jj/r0"), "draining")
+        assert procident.is_running(leader)  # ignores SIGTERM; the drain grace is an hour
+        await sup.stop("tiny.sim.1-jj/r0", "drain took too long")
+        assert not procident.is_running(leader)
+        assert "engine was killed by SIGKILL; shard stopped" in h.statedir.log_path("tiny.sim.1-jj/r0").read_text()
+        assert h.states("tiny.sim.1-jj/r0")[-2:] == ["draining", "stopped"]
+        await drain
+    run(tmp_path, body, command=(str(stubborn),), stop_grace=1.0, drain_grace=3600.0)
+
+
+def test_refusals_before_launch(tmp_path):
+    async def body(h, sup):
+        sup.start(make_spec("a.sim.1-x/r0", source="/nonexistent/weights/dir"))
+        sup.start(make_spec("b.sim.1-x/r0", source="https://example.invalid/w.safetensors", gpus=(1,)))
+        sup.start(make_spec("c.sim.1-x/r0", extra_args=["--port", "9"], gpus=(2,)))
+        for sid in ("a.sim.1-x/r0", "b.sim.1-x/r0", "c.sim.1-x/r0"):
+            await h.terminal(sid)
+            assert h.states(sid) == ["pending", "failed"], "nothing may be launched"
+            assert "process" not in h.last(sid)
+        assert "/nonexistent/weights/dir does not exist" in h.last("a.sim.1-x/r0")["reason"]
+        assert h.last("b.sim.1-x/r0")["reason"] == URL_SOURCE_UNAVAILABLE
+        assert "--port" in h.last("c.sim.1-x/r0")["reason"]
+    run(tmp_path, body)
+
+
+def test_gpu_held_by_a_live_shard_is_not_handed_out_twice(tmp_path):
+    async def body(h, sup):
+        sup.start(make_spec("one.sim.1-x/r0", gpus=(0, 1)))
+        await h.until(lambda: "starting" in h.states("one.sim.1-x/r0"), "first starting")
+        sup.start(make_spec("two.sim.1-x/r0", gpus=(1,)))
+        end = await h.terminal("two.sim.1-x/r0")
+        assert end["state"] == "failed" and "GPU(s) [1] are held by shard(s) one.sim.1-x/r0" in end["reason"]
+        assert "one.sim.1-x/r0" in {s.shard_id for s in sup.live_shards()}
+    run(tmp_path, body)
+
+
+def test_duplicate_start_launches_one_engine_and_stop_of_unknown_is_answered(tmp_path):
+    async def body(h, sup):
+        sup.start(make_spec("dup.sim.1-x/r0"))
+        await h.until(lambda: "ready" in h.states("dup.sim.1-x/r0"), "ready")
+        sup.start(make_spec("dup.sim.1-x/r0"))
+        assert h.states("dup.sim.1-x/r0") == ["pending", "starting", "ready", "ready"]
+        assert len(sup.live_shards()) == 1
+        await sup.stop("never.sim.1-x/r0", "cleanup")
+        assert h.last("never.sim.1-x/r0")["state"] == "stopped"
+    run(tmp_path, body)
+
+
+def test_stop_before_launch_reports_stopped(tmp_path):
+    async def body(h, sup):
+        sup.start(make_spec("early.sim.1-x/r0"))
+        await sup.stop("early.sim.1-x/r0", "changed my mind")  # the lifecycle task has not run yet
+        assert h.states("early.sim.1-x/r0") == ["pending", "stopped"]
+        await asyncio.sleep(0.5)
+        assert h.states("early.sim.1-x/r0") == ["pending", "stopped"]
+        assert h.statedir.load() == ([], [])
+    run(tmp_path, body)
+
+
+def _multinode(spec: dict, rank: int, master_port: int | None = None) -> dict:
+    spec["profile"]["nodes"] = 2
+    spec["profile"]["tensor_parallel_size"] = 2
+    spec.update(nnodes=2, rank=rank, master_addr=None if rank == 0 else "127.0.0.1", master_port=master_port)
+    return spec
+
+
+def test_multi_node_rank0_reports_its_rendezvous_port_and_workers_are_ready_by_liveness(tmp_path):
+    async def body(h, sup):
+        sup.start(_multinode(make_spec("mn.sim.1-x/r0"), 0))
+        await h.until(lambda: "starting" in h.states("mn.sim.1-x/r0"), "rank 0 starting")
+        starting = h.last("mn.sim.1-x/r0")
+        lo, hi = h.config.engine_ports
+        assert lo <= starting["master_port"] <= hi and starting["master_port"] != starting["port"]
+        worker_spec = _multinode(make_spec("mn.sim.1-x/r1", gpus=(1,)), 1, starting["master_port"])
+        sup.start(worker_spec)
+        await h.until(lambda: "ready" in h.states("mn.sim.1-x/r1"), "rank 1 ready")
+        worker = h.last("mn.sim.1-x/r1")
+        assert worker["port"] is None  # headless: serves no HTTP
+        argv = h.statedir.log_path("mn.sim.1-x/r1").read_text()
+        assert "--headless" in argv and f"--master-port {starting['master_port']}" in argv
+        assert f"--master-addr 127.0.0.1" in h.statedir.log_path("mn.sim.1-x/r0").read_text()
+    run(tmp_path, body)
