@@ -91,5 +91,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--config", help="server.yaml (offline mode, with --hardware)")
     p.add_argument("--hardware", nargs="*", default=[], metavar="FILE", help="hardware files (offline mode)")
     p.add_argument("-o", "--output", choices=("text", "json"), default="text")
-    p.set_defaults(func=_cmd_explain)
+    # Online form (`ctl explain MODEL` without --config): ask the running control plane.
+    from llmgw.ctl.fleet import add_connection_args, explain_online
+
+    add_connection_args(p)
+    p.set_defaults(func=_cmd_explain, online_func=explain_online)
     return p

@@ -1,0 +1,188 @@
+"""``/v1/agent/stream``: one authenticated WebSocket per node.
+
+Identity before anything else: the TLS handshake has verified the client
+certificate against the fleet CA; here its role must be ``node`` (an admin
+or role-less certificate is refused before the upgrade) and, once the
+``register`` arrives, its CN must equal the node id claimed, byte for byte.
+Every refusal is logged with its reason and the peer address.
+
+Every message is checked (``messages.parse_up``) before it is used; the
+first bad one closes that agent's stream and nothing else.  Keepalive is
+aiohttp's WebSocket ping every ``keepalive_interval``: a half-open
+connection is closed after one missed pong, well inside the unreachable
+grace, and the node is then simply not connected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from aiohttp import WSCloseCode, WSMsgType, web
+
+from llmgw.controlplane.messages import MAX_MESSAGE, MessageProblem, dumps, parse_up
+from llmgw.controlplane.state import ControlPlane
+from llmgw.tls import IdentityError, PeerIdentity, check_node_identity, peer_identity
+
+log = logging.getLogger("llmgw.controlplane.agents")
+
+STREAM_PATH = "/v1/agent/stream"
+REGISTER_TIMEOUT = 30.0  # seconds an upgraded stream may stay silent before its register
+POLICY_VIOLATION = 1008  # WebSocket close code for refused identity / invalid message
+SEND_QUEUE = 1024  # messages buffered per stream before the stream counts as stuck
+
+
+class StreamSession:
+    """Outbound half of one stream: ordered sends through a queue and one writer task."""
+
+    def __init__(self, ws: web.WebSocketResponse, node_id: str, peer: str | None):
+        self.ws = ws
+        self.node_id = node_id
+        self.peer = peer
+        self.epoch = 0
+        self.queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(maxsize=SEND_QUEUE)
+        self.closing: str | None = None
+        self.close_code: int = WSCloseCode.GOING_AWAY
+        self.writer = asyncio.get_running_loop().create_task(self._write(), name=f"stream writer {node_id}")
+
+    def send(self, msg: dict[str, Any]) -> bool:
+        if self.closing is not None:
+            return False
+        try:
+            self.queue.put_nowait(msg)
+        except asyncio.QueueFull:
+            self.close("send queue full: the agent is not reading")
+            return False
+        return True
+
+    def close(self, reason: str, level: int = logging.INFO, code: int = WSCloseCode.GOING_AWAY) -> None:
+        if self.closing is None:
+            self.closing, self.close_code = reason, code
+            log.log(level, "closing stream of %s (epoch %d): %s", self.node_id, self.epoch, reason)
+            with contextlib.suppress(asyncio.QueueFull):
+                self.queue.put_nowait(None)
+            if self.queue.full():
+                asyncio.get_running_loop().create_task(self.ws.close(code=code))
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                msg = await self.queue.get()
+                if msg is None:
+                    break
+                await self.ws.send_str(dumps(msg))
+        except (ConnectionError, RuntimeError) as e:
+            log.info("stream of %s: send failed: %s", self.node_id, e)
+        finally:
+            if self.closing is not None and not self.ws.closed:
+                await self.ws.close(code=self.close_code, message=self.closing[:120].encode())
+
+    async def stop(self) -> None:
+        self.writer.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self.writer
+
+
+def _peer(request: web.Request) -> str:
+    peer = request.transport.get_extra_info("peername") if request.transport else None
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        return f"{peer[0]}:{peer[1]}"
+    return str(request.remote)
+
+
+def request_identity(request: web.Request) -> PeerIdentity:
+    """The verified client certificate's identity, or ``IdentityError`` (none presented, unparsable)."""
+    ssl_object = request.transport.get_extra_info("ssl_object") if request.transport else None
+    if ssl_object is None:
+        raise IdentityError("the connection is not TLS")
+    return peer_identity(ssl_object)
+
+
+class AgentService:
+    def __init__(self, cp: ControlPlane, require_identity: bool = True):
+        self.cp = cp
+        self.require_identity = require_identity
+
+    async def _refuse(self, ws: web.WebSocketResponse, peer: str, reason: str, claimed: str | None) -> web.WebSocketResponse:
+        log.warning("refused agent stream from %s%s: %s", peer, f" claiming {claimed!r}" if claimed else "", reason)
+        with contextlib.suppress(Exception):
+            await ws.send_str(dumps({"type": "error", "reason": reason}))
+            await ws.close(code=POLICY_VIOLATION, message=reason[:120].encode())
+        return ws
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        peer = _peer(request)
+        identity: PeerIdentity | None = None
+        if self.require_identity:
+            try:
+                identity = request_identity(request)
+                if identity.role != "node":
+                    check_node_identity(identity, identity.name)  # raises with the role's reason
+            except IdentityError as e:
+                log.warning("refused agent stream from %s: %s", peer, e.reason)
+                return web.json_response({"error": e.reason}, status=403)
+
+        ws = web.WebSocketResponse(heartbeat=self.cp.settings.lifecycle.keepalive_interval,
+                                   max_msg_size=MAX_MESSAGE, autoping=True)
+        await ws.prepare(request)
+        try:
+            first = await ws.receive(timeout=REGISTER_TIMEOUT)
+        except asyncio.TimeoutError:
+            return await self._refuse(ws, peer, f"no register within {REGISTER_TIMEOUT:g}s", None)
+        if first.type != WSMsgType.TEXT:
+            return await self._refuse(ws, peer, f"expected a register text frame, got {first.type.name}", None)
+        try:
+            msg = parse_up(first.data)
+        except MessageProblem as e:
+            return await self._refuse(ws, peer, str(e), None)
+        if msg["type"] != "register":
+            return await self._refuse(ws, peer, f"first message must be register, got {msg['type']}", None)
+        node_id = msg["node_id"]
+        if identity is not None:
+            try:
+                check_node_identity(identity, node_id)
+            except IdentityError as e:
+                return await self._refuse(ws, peer, e.reason, node_id)
+
+        session = StreamSession(ws, node_id, peer)
+        epoch = self.cp.register(msg, session, peer)
+        # No await between register and this send: "registered" is the first
+        # thing on the stream, ahead of any start/stop the reconciler queues.
+        session.send({"type": "registered", "epoch": epoch,
+                      "heartbeat_interval": self.cp.settings.lifecycle.heartbeat_interval})
+        reason = "closed by the agent"
+        try:
+            async for raw in ws:
+                if raw.type == WSMsgType.ERROR:
+                    # aiohttp has already closed the stream (1009 for an oversized frame).
+                    reason = f"stream error: {ws.exception()}"
+                    log.warning("closed stream of %s (epoch %d): %s", node_id, epoch, reason)
+                    break
+                try:
+                    m = parse_up(raw.data if raw.type == WSMsgType.TEXT else bytes(raw.data or b""))
+                    if m["type"] == "register":
+                        raise MessageProblem("register may be sent only once per connection")
+                except MessageProblem as e:
+                    reason = str(e)
+                    session.send({"type": "error", "reason": reason[:4096]})
+                    session.close(reason, level=logging.WARNING, code=POLICY_VIOLATION)
+                    break
+                if not self.cp.message(node_id, epoch, m):
+                    reason = "superseded"
+                    break
+            else:
+                if ws.close_code is not None:
+                    reason = f"closed with code {ws.close_code}"
+        finally:
+            self.cp.disconnected(node_id, epoch)
+            if session.closing is not None:
+                # Let the writer flush the error message and close.
+                with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, Exception):
+                    await asyncio.wait_for(asyncio.shield(session.writer), timeout=2.0)
+            await session.stop()
+            if not ws.closed:
+                await ws.close()
+            log.info("stream of %s (epoch %d) ended: %s", node_id, epoch, reason)
+        return ws

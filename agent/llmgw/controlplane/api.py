@@ -1,0 +1,175 @@
+"""The control plane's HTTP API, on the same mutual-TLS port as the agent stream.
+
+Nothing but ``/healthz`` is open.  An operator proves itself with an admin
+certificate or an admin bearer token (only its sha256 is configured).  A
+node certificate is refused here even alongside a valid token: a node that
+could drive the admin API could place work on every other node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from llmgw.controlplane import views
+from llmgw.controlplane.agentservice import STREAM_PATH, AgentService, request_identity
+from llmgw.controlplane.metrics import CONTENT_TYPE, registry_for, render
+from llmgw.controlplane.state import ControlPlane
+from llmgw.tls import IdentityError, check_admin_identity
+
+log = logging.getLogger("llmgw.controlplane.api")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+OPEN_PATHS = frozenset({"/healthz"})
+
+
+def token_digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+class AdminAuth:
+    """Decides whether a request comes from an operator."""
+
+    def __init__(self, cp: ControlPlane, require_identity: bool):
+        self.cp = cp
+        self.require_identity = require_identity
+
+    def check(self, request: web.Request) -> tuple[int, str]:
+        """(0, who) when allowed, else (HTTP status, reason)."""
+        if self.require_identity:
+            try:
+                identity = request_identity(request)
+            except IdentityError:
+                identity = None  # no certificate: a token may still do
+            if identity is not None:
+                try:
+                    check_admin_identity(identity)
+                except IdentityError as e:
+                    return 403, e.reason
+                return 0, f"admin certificate {identity.name!r}"
+        header = request.headers.get("Authorization", "")
+        tokens = self.cp.settings.admin_tokens
+        if header:
+            scheme, _, token = header.partition(" ")
+            if scheme.lower() != "bearer" or not token.strip():
+                return 401, "Authorization must be 'Bearer <admin token>'"
+            digest = token_digest(token.strip())
+            for name, want in tokens:
+                if hmac.compare_digest(digest, want):
+                    return 0, f"admin token {name!r}"
+            return 403, "unknown admin token"
+        if not self.require_identity and not tokens:
+            return 0, "anyone (insecure_no_tls without admin tokens)"
+        return 401, "an admin certificate or an admin bearer token is required"
+
+
+WATCH_HOLD = 25.0  # seconds a watch poll may wait for the startup grace (routers read for 45 s)
+
+
+def grace_aware_watch(cp: ControlPlane, handler: Handler) -> Handler:
+    """The endpoint watch, held back while the control plane is in its startup grace.
+
+    A control plane that has just started knows no replica until agents
+    report, so its endpoint set starts empty and only fills up.  Answering
+    a standalone router with that set would empty the router's table and
+    fail traffic to engines that never stopped serving.  During the grace a
+    poll waits (up to ``WATCH_HOLD``) and is then answered 503, which the
+    router treats as "keep what you have and ask again".
+    """
+
+    async def held(request: web.Request) -> web.StreamResponse:
+        left = cp.settings.lifecycle.startup_grace - (cp.clock() - cp.started_at)
+        if left > 0:
+            await asyncio.sleep(min(left, WATCH_HOLD))
+            left = cp.settings.lifecycle.startup_grace - (cp.clock() - cp.started_at)
+            if left > 0:
+                return web.json_response({"error": f"control plane starting: the endpoint set is not known until "
+                                                   f"agents have reported ({left:.0f}s of startup grace left)"},
+                                         status=503, headers={"Retry-After": str(int(left) + 1)})
+        return await handler(request)
+
+    return held
+
+
+def build_api(cp: ControlPlane, *, require_identity: bool = True,
+              reload: Callable[[], tuple[bool, list[str]]] | None = None,
+              watch_handler: Handler | None = None) -> web.Application:
+    """The aiohttp application: agent stream, admin API, metrics, health."""
+    auth = AdminAuth(cp, require_identity)
+    agents = AgentService(cp, require_identity=require_identity)
+    registry = registry_for(cp)
+
+    @web.middleware
+    async def admin_only(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path in OPEN_PATHS or request.path == STREAM_PATH:
+            return await handler(request)  # the stream checks node identity itself
+        status, who = auth.check(request)
+        if status:
+            log.warning("refused %s %s from %s: %s", request.method, request.path, request.remote, who)
+            headers = {"WWW-Authenticate": 'Bearer realm="llmgw"'} if status == 401 else None
+            return web.json_response({"error": who}, status=status, headers=headers)
+        return await handler(request)
+
+    app = web.Application(middlewares=[admin_only], client_max_size=1 << 20)
+
+    async def healthz(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def nodes(request: web.Request) -> web.Response:
+        return web.json_response(views.nodes_view(cp))
+
+    async def replicas(request: web.Request) -> web.Response:
+        return web.json_response(views.replicas_view(cp))
+
+    async def catalog(request: web.Request) -> web.Response:
+        return web.json_response(views.catalog_view(cp))
+
+    async def explain(request: web.Request) -> web.Response:
+        model = request.match_info["model"]
+        out = views.explain_view(cp, model)
+        if out is None:
+            known = ", ".join(sorted(cp.catalog.models)) or "none"
+            return web.json_response({"error": f"model {model!r} is not in the catalog; known: {known}"}, status=404)
+        return web.json_response(out)
+
+    async def drain(request: web.Request) -> web.Response:
+        rid = request.match_info["replica_id"]
+        try:
+            cp.drain(rid)
+        except KeyError:
+            return web.json_response({"error": f"no replica {rid!r}"}, status=404)
+        except ValueError as e:
+            return web.json_response({"error": str(e)}, status=409)
+        r = cp.reconciler.book.replicas[rid]
+        return web.json_response({"replica": views.replica_view(cp, r, cp.clock())}, status=202)
+
+    async def do_reload(request: web.Request) -> web.Response:
+        if reload is None:
+            return web.json_response({"error": "this control plane was started without a config file"}, status=409)
+        ok, errors = reload()
+        body: dict[str, Any] = {"ok": ok, "errors": errors}
+        if ok:
+            body["catalog"] = views.catalog_view(cp)
+        return web.json_response(body, status=200 if ok else 400)
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=render(registry), headers={"Content-Type": CONTENT_TYPE})
+
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get(STREAM_PATH, agents.handle)
+    app.router.add_get("/v1/nodes", nodes)
+    app.router.add_get("/v1/replicas", replicas)
+    app.router.add_get("/v1/catalog", catalog)
+    app.router.add_get("/v1/explain/{model}", explain)
+    app.router.add_post("/v1/replicas/{replica_id}/drain", drain)
+    app.router.add_post("/v1/reload", do_reload)
+    app.router.add_get("/metrics", metrics)
+    if watch_handler is not None:
+        app.router.add_get("/v1/router/endpoints", grace_aware_watch(cp, watch_handler))
+    return app

@@ -1,0 +1,168 @@
+"""Node lifecycle: ``ready`` -> ``unreachable`` -> ``lost``, decided from silence.
+
+Pure: every function takes ``now`` (monotonic seconds) and returns what
+changed, so the rules below are tested without clocks or sockets.
+
+- A node is ``unreachable`` once it has been silent for ``unreachable_after``.
+  Its replicas stay: its engines may well still serve, and the router talks
+  to them directly.
+- It is ``lost`` once silent for ``lost_after``; only then are its replicas
+  placed elsewhere.
+- A control plane that has just started declares nothing lost before
+  ``startup_grace`` has passed, and silence is never counted from before it
+  started: it cannot tell an agent still backing off from a dead one.
+- When more than ``max_unreachable_share`` of the (not yet lost) fleet is
+  unreachable at once, the fault is far more likely on the control plane's
+  side of the network than on every node at once, so nobody is declared
+  lost until the share falls again (Kubernetes' zone-disruption rule).
+- Replacements of lost nodes' replicas are rate-limited at all times
+  (``ReplacementLimiter``), so a misjudgement moves a few replicas, not all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+
+from llmgw.settings import Lifecycle
+
+
+class NodeState(str, Enum):
+    READY = "ready"
+    UNREACHABLE = "unreachable"
+    LOST = "lost"
+
+
+@dataclass
+class NodeClock:
+    """What the lifecycle knows of one node: when it last spoke, and its state."""
+
+    state: NodeState
+    last_seen: float
+    since: float  # when it entered ``state``
+
+    @classmethod
+    def seen(cls, now: float) -> "NodeClock":
+        return cls(NodeState.READY, now, now)
+
+
+@dataclass(frozen=True)
+class Transition:
+    node_id: str
+    old: NodeState
+    new: NodeState
+    reason: str
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """The outcome of one lifecycle pass."""
+
+    transitions: tuple[Transition, ...] = ()
+    in_grace: bool = False  # the control plane started less than startup_grace ago
+    damped: bool = False  # too many unreachable at once: nothing is declared lost
+    unreachable_share: float = 0.0
+    held: tuple[str, ...] = field(default=())  # nodes past lost_after but not declared lost, and why in ``hold_reason``
+    hold_reason: str | None = None
+
+
+def observe(node_id: str, clock: NodeClock | None, now: float) -> tuple[NodeClock, Transition | None]:
+    """A node spoke (registered, heartbeat, any valid message): it is ready again."""
+    if clock is None:
+        return NodeClock.seen(now), None
+    old = clock.state
+    clock.last_seen = max(clock.last_seen, now)
+    if old is NodeState.READY:
+        return clock, None
+    clock.state, clock.since = NodeState.READY, now
+    return clock, Transition(node_id, old, NodeState.READY, "heard from again")
+
+
+def silence(clock: NodeClock, now: float, started_at: float) -> float:
+    """Seconds without a word, never counted from before the control plane started."""
+    return max(0.0, now - max(clock.last_seen, started_at))
+
+
+def evaluate(
+    clocks: Mapping[str, NodeClock],
+    now: float,
+    started_at: float,
+    timings: Lifecycle,
+) -> Evaluation:
+    """Advance every node's state by its silence; mutates ``clocks`` in place."""
+    transitions: list[Transition] = []
+    in_grace = now - started_at < timings.startup_grace
+    for node_id in sorted(clocks):
+        c = clocks[node_id]
+        quiet = silence(c, now, started_at)
+        if c.state is NodeState.READY and quiet > timings.unreachable_after:
+            transitions.append(Transition(node_id, c.state, NodeState.UNREACHABLE,
+                                          f"silent for {quiet:.1f}s (unreachable_after {timings.unreachable_after:g}s)"))
+            c.state, c.since = NodeState.UNREACHABLE, now
+
+    alive = [c for c in clocks.values() if c.state is not NodeState.LOST]
+    unreachable = sum(1 for c in alive if c.state is NodeState.UNREACHABLE)
+    share = unreachable / len(alive) if alive else 0.0
+    damped = share > timings.max_unreachable_share
+
+    due = [n for n in sorted(clocks)
+           if clocks[n].state is NodeState.UNREACHABLE and silence(clocks[n], now, started_at) > timings.lost_after]
+    hold_reason: str | None = None
+    if due and in_grace:
+        hold_reason = (f"control plane started {now - started_at:.1f}s ago "
+                       f"(startup_grace {timings.startup_grace:g}s): no node is declared lost yet")
+    elif due and damped:
+        hold_reason = (f"{unreachable} of {len(alive)} nodes unreachable at once "
+                       f"({share:.0%} > max_unreachable_share {timings.max_unreachable_share:.0%}): "
+                       "treated as a control-plane-side network fault, no node is declared lost")
+    if hold_reason is None:
+        for node_id in due:
+            c = clocks[node_id]
+            quiet = silence(c, now, started_at)
+            transitions.append(Transition(node_id, c.state, NodeState.LOST,
+                                          f"silent for {quiet:.1f}s (lost_after {timings.lost_after:g}s)"))
+            c.state, c.since = NodeState.LOST, now
+    return Evaluation(
+        transitions=tuple(transitions),
+        in_grace=in_grace,
+        damped=damped,
+        unreachable_share=share,
+        held=tuple(due) if hold_reason else (),
+        hold_reason=hold_reason,
+    )
+
+
+@dataclass
+class ReplacementLimiter:
+    """Token bucket: at most ``per_minute`` replacements in any minute, smoothly refilled."""
+
+    per_minute: int
+    tokens: float = -1.0
+    updated: float = 0.0
+
+    def _refill(self, now: float) -> None:
+        if self.tokens < 0:
+            self.tokens, self.updated = float(self.per_minute), now
+            return
+        elapsed = max(0.0, now - self.updated)
+        self.tokens = min(float(self.per_minute), self.tokens + elapsed * self.per_minute / 60.0)
+        self.updated = now
+
+    def available(self, now: float) -> bool:
+        self._refill(now)
+        return self.tokens >= 1.0
+
+    def take(self, now: float) -> bool:
+        """Spend one replacement if allowed now."""
+        self._refill(now)
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False
+
+    def retune(self, per_minute: int, now: float) -> None:
+        """Apply a reloaded rate without forgetting what was spent."""
+        self._refill(now)
+        self.per_minute = per_minute
+        self.tokens = min(self.tokens, float(per_minute))

@@ -1,0 +1,83 @@
+"""``/metrics``: the fleet as Prometheus sees it, computed at scrape time.
+
+A collector reads the live state on each scrape instead of mirroring it into
+gauges, so a node or replica that is gone is gone from the output too.
+``llmgw_gpu_nvlink_peers`` is per GPU: a flat zero across a fleet means the
+topology is unknown (see ``llmgw_node_nvlink_known``), not absent.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from llmgw.controlplane.lifecycle import NodeState
+from llmgw.controlplane.replicas import ReplicaState
+from llmgw.controlplane.state import ControlPlane
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class FleetCollector(Collector):
+    def __init__(self, cp: ControlPlane):
+        self.cp = cp
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        cp = self.cp
+        book = cp.reconciler.book
+        node_state = GaugeMetricFamily("llmgw_node_state", "1 for the node's current lifecycle state", labels=["node", "state"])
+        connected = GaugeMetricFamily("llmgw_node_connected", "1 while the node's stream is open", labels=["node"])
+        gpus = GaugeMetricFamily("llmgw_node_gpus", "GPUs the node reported", labels=["node"])
+        free = GaugeMetricFamily("llmgw_node_gpus_free", "GPUs no shard holds", labels=["node"])
+        known = GaugeMetricFamily("llmgw_node_nvlink_known", "1 when the node could read its NVLink topology", labels=["node"])
+        peers = GaugeMetricFamily("llmgw_gpu_nvlink_peers", "GPUs of the same node this GPU reaches over NVLink",
+                                  labels=["node", "gpu"])
+        for node_id in sorted(cp.nodes):
+            rec = cp.nodes[node_id]
+            for st in NodeState:
+                node_state.add_metric([node_id, st.value], 1.0 if rec.clock.state is st else 0.0)
+            connected.add_metric([node_id], 1.0 if rec.connected else 0.0)
+            gpus.add_metric([node_id], len(rec.inventory.gpus))
+            claimed = book.claimed(node_id)
+            free.add_metric([node_id], sum(1 for g in rec.inventory.gpus if g.index not in claimed))
+            known.add_metric([node_id], 1.0 if rec.inventory.nvlink_known else 0.0)
+            for g in rec.inventory.gpus:
+                peers.add_metric([node_id, str(g.index)], len(g.nvlink_peers))
+        yield from (node_state, connected, gpus, free, known, peers)
+
+        rstate = GaugeMetricFamily("llmgw_replica_state", "1 for the replica's current state",
+                                   labels=["replica", "model", "profile", "state"])
+        counts = GaugeMetricFamily("llmgw_replicas", "Replicas by state", labels=["model", "profile", "state"])
+        desired = GaugeMetricFamily("llmgw_replicas_desired", "Replicas the catalog declares", labels=["model", "profile"])
+        tally: Counter[tuple[str, str, str]] = Counter()
+        for r in sorted(book.replicas.values(), key=lambda r: r.replica_id):
+            for st in ReplicaState:
+                rstate.add_metric([r.replica_id, r.model, r.profile, st.value], 1.0 if r.state is st else 0.0)
+            tally[(r.model, r.profile, r.state.value)] += 1
+        for dep in cp.catalog.deployments:
+            desired.add_metric([dep.model, dep.profile], dep.replicas)
+            for st in ReplicaState:
+                tally.setdefault((dep.model, dep.profile, st.value), 0)
+        for (m, p, st), n in sorted(tally.items()):
+            counts.add_metric([m, p, st], n)
+        yield from (rstate, counts, desired)
+
+        damped = GaugeMetricFamily("llmgw_fleet_damped", "1 while too many nodes are unreachable to declare any lost")
+        damped.add_metric([], 1.0 if cp.evaluation.damped else 0.0)
+        share = GaugeMetricFamily("llmgw_fleet_unreachable_share", "Share of not-lost nodes that are unreachable")
+        share.add_metric([], cp.evaluation.unreachable_share)
+        yield from (damped, share)
+
+
+def registry_for(cp: ControlPlane) -> CollectorRegistry:
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(FleetCollector(cp))
+    return reg
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    return generate_latest(registry)

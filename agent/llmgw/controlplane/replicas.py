@@ -1,0 +1,229 @@
+"""Replicas and their shards as the control plane believes them to be.
+
+Nothing here is persisted.  After a restart the book is rebuilt from what
+agents report, because only the fleet knows what really runs: a row that
+says "running" can describe a process that died, a report cannot.
+
+A shard holds its GPUs from the moment a ``start`` is dispatched until the
+agent says it is gone (``stopped``/``failed``, or by not reporting it after
+a registration).  ``ReplicaBook.claimed`` is the single answer to "which
+GPUs of this node are taken", and placement only ever sees the rest.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from llmgw.catalog import Model, Profile
+
+# States an agent reports (stream schema).
+PENDING, FETCHING, STARTING, READY, FAILED, DRAINING, STOPPED = (
+    "pending", "fetching", "starting", "ready", "failed", "draining", "stopped")
+RUNNING_STATES = frozenset({PENDING, FETCHING, STARTING, READY, DRAINING})
+ENDED_STATES = frozenset({FAILED, STOPPED})
+# Control-plane-only shard states: not yet sent to an agent (a worker rank
+# waits for rank 0's rendezvous port), or not reported by its agent.
+WAITING, GONE = "waiting", "gone"
+
+
+class ReplicaState(str, Enum):
+    STARTING = "starting"  # placed; not every shard is ready
+    READY = "ready"  # every shard ready (rank 0 answered a completion probe)
+    FAILED = "failed"  # a shard failed or vanished; restarted after backoff
+    STOPPING = "stopping"  # retired: its shards are being stopped
+    DRAINING = "draining"  # retired by an operator: finishing in-flight work
+
+
+def model_to_dict(m: Model) -> dict[str, Any]:
+    return {"name": m.name, "source": m.source, "served_name": m.served_name,
+            "size_bytes": m.size_bytes, "sha256": m.sha256, "max_model_len": m.max_model_len}
+
+
+def profile_to_dict(p: Profile) -> dict[str, Any]:
+    return {"name": p.name, "engine": p.engine, "tensor_parallel_size": p.tensor_parallel_size,
+            "pipeline_parallel_size": p.pipeline_parallel_size, "nodes": p.nodes,
+            "extra_args": list(p.extra_args), "env": dict(p.env), "start_timeout": p.start_timeout,
+            "max_concurrency": p.max_concurrency}
+
+
+def _normal(d: dict[str, Any], template: dict[str, Any]) -> dict[str, Any]:
+    # Optional keys may be absent or null on the wire; both mean "not set".
+    return {k: d.get(k) for k in template}
+
+
+def spec_matches(spec: dict[str, Any], model: Model, profile: Profile) -> bool:
+    """Whether a running shard's spec is what the catalog declares now."""
+    want_m, want_p = model_to_dict(model), profile_to_dict(profile)
+    got_p = _normal(spec.get("profile", {}), want_p)
+    got_p["extra_args"] = list(got_p["extra_args"] or [])
+    got_p["env"] = dict(got_p["env"] or {})
+    return _normal(spec.get("model", {}), want_m) == want_m and got_p == want_p
+
+
+def new_replica_id(model: str, profile: str, slot: int, rand: Callable[[], str] | None = None) -> str:
+    """``<model>.<profile>.<slot>-<random>``: the slot is stable across restarts, the suffix is not."""
+    suffix = rand() if rand else secrets.token_hex(3)
+    return f"{model}.{profile}.{slot}-{suffix}"
+
+
+_SLOT_RE = re.compile(r"(\d{1,6})-[A-Za-z0-9]+")
+
+
+def slot_of(replica_id: str, model: str, profile: str) -> int | None:
+    """The slot encoded in a replica id of this model/profile, if it is one of ours."""
+    prefix = f"{model}.{profile}."
+    if not replica_id.startswith(prefix):
+        return None
+    m = _SLOT_RE.fullmatch(replica_id[len(prefix):])
+    return int(m.group(1)) if m else None
+
+
+def shard_id(replica_id: str, rank: int) -> str:
+    return f"{replica_id}/r{rank}"
+
+
+@dataclass
+class Shard:
+    shard_id: str
+    replica_id: str
+    rank: int
+    node_id: str | None  # None only for a rank of an adopted replica nobody reported yet
+    gpu_indices: tuple[int, ...]
+    spec: dict[str, Any]
+    state: str = WAITING
+    reason: str | None = None
+    output_tail: str | None = None
+    process: dict[str, Any] | None = None
+    port: int | None = None
+    master_port: int | None = None
+    address: str | None = None
+    adopted: bool = False
+    dispatched_at: float | None = None
+    state_since: float = 0.0
+    progress: dict[str, Any] | None = None
+    stop_epoch: int | None = None  # epoch of the node's stream a stop/drain was sent on
+    drain_epoch: int | None = None
+
+    @property
+    def released(self) -> bool:
+        """No longer holds its GPUs: ended, or vanished from its agent's report.
+
+        A worker rank still waiting to be dispatched does hold them: they are
+        promised to it, and handing them to another replica meanwhile would be
+        handing them out twice.
+        """
+        return self.state in ENDED_STATES or self.state == GONE
+
+    @property
+    def on_node(self) -> bool:
+        """Sent to (or reported by) its node and not ended: the agent should know it."""
+        return self.node_id is not None and not self.released and self.state != WAITING
+
+
+@dataclass
+class Replica:
+    replica_id: str
+    model: str
+    profile: str
+    nnodes: int
+    slot: int | None
+    shards: dict[int, Shard]  # by rank
+    created_at: float
+    adopted: bool = False
+    failed_at: float | None = None
+    failure: str | None = None
+    retired: bool = False
+    retire_reason: str | None = None
+    retired_at: float | None = None
+    draining: bool = False
+    ready_since: float | None = None
+    placement_detail: str | None = None
+    restarts: int = 0  # failures of this slot before this replica was placed
+
+    @property
+    def key(self) -> str:
+        return f"{self.model}/{self.profile}"
+
+    @property
+    def complete(self) -> bool:
+        return all(r in self.shards and self.shards[r].node_id is not None for r in range(self.nnodes))
+
+    @property
+    def state(self) -> ReplicaState:
+        if self.retired:
+            return ReplicaState.DRAINING if self.draining else ReplicaState.STOPPING
+        if self.failed_at is not None:
+            return ReplicaState.FAILED
+        if self.complete and all(self.shards[r].state == READY for r in range(self.nnodes)):
+            return ReplicaState.READY
+        return ReplicaState.STARTING
+
+    @property
+    def all_released(self) -> bool:
+        return all(s.released for s in self.shards.values())
+
+    def nodes(self) -> set[str]:
+        return {s.node_id for s in self.shards.values() if s.node_id is not None}
+
+
+@dataclass
+class SlotHistory:
+    """Restart bookkeeping for one slot of one deployment (``model/profile#slot``)."""
+
+    failures: int = 0
+    next_attempt_at: float = 0.0
+    last_failure: dict[str, Any] | None = None  # {replica_id, reason, output_tail, at}
+    needs_replacement_token: bool = False  # its last replica was on a lost node
+
+
+@dataclass
+class ReplicaBook:
+    replicas: dict[str, Replica] = field(default_factory=dict)
+    # Shards running on a node that belong to no replica we keep: stopped, and
+    # their GPUs counted as taken until the agent says they are gone.
+    strays: dict[tuple[str, str], Shard] = field(default_factory=dict)
+    slots: dict[tuple[str, int], SlotHistory] = field(default_factory=dict)
+
+    def all_shards(self) -> Iterator[Shard]:
+        for r in self.replicas.values():
+            yield from r.shards.values()
+        yield from self.strays.values()
+
+    def shards_on(self, node_id: str) -> list[Shard]:
+        return [s for s in self.all_shards() if s.node_id == node_id]
+
+    def find(self, node_id: str, sid: str) -> Shard | None:
+        """The shard ``sid`` as believed to run on ``node_id`` (None if elsewhere or unknown)."""
+        for s in self.all_shards():
+            if s.shard_id == sid and s.node_id == node_id:
+                return s
+        return None
+
+    def claimed(self, node_id: str) -> dict[int, str]:
+        """GPU index -> shard id holding it, on ``node_id``."""
+        out: dict[int, str] = {}
+        for s in self.all_shards():
+            if s.node_id == node_id and not s.released:
+                for g in s.gpu_indices:
+                    out.setdefault(g, s.shard_id)
+        return out
+
+    def double_claims(self) -> list[tuple[str, int, list[str]]]:
+        """(node, gpu, shard ids) for every GPU more than one live shard holds."""
+        seen: dict[tuple[str, int], list[str]] = {}
+        for s in self.all_shards():
+            if s.node_id is not None and not s.released:
+                for g in s.gpu_indices:
+                    seen.setdefault((s.node_id, g), []).append(s.shard_id)
+        return [(n, g, ids) for (n, g), ids in sorted(seen.items()) if len(ids) > 1]
+
+    def slot(self, key: str, slot: int) -> SlotHistory:
+        return self.slots.setdefault((key, slot), SlotHistory())
+
+    def live(self) -> list[Replica]:
+        return [r for r in self.replicas.values() if not r.retired]

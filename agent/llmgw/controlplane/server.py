@@ -1,0 +1,188 @@
+"""``llmgw server``: the control plane and, in the same process, the router.
+
+One mutual-TLS listener carries the agent stream and the admin API; the
+router listens on its own port and is fed the rank-0 endpoints of Ready
+replicas whenever they change.  SIGHUP (or ``POST /v1/reload``) re-reads
+``server.yaml``; a file that fails validation is refused, logged with
+every error, and the running catalog stays in force.
+
+Identity is on by default: without a ``tls`` section the server refuses to
+start unless ``insecure_no_tls`` is set, and then says so loudly at every
+start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from llmgw.config import ConfigInvalid
+from llmgw.controlplane.api import build_api
+from llmgw.controlplane.state import ControlPlane
+from llmgw.settings import ServerSettings, load_server_settings
+
+log = logging.getLogger("llmgw.controlplane")
+
+
+class StartupRefused(Exception):
+    """The server will not start; the message says why and what to change."""
+
+
+def tls_context(settings: ServerSettings):
+    """The API's SSL context, or None in (explicitly) insecure mode; ``StartupRefused`` otherwise."""
+    if settings.tls is None:
+        if not settings.insecure_no_tls:
+            raise StartupRefused("no tls section in server.yaml: the agent stream and the API require mutual TLS "
+                                 "(set insecure_no_tls: true only for development)")
+        for line in ("*** insecure_no_tls is set: the API and agent stream run WITHOUT TLS ***",
+                     "*** node identities are NOT checked; any client can register as any node ***",
+                     "*** development only: never run a fleet like this ***"):
+            log.warning(line)
+        return None
+    if settings.insecure_no_tls:
+        log.warning("insecure_no_tls is set but a tls section is present: TLS and identity stay on")
+    from llmgw.tls import TLSConfigError, server_context
+    from llmgw.tls.files import private_mode_problem
+
+    key = Path(settings.tls.key)
+    if key.is_file():
+        problem = private_mode_problem(key)
+        if problem:
+            raise StartupRefused(f"tls.key: {problem}")
+    try:
+        # Client certificates are optional at the handshake so an operator can
+        # use a bearer token; a certificate that is presented is still verified,
+        # and the stream refuses any connection without a node certificate.
+        return server_context(settings.tls.ca, settings.tls.cert, settings.tls.key, require_client_cert=False)
+    except TLSConfigError as e:
+        raise StartupRefused(f"tls: {e}") from e
+
+
+class RouterHook:
+    """The in-process router, when ``llmgw.router`` is available; endpoint updates go to its table."""
+
+    def __init__(self, settings: ServerSettings):
+        self.table: Any = None
+        self.app: web.Application | None = None
+        self.watch_handler: Any = None
+        self.router_settings: Any = None
+        self._endpoint_cls: Any = None
+        self._runner_kwargs: dict[str, Any] = {}
+        try:
+            from llmgw.router.app import RUNNER_KWARGS, build_app
+            from llmgw.router.endpoints import Endpoint, EndpointTable
+            from llmgw.router.settings import RouterSettings
+            from llmgw.router.watch import endpoints_watch_handler
+        except ImportError as e:
+            log.warning("router not available (%s): endpoints are tracked but not served", e)
+            return
+        self.table = EndpointTable()
+        self._endpoint_cls = Endpoint
+        self._runner_kwargs = dict(RUNNER_KWARGS)
+        self.watch_handler = endpoints_watch_handler(self.table)
+        if settings.router is not None:
+            self.router_settings = RouterSettings.from_config(settings.router, source="server.yaml /router")
+            if self.router_settings.workers > 1:
+                log.warning("router.workers is %d: the in-process router runs one worker; run `llmgw router` "
+                            "processes against the watch API to scale out", self.router_settings.workers)
+            self.app = build_app(self.router_settings, self.table)
+
+    def update(self, eps: list[dict[str, Any]]) -> None:
+        if self.table is None:
+            return
+        self.table.replace([self._endpoint_cls(**e) for e in eps])
+
+    async def start(self) -> web.AppRunner | None:
+        if self.app is None:
+            return None
+        rs = self.router_settings
+        runner = web.AppRunner(self.app, shutdown_timeout=rs.timeouts.shutdown_grace, **self._runner_kwargs)
+        await runner.setup()
+        site = web.TCPSite(runner, rs.host, rs.port, backlog=rs.backlog, reuse_address=True)
+        await site.start()
+        for sock in getattr(site._server, "sockets", None) or ():  # port 0: say which one we got
+            host, port = sock.getsockname()[:2]
+            log.info("router listening on http://%s:%d", host, port)
+        return runner
+
+
+def reloader(cp: ControlPlane, path: str | None) -> Callable[[], tuple[bool, list[str]]]:
+    def reload() -> tuple[bool, list[str]]:
+        if path is None:
+            return False, ["started without a config file: nothing to reload"]
+        try:
+            new = load_server_settings(path)
+        except ConfigInvalid as e:
+            errors = [str(x) for x in e.errors]
+            log.error("reload refused, the running catalog stays in force:\n%s", e)
+            return False, errors
+        cp.apply_settings(new, path)
+        return True, []
+    return reload
+
+
+async def serve(settings: ServerSettings, config_path: str | None = None,
+                stop: asyncio.Event | None = None) -> None:
+    """Run until ``stop`` is set (or SIGTERM/SIGINT)."""
+    ssl_ctx = tls_context(settings)
+    cp = ControlPlane(settings, config_path)
+    router = RouterHook(settings)
+    cp.on_endpoints(router.update)
+    reload = reloader(cp, config_path)
+    app = build_api(cp, require_identity=ssl_ctx is not None, reload=reload, watch_handler=router.watch_handler)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.api_host, settings.api_port, ssl_context=ssl_ctx, reuse_address=True)
+    await site.start()
+    scheme = "https" if ssl_ctx is not None else "http"
+    log.info("control plane listening on %s://%s:%d (agent stream at /v1/agent/stream); pid %d",
+             scheme, settings.api_host, settings.api_port, os.getpid())
+    router_runner = await router.start()
+
+    loop = asyncio.get_running_loop()
+    stop = stop or asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, lambda: (log.info("SIGHUP: reloading %s", config_path), reload()))
+    lc = settings.lifecycle
+    log.info("lifecycle: heartbeat %gs, keepalive %gs, unreachable after %gs, lost after %gs, startup grace %gs",
+             lc.heartbeat_interval, lc.keepalive_interval, lc.unreachable_after, lc.lost_after, lc.startup_grace)
+    ticker = asyncio.create_task(cp.run(), name="reconcile loop")
+    try:
+        await stop.wait()
+    finally:
+        log.info("stopping; engines keep running and agents reconnect to the next control plane")
+        ticker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await ticker
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.remove_signal_handler(sig)
+        for s in list(cp.sessions.values()):
+            s.close("control plane shutting down")
+        if router_runner is not None:
+            await router_runner.cleanup()
+        await runner.cleanup()
+
+
+def run_server(settings: ServerSettings, config_path: str | None = None) -> int:
+    """Blocking entry point; returns the process exit status."""
+    try:
+        asyncio.run(serve(settings, config_path))
+    except StartupRefused as e:
+        log.error("refusing to start: %s", e)
+        return 2
+    except ConfigInvalid as e:
+        log.error("refusing to start:\n%s", e)
+        return 2
+    except OSError as e:
+        log.error("cannot listen on %s:%d: %s", settings.api_host, settings.api_port, e.strerror or e)
+        return 1
+    return 0

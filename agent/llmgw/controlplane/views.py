@@ -1,0 +1,184 @@
+"""What the API shows: nodes, replicas, the catalog and placement explanations, as JSON.
+
+Times inside the control plane are monotonic; people get ages in seconds
+("how long ago"), which mean the same thing on any clock.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from llmgw.catalog import Catalog
+from llmgw.controlplane.reconciler import capacities, placement_request
+from llmgw.controlplane.replicas import Replica, Shard, model_to_dict, profile_to_dict
+from llmgw.controlplane.state import ControlPlane
+from llmgw.placement import format_result, place_many
+
+
+def _ago(now: float, t: float | None) -> float | None:
+    return None if t is None else round(max(0.0, now - t), 3)
+
+
+def nodes_view(cp: ControlPlane) -> dict[str, Any]:
+    now = cp.clock()
+    book = cp.reconciler.book
+    out = []
+    for node_id in sorted(cp.nodes):
+        rec = cp.nodes[node_id]
+        claimed = book.claimed(node_id)
+        gpus = [{"index": g.index, "name": g.name, "memory_bytes": g.memory_bytes, "uuid": g.uuid,
+                 "nvlink_peers": list(g.nvlink_peers), "shard": claimed.get(g.index)} for g in rec.inventory.gpus]
+        out.append({
+            "node_id": node_id,
+            "state": rec.clock.state.value,
+            "state_for_s": _ago(now, rec.clock.since),
+            "reason": rec.last_reason,
+            "connected": rec.connected,
+            "epoch": rec.epoch,
+            "last_seen_s": _ago(now, rec.clock.last_seen),
+            "address": rec.address,
+            "agent_version": rec.agent_version,
+            "boot_id": rec.boot_id,
+            "registrations": rec.registrations,
+            "gpus_total": len(gpus),
+            "gpus_free": sum(1 for g in gpus if g["shard"] is None),
+            "gpus": gpus,
+            "nvlink_known": rec.inventory.nvlink_known,
+            "fabrics": [f.to_dict() for f in rec.inventory.fabrics],
+            "hardware": rec.inventory.to_dict(),
+        })
+    ev = cp.evaluation
+    grace_left = max(0.0, cp.settings.lifecycle.startup_grace - (now - cp.started_at))
+    return {"nodes": out, "fleet": {
+        "startup_grace_left_s": round(grace_left, 3),
+        "unreachable_share": round(ev.unreachable_share, 4),
+        "damped": ev.damped,
+        "hold_reason": ev.hold_reason,
+    }}
+
+
+def shard_view(s: Shard, now: float) -> dict[str, Any]:
+    return {
+        "shard_id": s.shard_id,
+        "rank": s.rank,
+        "node_id": s.node_id,
+        "gpus": list(s.gpu_indices),
+        "state": s.state,
+        "state_for_s": _ago(now, s.state_since),
+        "reason": s.reason,
+        "output_tail": s.output_tail,
+        "pid": (s.process or {}).get("pid"),
+        "process": s.process,
+        "port": s.port,
+        "master_port": s.master_port,
+        "address": s.address,
+        "adopted": s.adopted,
+        "progress": None if s.progress is None else {k: v for k, v in s.progress.items() if k != "at"},
+    }
+
+
+def replica_view(cp: ControlPlane, r: Replica, now: float) -> dict[str, Any]:
+    book = cp.reconciler.book
+    hist = book.slots.get((r.key, r.slot)) if r.slot is not None else None
+    r0 = r.shards.get(0)
+    endpoint = None
+    if r0 is not None and r0.port and r0.node_id and not r0.released:
+        host = r0.address or (cp.nodes[r0.node_id].address if r0.node_id in cp.nodes else None)
+        endpoint = f"http://{host}:{r0.port}" if host else None
+    return {
+        "replica_id": r.replica_id,
+        "model": r.model,
+        "profile": r.profile,
+        "slot": r.slot,
+        "state": r.state.value,
+        "reason": r.failure if r.failed_at is not None else r.retire_reason,
+        "adopted": r.adopted,
+        "age_s": _ago(now, r.created_at),
+        "ready_for_s": _ago(now, r.ready_since),
+        "restarts": r.restarts,
+        "placement": r.placement_detail,
+        "endpoint": endpoint,
+        "retry_in_s": (round(max(0.0, hist.next_attempt_at - now), 3)
+                       if hist is not None and r.failed_at is not None else None),
+        "last_failure": None if hist is None or hist.last_failure is None else {
+            **{k: v for k, v in hist.last_failure.items() if k != "at"},
+            "ago_s": _ago(now, hist.last_failure.get("at"))},
+        "shards": [shard_view(r.shards[k], now) for k in sorted(r.shards)],
+    }
+
+
+def replicas_view(cp: ControlPlane) -> dict[str, Any]:
+    now = cp.clock()
+    book = cp.reconciler.book
+    reps = sorted(book.replicas.values(), key=lambda r: (r.model, r.profile, r.slot if r.slot is not None else -1,
+                                                         r.retired, r.replica_id))
+    return {
+        "replicas": [replica_view(cp, r, now) for r in reps],
+        "unplaced": [{"model": k.split("/")[0], "profile": k.split("/")[1], "slot": slot, "reason": why,
+                      "last_failure": (lambda h: None if h is None or h.last_failure is None else {
+                          k2: v for k2, v in h.last_failure.items() if k2 != "at"})(book.slots.get((k, slot)))}
+                     for (k, slot), why in sorted(cp.unplaced.items())],
+        "stopping_unrecognised": [shard_view(s, now) for s in book.strays.values()],
+    }
+
+
+def catalog_view(cp: ControlPlane) -> dict[str, Any]:
+    cat: Catalog = cp.catalog
+    return {
+        "source": cp.loaded.source,
+        "loaded_ago_s": round(max(0.0, time.time() - cp.loaded.loaded_at), 3),
+        "models": [model_to_dict(m) for m in cat.models.values()],
+        "profiles": [profile_to_dict(p) for p in cat.profiles.values()],
+        "deployments": [{"model": d.model, "profile": d.profile, "replicas": d.replicas} for d in cat.deployments],
+    }
+
+
+def explain_view(cp: ControlPlane, model: str) -> dict[str, Any] | None:
+    """Where each declared replica of ``model`` runs, or where it would go and why not.
+
+    Slots that have a replica say where it is; empty slots are placed, in
+    order, on what is free now, exactly as the reconciler would do it.
+    """
+    cat = cp.catalog
+    deps = [d for d in cat.deployments if model in (d.model, cat.models[d.model].served_name)]
+    if not deps and model not in cat.models:
+        return None
+    book = cp.reconciler.book
+    views = cp.node_views()
+    report: list[dict[str, Any]] = []
+    pending = []
+    for dep in deps:
+        live = {r.slot: r for r in book.live() if (r.model, r.profile) == (dep.model, dep.profile)}
+        for slot in range(dep.replicas):
+            label = f"{dep.key}#{slot}"
+            r = live.get(slot)
+            if r is not None:
+                where = "; ".join(f"r{s.rank} on {s.node_id} GPUs {','.join(map(str, s.gpu_indices))} ({s.state})"
+                                  for s in sorted(r.shards.values(), key=lambda s: s.rank))
+                report.append({"replica": label, "placed": True, "running": r.replica_id, "state": r.state.value,
+                               "text": f"{dep.key}: running as {r.replica_id} ({r.state.value}): {where}",
+                               "placement": None, "reason": None, "nodes": []})
+            else:
+                pending.append((label, dep))
+    if pending:
+        requests = [placement_request(cat, dep, cp.settings.memory_headroom) for _, dep in pending]
+        results = place_many(requests, capacities(book, views))
+        for (label, dep), req, res in zip(pending, requests, results):
+            slot = int(label.rsplit("#", 1)[1])
+            held = cp.unplaced.get((dep.key, slot))
+            report.append({
+                "replica": label,
+                "placed": res.ok,
+                "running": None,
+                "state": None,
+                "text": format_result(res, req) + (f"\n  (now: {held})" if held else ""),
+                "placement": None if res.placement is None else {
+                    "rule": res.placement.rule, "detail": res.placement.detail, "fabric": res.placement.fabric,
+                    "shards": [{"node": s.node_id, "rank": s.rank, "gpus": list(s.gpu_indices), "env": s.env}
+                               for s in res.placement.shards]},
+                "reason": res.reason,
+                "held": held,
+                "nodes": [{"node": v.node_id, "ok": v.ok, "reason": v.reason} for v in res.verdicts],
+            })
+    return {"model": model, "replicas": report}

@@ -1,0 +1,283 @@
+"""``llmgw ctl nodes | replicas | drain`` and the online ``ctl explain MODEL``.
+
+A synchronous httpx client to the control-plane API, authenticated with an
+admin certificate (``--cert/--key``) or an admin token (``--token``), the
+server verified against the fleet CA (``--ca``).  Every flag has an
+environment variable (``LLMGW_URL``, ``LLMGW_CA``, ``LLMGW_CERT``,
+``LLMGW_KEY``, ``LLMGW_TOKEN``) so scripts and shells set them once.
+
+Tables are for people; ``-o json`` prints the API's answer unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import httpx
+
+ENV = {"url": "LLMGW_URL", "ca": "LLMGW_CA", "cert": "LLMGW_CERT", "key": "LLMGW_KEY", "token": "LLMGW_TOKEN"}
+
+
+class CtlError(Exception):
+    """Printed as ``llmgw ctl: <message>``; exit status 1."""
+
+
+# ----------------------------------------------------------------- the client
+
+def add_connection_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("control plane")
+    g.add_argument("--url", help=f"control-plane API, e.g. https://cp.example:8443 (env {ENV['url']})")
+    g.add_argument("--ca", help=f"fleet CA certificate to verify the server (env {ENV['ca']})")
+    g.add_argument("--cert", help=f"admin client certificate (env {ENV['cert']})")
+    g.add_argument("--key", help=f"admin client key (env {ENV['key']})")
+    g.add_argument("--token", help=f"admin bearer token instead of a certificate (env {ENV['token']})")
+    g.add_argument("--timeout", type=float, default=30.0, help="seconds per request (default 30)")
+
+
+def _opt(args: argparse.Namespace, name: str) -> str | None:
+    value = getattr(args, name, None)
+    return value if value else os.environ.get(ENV[name]) or None
+
+
+def make_client(args: argparse.Namespace) -> httpx.Client:
+    url = _opt(args, "url")
+    if not url:
+        raise CtlError(f"no control plane: pass --url or set {ENV['url']}")
+    ca, cert, key, token = (_opt(args, n) for n in ("ca", "cert", "key", "token"))
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    verify: Any = True
+    if url.startswith("https://"):
+        if (cert is None) != (key is None):
+            raise CtlError("--cert and --key go together")
+        if ca is None:
+            raise CtlError(f"--ca (or {ENV['ca']}) is required: the server is verified against the fleet CA only")
+        from llmgw.tls import TLSConfigError, client_context
+
+        try:
+            verify = client_context(ca, cert, key)
+        except TLSConfigError as e:
+            raise CtlError(str(e)) from e
+    if cert is None and token is None:
+        raise CtlError("no credentials: pass --cert/--key (admin certificate) or --token")
+    return httpx.Client(base_url=url.rstrip("/"), verify=verify, headers=headers,
+                        timeout=float(getattr(args, "timeout", 30.0)))
+
+
+def request(args: argparse.Namespace, method: str, path: str) -> Any:
+    with make_client(args) as client:
+        try:
+            resp = client.request(method, path)
+        except httpx.HTTPError as e:
+            raise CtlError(f"cannot reach {client.base_url}: {type(e).__name__}: {e}") from e
+    try:
+        body = resp.json()
+    except ValueError:
+        body = None
+    if resp.status_code >= 400:
+        detail = body.get("error") if isinstance(body, dict) else None
+        if isinstance(body, dict) and body.get("errors"):
+            detail = (detail + "\n" if detail else "") + "\n".join(f"  {e}" for e in body["errors"])
+        raise CtlError(f"{method} {path}: HTTP {resp.status_code}: {detail or resp.text[:500]}")
+    return body
+
+
+# ------------------------------------------------------------------ formatting
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    cells = [[("-" if c is None else str(c)) for c in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*headers).rstrip()] + [fmt.format(*r).rstrip() for r in cells]
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None:
+        return "?"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def human_age(s: float | None) -> str:
+    if s is None:
+        return "-"
+    s = float(s)
+    if s < 90:
+        return f"{s:.0f}s"
+    if s < 5400:
+        return f"{s / 60:.0f}m"
+    if s < 172800:
+        return f"{s / 3600:.0f}h"
+    return f"{s / 86400:.0f}d"
+
+
+def progress_line(p: dict[str, Any]) -> str:
+    """"downloading SRC: 1.2 GiB of 4.0 GiB (30%) at 110.0 MiB/s"; no percentage without a length."""
+    done, total, rate = p.get("bytes_done"), p.get("bytes_total"), p.get("rate_bps")
+    what = p.get("file") or p.get("source")
+    if total:
+        amount = f"{human_bytes(done)} of {human_bytes(total)} ({100 * (done or 0) / total:.0f}%)"
+    else:
+        amount = f"{human_bytes(done)} so far"
+    speed = f" at {human_bytes(rate)}/s" if rate else ""
+    return f"downloading {what}: {amount}{speed}"
+
+
+def tail_lines(tail: str | None, limit: int = 20) -> list[str]:
+    if not tail:
+        return []
+    lines = tail.rstrip("\n").splitlines()
+    shown = lines[-limit:]
+    head = [f"      | ... ({len(lines) - limit} earlier lines)"] if len(lines) > limit else []
+    return head + [f"      | {line}" for line in shown]
+
+
+def format_nodes(doc: dict[str, Any]) -> list[str]:
+    rows = []
+    for n in doc.get("nodes", []):
+        rows.append([n["node_id"], n["state"] + ("" if n["connected"] else " (disconnected)"),
+                     f"{n['gpus_free']}/{n['gpus_total']}", n.get("address"), n.get("agent_version"),
+                     human_age(n.get("last_seen_s")), n.get("epoch")])
+    out = table(["NODE", "STATE", "GPUS FREE", "ADDRESS", "AGENT", "LAST SEEN", "EPOCH"], rows)
+    for n in doc.get("nodes", []):
+        if n["state"] != "ready" and n.get("reason"):
+            out.append(f"{n['node_id']}: {n['state']} ({n['reason']})")
+    fleet = doc.get("fleet", {})
+    if fleet.get("hold_reason"):
+        out.append(f"note: {fleet['hold_reason']}")
+    elif fleet.get("startup_grace_left_s"):
+        out.append(f"note: control plane started recently; nothing new is placed and no node is declared lost "
+                   f"for another {fleet['startup_grace_left_s']:.0f}s")
+    if not doc.get("nodes"):
+        out.append("(no node has registered)")
+    return out
+
+
+def format_replicas(doc: dict[str, Any]) -> list[str]:
+    rows = []
+    for r in doc.get("replicas", []):
+        nodes = sorted({s["node_id"] for s in r["shards"] if s.get("node_id")})
+        rows.append([r["replica_id"], f"{r['model']}/{r['profile']}", r["state"], ",".join(nodes) or "-",
+                     r.get("endpoint"), r.get("restarts"), human_age(r.get("age_s"))])
+    header = table(["REPLICA", "MODEL/PROFILE", "STATE", "NODES", "ENDPOINT", "RESTARTS", "AGE"], rows)
+    out = [header[0]]
+    for line, r in zip(header[1:], doc.get("replicas", [])):
+        out.append(line)
+        if r.get("reason"):
+            retry = f" (next attempt in {r['retry_in_s']:.0f}s)" if r.get("retry_in_s") is not None else ""
+            out.append(f"    {r['state']}: {r['reason']}{retry}")
+        for s in r["shards"]:
+            gpus = ",".join(map(str, s.get("gpus") or [])) or "-"
+            bits = [f"  r{s['rank']}", s.get("node_id") or "(not reported)", f"GPUs {gpus}", s["state"]]
+            if s.get("pid"):
+                bits.append(f"pid {s['pid']}")
+            if s.get("port"):
+                bits.append(f"port {s['port']}")
+            if s.get("adopted"):
+                bits.append("adopted")
+            out.append("  " + "  ".join(bits))
+            if s.get("reason") and s["state"] not in ("ready",):
+                out.append(f"      reason: {s['reason']}")
+            if s.get("progress"):
+                out.append(f"      {progress_line(s['progress'])}")
+            out.extend(tail_lines(s.get("output_tail")))
+        lf = r.get("last_failure")
+        if lf and r["state"] != "failed" and lf.get("replica_id") != r["replica_id"]:
+            out.append(f"    last failure ({lf.get('replica_id')}, {human_age(lf.get('ago_s'))} ago): {lf.get('reason')}")
+    for u in doc.get("unplaced", []):
+        out.append(f"{u['model']}/{u['profile']}#{u['slot']}: not placed: {u['reason']}")
+        lf = u.get("last_failure")
+        if lf:
+            out.append(f"    last failure ({lf.get('replica_id')}): {lf.get('reason')}")
+            out.extend(tail_lines(lf.get("output_tail")))
+    for s in doc.get("stopping_unrecognised", []):
+        out.append(f"stopping unrecognised shard {s['shard_id']} on {s['node_id']}: {s.get('reason')}")
+    if not doc.get("replicas") and not doc.get("unplaced"):
+        out.append("(no replicas)")
+    return out
+
+
+def format_explain(doc: dict[str, Any]) -> list[str]:
+    out = []
+    for item in doc.get("replicas", []):
+        out.append(f"{item['replica']}:")
+        out.extend(f"  {line}" for line in item["text"].splitlines())
+    if not doc.get("replicas"):
+        out.append(f"{doc.get('model')}: no deployment declares it")
+    return out
+
+
+# ------------------------------------------------------------------- commands
+
+def _emit(args: argparse.Namespace, doc: Any, fmt: Callable[[Any], list[str]]) -> None:
+    if getattr(args, "output", "text") == "json":
+        json.dump(doc, sys.stdout, indent=2)
+        print()
+    else:
+        print("\n".join(fmt(doc)))
+
+
+def _guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except CtlError as e:
+            print(f"llmgw ctl: {e}", file=sys.stderr)
+            return 1
+    return run
+
+
+@_guard
+def cmd_nodes(args: argparse.Namespace) -> int:
+    _emit(args, request(args, "GET", "/v1/nodes"), format_nodes)
+    return 0
+
+
+@_guard
+def cmd_replicas(args: argparse.Namespace) -> int:
+    _emit(args, request(args, "GET", "/v1/replicas"), format_replicas)
+    return 0
+
+
+@_guard
+def cmd_drain(args: argparse.Namespace) -> int:
+    doc = request(args, "POST", f"/v1/replicas/{args.replica}/drain")
+    _emit(args, doc, lambda d: [f"{args.replica}: draining; a replacement is placed as soon as GPUs allow"])
+    return 0
+
+
+@_guard
+def explain_online(args: argparse.Namespace) -> int:
+    """``ctl explain MODEL`` against the running control plane."""
+    if not args.model:
+        raise CtlError("explain: give a MODEL (online), or --config and --hardware (offline)")
+    from urllib.parse import quote
+
+    doc = request(args, "GET", f"/v1/explain/{quote(args.model, safe='')}")
+    _emit(args, doc, format_explain)
+    return 0 if all(r.get("placed") for r in doc.get("replicas", [])) else 3
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("nodes", help="nodes, their lifecycle state and free GPUs")
+    add_connection_args(p)
+    p.add_argument("-o", "--output", choices=("text", "json"), default="text")
+    p.set_defaults(func=cmd_nodes)
+
+    p = subparsers.add_parser("replicas", help="replicas with their shards, failures and download progress")
+    add_connection_args(p)
+    p.add_argument("-o", "--output", choices=("text", "json"), default="text")
+    p.set_defaults(func=cmd_replicas)
+
+    p = subparsers.add_parser("drain", help="take a replica out of the router, stop it and replace it")
+    p.add_argument("replica", metavar="REPLICA", help="replica id (see ctl replicas)")
+    add_connection_args(p)
+    p.add_argument("-o", "--output", choices=("text", "json"), default="text")
+    p.set_defaults(func=cmd_drain)

@@ -1,0 +1,390 @@
+"""A whole fleet on one machine, as real processes: CA, control plane, agents, engines.
+
+    with Fleet(tmp_path, nodes={"node-a": 1, "node-b": 1}, replicas=1) as f:
+        f.start()
+        f.wait_ready(1)
+        ...
+
+- the PKI is real (``llmgw.tls``): a CA, a server certificate for 127.0.0.1,
+  one node certificate per agent, an admin certificate and an admin token;
+- ``llmgw server`` and each ``llmgw agent`` run as ``python -m llmgw ...``
+  with output to a log file (never a pipe);
+- engines are the simulator, launched by the agents through the real vLLM
+  adapter.  Each fleet runs its own copy of the simulator script, and every
+  engine carries its node id in its environment, so cleanup can find
+  exactly this fleet's engines and nothing else;
+- tests poll the admin API for conditions with generous timeouts, never
+  sleep-and-hope.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import httpx
+import yaml
+
+from llmgw.hardware.types import GPU, HardwareInventory
+from llmgw.tls import init_ca, issue_admin, issue_node, issue_server
+from llmgw.tls.context import client_context
+from llmgw.tls.files import write_pair
+
+WAIT = 120.0  # generous: a loaded 2-core machine must not turn slowness into failure
+SIM_SCRIPT = Path(sys.executable).parent / "llmgw-engine-sim"
+ADMIN_TOKEN = "test-admin-token-" + "x" * 16
+GIB = 1 << 30
+
+# Short lifecycle timings so a test sees unreachable/lost in seconds.
+FAST_LIFECYCLE = {"heartbeat_interval": 0.5, "keepalive_interval": 1.0, "unreachable_after": 3.0,
+                  "lost_after": 6.0, "startup_grace": 4.0, "max_unreachable_share": 0.55,
+                  "replacements_per_minute": 30}
+
+
+def until(pred: Callable[[], Any], what: str, timeout: float = WAIT,
+          on_timeout: Callable[[], str] = lambda: "", interval: float = 0.1) -> Any:
+    """Poll ``pred`` until it returns something truthy; fail naming ``what``."""
+    end = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got:
+            return got
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}\n{on_timeout()}")
+        time.sleep(interval)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------- PKI
+
+@dataclass
+class Pki:
+    dir: Path
+    ca: Any
+    server: tuple[Path, Path]
+    admin: tuple[Path, Path]
+
+    @property
+    def ca_cert(self) -> Path:
+        return self.ca.cert_path
+
+    def node(self, node_id: str) -> tuple[Path, Path]:
+        return write_pair(self.dir / f"node-{node_id}", *issue_node(self.ca, node_id))
+
+    def admin_context(self) -> ssl.SSLContext:
+        return client_context(self.ca_cert, *self.admin)
+
+
+def make_pki(root: Path, hosts: tuple[str, ...] = ("localhost",), ips: tuple[str, ...] = ("127.0.0.1",)) -> Pki:
+    ca = init_ca(root / "ca")
+    server = write_pair(root / "server", *issue_server(ca, list(hosts), list(ips)))
+    admin = write_pair(root / "admin", *issue_admin(ca, "operator"))
+    return Pki(root, ca, server, admin)
+
+
+# ------------------------------------------------------------------ processes
+
+def hardware_file(path: Path, node_id: str, gpus: int) -> Path:
+    inv = HardwareInventory(node_id=node_id, gpu_source="simulated", gpus=tuple(
+        GPU(i, f"GPU-{node_id}-{i:02d}", "Simulated H100 80GB", 80 * GIB, f"00000000:{0x10 + i:02X}:00.0",
+            nvlink_peers=tuple(j for j in range(gpus) if j != i)) for i in range(gpus)))
+    path.write_text(yaml.safe_dump(inv.to_dict()))
+    return path
+
+
+class Proc:
+    """A ``python -m llmgw ...`` process with its output in a file."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path, cwd: Path):
+        self.name, self.argv, self.log_path, self.cwd = name, argv, log_path, cwd
+        self.proc: subprocess.Popen | None = None
+        self.lives = 0
+        self.stopped = False
+
+    def start(self) -> "Proc":
+        self.lives += 1
+        with open(self.log_path, "ab") as log:
+            log.write(f"----- {self.name} life {self.lives}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, cwd=self.cwd)
+        self.stopped = False
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+        if sig == signal.SIGSTOP:
+            self.stopped = True
+        elif sig == signal.SIGCONT:
+            self.stopped = False
+
+    def kill(self) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGKILL)  # type: ignore[union-attr]
+            self.proc.wait(WAIT)  # type: ignore[union-attr]
+
+    def terminate(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        if self.stopped:
+            self.proc.send_signal(signal.SIGCONT)
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(WAIT)
+
+    def output(self, last: int = 30000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-last:]
+        except FileNotFoundError:
+            return ""
+
+    def life_output(self) -> str:
+        """Output of the current life only."""
+        text = self.output(last=10_000_000)
+        marker = f"----- {self.name} life {self.lives}\n"
+        return text[text.rfind(marker):] if marker in text else text
+
+
+def llmgw_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "llmgw", "--log-level", "DEBUG", *args]
+
+
+# ---------------------------------------------------------------------- fleet
+
+class Fleet:
+    def __init__(self, root: Path, nodes: dict[str, int], replicas: int = 1, *,
+                 lifecycle: dict[str, float] | None = None, restart: dict[str, float] | None = None,
+                 profile: dict[str, Any] | None = None, router: bool = False,
+                 pki: Pki | None = None, api_host: str = "127.0.0.1", stream_host: str = "127.0.0.1"):
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self.pki = pki or make_pki(root / "pki")
+        self.port = free_port()
+        self.router_port = free_port() if router else None
+        self.url = f"https://{api_host}:{self.port}"
+        self.stream_url = f"wss://{stream_host}:{self.port}/v1/agent/stream"
+        self.sim = root / "engine-sim"
+        shutil.copy(SIM_SCRIPT, self.sim)
+        self.sim.chmod(0o755)
+        self.suffix = f"{os.getpid()}-{random.randrange(1 << 20):05x}"
+        self.node_ids = {name: f"{name}-{self.suffix}" for name in nodes}
+        self.gpus = nodes
+        self.config: dict[str, Any] = {
+            "api": {"listen": {"host": "127.0.0.1", "port": self.port},
+                    "admin_tokens": [{"name": "tests", "sha256": _sha256(ADMIN_TOKEN)}]},
+            "tls": {"ca": str(self.pki.ca_cert), "cert": str(self.pki.server[0]), "key": str(self.pki.server[1])},
+            "lifecycle": {**FAST_LIFECYCLE, **(lifecycle or {})},
+            "restart": {"backoff_initial": 0.5, "backoff_max": 2.0, **(restart or {})},
+            "models": [{"name": "tiny", "source": "org/tiny"}],
+            "profiles": [{"name": "sim", "engine": "vllm", "start_timeout": 60, **(profile or {})}],
+            "deployments": [{"model": "tiny", "profile": "sim", "replicas": replicas}],
+        }
+        if router:
+            self.config["router"] = {"listen": {"host": "127.0.0.1", "port": self.router_port},
+                                     "allow_unauthenticated": True}
+        self.config_path = root / "server.yaml"
+        self.write_config()
+        self.server = Proc("server", llmgw_argv("server", "--config", str(self.config_path)),
+                           root / "server.log", root)
+        self.agents: dict[str, Proc] = {}
+        for name, gpus in nodes.items():
+            self.agents[name] = self._agent(name, gpus)
+        self.extra: list[Proc] = []
+
+    # -- setup ---------------------------------------------------------------
+    def write_config(self, doc: dict[str, Any] | None = None) -> None:
+        self.config_path.write_text(yaml.safe_dump(doc if doc is not None else self.config))
+
+    def _agent(self, name: str, gpus: int) -> Proc:
+        node_id = self.node_ids[name]
+        d = self.root / name
+        d.mkdir(exist_ok=True)
+        crt, key = self.pki.node(node_id)
+        first = random.randrange(30000, 60000, 100)
+        cfg = {
+            "node_id": node_id,
+            "control_plane": {"url": self.stream_url, "reconnect_initial": 0.2, "reconnect_max": 1.0},
+            "tls": {"ca": str(self.pki.ca_cert), "cert": str(crt), "key": str(key)},
+            "state_dir": str(d / "state"),
+            "advertise_address": "127.0.0.1",
+            "engine_bind_host": "127.0.0.1",
+            "engine_ports": {"first": first, "last": first + 99},
+            "discovery": {"gpus": "simulated", "hardware_file": str(hardware_file(d / "hardware.yaml", node_id, gpus)),
+                          "sysfs_root": str(d / "no-sysfs")},
+            "engines": {"vllm": [str(self.sim)]},
+        }
+        (d / "agent.yaml").write_text(yaml.safe_dump(cfg))
+        return Proc(f"agent {name}", llmgw_argv("agent", "--config", str(d / "agent.yaml")), d / "agent.log", d)
+
+    def start(self, agents: bool = True) -> "Fleet":
+        self.server.start()
+        self.wait_healthy()
+        if agents:
+            for a in self.agents.values():
+                a.start()
+        return self
+
+    def __enter__(self) -> "Fleet":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for p in [*self.extra, *self.agents.values(), self.server]:
+            p.terminate()
+        for pid in self.engine_pids():
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+    # -- API -----------------------------------------------------------------
+    def client(self, token: str | None = None, cert: tuple[Path, Path] | None = None) -> httpx.Client:
+        """An API client: admin certificate by default, or ``token``/``cert`` as given."""
+        if token is None and cert is None:
+            cert = self.pki.admin
+        ctx = client_context(self.pki.ca_cert, *cert) if cert else client_context(self.pki.ca_cert)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return httpx.Client(base_url=self.url, verify=ctx, headers=headers, timeout=30.0)
+
+    def get(self, path: str) -> Any:
+        with self.client() as c:
+            r = c.get(path)
+            r.raise_for_status()
+            return r.json()
+
+    def try_get(self, path: str) -> Any | None:
+        try:
+            return self.get(path)
+        except (httpx.HTTPError, OSError):
+            return None
+
+    def wait_healthy(self) -> None:
+        def ok() -> bool:
+            if not self.server.alive():
+                raise AssertionError(f"control plane exited\n{self.server.output()}")
+            return self.try_get("/healthz") is not None
+        until(ok, "control plane /healthz", on_timeout=self.server.output)
+
+    def replicas(self) -> dict[str, Any]:
+        return self.get("/v1/replicas")
+
+    def nodes(self) -> dict[str, dict[str, Any]]:
+        return {n["node_id"]: n for n in self.get("/v1/nodes")["nodes"]}
+
+    def ready_replicas(self) -> list[dict[str, Any]]:
+        doc = self.try_get("/v1/replicas")
+        return [] if doc is None else [r for r in doc["replicas"] if r["state"] == "ready"]
+
+    def wait_ready(self, count: int, timeout: float = WAIT, extra: Callable[[list[dict]], bool] | None = None
+                   ) -> list[dict[str, Any]]:
+        def done():
+            ready = self.ready_replicas()
+            if len(ready) == count and (extra is None or extra(ready)):
+                return ready
+            return None
+        return until(done, f"{count} replica(s) ready", timeout, on_timeout=self.dump)
+
+    def dump(self) -> str:
+        parts = [f"--- replicas ---\n{json.dumps(self.try_get('/v1/replicas'), indent=1)[:6000]}",
+                 f"--- server ---\n{self.server.output(12000)}"]
+        for name, a in self.agents.items():
+            parts.append(f"--- agent {name} ---\n{a.output(6000)}")
+        return "\n".join(parts)
+
+    def ctl(self, *args: str, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
+        """``llmgw ctl ARGS`` with the admin certificate from the environment."""
+        e = {**os.environ, "LLMGW_URL": self.url, "LLMGW_CA": str(self.pki.ca_cert),
+             "LLMGW_CERT": str(self.pki.admin[0]), "LLMGW_KEY": str(self.pki.admin[1]), **(env or {})}
+        res = subprocess.run([sys.executable, "-m", "llmgw", "ctl", *args], env=e, capture_output=True,
+                             text=True, timeout=WAIT)
+        if check and res.returncode != 0:
+            raise AssertionError(f"ctl {' '.join(args)} exited {res.returncode}\n{res.stdout}\n{res.stderr}")
+        return res
+
+    # -- engines -------------------------------------------------------------
+    def engine_pids(self) -> list[int]:
+        """Process-group leaders of this fleet's engines (found by node id in their environment)."""
+        ours = {v.encode() for v in self.node_ids.values()}
+        out = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            pid = int(entry)
+            try:
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                if os.getpgid(pid) != pid:
+                    continue
+            except OSError:
+                continue
+            for item in env:
+                if item.startswith(b"LLMGW_NODE_ID=") and item.split(b"=", 1)[1] in ours:
+                    if any(i.startswith(b"LLMGW_SHARD_ID=") for i in env):
+                        out.append(pid)
+                    break
+        return sorted(out)
+
+
+def _sha256(s: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(s.encode()).hexdigest()
+
+
+def process_start_time(pid: int) -> int | None:
+    """Field 22 of /proc/<pid>/stat (clock ticks after boot): with the pid, a process's identity."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2:].split()[19])
+
+
+def shard_identities(doc: dict[str, Any]) -> dict[str, tuple[str, int, int]]:
+    """shard id -> (node, pid, start time) for every shard that reports a process."""
+    out = {}
+    for r in doc["replicas"]:
+        for s in r["shards"]:
+            if s.get("process"):
+                out[s["shard_id"]] = (s["node_id"], s["process"]["pid"], s["process"]["start_time"])
+    return out
+
+
+def gpu_owners(doc: dict[str, Any]) -> dict[tuple[str, int], list[str]]:
+    """(node, gpu) -> shards holding it, for shards not ended."""
+    owners: dict[tuple[str, int], list[str]] = {}
+    for r in doc["replicas"]:
+        for s in r["shards"]:
+            if s["state"] not in ("failed", "stopped", "gone") and s.get("node_id"):
+                for g in s["gpus"]:
+                    owners.setdefault((s["node_id"], g), []).append(s["shard_id"])
+    return owners

@@ -1,0 +1,209 @@
+"""The control plane restarting, with real agents and engines that keep running.
+
+The control plane persists nothing dynamic; everything it knows after a
+restart comes from what agents report.  These tests prove that a restart
+costs the fleet nothing: no engine restarted, none orphaned, no GPU handed
+out twice, and no live node declared lost.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from fleet import WAIT, Fleet, Proc, free_port, gpu_owners, llmgw_argv, process_start_time, shard_identities, until
+
+pytestmark = pytest.mark.integration
+
+LOAD_PROFILE = {"env": {"LLMGW_SIM_TOKEN_LATENCY": "0.02"}}
+
+
+class StreamingLoad:
+    """Threads streaming completions through a router until stopped, counting outcomes."""
+
+    def __init__(self, url: str, threads: int = 2):
+        self.url = url
+        self.ok = 0
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
+
+    def _one(self, client: httpx.Client) -> None:
+        body = {"model": "tiny", "prompt": "count", "max_tokens": 8, "stream": True}
+        chunks = 0
+        with client.stream("POST", f"{self.url}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
+            done = False
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    if "error" in json.loads(line[6:]):
+                        raise RuntimeError(f"in-band error: {line[:300]}")
+                    chunks += 1
+            if not done or chunks == 0:
+                raise RuntimeError(f"stream ended early after {chunks} chunk(s)")
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=60) as client:
+            while not self._stop.is_set():
+                try:
+                    self._one(client)
+                    with self._lock:
+                        self.ok += 1
+                except Exception as e:  # every failure is a finding
+                    with self._lock:
+                        self.failures.append(f"{type(e).__name__}: {e}")
+
+    def start(self) -> "StreamingLoad":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(WAIT)
+
+    def count(self) -> int:
+        with self._lock:
+            return self.ok
+
+
+def standalone_router(f: Fleet) -> tuple[Proc, int]:
+    """``llmgw router`` fed by the control plane's watch API with the admin certificate."""
+    port = free_port()
+    cfg = {"listen": {"host": "127.0.0.1", "port": port}, "allow_unauthenticated": True,
+           "control_plane": {"url": f.url, "ca": str(f.pki.ca_cert), "cert": str(f.pki.admin[0]),
+                             "key": str(f.pki.admin[1])}}
+    path = f.root / "router.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = Proc("router", llmgw_argv("router", "--config", str(path)), f.root / "router.log", f.root)
+    f.extra.append(proc)
+    return proc.start(), port
+
+
+def router_endpoints(port: int) -> int | None:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).json()["endpoints"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return None
+
+
+def engine_gpus(pid: int) -> tuple[str, str] | None:
+    """(node id, CUDA_VISIBLE_DEVICES) from an engine's own environment."""
+    try:
+        env = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
+    except OSError:
+        return None
+    return env.get("LLMGW_NODE_ID", "?"), env.get("CUDA_VISIBLE_DEVICES", "?")
+
+
+def test_control_plane_sigkilled_under_streaming_load_restarts_no_engine(tmp_path):
+    with Fleet(tmp_path, nodes={"a": 2, "b": 1}, replicas=3, router=True, profile=LOAD_PROFILE,
+               lifecycle={"startup_grace": 6.0}) as f:
+        f.start()
+        before_doc = {"replicas": f.wait_ready(3)}
+        before = shard_identities(before_doc)
+        assert len(before) == 3
+        for node, pid, start in before.values():
+            assert process_start_time(pid) == start, "the reported identity is the live process's"
+        router, rport = standalone_router(f)
+        until(lambda: router_endpoints(rport) == 3, "the standalone router to learn 3 endpoints",
+              on_timeout=router.output)
+
+        load = StreamingLoad(f"http://127.0.0.1:{rport}").start()
+        until(lambda: load.count() >= 5, "streams flowing before the kill", on_timeout=router.output)
+        f.server.kill()  # SIGKILL: no goodbye to anyone
+        killed_at = load.count()
+        for a in f.agents.values():
+            until(lambda a=a: "stream closed" in a.life_output(), f"{a.name} to notice", on_timeout=a.output)
+        until(lambda: load.count() >= killed_at + 5, "streams served while the control plane is down",
+              on_timeout=router.output)
+        f.server.start()
+        f.wait_healthy()
+        after_doc = {"replicas": f.wait_ready(3, extra=lambda rs: all(
+            s.get("process") for r in rs for s in r["shards"]))}
+        until(lambda: f.try_get("/v1/nodes") and f.get("/v1/nodes")["fleet"]["startup_grace_left_s"] == 0,
+              "the startup grace to end")
+        # Past the grace the reconciler acts freely: still nothing to do.
+        after_doc = {"replicas": f.wait_ready(3)}
+        until(lambda: router_endpoints(rport) == 3, "the router to follow the new control plane",
+              on_timeout=router.output)
+        resumed_at = load.count()
+        until(lambda: load.count() >= resumed_at + 5, "streams after the restart", on_timeout=router.output)
+        load.stop()
+
+        assert load.failures == [], load.failures[:10]
+        after = shard_identities(after_doc)
+        assert after == before, "0 engines restarted: same shards, same pid and start time"
+        assert all(s["adopted"] for r in after_doc["replicas"] for s in r["shards"])
+        assert sorted(r["replica_id"] for r in after_doc["replicas"]) == sorted(
+            r["replica_id"] for r in before_doc["replicas"])
+        assert sorted(f.engine_pids()) == sorted(pid for _, pid, _ in after.values()), "0 orphaned engines"
+        doc = f.replicas()
+        assert all(len(v) == 1 for v in gpu_owners(doc).values()), gpu_owners(doc)
+        assert all(n["gpus_free"] == 0 for n in f.nodes().values()), "adopted engines' GPUs are reclaimed"
+        seen: set[tuple[str, str]] = set()
+        for pid in f.engine_pids():
+            node_gpus = engine_gpus(pid)
+            assert node_gpus is not None and node_gpus not in seen, f"GPU {node_gpus} handed out twice"
+            seen.add(node_gpus)
+        life2 = f.server.life_output()
+        assert ": placed (" not in life2 and "stopping" not in life2, life2[-5000:]
+        assert "rebuilt from" in life2
+        # The in-process router of the new control plane serves too.
+        r = httpx.post(f"http://127.0.0.1:{f.router_port}/v1/completions",
+                       json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"]
+
+
+def test_restarted_control_plane_does_not_declare_live_nodes_lost(tmp_path):
+    # The grace is longer than lost_after, so silence alone would be enough
+    # to declare a node lost; right after a start it must not be.
+    with Fleet(tmp_path, nodes={"a": 1, "b": 1, "c": 1}, replicas=2,
+               lifecycle={"startup_grace": 20.0, "unreachable_after": 2.0, "lost_after": 4.0}) as f:
+        f.start()
+        ready = f.wait_ready(2)
+        before = shard_identities({"replicas": ready})
+        busy = sorted({node for node, _, _ in before.values()})
+        by_id = {f.node_ids[name]: a for name, a in f.agents.items()}
+        across, after_register = by_id[busy[0]], by_id[busy[1]]
+        # One agent is silent across the restart: the new control plane has never heard of it.
+        across.signal(signal.SIGSTOP)
+        f.server.kill()
+        f.server.start()
+        f.wait_healthy()
+        # The other registers, then falls silent: known, then unreachable, then past lost_after.
+        until(lambda: f.nodes().get(busy[1], {}).get("connected"), f"{busy[1]} to register",
+              on_timeout=f.dump)
+        after_register.signal(signal.SIGSTOP)
+        silent_since = time.monotonic()
+        until(lambda: f.nodes()[busy[1]]["state"] == "unreachable", f"{busy[1]} unreachable", on_timeout=f.dump)
+        until(lambda: time.monotonic() - silent_since > 4.0 + 1.0 and f.try_get("/v1/nodes"),
+              "lost_after to pass in silence", interval=0.2)
+        nodes = f.get("/v1/nodes")
+        assert nodes["fleet"]["startup_grace_left_s"] > 0, "the check must happen inside the grace"
+        assert {n["node_id"]: n["state"] for n in nodes["nodes"]}[busy[1]] == "unreachable"
+        assert busy[0] not in {n["node_id"] for n in nodes["nodes"]}
+        assert "startup_grace" in (nodes["fleet"]["hold_reason"] or ""), nodes["fleet"]
+        across.signal(signal.SIGCONT)
+        after_register.signal(signal.SIGCONT)
+        after = f.wait_ready(2, extra=lambda rs: shard_identities({"replicas": rs}) == before)
+        assert sorted(r["replica_id"] for r in after) == sorted(r["replica_id"] for r in ready)
+        until(lambda: f.get("/v1/nodes")["fleet"]["startup_grace_left_s"] == 0, "the grace to end")
+        assert shard_identities(f.replicas()) == before
+        assert all(n["state"] == "ready" and n["connected"] for n in f.nodes().values())
+        life2 = f.server.life_output()
+        assert "-> lost" not in life2, life2[-4000:]
+        assert ": placed (" not in life2, "nothing was placed while live nodes were still to report"
+        assert f"not declaring {busy[1]} lost" in life2

@@ -1,0 +1,74 @@
+"""``llmgw ctl`` tables: what an operator reads for each replica and node state."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from llmgw.ctl.fleet import CtlError, format_nodes, format_replicas, make_client, progress_line
+
+
+def shard(**kw):
+    base = {"shard_id": "tiny.sim.0-aa/r0", "rank": 0, "node_id": "gpu-1", "gpus": [0, 1], "state": "ready",
+            "reason": None, "output_tail": None, "pid": 4242, "port": 20001, "adopted": False, "progress": None}
+    return {**base, **kw}
+
+
+def replica(**kw):
+    base = {"replica_id": "tiny.sim.0-aa", "model": "tiny", "profile": "sim", "slot": 0, "state": "ready",
+            "reason": None, "adopted": False, "age_s": 75, "restarts": 0, "endpoint": "http://10.0.0.1:20001",
+            "retry_in_s": None, "last_failure": None, "shards": [shard()]}
+    return {**base, **kw}
+
+
+def test_downloading_replica_gets_a_progress_line_and_no_invented_percentage():
+    doc = {"replicas": [replica(state="starting", shards=[shard(state="fetching", progress={
+        "source": "https://h/m.gguf", "file": "m.gguf", "bytes_done": 3 << 30, "bytes_total": 12 << 30,
+        "rate_bps": 100 << 20})])]}
+    lines = format_replicas(doc)
+    assert lines[0].split()[:3] == ["REPLICA", "MODEL/PROFILE", "STATE"]
+    (prog,) = [line for line in lines if "downloading" in line]
+    assert prog.strip() == "downloading m.gguf: 3.0 GiB of 12.0 GiB (25%) at 100.0 MiB/s"
+    assert progress_line({"source": "s", "bytes_done": 5 << 20, "bytes_total": None}) == "downloading s: 5.0 MiB so far"
+
+
+def test_failed_replica_shows_reason_retry_and_output_tail():
+    tail = "".join(f"line {i}\n" for i in range(30))
+    doc = {"replicas": [replica(state="failed", reason="shard r0 on gpu-1 failed: not ready within start_timeout (5s)",
+                                retry_in_s=12.2, shards=[shard(state="failed", reason="not ready within start_timeout (5s)",
+                                                               output_tail=tail)])]}
+    text = "\n".join(format_replicas(doc))
+    assert "failed: shard r0 on gpu-1 failed: not ready within start_timeout (5s) (next attempt in 12s)" in text
+    assert "reason: not ready within start_timeout (5s)" in text
+    assert "| line 29" in text and "| line 10" in text and "| line 9\n" not in text
+    assert "(10 earlier lines)" in text
+
+
+def test_unplaced_slot_and_nodes_notes():
+    doc = {"replicas": [], "unplaced": [{"model": "tiny", "profile": "sim", "slot": 1,
+                                         "reason": "no placement for tiny/sim (1 GPU on one node): 1 node: 1 lost",
+                                         "last_failure": {"replica_id": "tiny.sim.1-bb", "reason": "node gpu-2 lost"}}]}
+    text = "\n".join(format_replicas(doc))
+    assert "tiny/sim#1: not placed: no placement" in text and "node gpu-2 lost" in text
+    nodes = {"nodes": [{"node_id": "gpu-2", "state": "lost", "connected": False, "gpus_free": 8, "gpus_total": 8,
+                        "address": "10.0.0.2", "agent_version": "0.1.0", "last_seen_s": 130, "epoch": 3,
+                        "reason": "silent for 121.0s (lost_after 120s)"}],
+             "fleet": {"hold_reason": None, "startup_grace_left_s": 0}}
+    text = "\n".join(format_nodes(nodes))
+    assert "lost (disconnected)" in text and "gpu-2: lost (silent for 121.0s (lost_after 120s))" in text
+
+
+def test_client_requires_url_ca_and_credentials(monkeypatch):
+    for k in ("LLMGW_URL", "LLMGW_CA", "LLMGW_CERT", "LLMGW_KEY", "LLMGW_TOKEN"):
+        monkeypatch.delenv(k, raising=False)
+    ns = argparse.Namespace(url=None, ca=None, cert=None, key=None, token=None, timeout=5)
+    with pytest.raises(CtlError, match="--url"):
+        make_client(ns)
+    ns.url = "https://cp:8443"
+    with pytest.raises(CtlError, match="--ca"):
+        make_client(ns)
+    monkeypatch.setenv("LLMGW_CA", "/nonexistent/ca.crt")
+    ns.token = "t"
+    with pytest.raises(CtlError, match="does not exist"):
+        make_client(ns)

@@ -1,0 +1,174 @@
+"""The control plane's glue without sockets: epochs, dispatch, endpoints, reload."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from llmgw.config import ConfigInvalid
+from llmgw.controlplane.messages import MessageProblem, parse_up
+from llmgw.controlplane.state import ControlPlane
+from llmgw.hardware.types import GPU, HardwareInventory
+from llmgw.settings import parse_server_settings
+
+GIB = 1 << 30
+
+
+def settings(replicas: int = 1, **lifecycle: float):
+    return parse_server_settings({
+        "api": {"listen": {"port": 8443}},
+        "insecure_no_tls": True,
+        "lifecycle": {"heartbeat_interval": 1, "keepalive_interval": 1, "unreachable_after": 3,
+                      "lost_after": 6, "startup_grace": 0, **lifecycle},
+        "models": [{"name": "tiny", "source": "org/tiny"}],
+        "profiles": [{"name": "sim", "engine": "vllm"}],
+        "deployments": [{"model": "tiny", "profile": "sim", "replicas": replicas}],
+    })
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class FakeSession:
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.sent: list[dict[str, Any]] = []
+        self.closed: str | None = None
+
+    def send(self, msg: dict[str, Any]) -> bool:
+        if self.closed:
+            return False
+        self.sent.append(msg)
+        return True
+
+    def close(self, reason: str) -> None:
+        self.closed = reason
+
+
+def register(node_id: str, shards: list | None = None) -> dict[str, Any]:
+    hw = HardwareInventory(node_id=node_id, gpu_source="simulated",
+                           gpus=(GPU(0, "GPU-0", "Sim", 80 * GIB, "00000000:01:00.0"),)).to_dict()
+    msg = {"type": "register", "node_id": node_id, "agent_version": "t", "boot_id": "b", "address": "10.0.0.9",
+           "hardware": hw, "shards": shards or []}
+    assert parse_up(__import__("json").dumps(msg)) == msg
+    return msg
+
+
+def test_a_new_registration_supersedes_and_voids_the_old_stream():
+    clock = Clock()
+    cp = ControlPlane(settings(), clock=clock)
+    old, new = FakeSession(), FakeSession()
+    e1 = cp.register(register("n1"), old)
+    cp.tick()
+    (start,) = [m for m in old.sent if m["type"] == "start"]
+    sid = start["spec"]["shard_id"]
+    e2 = cp.register(register("n1", [{"spec": start["spec"], "state": "starting"}]), new)
+    assert e2 > e1 and old.closed and "superseded" in old.closed
+    # A late "failed" on the old stream changes nothing...
+    assert cp.message("n1", e1, {"type": "shard_status", "shard_id": sid, "state": "failed"}) is False
+    cp.disconnected("n1", e1)
+    assert cp.nodes["n1"].connected is True and cp.nodes["n1"].epoch == e2
+    (r,) = cp.reconciler.book.replicas.values()
+    assert r.shards[0].state == "starting"
+    # ...while the current stream is heard.
+    assert cp.message("n1", e2, {"type": "shard_status", "shard_id": sid, "state": "ready", "port": 20001})
+    cp.tick()
+    assert r.state.value == "ready"
+    assert new.sent == [], "nothing restarted or stopped on reconnect"
+
+
+def test_endpoints_follow_ready_replicas():
+    clock = Clock()
+    cp = ControlPlane(settings(), clock=clock)
+    seen: list[list[dict]] = []
+    cp.on_endpoints(seen.append)
+    s = FakeSession()
+    e = cp.register(register("n1"), s)
+    cp.tick()
+    sid = next(m for m in s.sent if m["type"] == "start")["spec"]["shard_id"]
+    cp.message("n1", e, {"type": "shard_status", "shard_id": sid, "state": "ready", "port": 20001,
+                         "address": "10.0.0.9"})
+    cp.tick()
+    assert seen[0] == [] and seen[-1][0]["url"] == "http://10.0.0.9:20001"
+    assert seen[-1][0]["model"] == "tiny" and seen[-1][0]["draining"] is False
+    cp.message("n1", e, {"type": "shard_status", "shard_id": sid, "state": "failed", "reason": "boom"})
+    cp.tick()
+    assert seen[-1] == []
+
+
+def test_silence_makes_a_node_unreachable_then_lost_unless_the_whole_fleet_is_silent():
+    clock = Clock()
+    cp = ControlPlane(settings(replicas=0), clock=clock)
+    e1 = cp.register(register("n1"), FakeSession())
+    e2 = cp.register(register("n2"), FakeSession())
+    cp.disconnected("n1", e1)
+    for _ in range(7):
+        clock.t += 1
+        cp.message("n2", e2, {"type": "heartbeat", "seq": 1})
+        cp.tick()
+        if clock.t == 1004:
+            assert cp.nodes["n1"].clock.state.value == "unreachable"
+    assert cp.nodes["n1"].clock.state.value == "lost"
+    cp.register(register("n1"), FakeSession())
+    assert cp.nodes["n1"].clock.state.value == "ready"
+    # Everybody silent at once: unreachable, but nobody is declared lost.
+    clock.t += 30
+    cp.tick()
+    assert {n.clock.state.value for n in cp.nodes.values()} == {"unreachable"}
+    assert cp.evaluation.damped
+
+
+def test_reloaded_settings_apply_and_scale_down_stops_surplus():
+    clock = Clock()
+    cp = ControlPlane(settings(replicas=1), clock=clock)
+    s = FakeSession()
+    cp.register(register("n1"), s)
+    cp.tick()
+    cp.apply_settings(settings(replicas=0), "server.yaml")
+    cp.tick()
+    assert [m["type"] for m in s.sent] == ["start", "stop"]
+
+
+@pytest.mark.parametrize("data, needle", [
+    (b"\x00", "binary frame"),
+    ("[1, 2]", "not a JSON object"),
+    ('{"type": "start", "spec": {}}', "not sent by agents"),
+    ('{"type": "heartbeat"}', "'seq' is a required property"),
+    ('{"type": "shard_status", "shard_id": "a/r0", "state": "done"}', "/state"),
+    ("{", "not JSON"),
+    ("x" * (4 * 1024 * 1024 + 1), "exceeds"),
+])
+def test_bad_messages_are_refused_with_where_and_why(data, needle):
+    with pytest.raises(MessageProblem) as e:
+        parse_up(data)
+    assert needle in str(e.value)
+
+
+def test_register_hardware_must_describe_the_registering_node():
+    import json
+
+    msg = register("n1")
+    msg["hardware"]["node_id"] = "n2"
+    with pytest.raises(MessageProblem, match="differs from node_id"):
+        parse_up(json.dumps(msg))
+
+
+def test_server_without_tls_is_refused_unless_insecure_is_explicit(caplog):
+    from llmgw.controlplane.server import StartupRefused, tls_context
+
+    doc = {"api": {"listen": {"port": 8443}}, "models": [], "profiles": [], "deployments": []}
+    with pytest.raises(ConfigInvalid):
+        parse_server_settings(doc)
+    s = parse_server_settings({**doc, "insecure_no_tls": True})
+    with caplog.at_level("WARNING", logger="llmgw.controlplane"):
+        assert tls_context(s) is None
+    assert any(r.levelname == "WARNING" and "WITHOUT TLS" in r.getMessage() for r in caplog.records)
+    object.__setattr__(s, "insecure_no_tls", False)
+    with pytest.raises(StartupRefused, match="require mutual TLS"):
+        tls_context(s)
