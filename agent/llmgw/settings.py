@@ -62,6 +62,7 @@ class AgentSettings:
     control_plane_url: str
     reconnect_initial: float
     reconnect_max: float
+    keepalive_interval: float
     tls: TLSFiles | None
     insecure_no_tls: bool
     state_dir: str
@@ -212,6 +213,7 @@ def parse_agent_settings(doc: Any, source: str = "agent.yaml") -> AgentSettings:
         control_plane_url=doc["control_plane"]["url"],
         reconnect_initial=float(doc["control_plane"].get("reconnect_initial", 1)),
         reconnect_max=float(doc["control_plane"].get("reconnect_max", 30)),
+        keepalive_interval=float(doc["control_plane"].get("keepalive_interval", 10)),
         tls=_tls(doc.get("tls")),
         insecure_no_tls=bool(doc.get("insecure_no_tls", False)),
         state_dir=state_dir,

@@ -183,7 +183,8 @@ class Fleet:
     def __init__(self, root: Path, nodes: dict[str, int], replicas: int = 1, *,
                  lifecycle: dict[str, float] | None = None, restart: dict[str, float] | None = None,
                  profile: dict[str, Any] | None = None, router: bool = False,
-                 pki: Pki | None = None, api_host: str = "127.0.0.1", stream_host: str = "127.0.0.1"):
+                 pki: Pki | None = None, api_host: str = "127.0.0.1", stream_host: str = "127.0.0.1",
+                 agent_keepalive: float | None = None):
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
         self.pki = pki or make_pki(root / "pki")
@@ -197,6 +198,7 @@ class Fleet:
         self.suffix = f"{os.getpid()}-{random.randrange(1 << 20):05x}"
         self.node_ids = {name: f"{name}-{self.suffix}" for name in nodes}
         self.gpus = nodes
+        self.agent_keepalive = agent_keepalive
         self.config: dict[str, Any] = {
             "api": {"listen": {"host": "127.0.0.1", "port": self.port},
                     "admin_tokens": [{"name": "tests", "sha256": _sha256(ADMIN_TOKEN)}]},
@@ -241,6 +243,8 @@ class Fleet:
                           "sysfs_root": str(d / "no-sysfs")},
             "engines": {"vllm": [str(self.sim)]},
         }
+        if self.agent_keepalive is not None:
+            cfg["control_plane"]["keepalive_interval"] = self.agent_keepalive
         (d / "agent.yaml").write_text(yaml.safe_dump(cfg))
         return Proc(f"agent {name}", llmgw_argv("agent", "--config", str(d / "agent.yaml")), d / "agent.log", d)
 

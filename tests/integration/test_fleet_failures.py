@@ -67,6 +67,41 @@ def test_agent_restarting_with_nothing_running_reaches_the_reconciler_through_th
         assert "-> unreachable" not in log
 
 
+def test_half_open_streams_are_dropped_by_keepalive_long_before_the_unreachable_grace(tmp_path):
+    # A frozen process keeps its TCP connection open and answers nothing: the
+    # shape of a peer behind a dead link. Lifecycle timings are long, so only
+    # the keepalive pings can explain a stream being dropped.
+    with Fleet(tmp_path, nodes={"a": 1}, replicas=1, agent_keepalive=1.0,
+               lifecycle={"unreachable_after": 60, "lost_after": 120}) as f:
+        f.start()
+        (ready,) = f.wait_ready(1)
+        node, agent = f.node_ids["a"], f.agents["a"]
+        pid = ready["shards"][0]["pid"]
+
+        agent.signal(signal.SIGSTOP)
+        dropped = until(lambda: next((n for n in [f.nodes()[node]] if not n["connected"]), None),
+                        "the control plane to drop the frozen agent's stream", on_timeout=f.dump)
+        assert dropped["state"] == "ready", dropped  # dropped by keepalive, not by the lifecycle
+        epoch = dropped["epoch"]
+        agent.signal(signal.SIGCONT)
+        until(lambda: (n := f.nodes()[node])["connected"] and n["epoch"] > epoch,
+              "the agent to register again", on_timeout=f.dump)
+
+        closed = agent.life_output().count("stream closed")
+        epoch = f.nodes()[node]["epoch"]
+        f.server.signal(signal.SIGSTOP)
+        try:
+            until(lambda: agent.life_output().count("stream closed") > closed,
+                  "the agent to drop the frozen control plane's stream", on_timeout=agent.output)
+        finally:
+            f.server.signal(signal.SIGCONT)
+        until(lambda: (n := f.nodes()[node])["connected"] and n["epoch"] > epoch,
+              "the agent to redial and register", on_timeout=f.dump)
+        assert f.engine_pids() == [pid]  # engines never stop because the stream did
+        (still,) = f.wait_ready(1)
+        assert still["replica_id"] == ready["replica_id"]
+
+
 def test_silent_node_becomes_unreachable_then_lost_and_its_replicas_are_placed_elsewhere(tmp_path):
     with Fleet(tmp_path, nodes={"a": 1, "b": 1}, replicas=1) as f:
         f.start()

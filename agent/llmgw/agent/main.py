@@ -123,7 +123,8 @@ async def agent_main(settings: AgentSettings, stop: asyncio.Event | None = None)
     stream = StreamClient(url=settings.control_plane_url, node_id=settings.node_id,
                           address=settings.advertise_address, ssl_context=ssl_context,
                           supervisor=supervisor, discover=_Discovery(settings, inventory),
-                          reconnect_initial=settings.reconnect_initial, reconnect_max=settings.reconnect_max)
+                          reconnect_initial=settings.reconnect_initial, reconnect_max=settings.reconnect_max,
+                          keepalive=settings.keepalive_interval)
 
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
