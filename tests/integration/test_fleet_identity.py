@@ -359,3 +359,36 @@ def test_server_certificate_without_the_dialed_ip_is_refused_by_the_agent(tmp_pa
         cfg_path.write_text(yaml.safe_dump(cfg))
         agent.start()
         until(lambda: f.node_ids["a"] in f.nodes(), "the agent registered via localhost", on_timeout=agent.output)
+
+
+def test_server_without_tls_refuses_to_start_unless_insecure_is_explicit_and_loud(tmp_path):
+    import subprocess
+
+    from fleet import Proc, free_port, llmgw_argv
+
+    port = free_port()
+    doc = {"api": {"listen": {"host": "127.0.0.1", "port": port}},
+           "models": [], "profiles": [], "deployments": []}
+    cfg = tmp_path / "server.yaml"
+    cfg.write_text(yaml.safe_dump(doc))
+    refused = subprocess.run(llmgw_argv("server", "--config", str(cfg)), capture_output=True, text=True,
+                             timeout=120, stdin=subprocess.DEVNULL)
+    assert refused.returncode != 0
+    assert "insecure_no_tls" in refused.stderr + refused.stdout
+
+    cfg.write_text(yaml.safe_dump({**doc, "insecure_no_tls": True}))
+    server = Proc("insecure server", llmgw_argv("server", "--config", str(cfg)), tmp_path / "server.log",
+                  tmp_path).start()
+
+    def answers() -> bool:
+        assert server.alive(), server.output()
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        until(answers, "the explicitly insecure server to answer plain HTTP", on_timeout=server.output)
+        assert "WARNING" in server.output() and "WITHOUT TLS" in server.output()
+    finally:
+        server.terminate()
