@@ -8,10 +8,15 @@ mapping into them, so validation rules live in one place.
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 class SourceKind(str, Enum):
@@ -122,3 +127,92 @@ class Catalog:
             for d in cfg.get("deployments", ())
         )
         return cls(models=models, profiles=profiles, deployments=deployments)
+
+
+# --- how big are the weights? ---------------------------------------------
+#
+# Placement refuses a group whose memory cannot hold the weights plus
+# headroom, and it can only do that when the size is known: declared in
+# server.yaml (size_bytes), or read from the weights themselves.
+
+# Weight files in the order engines prefer them: a Hugging Face directory
+# often ships both safetensors and .bin copies of the same tensors, and the
+# engine loads only the safetensors, so only one group is ever counted.
+WEIGHT_SUFFIX_GROUPS: tuple[tuple[str, ...], ...] = ((".safetensors",), (".bin", ".pt", ".pth"), (".gguf",))
+
+
+def local_weights_bytes(path: str | os.PathLike[str]) -> int | None:
+    """Size of the weights at a local path, or None when it cannot be told.
+
+    A file counts whole.  A directory counts the files of the first suffix
+    group that it has (``WEIGHT_SUFFIX_GROUPS``), searched recursively.
+    Nothing there, or nothing readable, is None: unknown, never zero.
+    """
+    p = Path(path)
+    try:
+        if p.is_file():
+            return p.stat().st_size
+        if not p.is_dir():
+            return None
+        for suffixes in WEIGHT_SUFFIX_GROUPS:
+            files = [f for f in p.rglob("*") if f.name.lower().endswith(suffixes) and f.is_file()]
+            if files:
+                return sum(f.stat().st_size for f in files)
+    except OSError as e:
+        log.debug("cannot size weights at %s: %s", p, e)
+    return None
+
+
+def remote_weights_bytes(url: str, timeout: float = 10.0) -> int | None:
+    """Content-Length of an http(s) weights file (HEAD, following redirects),
+    or None when the server does not say or cannot be reached."""
+    import httpx
+
+    try:
+        with httpx.Client(timeout=timeout, follow_redirects=True) as client:
+            r = client.head(url)
+    except httpx.HTTPError as e:
+        log.debug("cannot size %s: %s", url, e)
+        return None
+    if r.status_code != 200:
+        return None
+    try:
+        size = int(r.headers.get("content-length", ""))
+    except ValueError:
+        return None
+    return size if size > 0 else None
+
+
+def weights_bytes(model: Model, known_sizes: Mapping[str, int] | None = None) -> int | None:
+    """The size placement checks memory against: the declared ``size_bytes``,
+    else a size learned for the model's source (a local file's size, a remote
+    file's Content-Length, the total an agent reported while fetching it).
+    None when neither is known; placement then says memory was not checked."""
+    if model.size_bytes is not None:
+        return model.size_bytes
+    if known_sizes:
+        size = known_sizes.get(model.source)
+        if size is not None and size > 0:
+            return int(size)
+    return None
+
+
+def measure_sources(models: Mapping[str, Model] | list[Model], *, remote: bool = False,
+                    timeout: float = 10.0) -> dict[str, int]:
+    """Sizes of the models' sources that can be read from here: local paths
+    that exist on this machine, and (``remote=True``) http(s) files that
+    announce a Content-Length.  Models with a declared size are skipped; hub
+    ids are never sized (the engine resolves them)."""
+    items = models.values() if isinstance(models, Mapping) else models
+    sizes: dict[str, int] = {}
+    for m in items:
+        if m.size_bytes is not None or m.source in sizes:
+            continue
+        size = None
+        if m.kind is SourceKind.PATH:
+            size = local_weights_bytes(m.source)
+        elif m.kind is SourceKind.URL and remote:
+            size = remote_weights_bytes(m.source, timeout)
+        if size is not None:
+            sizes[m.source] = size
+    return sizes

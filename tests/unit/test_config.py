@@ -121,7 +121,7 @@ def test_duplicate_names_refused():
     assert [x.pointer for x in e.value.errors] == ["/models/1/name", "/models/1/served_name"]
 
 
-@pytest.mark.parametrize("name", ["server", "agent", "stream"])
+@pytest.mark.parametrize("name", ["server", "agent", "router", "hardware", "stream"])
 def test_every_object_in_every_schema_forbids_unknown_keys(name):
     def walk(node, path):
         if isinstance(node, dict):

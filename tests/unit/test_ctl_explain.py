@@ -63,3 +63,25 @@ def test_config_validate_exit_codes(capsys):
                      str(ROOT / "tests/fixtures/config/server-many-errors.yaml"))
     assert rc == 1
     assert "/api/listen/port" in err and "/deployments/0/weight" in err
+
+
+def test_undeclared_size_is_read_from_a_local_weights_file(capsys, tmp_path):
+    weights = tmp_path / "big.gguf"
+    with open(weights, "wb") as f:
+        f.truncate(200 << 30)  # sparse: 200 GiB that take no disk
+    cfg = tmp_path / "server.yaml"
+    cfg.write_text(
+        "api: {listen: {port: 8443}}\ninsecure_no_tls: true\n"
+        f"models: [{{name: big, source: {weights}}}]\n"
+        "profiles: [{name: one, engine: llamacpp}, {name: four, engine: llamacpp, tensor_parallel_size: 4}]\n"
+        "deployments: [{model: big, profile: one, replicas: 1}, {model: big, profile: four, replicas: 1}]\n")
+    rc = main(["ctl", "explain", "--config", str(cfg), "--hardware", str(HW / "hgx-h100-8gpu.yaml"), "-o", "json"])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 3
+    one, four = report
+    assert one["weights_bytes"] == four["weights_bytes"] == 200 << 30
+    assert not one["placed"]
+    assert "group memory too small" in one["nodes"][0]["reason"]
+    assert "weights 200.0 GiB" in one["nodes"][0]["reason"]
+    assert four["placed"]
+    assert "weights 200.0 GiB" in four["placement"]["detail"]

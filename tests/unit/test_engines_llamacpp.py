@@ -84,7 +84,7 @@ OWNED = [
     ("-hff", "f"), ("--hf-file", "f"), ("-mu", "u"), ("--model-url", "u"),
     ("-dr", "d"), ("--docker-repo", "d"), ("-sm", "row"), ("--split-mode", "row"),
     ("-ts", "1,1"), ("--tensor-split", "1,1"), ("-dev", "CUDA0"), ("--device", "CUDA0"),
-    ("--rpc", "h:1"), ("--api-prefix", "/x"),
+    ("--rpc", "h:1"), ("--api-prefix", "/x"), ("--models-dir", "/m"), ("--models-preset", "p.ini"),
 ]
 
 
@@ -111,7 +111,7 @@ def test_ctx_size_is_owned_when_the_model_declares_max_model_len():
 
 
 @pytest.mark.parametrize("key", ["LLAMA_ARG_PORT", "LLAMA_ARG_MODEL", "LLAMA_ARG_N_GPU_LAYERS",
-                                 "CUDA_VISIBLE_DEVICES"])
+                                 "LLAMA_ARG_MODELS_DIR", "CUDA_VISIBLE_DEVICES"])
 def test_env_spellings_of_owned_flags_are_refused(key):
     with pytest.raises(ProfileError, match=key):
         validate_profile(Profile("l", "llamacpp", env=((key, "1"),)))

@@ -3,6 +3,11 @@
 The offline form (``--config server.yaml --hardware FILE...``) runs the same
 pure placement the control plane runs, over hardware files, so an operator
 can check a catalog against a fleet before anything is deployed.
+
+A model without a declared ``size_bytes`` is sized from its weights when they
+can be read from here: a local path that exists on this machine, or, with
+``--probe-urls``, an https:// file's Content-Length.  Otherwise the memory
+check is skipped and the placement says so.
 """
 
 from __future__ import annotations
@@ -10,36 +15,46 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Mapping
 from typing import Any
 
+from llmgw.catalog import measure_sources, weights_bytes
 from llmgw.config import ConfigInvalid
 from llmgw.placement import NodeCapacity, PlacementRequest, format_result, place_many
 from llmgw.settings import ServerSettings, load_server_settings
 
 
-def declared_requests(settings: ServerSettings, model: str | None = None) -> list[tuple[str, PlacementRequest]]:
-    """One request per declared replica, labelled ``model/profile#n``."""
+def declared_requests(settings: ServerSettings, model: str | None = None,
+                      known_sizes: Mapping[str, int] | None = None) -> list[tuple[str, PlacementRequest]]:
+    """One request per declared replica, labelled ``model/profile#n``.
+
+    ``known_sizes`` maps a model source to the size of its weights when it
+    was measured (``llmgw.catalog.measure_sources``); a declared size wins.
+    """
     out = []
     cat = settings.catalog
     for dep in cat.deployments:
         if model and model not in (dep.model, cat.models[dep.model].served_name):
             continue
         m, p = cat.models[dep.model], cat.profiles[dep.profile]
+        size = weights_bytes(m, known_sizes)
         for n in range(dep.replicas):
             out.append((f"{dep.key}#{n}", PlacementRequest(
-                model=m, profile=p, weights_bytes=m.size_bytes, memory_headroom=settings.memory_headroom)))
+                model=m, profile=p, weights_bytes=size, memory_headroom=settings.memory_headroom)))
     return out
 
 
-def explain_offline(settings: ServerSettings, inventories: list, model: str | None = None) -> list[dict[str, Any]]:
+def explain_offline(settings: ServerSettings, inventories: list, model: str | None = None,
+                    known_sizes: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
     nodes = [NodeCapacity(inventory=inv, free_gpus=frozenset(g.index for g in inv.gpus)) for inv in inventories]
-    labelled = declared_requests(settings, model)
+    labelled = declared_requests(settings, model, known_sizes)
     results = place_many([r for _, r in labelled], nodes)
     report = []
     for (label, req), res in zip(labelled, results):
         report.append({
             "replica": label,
             "placed": res.ok,
+            "weights_bytes": req.weights_bytes,
             "text": format_result(res, req),
             "placement": None if res.placement is None else {
                 "rule": res.placement.rule,
@@ -73,7 +88,8 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     if not inventories:
         print("llmgw ctl explain: --hardware FILE is required with --config", file=sys.stderr)
         return 2
-    report = explain_offline(settings, inventories, args.model)
+    sizes = measure_sources(settings.catalog.models, remote=args.probe_urls)
+    report = explain_offline(settings, inventories, args.model, sizes)
     if args.output == "json":
         json.dump(report, sys.stdout, indent=2)
         print()
@@ -90,6 +106,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("model", nargs="?", help="only this model (name or served name)")
     p.add_argument("--config", help="server.yaml (offline mode, with --hardware)")
     p.add_argument("--hardware", nargs="*", default=[], metavar="FILE", help="hardware files (offline mode)")
+    p.add_argument("--probe-urls", action="store_true",
+                   help="size https:// weights without a declared size_bytes by their Content-Length (offline mode)")
     p.add_argument("-o", "--output", choices=("text", "json"), default="text")
     # Online form (`ctl explain MODEL` without --config): ask the running control plane.
     from llmgw.ctl.fleet import add_connection_args, explain_online

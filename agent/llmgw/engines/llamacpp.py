@@ -1,6 +1,7 @@
 """llama.cpp: ``llama-server -m <file.gguf> --host H --port P --alias S -ngl 999``.
 
-Flag names follow tools/server/README.md of ggml-org/llama.cpp.  llama.cpp
+Flag names follow tools/server/README.md of ggml-org/llama.cpp (the table
+``llama-gen-docs`` generates from the parser).  llama.cpp
 loads one local GGUF file, so a hub id source is refused (``-hf`` downloads
 are a second, unchecked distribution path), and a URL source must name a
 ``.gguf`` file, which the weight fetcher downloads before launch.
@@ -37,6 +38,7 @@ from llmgw.engines.common import (
 _USE_SPLIT = "set the profile field tensor_parallel_size instead (layers are split evenly over the shard's GPUs)"
 _USE_NGL = "every layer is always offloaded to the shard's GPUs (-ngl 999)"
 _USE_SINGLE = "llama.cpp shards run on one node"
+_USE_ONE_MODEL = "each replica serves exactly its catalog model (declare other models in the catalog)"
 
 _OWNED = (
     OwnedFlag(("-m", "--model"), USE_SOURCE),
@@ -44,6 +46,10 @@ _OWNED = (
     OwnedFlag(("-hf", "-hfr", "--hf-repo"), USE_SOURCE),
     OwnedFlag(("-hff", "--hf-file"), USE_SOURCE),
     OwnedFlag(("-dr", "--docker-repo"), USE_SOURCE),
+    # Router mode: llama-server serves (and loads on demand) other models than
+    # the one the adapter names, under names the catalog does not know.
+    OwnedFlag(("--models-dir",), _USE_ONE_MODEL),
+    OwnedFlag(("--models-preset",), _USE_ONE_MODEL),
     OwnedFlag(("-a", "--alias"), USE_SERVED),
     OwnedFlag(("--host",), USE_HOST),
     OwnedFlag(("--port",), USE_PORT),
@@ -61,6 +67,8 @@ _FORBIDDEN_ENV = {
     "LLAMA_ARG_HF_REPO": USE_SOURCE,
     "LLAMA_ARG_HF_FILE": USE_SOURCE,
     "LLAMA_ARG_DOCKER_REPO": USE_SOURCE,
+    "LLAMA_ARG_MODELS_DIR": _USE_ONE_MODEL,
+    "LLAMA_ARG_MODELS_PRESET": _USE_ONE_MODEL,
     "LLAMA_ARG_ALIAS": USE_SERVED,
     "LLAMA_ARG_HOST": USE_HOST,
     "LLAMA_ARG_PORT": USE_PORT,
