@@ -493,9 +493,14 @@ def checks(results: dict) -> list[dict]:
             out.append({"what": f"{t}: 256 streams x 20 ms token throughput >= 0.95 of direct",
                         "measured": f"{rt / dt:.3f}", "met": None if saturated else rt / dt >= 0.95, "why": why})
         d99, r99 = get("stream-256x20ms", "direct", "ttft_p99_ms"), get("stream-256x20ms", t, "ttft_p99_ms")
+        d50, r50 = get("stream-256x20ms", "direct", "ttft_p50_ms"), get("stream-256x20ms", t, "ttft_p50_ms")
         if d99 is not None and r99 is not None:
+            # p50 beside p99: under saturation the p99 difference can even be negative (the proxy's
+            # accept queue smooths the burst the simulator would otherwise see), which says nothing
+            # about the latency a request pays for passing through the proxy
+            p50 = f" (p50: {r50 - d50:+.2f} ms)" if d50 is not None and r50 is not None else ""
             out.append({"what": f"{t}: TTFT p99 overhead <= 5 ms (256 streams x 20 ms)",
-                        "measured": f"{r99 - d99:+.2f} ms", "met": None if saturated else r99 - d99 <= 5,
+                        "measured": f"{r99 - d99:+.2f} ms{p50}", "met": None if saturated else r99 - d99 <= 5,
                         "why": why})
         for w in ("stream-64", "stream-256x20ms"):
             nc, rc = get(w, "nginx", "proxy_cpu_per_chunk_us"), get(w, t, "proxy_cpu_per_chunk_us")

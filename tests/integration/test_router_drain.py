@@ -7,9 +7,11 @@ import os
 import subprocess
 import sys
 import threading
+import urllib.request
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from llmgw.router.endpoints import Endpoint
 from test_router_support import ControlPlane, RouterProcess, openai_client, router_doc, start_sims, wait_for
@@ -23,8 +25,31 @@ def healthz(r):
     return json.loads(r.get("/healthz"))
 
 
+def engine_requests(sim) -> float:
+    """Requests the engine admitted: finished (any reason), running or waiting, from its own /metrics."""
+    with urllib.request.urlopen(sim.url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    names = ("vllm:request_success_total", "vllm:num_requests_running", "vllm:num_requests_waiting")
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name in names)
+
+
+def active_streams(r) -> dict[str, float] | None:
+    """Streams being relayed per endpoint, from one scrape (so the numbers belong together)."""
+    out = {"a": 0.0, "b": 0.0}
+    for fam in r.metrics():
+        for s in fam.samples:
+            if s.name == "llmgw_router_active_streams" and s.labels.get("endpoint") in out:
+                out[s.labels["endpoint"]] += s.value
+    return out
+
+
 def test_drained_endpoint_finishes_its_streams_and_gets_nothing_new(tmp_path):
-    env = {"LLMGW_SIM_TOKEN_LATENCY": "0.05", "LLMGW_SIM_OUTPUT_TOKENS": "40"}
+    # The drain waits until all six streams are relaying (past their first token). A stream the
+    # router has routed but whose first token has not arrived yet shows in no router metric
+    # (attempts are counted when they end, active streams from the first token on), so a drain
+    # landing in that window would leave unknown how many streams endpoint a really holds.
+    n_tokens = 80  # 4 s per stream at 50 ms/token: all six are in flight together with room to spare
+    env = {"LLMGW_SIM_TOKEN_LATENCY": "0.05", "LLMGW_SIM_OUTPUT_TOKENS": str(n_tokens)}
     a, b = start_sims(2, env=env)
     cp = ControlPlane(tmp_path)
     try:
@@ -44,26 +69,34 @@ def test_drained_endpoint_finishes_its_streams_and_gets_nothing_new(tmp_path):
             threads = [threading.Thread(target=stream) for _ in range(6)]
             for t in threads:
                 t.start()
-            wait_for(lambda: r.metric("llmgw_router_active_streams", endpoint="a") >= 1, 60,
-                     "a stream in flight on endpoint a")
+
+            def all_six_relaying():
+                act = active_streams(r)
+                return act if act["a"] + act["b"] == 6 and act["a"] >= 1 else None
+
+            on_a = int(wait_for(all_six_relaying, 60, "all six streams relaying, some from endpoint a")["a"])
             rev = healthz(r)["revision"]
             cp.table.replace([Endpoint("a", "m", a.url, draining=True), Endpoint("b", "m", b.url)])
             wait_for(lambda: healthz(r)["revision"] > rev, 60, "the router to see the drain")
-            on_a = r.metric("llmgw_router_upstream_attempts_total", endpoint="a") + \
-                r.metric("llmgw_router_active_streams", endpoint="a")
+            # a still holds as many streams as b: without the drain, least-outstanding would send it
+            # about half of these
             c = openai_client(r)
             for _ in range(8):
                 assert c.chat.completions.create(model="m", messages=MSG, max_tokens=2).choices
-            # nothing new went to a: its count (finished + in flight) did not move
-            assert r.metric("llmgw_router_upstream_attempts_total", endpoint="a") + \
-                r.metric("llmgw_router_active_streams", endpoint="a") == on_a
-            assert r.metric("llmgw_router_upstream_attempts_total", endpoint="b") >= 8
             # removed from the table altogether while still streaming: the streams still finish
             cp.table.replace([Endpoint("b", "m", b.url)])
             for t in threads:
                 t.join(120)
-            assert results == [40] * 6
-            assert r.metric("llmgw_router_upstream_attempts_total", endpoint="a", outcome="ok") >= 1
+            assert not any(t.is_alive() for t in threads)
+            assert results == [n_tokens] * 6
+            # nothing new went to a: the router sent it the streams it held at the drain and nothing
+            # else, every one of them finished, and the engines' own counts agree
+            assert r.metric("llmgw_router_upstream_attempts_total", endpoint="a") == on_a
+            assert r.metric("llmgw_router_upstream_attempts_total", endpoint="a", outcome="ok") == on_a
+            assert r.metric("llmgw_router_upstream_attempts_total", endpoint="b") == 6 - on_a + 8
+            assert r.metric("llmgw_router_upstream_attempts_total", endpoint="b", outcome="ok") == 6 - on_a + 8
+            assert engine_requests(a) == on_a
+            assert engine_requests(b) == 6 - on_a + 8
     finally:
         cp.close()
         a.stop()

@@ -402,6 +402,31 @@ async def test_draining_and_removed_endpoints_finish_what_they_have():
 
 
 @run
+async def test_a_retry_never_goes_to_an_endpoint_that_started_draining_meanwhile():
+    r: Router
+
+    async def drain_a_then_fail(request, body):
+        # the drain lands while this attempt is in flight and no other request syncs the router
+        r.table.replace([Endpoint("bad", "m", bad.url), Endpoint("a", "m", a.url, draining=True)])
+        return await status(500)(request, body)
+    bad, a = await Engine(drain_a_then_fail).start(), await Engine(healthy()).start()
+    async with Router([Endpoint("bad", "m", bad.url), Endpoint("a", "m", a.url)],
+                      {"retries": {"budget_min": 100}}) as r:
+        for _ in range(60):  # until the first attempt lands on "bad" (each try: one chance in two)
+            r.table.replace([Endpoint("bad", "m", bad.url), Endpoint("a", "m", a.url)])
+            before = len(a.requests)
+            st, _, body = await r.post()
+            if bad.requests:
+                break
+            assert st == 200 and len(a.requests) == before + 1
+        assert len(bad.requests) == 1
+        # the retry found nothing it may use: "a" drains, "bad" was tried
+        assert len(a.requests) == before
+        assert st == 502 and json.loads(body)["error"]["code"] == "upstream_error"
+    await bad.stop(); await a.stop()
+
+
+@run
 async def test_client_disconnect_releases_the_endpoint():
     never = asyncio.Event()
 
@@ -526,3 +551,59 @@ async def _err_then_hold(request, never):
         await resp.write(part)
     await never.wait()
     return resp
+
+
+@run
+async def test_client_leaving_after_done_is_a_delivered_stream_not_a_cancellation():
+    never = asyncio.Event()
+
+    async def done_then_hold(request, body):
+        # the whole stream, [DONE] included, then the engine keeps its end open a while
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for part in (ROLE, chunk(0), chunk(1), DONE):
+            await resp.write(part)
+        await never.wait()
+        return resp
+    a = await Engine(done_then_hold).start()
+    async with Router(eps(a)) as r:
+        async with r.http.post(r.url + "/v1/chat/completions", json={"model": "m", "stream": True}) as resp:
+            seen = b""
+            while not seen.endswith(DONE):
+                seen += await resp.content.readany()
+            resp.close()  # an SDK stops reading at [DONE] and may drop the connection at once
+        assert seen == ROLE + chunk(0) + chunk(1) + DONE
+        rt = r.routing.runtimes()[0]
+        for _ in range(500):
+            if rt.outstanding == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert rt.outstanding == 0
+        assert await r.metric("llmgw_router_upstream_attempts_total", outcome="ok") == 1
+        assert await r.metric("llmgw_router_upstream_attempts_total", outcome="cancelled") == 0
+        assert await r.metric("llmgw_router_requests_total", status="200") == 1
+        assert await r.metric("llmgw_router_requests_total", status="499") == 0
+    never.set()
+    await a.stop()
+
+
+@run
+async def test_client_leaving_before_done_is_still_a_cancellation():
+    never = asyncio.Event()
+
+    async def hold(request, body):
+        return await stream(request, [chunk(0), chunk(1)], hold=never)
+    a = await Engine(hold).start()
+    async with Router(eps(a)) as r:
+        async with r.http.post(r.url + "/v1/chat/completions", json={"model": "m", "stream": True}) as resp:
+            assert (await resp.content.readany()).startswith(b"data:")
+            resp.close()
+        rt = r.routing.runtimes()[0]
+        for _ in range(500):
+            if rt.outstanding == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert await r.metric("llmgw_router_upstream_attempts_total", outcome="cancelled") == 1
+        assert await r.metric("llmgw_router_requests_total", status="499") == 1
+    never.set()
+    await a.stop()

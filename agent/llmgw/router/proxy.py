@@ -129,7 +129,9 @@ class Proxy:
             self.metrics.error(ctx.model_label, e.klass)
             resp = e.response(rid)
         except asyncio.CancelledError:
-            ctx.status = 499  # client went away (handler cancelled)
+            # the client went away (handler cancelled); one that left after the whole stream
+            # reached it, [DONE] included, was served
+            ctx.status = 200 if ctx.delivered else 499
             self._account(ctx, request, loop)
             raise
         self._account(ctx, request, loop)
@@ -349,6 +351,7 @@ class Proxy:
         m = rt.m
         outcome, failure = "cancelled", False
         saw_error = False
+        tail = b""
         wd: _Watchdog | None = None
         m.active_streams.inc()
         try:
@@ -434,9 +437,15 @@ class Proxy:
         finally:
             if wd is not None:
                 wd.cancel()
-            if outcome == "cancelled" and saw_error:
-                # the client hung up on the engine's error event: still the engine's failure
-                outcome, failure = "inband_error", True
+            if outcome == "cancelled":
+                if saw_error:
+                    # the client hung up on the engine's error event: still the engine's failure
+                    outcome, failure = "inband_error", True
+                elif ends_with_done(tail):
+                    # the client hung up after [DONE] reached it, before the engine closed its end:
+                    # the stream was delivered whole
+                    outcome = "ok"
+            ctx.delivered = outcome == "ok"
             m.active_streams.dec()
             if outcome == "ok":
                 resp.release()
@@ -485,7 +494,7 @@ class Proxy:
 
 class _Ctx:
     __slots__ = ("rid", "t0", "t0_loop", "model", "model_label", "key", "status", "endpoint", "attempts", "ttft",
-                 "note")
+                 "note", "delivered")
 
     def __init__(self, rid: str, t0_loop: float) -> None:
         self.rid = rid
@@ -499,6 +508,7 @@ class _Ctx:
         self.attempts = 0
         self.ttft: float | None = None
         self.note = ""
+        self.delivered = False  # a stream relayed whole, [DONE] included
 
 
 def _too_large(limit: int) -> RouterError:

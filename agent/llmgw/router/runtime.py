@@ -141,6 +141,9 @@ class Routing:
     def pick(self, group: ModelGroup, tried: set[str], payload: dict[str, Any] | None) -> EndpointRuntime | RouterError | None:
         """An endpoint for the next attempt; a RouterError saying why there is none on a
         first attempt; None when a retry has nothing left to try."""
+        # A retry may come long after the request synced: an endpoint that started
+        # draining (or left the table) in between must not get it.
+        self.sync()
         now = time.monotonic()
 
         def eligible(m: EndpointRuntime) -> bool:
