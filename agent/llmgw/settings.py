@@ -42,6 +42,19 @@ class RestartPolicy:
 
 
 @dataclass(frozen=True)
+class FetchPolicy:
+    """How the agent downloads https:// model sources (``agent.yaml`` ``fetch``)."""
+
+    stall_timeout: float = 60.0
+    attempts: int = 5
+    backoff_initial: float = 2.0
+    backoff_max: float = 60.0
+    connect_timeout: float = 30.0
+    progress_interval: float = 2.0
+    checkpoint_bytes: int = 1 << 30
+
+
+@dataclass(frozen=True)
 class ServerSettings:
     api_host: str
     api_port: int
@@ -75,6 +88,7 @@ class AgentSettings:
     sysfs_root: str
     fabrics: tuple[FabricDeclaration, ...]
     engine_commands: dict[str, tuple[str, ...]]
+    fetch: FetchPolicy = field(default_factory=FetchPolicy)
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
 
 
@@ -187,6 +201,9 @@ def _agent_semantic_errors(doc: dict[str, Any]) -> list[ConfigError]:
     cp = doc["control_plane"]
     if cp.get("reconnect_max", 30) < cp.get("reconnect_initial", 1):
         errors.append(ConfigError("/control_plane/reconnect_max", "must be >= reconnect_initial"))
+    fetch = {**FetchPolicy().__dict__, **doc.get("fetch", {})}
+    if fetch["backoff_max"] < fetch["backoff_initial"]:
+        errors.append(ConfigError("/fetch/backoff_max", f"must be >= backoff_initial ({fetch['backoff_initial']})"))
     ports = doc.get("engine_ports")
     if ports and ports["last"] < ports["first"]:
         errors.append(ConfigError("/engine_ports/last", f"must be >= first ({ports['first']})"))
@@ -227,6 +244,7 @@ def parse_agent_settings(doc: Any, source: str = "agent.yaml") -> AgentSettings:
         fabrics=tuple(FabricDeclaration(f["name"], tuple(f["hcas"]), f.get("min_rate_gbps"))
                       for f in doc.get("fabrics", ())),
         engine_commands={k: tuple(v) for k, v in doc.get("engines", {}).items()},
+        fetch=FetchPolicy(**doc.get("fetch", {})),
         raw=doc,
     )
 

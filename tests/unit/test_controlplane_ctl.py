@@ -29,8 +29,8 @@ def test_downloading_replica_gets_a_progress_line_and_no_invented_percentage():
     lines = format_replicas(doc)
     assert lines[0].split()[:3] == ["REPLICA", "MODEL/PROFILE", "STATE"]
     (prog,) = [line for line in lines if "downloading" in line]
-    assert prog.strip() == "downloading m.gguf: 3.0 GiB of 12.0 GiB (25%) at 100.0 MiB/s"
-    assert progress_line({"source": "s", "bytes_done": 5 << 20, "bytes_total": None}) == "downloading s: 5.0 MiB so far"
+    assert prog.strip() == "downloading m.gguf  3.0 GiB / 12.0 GiB  25%  100 MiB/s  ETA 1m32s"
+    assert progress_line({"source": "s", "bytes_done": 5 << 20, "bytes_total": None}) == "downloading s  5.0 MiB so far"
 
 
 def test_failed_replica_shows_reason_retry_and_output_tail():

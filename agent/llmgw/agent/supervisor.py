@@ -44,6 +44,7 @@ from llmgw.agent.procident import ProcessIdentity
 from llmgw.agent.shardstate import ShardState, check_transition, exit_outcome
 from llmgw.agent.statedir import ShardRecord, StateDir
 from llmgw.catalog import Model, Profile, SourceKind, source_kind
+from llmgw.settings import FetchPolicy
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ class SupervisorConfig:
     probe_interval: float = 1.0
     probe_timeout: float = 10.0
     tail_bytes: int = 16384
+    fetch: FetchPolicy = FetchPolicy()  # downloading URL sources (agent.yaml ``fetch``)
 
     @classmethod
     def from_settings(cls, settings: Any, **overrides: Any) -> "SupervisorConfig":
@@ -87,6 +89,7 @@ class SupervisorConfig:
             engine_ports=tuple(settings.engine_ports),
             engine_commands=dict(settings.engine_commands),
             model_dir=settings.model_dir,
+            fetch=settings.fetch,
             **overrides,
         )
 
@@ -346,7 +349,7 @@ class Supervisor:
         kind = source_kind(model.source)
         if kind is SourceKind.URL:
             try:
-                from llmgw.agent import fetch  # type: ignore[attr-defined]
+                from llmgw.agent import fetch
             except ImportError:
                 self._fail_before_launch(shard, URL_SOURCE_UNAVAILABLE)
                 return None
@@ -354,9 +357,20 @@ class Supervisor:
             # verified) into model_dir, emit ``progress`` messages through
             # ``progress``, return the local path, raise with a reason on failure.
             self._transition(shard, ShardState.FETCHING)
+            # The start deadline covers the download too: progress never
+            # extends it, so a download that cannot finish in time fails the
+            # start instead of keeping a doomed replica alive.
+            remaining = max(0.0, shard.deadline - time.monotonic())
             try:
-                return await fetch.fetch_weights(model, self.config.model_dir, progress=self.emit,
-                                                 shard_id=shard.shard_id)
+                return await asyncio.wait_for(
+                    fetch.fetch_weights(model, self.config.model_dir, progress=self.emit, shard_id=shard.shard_id,
+                                        node_id=self.config.node_id, policy=self.config.fetch),
+                    timeout=remaining)
+            except asyncio.TimeoutError:
+                timeout = float(shard.spec["profile"]["start_timeout"])
+                self._fail_before_launch(shard, f"not ready within start_timeout ({timeout:g}s): still fetching "
+                                                f"{model.source}")
+                return None
             except Exception as e:
                 self._fail_before_launch(shard, f"fetching {model.source}: {e}")
                 return None

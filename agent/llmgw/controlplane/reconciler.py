@@ -240,10 +240,12 @@ class Reconciler:
             targets = [s for s in self.book.shards_on(node_id)
                        if s.state in (PENDING, FETCHING, STARTING)
                        and s.spec.get("model", {}).get("source") == msg["source"]]
-        info = {k: msg.get(k) for k in ("source", "file", "bytes_done", "bytes_total", "rate_bps")}
+        info = {k: msg.get(k) for k in ("source", "file", "bytes_done", "bytes_total", "rate_bps", "note")}
         info["at"] = now
         for s in targets:
-            if s is not None and not s.released:
+            # Only a shard still on its way up: a report that crossed a real
+            # transition must not pin a stale line under a serving shard.
+            if s is not None and not s.released and s.state in (PENDING, FETCHING, STARTING):
                 s.progress = info
 
     def drain(self, replica_id: str, now: float) -> Replica:

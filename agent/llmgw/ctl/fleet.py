@@ -118,16 +118,48 @@ def human_age(s: float | None) -> str:
     return f"{s / 86400:.0f}d"
 
 
+def human_rate(bps: float) -> str:
+    """"210 MiB/s", "3.2 GiB/s": a rate needs two or three figures, not four."""
+    n = float(bps)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}/s" if n < 10 and unit != "B" else f"{n:.0f} {unit}/s"
+        n /= 1024
+    return f"{n:.0f} TiB/s"
+
+
+def human_eta(seconds: float) -> str:
+    """"45s", "2m13s", "1h02m"."""
+    s = int(seconds + 0.5)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+
+
 def progress_line(p: dict[str, Any]) -> str:
-    """"downloading SRC: 1.2 GiB of 4.0 GiB (30%) at 110.0 MiB/s"; no percentage without a length."""
-    done, total, rate = p.get("bytes_done"), p.get("bytes_total"), p.get("rate_bps")
-    what = p.get("file") or p.get("source")
+    """The line under a shard that is downloading its weights.
+
+    ``downloading model.safetensors  12.4 GiB / 40.0 GiB  31%  210 MiB/s  ETA 2m13s``, or, when the
+    server sent no length, ``downloading model.gguf  3.1 GiB so far  210 MiB/s``: no invented
+    percentage or ETA.  The percentage is rounded down, so 100% only ever means done.  A note
+    (a stall being retried) follows in parentheses: that is what tells a hung download from a slow one.
+    """
+    done, total, rate = p.get("bytes_done") or 0, p.get("bytes_total"), p.get("rate_bps")
+    bits = [f"downloading {p.get('file') or p.get('source')}"]
     if total:
-        amount = f"{human_bytes(done)} of {human_bytes(total)} ({100 * (done or 0) / total:.0f}%)"
+        bits += [f"{human_bytes(done)} / {human_bytes(total)}", f"{min(100, int(100 * done / total))}%"]
     else:
-        amount = f"{human_bytes(done)} so far"
-    speed = f" at {human_bytes(rate)}/s" if rate else ""
-    return f"downloading {what}: {amount}{speed}"
+        bits.append(f"{human_bytes(done)} so far")
+    if rate:
+        bits.append(human_rate(rate))
+        if total and total > done:
+            bits.append(f"ETA {human_eta((total - done) / rate)}")
+    line = "  ".join(bits)
+    if p.get("note"):
+        line += f"  ({p['note']})"
+    return line
 
 
 def tail_lines(tail: str | None, limit: int = 20) -> list[str]:

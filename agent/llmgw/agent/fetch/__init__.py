@@ -1,0 +1,66 @@
+"""Weights before launch: fetch an http(s) model source into the model directory.
+
+The supervisor calls ``fetch_weights`` for a shard whose model source is a
+URL, after reporting the shard ``fetching``, and launches the engine on the
+path it returns; a ``FetchError`` (or any exception) fails the shard with its
+message as the reason.  Paths and hub ids never come here: a path that
+exists is used as it is, and a hub id goes to the engine untouched.
+
+The package is split by job, so that the decisions are testable without a
+server and the I/O is small enough to read in one sitting:
+
+=============  ==============================================================
+``naming``     final and scratch file names (pure)
+``resume``     what may be kept on disk; what a response allows (pure)
+``progress``   rate and the ``progress`` message (pure)
+``flight``     single flight per source; watchers and their progress
+``scratch``    claiming a dead fetcher's partial file by atomic rename
+``lock``       advisory lock to save bandwidth, never trusted for correctness
+``durable``    fsync, rename, directory fsync, on-disk digest
+``download``   one download from first GET to promotion
+=============  ==============================================================
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+from llmgw.agent.fetch import download
+from llmgw.agent.fetch.download import FetchError
+from llmgw.agent.fetch.flight import Flight, FlightConflict, flights
+from llmgw.agent.fetch.naming import SourceURLError, target_relpath
+from llmgw.catalog import Model
+from llmgw.settings import FetchPolicy
+
+__all__ = ["FetchError", "FetchPolicy", "fetch_weights", "target_path"]
+
+
+def target_path(source: str, model_dir: str | os.PathLike[str]) -> Path:
+    """Where ``source`` is stored under ``model_dir`` (raises FetchError for a URL that names no file)."""
+    try:
+        return Path(os.path.abspath(model_dir)) / target_relpath(source)
+    except SourceURLError as e:
+        raise FetchError(str(e)) from e
+
+
+async def fetch_weights(model: Model, model_dir: str | os.PathLike[str], *,
+                        progress: Callable[[dict[str, Any]], None], shard_id: str,
+                        node_id: str = "local", policy: FetchPolicy | None = None) -> str:
+    """Local path of ``model.source`` once it is complete and verified; joins a download in flight.
+
+    ``progress`` receives ``progress`` stream messages naming ``shard_id``
+    (and any other shard of this process waiting on the same source).
+    """
+    final = target_path(model.source, model_dir)
+    pol = policy or FetchPolicy()
+
+    async def run(flight: Flight) -> str:
+        return await download.run(download.Job(url=model.source, final=final, node_id=node_id,
+                                               sha256=model.sha256, policy=pol, publish=flight.publish))
+
+    try:
+        return await flights().join((model.source, str(final)), final.name, model.sha256, shard_id, progress, run)
+    except FlightConflict as e:
+        raise FetchError(str(e)) from e

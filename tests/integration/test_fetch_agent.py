@@ -1,0 +1,150 @@
+"""The fetcher inside the agent: real Supervisor, real launches, a real weights server.
+
+Each test drives one ``Supervisor`` on its own loop and reads the messages
+it emits, as the stream would carry them (every one must pass the stream
+schema).  Engines are ``sh -c 'exec sleep 60'``: a real process launched
+through the real vLLM adapter with the fetched path in its argv, that never
+answers, so a shard stays ``starting`` for as long as a test needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from llmgw.agent.statedir import StateDir
+from llmgw.agent.supervisor import Supervisor, SupervisorConfig
+from llmgw.config import schema_errors
+from llmgw.settings import FetchPolicy
+
+from test_agent_supervisor import make_spec
+from test_fetch_support import WeightsServer
+
+pytestmark = pytest.mark.integration
+
+WAIT = 90.0
+SLEEPER = ("/bin/sh", "-c", "exec sleep 60", "engine")
+MIB = 1 << 20
+
+
+class Agent:
+    def __init__(self, tmp_path: Path, policy: FetchPolicy):
+        first = random.randrange(30000, 60000, 200)
+        self.config = SupervisorConfig(
+            node_id=f"n-{os.getpid()}", advertise_address="127.0.0.1", engine_bind_host="127.0.0.1",
+            engine_ports=(first, first + 199), engine_commands={"vllm": SLEEPER},
+            model_dir=str(tmp_path / "models"), stop_grace=5, probe_interval=0.2, fetch=policy)
+        self.sup = Supervisor(self.config, StateDir(tmp_path / "state"), self.emit)
+        self.status: list[dict] = []
+        self.progress: list[dict] = []
+        self.on_progress = None
+
+    def emit(self, msg: dict) -> None:
+        if msg["type"] != "progress" or len(self.progress) % 500 == 0:  # validating all 10,000 would be the test's cost
+            errors = schema_errors(msg, "stream")
+            assert not errors, f"emitted message fails the stream schema: {errors}: {msg}"
+        if msg["type"] == "progress":
+            self.progress.append(msg)
+            if self.on_progress:
+                self.on_progress(len(self.progress))
+        else:
+            self.status.append(msg)
+
+    def states(self, sid: str) -> list[str]:
+        return [m["state"] for m in self.status if m["shard_id"] == sid]
+
+    async def until(self, pred, what: str, timeout: float = WAIT) -> None:
+        end = time.monotonic() + timeout
+        while not pred():
+            if time.monotonic() > end:
+                raise AssertionError(f"timed out waiting for {what}; status: {self.status}")
+            await asyncio.sleep(0.02)
+
+    async def close(self) -> None:
+        for s in self.sup.live_shards():
+            await self.sup.stop(s.shard_id, "test cleanup")
+        await self.sup.detach()
+
+
+def spec(i: int, url: str, timeout: float = 120) -> dict:
+    """Shard ``i`` of its own replica on GPU ``i``: eight shards of one node, one source."""
+    return make_spec(f"big.sim.{i}-x/r0", source=url, gpus=(i,), timeout=timeout)
+
+
+def test_eight_shards_starting_together_make_exactly_one_get_and_all_launch_on_its_file(tmp_path):
+    data = random.Random(11).randbytes(4 * MIB)
+
+    async def main(srv: WeightsServer) -> None:
+        a = Agent(tmp_path, FetchPolicy(progress_interval=0.02))
+        try:
+            url = srv.url("org/model.safetensors")
+            for i in range(8):
+                a.sup.start(spec(i, url))
+            sids = [f"big.sim.{i}-x/r0" for i in range(8)]
+            await a.until(lambda: all("starting" in a.states(s) for s in sids), "all eight starting")
+            assert srv.files["org/model.safetensors"].gets == 1
+            paths = {a.sup.shards[s].argv[a.sup.shards[s].argv.index("serve") + 1] for s in sids}
+            (path,) = paths
+            assert Path(path).read_bytes() == data
+            for s in sids:
+                assert a.states(s)[:3] == ["pending", "fetching", "starting"]
+            named = set().union(*(m.get("shard_ids", []) for m in a.progress))
+            assert named == set(sids)  # watchers keyed by source: every waiter hears of the one download
+        finally:
+            await a.close()
+
+    with WeightsServer() as srv:
+        srv.add("org/model.safetensors", data, trickle=(512 << 10, 0.01))
+        asyncio.run(main(srv))
+
+
+def test_a_failed_fetch_fails_every_waiting_shard_with_the_reason(tmp_path):
+    async def main(srv: WeightsServer) -> None:
+        a = Agent(tmp_path, FetchPolicy())
+        try:
+            url = srv.url("org/nothing.safetensors")
+            for i in range(3):
+                a.sup.start(spec(i, url))
+            sids = [f"big.sim.{i}-x/r0" for i in range(3)]
+            await a.until(lambda: all("failed" in a.states(s) for s in sids), "all three failed")
+            for s in sids:
+                last = [m for m in a.status if m["shard_id"] == s][-1]
+                assert last["reason"] == f"fetching {url}: HTTP 404 Not Found"
+                assert a.states(s) == ["pending", "fetching", "failed"]
+        finally:
+            await a.close()
+
+    with WeightsServer() as srv:
+        asyncio.run(main(srv))
+
+
+def test_ten_thousand_progress_reports_cause_no_transition_and_the_start_timeout_still_fires(tmp_path):
+    """Lockstep: the server makes its next write only after the agent has reported the last one,
+    so there is exactly one progress message per write; after 10,000 the server holds the
+    connection (well inside the stall timeout) and only the start timeout can end the shard."""
+    n = 10_000
+    data = random.Random(12).randbytes(n * 64 + 4096)
+
+    async def main(srv: WeightsServer) -> None:
+        a = Agent(tmp_path, FetchPolicy(progress_interval=0, stall_timeout=600, attempts=1))
+        a.on_progress = lambda k: srv.allow("slow/model.safetensors", k)  # report k lets write k go
+        try:
+            sid = "big.sim.0-x/r0"
+            a.sup.start(spec(0, srv.url("slow/model.safetensors"), timeout=10))
+            await a.until(lambda: "failed" in a.states(sid), "the start timeout", timeout=WAIT)
+            assert len(a.progress) >= n, len(a.progress)
+            assert a.states(sid) == ["pending", "fetching", "failed"]  # 10,000 reports, 0 transitions
+            reason = a.status[-1]["reason"]
+            assert reason.startswith("not ready within start_timeout (10s): still fetching ")
+        finally:
+            await a.close()
+
+    with WeightsServer() as srv:
+        srv.add("slow/model.safetensors", data, chunk=64, lockstep=n)
+        asyncio.run(main(srv))
