@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -152,9 +153,15 @@ def test_killed_at_20_offsets_the_final_path_is_absent_or_correct_and_resume_cos
 def test_eight_fetcher_processes_with_locking_disabled_still_produce_a_correct_file(tmp_path):
     data = random.Random(8).randbytes(3 * MIB)
     with WeightsServer() as srv:
-        srv.add("x/model.safetensors", data, trickle=(256 << 10, 0.005))
+        # The first response pauses half way until a second GET has arrived, so
+        # the fetchers overlap however slowly the machine starts processes.
+        served = srv.add("x/model.safetensors", data, trickle=(256 << 10, 0.005), pause_at=len(data) // 2)
         url = srv.url("x/model.safetensors")
         procs = [driver(url, tmp_path, node="n1", digest="", nolock=True) for _ in range(8)]
+        deadline = time.monotonic() + 60
+        while served.gets < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        served.release.set()
         outs = [p.communicate(timeout=120) for p in procs]
         assert all(p.returncode == 0 for p in procs), outs
         final = target_path(url, tmp_path)
