@@ -141,6 +141,12 @@ def test_registration_with_a_matching_node_certificate_is_accepted(cp, tmp_path)
     assert kinds(res)[:1] == ["registered"], res
     assert res["received"][0]["epoch"] >= 1
     assert "good-node" in known_nodes(cp)
+    # The API shows the certificate the agent presented, for expiry checks on what is in use.
+    presented = x509.load_pem_x509_certificate(Path(cert[0]).read_bytes())
+    shown = cp.nodes()["good-node"]["certificate"]
+    assert shown["serial"] == format(presented.serial_number, "x")
+    assert dt.datetime.fromisoformat(shown["not_after"]) == presented.not_valid_after_utc
+    assert shown["fingerprint_sha256"].replace(":", "").lower() == presented.fingerprint(hashes.SHA256()).hex()
 
 
 @pytest.mark.parametrize("cert_cn, claimed", [

@@ -147,7 +147,9 @@ class AgentService:
                 return await self._refuse(ws, peer, e.reason, node_id)
 
         session = StreamSession(ws, node_id, peer)
-        epoch = self.cp.register(msg, session, peer)
+        epoch = self.cp.register(msg, session, peer, certificate=None if identity is None else {
+            "serial": identity.serial_hex, "not_after": identity.not_after.isoformat(),
+            "fingerprint_sha256": identity.fingerprint_sha256})
         # No await between register and this send: "registered" is the first
         # thing on the stream, ahead of any start/stop the reconciler queues.
         session.send({"type": "registered", "epoch": epoch,

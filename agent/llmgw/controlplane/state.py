@@ -52,6 +52,7 @@ class NodeRecord:
     registered_at: float = 0.0  # wall clock, for people
     registrations: int = 0
     peer: str | None = None
+    certificate: dict[str, Any] | None = None  # what the agent presented: serial, not_after, fingerprint
     last_reason: str | None = None  # why it changed state last
 
     def view(self) -> NodeView:
@@ -112,8 +113,13 @@ class ControlPlane:
         return rec is not None and rec.epoch == epoch
 
     # ---------------------------------------------------------------- stream
-    def register(self, msg: dict[str, Any], session: Session, peer: str | None = None) -> int:
-        """A validated, identity-checked ``register``: open a new epoch for the node."""
+    def register(self, msg: dict[str, Any], session: Session, peer: str | None = None,
+                 certificate: dict[str, Any] | None = None) -> int:
+        """A validated, identity-checked ``register``: open a new epoch for the node.
+
+        ``certificate`` describes the client certificate the agent presented,
+        so expiry can be checked on what is in use rather than on a file.
+        """
         now = self.clock()
         node_id = msg["node_id"]
         self._epoch += 1
@@ -135,7 +141,7 @@ class ControlPlane:
         rec.inventory, rec.epoch, rec.connected = inventory, epoch, True
         rec.address = msg.get("address") or rec.address
         rec.agent_version, rec.boot_id = msg["agent_version"], msg["boot_id"]
-        rec.registered_at, rec.peer = time.time(), peer
+        rec.registered_at, rec.peer, rec.certificate = time.time(), peer, certificate
         rec.registrations += 1
         log.info("node %s registered (epoch %d, agent %s, %d GPUs, %d shard(s) reported)",
                  node_id, epoch, rec.agent_version, len(inventory.gpus), len(msg["shards"]))

@@ -40,6 +40,7 @@ def nodes_view(cp: ControlPlane) -> dict[str, Any]:
             "address": rec.address,
             "agent_version": rec.agent_version,
             "boot_id": rec.boot_id,
+            "certificate": rec.certificate,
             "registrations": rec.registrations,
             "gpus_total": len(gpus),
             "gpus_free": sum(1 for g in gpus if g["shard"] is None),
