@@ -1,0 +1,267 @@
+# -*- coding: utf-8 -*-
+# Copyright: llmgw maintainers
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""InfiniBand / RoCE adapters as sysfs shows them, and declared fabrics checked against them.
+
+The kernel's ib_core publishes every RDMA adapter under ``/sys/class/infiniband``
+(each entry a symlink into ``/sys/devices``), one directory per port holding
+``state`` ("4: ACTIVE"), ``phys_state`` ("5: LinkUp"), ``rate``
+("200 Gb/sec (4X HDR)") and ``link_layer`` ("InfiniBand" or "Ethernet").
+
+This is the deployment-time twin of the agent's own check: modules run on hosts
+where the llmgw runtime may not be installed yet, so the small parse lives here
+rather than being imported. The rules are the agent's: an adapter counts only
+when it is present with an ACTIVE port, and a fabric runs at the speed of its
+slowest ACTIVE link. Parsing is pure (``parse_*`` over file text); the readers
+never raise for what they find on disk.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+DEFAULT_SYSFS_ROOT = "/sys/class/infiniband"
+UNKNOWN = "UNKNOWN"
+UNKNOWN_LINK_LAYER = "Unknown"
+
+# drivers/infiniband/core/sysfs.c: state_show.
+PORT_STATES = ("NOP", "DOWN", "INIT", "ARMED", "ACTIVE", "ACTIVE_DEFER")
+LINK_LAYERS = ("InfiniBand", "Ethernet", UNKNOWN_LINK_LAYER)
+PORT_FILES = ("state", "phys_state", "rate", "link_layer")
+
+_ENUM_LINE = re.compile(r"^\s*(\d+)\s*:\s*(\S(?:.*\S)?)\s*$")
+# rate_show: "%d%s Gb/sec (%dX%s)": "2.5 Gb/sec (1X)", "10 Gb/sec (4X)", "200 Gb/sec (4X HDR)".
+_RATE_LINE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*Gb/sec(?:\s*\(([^()]*)\))?\s*$")
+
+# What an operator can do about a port in a given (state, phys_state).
+_HINTS = {
+    ("INIT", "LinkUp"): "INIT with LinkUp: the cable is up but no subnet manager has activated the port",
+    ("ARMED", "LinkUp"): "ARMED: the subnet manager has not finished activating the port",
+    ("DOWN", "Polling"): "Polling: no link partner; check the cable and the switch port",
+    ("DOWN", "Disabled"): "Disabled: the port is administratively down",
+}
+
+
+class SysfsFormatError(ValueError):
+    """A sysfs file whose text is not in the kernel's format."""
+
+
+def parse_enum_line(text):
+    """``"4: ACTIVE\\n"`` -> ``(4, "ACTIVE")``, the format of state and phys_state."""
+    match = _ENUM_LINE.match(text)
+    if not match:
+        raise SysfsFormatError("expected '<number>: <name>', got %r" % text.strip())
+    return int(match.group(1)), match.group(2)
+
+
+def parse_state(text):
+    name = parse_enum_line(text)[1]
+    if name not in PORT_STATES and name != UNKNOWN:
+        raise SysfsFormatError("unknown port state %r" % text.strip())
+    return name
+
+
+def parse_phys_state(text):
+    return parse_enum_line(text)[1]
+
+
+def parse_rate(text):
+    """``"200 Gb/sec (4X HDR)"`` -> ``(200.0, "200 Gb/sec (4X HDR)")``."""
+    match = _RATE_LINE.match(text)
+    if not match:
+        raise SysfsFormatError("expected '<n> Gb/sec (<width>X <speed>)', got %r" % text.strip())
+    return float(match.group(1)), text.strip()
+
+
+def parse_link_layer(text):
+    value = text.strip()
+    if value not in LINK_LAYERS:
+        raise SysfsFormatError("expected one of %s, got %r" % (", ".join(LINK_LAYERS), value))
+    return value
+
+
+def port_from_texts(number, texts):
+    """A port dict from each file's text, an ``OSError`` reading it, or nothing.
+
+    A missing or malformed file leaves its field UNKNOWN (0.0 for the rate)
+    and says why in ``reason``; such a port is never ACTIVE unless its
+    ``state`` file said so.
+    """
+    problems = []
+
+    def field(name, parse, default):
+        raw = texts.get(name)
+        if raw is None:
+            problems.append("%s: missing" % name)
+            return default
+        if isinstance(raw, OSError):
+            problems.append("%s: cannot read (%s)" % (name, raw.strerror or raw))
+            return default
+        try:
+            return parse(raw)
+        except SysfsFormatError as exc:
+            problems.append("%s: %s" % (name, exc))
+            return default
+
+    state = field("state", parse_state, UNKNOWN)
+    phys_state = field("phys_state", parse_phys_state, UNKNOWN)
+    rate_gbps, rate_text = field("rate", parse_rate, (0.0, ""))
+    link_layer = field("link_layer", parse_link_layer, UNKNOWN_LINK_LAYER)
+    return {
+        "port": number,
+        "state": state,
+        "phys_state": phys_state,
+        "rate_gbps": rate_gbps,
+        "rate_text": rate_text,
+        "link_layer": link_layer,
+        "reason": "; ".join(problems) or None,
+    }
+
+
+def _read_text(path):
+    try:
+        with open(path, "rb") as handle:
+            return handle.read().decode("utf-8", "replace")
+    except (IOError, OSError) as exc:
+        if getattr(exc, "errno", None) == 2:  # ENOENT: the file is not there
+            return None
+        return exc  # EACCES, EIO/EINVAL from the driver, a directory ...
+
+
+def natural_key(name):
+    """Sort mlx5_2 before mlx5_10, as a person reading a list expects."""
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", name))
+
+
+def _listdir(path):
+    try:
+        return sorted(os.listdir(path), key=natural_key)
+    except (IOError, OSError):
+        return None
+
+
+def read_port(port_dir):
+    texts = {}
+    for name in PORT_FILES:
+        raw = _read_text(os.path.join(port_dir, name))
+        if raw is not None:
+            texts[name] = raw
+    return port_from_texts(int(os.path.basename(port_dir)), texts)
+
+
+def read_adapter(adapter_dir):
+    """One adapter; its directory is usually a symlink into /sys/devices, which is followed."""
+    ports_dir = os.path.join(adapter_dir, "ports")
+    guid = _read_text(os.path.join(adapter_dir, "node_guid"))
+    ports = [read_port(os.path.join(ports_dir, entry)) for entry in (_listdir(ports_dir) or ()) if entry.isdigit()]
+    return {
+        "name": os.path.basename(adapter_dir),
+        "node_guid": guid.strip() if isinstance(guid, str) and guid.strip() else None,
+        "ports": ports,
+    }
+
+
+def read_adapters(root=DEFAULT_SYSFS_ROOT):
+    """Every adapter under ``root``; none when it does not exist (no RDMA driver, no adapters)."""
+    entries = _listdir(root)
+    if entries is None:
+        return []
+    return [read_adapter(os.path.join(root, entry)) for entry in entries if not entry.startswith(".")]
+
+
+def describe_port(port):
+    """``"port 1: INIT, phys LinkUp, 200 Gb/sec (4X HDR)"`` (plus why, if a file was unreadable)."""
+    text = "port %d: %s, phys %s" % (port["port"], port["state"], port["phys_state"])
+    if port["rate_text"]:
+        text += ", " + port["rate_text"]
+    if port["reason"]:
+        text += " [%s]" % port["reason"]
+    return text
+
+
+def _inactive_problem(adapter):
+    if not adapter["ports"]:
+        return "no ACTIVE port (no ports found)"
+    details = "; ".join(describe_port(p) for p in adapter["ports"])
+    hints = sorted(set(_HINTS[key] for key in ((p["state"], p["phys_state"]) for p in adapter["ports"]) if key in _HINTS))
+    text = "no ACTIVE port (%s)" % details
+    if hints:
+        text += "; " + "; ".join(hints)
+    return text
+
+
+def _fmt_rate(rate):
+    return ("%f" % rate).rstrip("0").rstrip(".")
+
+
+def check_fabrics(declared, adapters):
+    """Compare declared fabrics (agent.yaml's ``fabrics``) with the adapters found.
+
+    Returns ``(checks, fabrics, undeclared, problems)``: one check per declared
+    adapter, one status per fabric (the agent's FabricStatus shape), the
+    adapters present that no fabric names, and every problem as a sentence
+    naming its fabric and adapter. A declared ``min_rate_gbps`` that is not met
+    is a problem here: at deployment time the operator can still fix it.
+    """
+    by_name = dict((a["name"], a) for a in adapters)
+    found = ", ".join(sorted(by_name, key=natural_key)) or "none"
+    named = set()
+    checks, fabrics, problems = [], [], []
+    for fabric in declared:
+        fabric_name = fabric["name"]
+        fabric_problems, advertised = [], []
+        slowest = None  # (rate, "mlx5_1 port 1, 100 Gb/sec (4X EDR)")
+        hcas = list(dict.fromkeys(fabric["hcas"]))
+        named.update(hcas)
+        for hca in hcas:
+            adapter = by_name.get(hca)
+            check = {"fabric": fabric_name, "hca": hca, "present": adapter is not None, "ok": False,
+                     "node_guid": None, "ports": [], "active_ports": [], "rate_gbps": None, "problems": []}
+            checks.append(check)
+            if adapter is None:
+                check["problems"].append("%s: absent (found: %s)" % (hca, found))
+                fabric_problems.extend(check["problems"])
+                continue
+            check["node_guid"] = adapter["node_guid"]
+            check["ports"] = adapter["ports"]
+            active = [p for p in adapter["ports"] if p["state"] == "ACTIVE"]
+            check["active_ports"] = [p["port"] for p in active]
+            if not active:
+                check["problems"].append("%s: %s" % (hca, _inactive_problem(adapter)))
+                fabric_problems.extend(check["problems"])
+                continue
+            advertised.append(hca)
+            rated = [p for p in active if p["rate_text"]]
+            for port in active:
+                if not port["rate_text"]:
+                    check["problems"].append("%s: port %d is ACTIVE but its rate is unknown [%s]" % (hca, port["port"], port["reason"]))
+            if rated:
+                check["rate_gbps"] = min(p["rate_gbps"] for p in rated)
+                for port in rated:
+                    if slowest is None or port["rate_gbps"] < slowest[0]:
+                        slowest = (port["rate_gbps"], "%s port %d, %s" % (hca, port["port"], port["rate_text"]))
+            minimum = fabric.get("min_rate_gbps")
+            if minimum is not None:
+                for port in rated:
+                    if port["rate_gbps"] < minimum:
+                        check["problems"].append("%s: port %d runs at %s, below min_rate_gbps %s" % (hca, port["port"], port["rate_text"], _fmt_rate(minimum)))
+            check["ok"] = not check["problems"]
+            fabric_problems.extend(check["problems"])
+        fabrics.append({
+            "name": fabric_name,
+            "declared_hcas": hcas,
+            "advertised_hcas": advertised,
+            "rate_gbps": None if slowest is None else slowest[0],
+            "slowest_link": None if slowest is None else slowest[1],
+            "problems": fabric_problems,
+        })
+        problems.extend("fabric %s: %s" % (fabric_name, p) for p in fabric_problems)
+    undeclared = [a for a in sorted(by_name, key=natural_key) if a not in named]
+    if undeclared and any(not c["present"] for c in checks):
+        # An absent adapter next to an undeclared one is usually a rename after a reboot.
+        described = ", ".join(
+            "%s (node GUID %s)" % (n, by_name[n]["node_guid"]) if by_name[n]["node_guid"] else n for n in undeclared
+        )
+        problems.append("present but not declared: %s; was an adapter renamed?" % described)
+    return checks, fabrics, undeclared, problems
