@@ -1,6 +1,7 @@
 import json
 
-from llmgw.router.sse import EventBuffer, Kind, classify, ends_with_done, error_message, first_error, last_boundary
+from llmgw.router.sse import (EventBuffer, Kind, classify, ends_with_done, error_message, first_error, iter_events,
+                              last_boundary)
 
 ROLE = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}'
 TOK = b'data: {"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}]}'
@@ -51,3 +52,17 @@ def test_ends_with_done():
     assert ends_with_done(b"data:[DONE]\r\n\r\n")
     assert not ends_with_done(TOK + b"\n\n")
     assert not ends_with_done(b'data: {"content":"[DONE]"}\n\n')
+
+
+def test_iter_events_cuts_like_splitting_on_blank_lines():
+    """The lazy cutter yields exactly the blocks of the eager definition, CRLF included."""
+    import random
+    rnd = random.Random(7)
+    pieces = [b"data: x", b"a", b"\n", b"\r\n", b"\r", b" ", b":c"]
+    for _ in range(5000):
+        data = b"".join(rnd.choice(pieces) for _ in range(rnd.randint(0, 24)))
+        eager = [b for b in data.replace(b"\r\n", b"\n").split(b"\n\n") if b.strip()]
+        assert list(iter_events(data)) == eager, data
+    assert list(iter_events(b"data: 1\n\n\n\ndata: 2\r\n\r\n: c\n\n")) == [b"data: 1", b"data: 2", b": c"]
+    first = next(iter_events(b"data: 1\n\n" + b"data: x\n\n" * 1000))
+    assert first == b"data: 1"

@@ -22,6 +22,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import aiohttp
 from aiohttp import web
@@ -30,10 +31,11 @@ from .auth import AuthFailure, KeyRing
 from .budget import RetryBudget
 from .errors import (AUTHENTICATION, INVALID_REQUEST, NOT_FOUND, PERMISSION, SERVER, RouterError,
                      sse_error_events)
-from .metrics import RouterMetrics
+from .metrics import BatchedHistogram, RouterMetrics
 from .request import parse_body
 from .runtime import EndpointRuntime, ModelGroup, Routing
 from .settings import RouterSettings
+from .splice import CLIENT_GONE, Splice, can_take_all, read_any
 from .sse import (DONE, ERROR_MARK, EventBuffer, Kind, classify, ends_with_done, error_message, event_data,
                   first_error, iter_events)
 
@@ -70,15 +72,15 @@ class _Watchdog:
     engine's silence and is not counted against it.
     """
 
-    __slots__ = ("loop", "idle", "deadline", "content", "last", "writing", "handle", "fired")
+    __slots__ = ("loop", "idle", "deadline", "poison", "last", "writing", "handle", "fired")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, idle: float, loop_deadline: float,
-                 content: aiohttp.StreamReader) -> None:
+                 poison: Callable[[BaseException], None]) -> None:
         self.loop = loop
         self.idle = idle
         self.last = time.perf_counter()  # the relay's clock; set on every chunk
         self.deadline = self.last + (loop_deadline - loop.time())
-        self.content = content
+        self.poison = poison  # makes the relay's pending wait raise
         self.writing = False
         self.fired: str | None = None
         self.handle = loop.call_later(max(0.0, min(idle, self.deadline - self.last)), self._check)
@@ -98,7 +100,7 @@ class _Watchdog:
 
     def _fire(self, reason: str) -> None:
         self.fired = reason
-        self.content.set_exception(StreamStalled(reason))
+        self.poison(StreamStalled(reason))
 
     def cancel(self) -> None:
         self.handle.cancel()
@@ -289,8 +291,9 @@ class Proxy:
                                         headers={"Content-Type": ctype or "application/json",
                                                  "X-Request-Id": ctx.rid})
                 committed = False
+                content = resp.content
                 while not committed:
-                    chunk = await resp.content.readany()
+                    chunk = await (read_any(content) if can_take_all(content) else content.readany())
                     if not chunk:
                         if held and ends_with_done(held[-1]):
                             break  # a complete stream without output (e.g. max_tokens=0)
@@ -353,9 +356,14 @@ class Proxy:
         saw_error = False
         tail = b""
         wd: _Watchdog | None = None
+        gaps: BatchedHistogram | None = None
         m.active_streams.inc()
+        splice: Splice | None = None
+        final = b""  # held back by the splice for write_eof
         try:
             first = b"".join(held)
+            # the headers go out with the first events, in one send
+            out._send_headers_immediately = False
             try:
                 await out.prepare(request)
                 await out.write(first)
@@ -367,16 +375,40 @@ class Proxy:
             m.ttft.observe(ctx.ttft)
             saw_error = first_error(first) is not None
             tail = first
-            wd = _Watchdog(loop, self.s.timeouts.inter_token, total_deadline, resp.content)
-            # the per-chunk loop: locals only, one clock read, no parsing unless an error may be in it
+            wd = _Watchdog(loop, self.s.timeouts.inter_token, total_deadline, resp.content.set_exception)
+            gaps = BatchedHistogram(m.inter_token, now)
+            observe = gaps.observe
+            try:
+                splice = Splice.attach(request, resp, buf, observe, wd, now, tail, saw_error)
+                if splice is not None:
+                    # relayed from the upstream's read callback; this task only waits for the end
+                    wd.poison = splice.abort
+                    try:
+                        result = await splice.run()
+                    finally:
+                        splice.detach()
+                        saw_error, tail, final = splice.saw_error, splice.tail, splice.final
+                    if result == CLIENT_GONE:
+                        ctx.note = "client_gone"
+                        return out
+            except StreamStalled as e:
+                outcome, failure = await self._stalled(out, ctx, rt, e)
+                return out
+            except (aiohttp.ClientError, OSError) as e:
+                outcome, failure = "broken", True
+                await self._end_with_error(
+                    out, ctx, f"stream from endpoint {rt.id} broke after output started ({type(e).__name__})",
+                    "upstream_stream_broken")
+                return out
+            # the ordinary per-chunk loop, when the splice cannot be used: locals only, one clock
+            # read, no parsing unless an error may be in it
             readany = resp.content.readany
             write = out.write
             feed = buf.feed
-            observe = m.inter_token.observe
             clock = time.perf_counter
             last_write = now
             try:
-                while True:
+                while splice is None:
                     chunk = await readany()
                     if not chunk:
                         break
@@ -395,19 +427,11 @@ class Proxy:
                         return out
                     finally:
                         wd.writing = False
-                    observe(t - last_write)
+                    observe(t - last_write, t)
                     last_write = t
                     tail = complete
             except StreamStalled as e:
-                if e.reason == "total_timeout":
-                    outcome = "timeout"  # the request's own deadline: not the engine's fault
-                    await self._end_with_error(out, ctx, "total request timeout reached while streaming",
-                                               "timeout")
-                else:
-                    outcome, failure = e.reason, True
-                    await self._end_with_error(
-                        out, ctx, f"stream from endpoint {rt.id} stalled: no output for "
-                                  f"{self.s.timeouts.inter_token:g}s", "upstream_stream_stalled")
+                outcome, failure = await self._stalled(out, ctx, rt, e)
                 return out
             except (aiohttp.ClientError, OSError) as e:
                 outcome, failure = "broken", True
@@ -430,13 +454,17 @@ class Proxy:
             else:
                 outcome = "ok"
             try:
-                await out.write_eof()
+                await out.write_eof(final)  # the last events and the chunked terminator, one send
             except (ConnectionError, aiohttp.ClientConnectionError):
                 pass
             return out
         finally:
+            if splice is not None:
+                splice.detach()  # before the connection is closed or goes back to the pool
             if wd is not None:
                 wd.cancel()
+            if gaps is not None:
+                gaps.flush(time.perf_counter())
             if outcome == "cancelled":
                 if saw_error:
                     # the client hung up on the engine's error event: still the engine's failure
@@ -452,6 +480,18 @@ class Proxy:
             else:
                 resp.close()
             self.routing.record(rt, group, outcome, failure=failure)
+
+    async def _stalled(self, out: web.StreamResponse, ctx: "_Ctx", rt: EndpointRuntime,
+                       e: StreamStalled) -> tuple[str, bool]:
+        """End a stream the watchdog cut; (outcome, counts against the endpoint)."""
+        if e.reason == "total_timeout":
+            # the request's own deadline: not the engine's fault
+            await self._end_with_error(out, ctx, "total request timeout reached while streaming", "timeout")
+            return "timeout", False
+        await self._end_with_error(
+            out, ctx, f"stream from endpoint {rt.id} stalled: no output for {self.s.timeouts.inter_token:g}s",
+            "upstream_stream_stalled")
+        return e.reason, True
 
     async def _end_with_error(self, out: web.StreamResponse, ctx: "_Ctx", message: str, code: str) -> None:
         self.metrics.error(ctx.model_label, "stream_broken")

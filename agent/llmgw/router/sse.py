@@ -57,8 +57,20 @@ def last_boundary(data: bytes) -> int:
 
 
 def iter_events(data: bytes) -> Iterator[bytes]:
-    """Event blocks of ``data`` (complete events), without their terminators."""
-    for block in data.replace(b"\r\n", b"\n").split(b"\n\n"):
+    """Event blocks of ``data`` (complete events), without their terminators.
+
+    Lazy: the commit point usually needs only the first event or two of a
+    read that may hold dozens, so blocks are cut one at a time, not all at once.
+    """
+    if b"\r" in data:
+        data = data.replace(b"\r\n", b"\n")
+    start, n = 0, len(data)
+    while start < n:
+        end = data.find(b"\n\n", start)
+        if end < 0:
+            end = n
+        block = data[start:end]
+        start = end + 2
         if block.strip():
             yield block
 
