@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: quickstart test unit integration ansible venv clean
+.PHONY: quickstart fleet-down test unit integration ansible venv clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,10 +14,20 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-## Set everything up and show the local example fleet's placement.
+## Set everything up and run the local example fleet: validate its configuration, show
+## where each replica goes, then roll it out with site.yml on this machine (control plane,
+## router, one agent with simulated GPUs, engines played by the simulator). The play ends
+## only when every replica is Ready and a chat completion came back through the router.
 quickstart: $(STAMP)
 	$(VENV)/bin/llmgw config validate inventory/local/files/server.yaml inventory/local/files/agent.yaml inventory/local/files/hardware/*.yaml
 	$(VENV)/bin/llmgw ctl explain --config inventory/local/files/server.yaml --hardware inventory/local/files/hardware/*.yaml
+	$(VENV)/bin/ansible-playbook playbooks/site.yml -i inventory/local/hosts.yml
+	LLMGW_URL=https://127.0.0.1:8443 LLMGW_CA=.local/pki/ca.crt LLMGW_CERT=.local/pki/admin.crt \
+	  LLMGW_KEY=.local/pki/admin.key $(VENV)/bin/llmgw ctl replicas
+
+## Stop the local fleet that `make quickstart` started (control plane, agent, engines).
+fleet-down:
+	-pkill -TERM -f '$(CURDIR)/[.]local/fleet/'
 
 ## The whole test suite: unit, then integration (real processes), then the Ansible collection.
 test: $(STAMP)
@@ -34,7 +44,7 @@ integration: $(STAMP)
 ## The llmgw.fleet collection: real ansible-playbook runs (site.yml on this machine,
 ## every module and role), then ansible-lint and ansible-test sanity.
 ansible: $(STAMP)
-	$(PY) -m pytest tests/ansible -q -p no:cacheprovider
+	$(PY) -m pytest tests/ansible tests/inventory -q -p no:cacheprovider
 	VENV=$(abspath $(VENV)) bash tests/ansible/lint.sh lint sanity
 
 clean:

@@ -59,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if logging.getLogger().level > logging.DEBUG:
+        # httpx logs every request at INFO: noise on ctl's tables, not news.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()
