@@ -17,10 +17,8 @@ import signal
 import ssl
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable
 
 import pytest
 import yaml
@@ -29,6 +27,7 @@ from llmgw.agent import procident
 from llmgw.tls import client_context, init_ca, issue_admin, issue_node, issue_server
 from llmgw.tls.files import write_pair
 
+from fleet import until
 from simproc import free_port
 
 pytestmark = pytest.mark.integration
@@ -39,15 +38,6 @@ HARDWARE = ROOT / "tests" / "fixtures" / "hardware" / "pcie-4gpu-nvlink-pairs.ya
 SIM_SCRIPT = Path(sys.executable).parent / "llmgw-engine-sim"
 
 
-def until(pred: Callable[[], Any], what: str, on_timeout: Callable[[], str] = lambda: "", timeout: float = WAIT):
-    end = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}\n{on_timeout()}")
-        time.sleep(0.1)
 
 
 def server_doc(tmp: Path, port: int, replicas: int) -> dict:
@@ -127,7 +117,7 @@ def test_real_control_plane_places_on_the_agent_which_survives_sigkills_and_stop
                 return None
             return next((r for r in reps if r["state"] == "ready"), None)
 
-        rep = until(ready_replica, "a Ready replica", logs)
+        rep = until(ready_replica, "a Ready replica", on_timeout=logs)
         (shard,) = rep["shards"]
         assert shard["node_id"] == node and shard["state"] == "ready"
         identity = procident.ProcessIdentity.from_dict(shard["process"])
@@ -140,8 +130,8 @@ def test_real_control_plane_places_on_the_agent_which_survives_sigkills_and_stop
             assert procident.is_running(identity)
             agent = Proc(agent_argv, tmp_path / "agent.log")
             until(lambda: next(n for n in api("/v1/nodes")["nodes"] if n["node_id"] == node)["registrations"]
-                  > registrations, f"re-registration #{life}", logs)
-            rep = until(ready_replica, "the replica Ready again", logs)
+                  > registrations, f"re-registration #{life}", on_timeout=logs)
+            rep = until(ready_replica, "the replica Ready again", on_timeout=logs)
             assert rep["replica_id"] == replica_id and rep["shards"][0]["process"] == identity.to_dict()
             assert rep["shards"][0]["adopted"] is True
             assert procident.is_running(identity)
@@ -149,9 +139,9 @@ def test_real_control_plane_places_on_the_agent_which_survives_sigkills_and_stop
         # The catalog stops asking for it: the control plane sends stop, the agent kills the adopted engine.
         server_yaml.write_text(yaml.safe_dump(server_doc(tmp_path, port, replicas=0)))
         server.p.send_signal(signal.SIGHUP)
-        until(lambda: not procident.is_running(identity), "the adopted engine to be stopped", logs)
-        until(lambda: api("/v1/replicas")["replicas"] == [], "the replica to be gone", logs)
-        until(lambda: not list((tmp_path / "state" / "shards").iterdir()), "the record to be removed", logs)
+        until(lambda: not procident.is_running(identity), "the adopted engine to be stopped", on_timeout=logs)
+        until(lambda: api("/v1/replicas")["replicas"] == [], "the replica to be gone", on_timeout=logs)
+        until(lambda: not list((tmp_path / "state" / "shards").iterdir()), "the record to be removed", on_timeout=logs)
         assert agent.p.poll() is None and server.p.poll() is None
     finally:
         agent.end()

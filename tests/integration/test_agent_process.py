@@ -41,6 +41,7 @@ from llmgw.config import schema_errors
 from llmgw.tls import IdentityError, check_node_identity, init_ca, issue_node, issue_server, peer_identity, server_context
 from llmgw.tls.files import write_pair
 
+from fleet import until
 from simproc import free_port, start_sim
 
 pytestmark = pytest.mark.integration
@@ -51,15 +52,6 @@ HARDWARE = ROOT / "tests" / "fixtures" / "hardware" / "pcie-4gpu-nvlink-pairs.ya
 SIM_SCRIPT = Path(sys.executable).parent / "llmgw-engine-sim"
 
 
-def until(pred: Callable[[], Any], what: str, timeout: float = WAIT, on_timeout: Callable[[], str] = lambda: ""):
-    end = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}\n{on_timeout()}")
-        time.sleep(0.05)
 
 
 # ---------------------------------------------------------------------- PKI
