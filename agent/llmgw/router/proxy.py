@@ -391,23 +391,13 @@ class Proxy:
                     if result == CLIENT_GONE:
                         ctx.note = "client_gone"
                         return out
-            except StreamStalled as e:
-                outcome, failure = await self._stalled(out, ctx, rt, e)
-                return out
-            except (aiohttp.ClientError, OSError) as e:
-                outcome, failure = "broken", True
-                await self._end_with_error(
-                    out, ctx, f"stream from endpoint {rt.id} broke after output started ({type(e).__name__})",
-                    "upstream_stream_broken")
-                return out
-            # the ordinary per-chunk loop, when the splice cannot be used: locals only, one clock
-            # read, no parsing unless an error may be in it
-            readany = resp.content.readany
-            write = out.write
-            feed = buf.feed
-            clock = time.perf_counter
-            last_write = now
-            try:
+                # the ordinary per-chunk loop, when the splice cannot be used: locals only, one clock
+                # read, no parsing unless an error may be in it
+                readany = resp.content.readany
+                write = out.write
+                feed = buf.feed
+                clock = time.perf_counter
+                last_write = now
                 while splice is None:
                     chunk = await readany()
                     if not chunk:
