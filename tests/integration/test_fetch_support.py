@@ -179,14 +179,45 @@ class WeightsServer:
             if s.pause_at is not None and pos == s.pause_at:
                 s.pause_at = None
                 if s.on_pause:
-                    s.on_pause()
-                await asyncio.get_running_loop().run_in_executor(None, s.release.wait)
+                    # Off the loop: bytes aiohttp has accepted but the socket has not
+                    # taken yet are flushed only while this loop runs, and on_pause
+                    # may wait for the client to have them.
+                    await _in_thread(s.on_pause)
+                await _in_thread(s.release.wait)
             if stalls and pos >= s.stall_after:  # type: ignore[operator]
                 await asyncio.sleep(3600)  # silent until the client gives up on us
             if s.trickle:
                 await asyncio.sleep(s.trickle[1])
         await resp.write_eof()
         return resp
+
+
+async def _in_thread(fn: Callable[[], object]) -> None:
+    """Run a blocking ``fn`` on a thread of its own and wait for it without blocking the loop.
+
+    Not the loop's default executor: a paused response whose client was killed
+    waits on ``release`` until the server closes, and a few of those would fill
+    that small pool and stop every later pause from running at all.
+    """
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def settle(how: Callable[..., object], *args: object) -> None:
+        try:
+            loop.call_soon_threadsafe(how, *args)
+        except RuntimeError:
+            pass  # the server stopped first: nobody is waiting any more
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            settle(done.set_exception, e)
+        else:
+            settle(done.set_result, None)
+
+    threading.Thread(target=run, daemon=True).start()
+    await done
 
 
 # ------------------------------------------------------------------ inotify
