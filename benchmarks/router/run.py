@@ -428,8 +428,8 @@ def report(results: dict) -> str:
              "and latency columns move with the scheduler from run to run; the CPU columns are the comparison that "
              "survives contention. The aiohttp-bare row is the thinnest relay on aiohttp's ordinary read/write "
              "path; the llmgw rows add the router's own work (keys, routing, retries, SSE event boundaries, "
-             "watchdogs, metrics) but relay committed streams from the upstream connection's read callback, "
-             "below that path, so per chunk they can come in under it. In stream-64 the simulator writes without delay, so several events arrive per "
+             "watchdogs, metrics) but talk to engines with their own HTTP/1.1 client and relay committed streams "
+             "from the upstream connection's read callback, below that path, so per chunk they can come in under it. In stream-64 the simulator writes without delay, so several events arrive per "
              "read and the per-chunk cost is lower for every proxy than with real token spacing (stream-256x20ms).")
     L.append("")
     names = [t["name"] for t in results["targets"]]

@@ -2,7 +2,7 @@
 
 Real sockets, one process, scripted engines (see test_router_proxy.py).
 Every test checks that the splice really carried the stream (``attached``),
-so that a fallback to aiohttp's ordinary loop cannot make them pass
+so that a fallback to the ordinary read/write loop cannot make them pass
 vacuously.  The client reads with ``readchunk``, which returns each HTTP
 chunk the router wrote: every one must end on an event boundary.
 """
@@ -13,9 +13,7 @@ import asyncio
 import collections
 import json
 
-import aiohttp
 import pytest
-from aiohttp import web
 from prometheus_client import CollectorRegistry, Histogram
 
 from llmgw.router import splice as splice_mod
@@ -25,7 +23,7 @@ from test_router_proxy import DONE, ROLE, Engine, Router, chunk, eps, error_even
 
 @pytest.fixture
 def attached(monkeypatch):
-    """Every Splice the router attached during the test (None where it stayed on aiohttp's path)."""
+    """Every Splice the router attached during the test (None where it stayed on the ordinary loop)."""
     seen: list = []
     orig = splice_mod.Splice.attach.__func__
 
@@ -167,7 +165,7 @@ async def test_slow_client_pauses_the_upstream_and_loses_nothing(attached):
 
 @run
 async def test_upstream_connection_is_reused_after_a_spliced_stream(attached):
-    """The connection goes back to aiohttp's protocol before it returns to the pool."""
+    """A spliced stream leaves its connection reusable: it goes back to the pool."""
     peers: list = []
 
     async def tracks(request, body):
@@ -206,62 +204,6 @@ async def test_client_leaving_a_spliced_stream_releases_the_endpoint(attached):
     assert attached and attached[0] is not None
     never.set()
     await a.stop()
-
-
-# ---------------------------------------------------------------- take_all
-
-def _reader(loop) -> aiohttp.StreamReader:
-    class Proto:
-        connected = True
-
-        def __init__(self):
-            self.resumed = 0
-            self.paused = 0
-
-        def pause_reading(self):
-            self.paused += 1
-
-        def resume_reading(self, **kw):
-            self.resumed += 1
-    return aiohttp.StreamReader(Proto(), 2 ** 16, loop=loop)
-
-
-def _feed_chunked(r: aiohttp.StreamReader, parts: list[bytes]) -> None:
-    for p in parts:
-        r.begin_http_chunk_receiving()
-        r.feed_data(p)
-        r.end_http_chunk_receiving()
-
-
-@run
-async def test_take_all_returns_what_read_nowait_would_and_leaves_the_reader_usable():
-    loop = asyncio.get_running_loop()
-    a, b = _reader(loop), _reader(loop)
-    assert splice_mod.can_take_all(a)
-    parts = [b"data: %d\n\n" % i for i in range(50)]
-    _feed_chunked(a, parts)
-    _feed_chunked(b, parts)
-    assert splice_mod.take_all(a) == b.read_nowait() == b"".join(parts)
-    assert splice_mod.take_all(a) == b""
-    # still a working reader: more chunks, a read that waits, the end
-    _feed_chunked(a, [b"x", b"y"])
-    assert await splice_mod.read_any(a) == b"xy"
-    waiter = asyncio.ensure_future(splice_mod.read_any(a))
-    await asyncio.sleep(0)
-    _feed_chunked(a, [b"z"])
-    assert await waiter == b"z"
-    a.feed_eof()
-    assert await splice_mod.read_any(a) == b"" and a.at_eof()
-    assert a.total_bytes == len(b"".join(parts)) + 3
-
-
-@run
-async def test_read_any_raises_the_readers_exception():
-    r = _reader(asyncio.get_running_loop())
-    _feed_chunked(r, [b"data: 1\n\n"])
-    r.set_exception(aiohttp.ClientPayloadError("cut"))
-    with pytest.raises(aiohttp.ClientPayloadError):
-        await splice_mod.read_any(r)
 
 
 # ---------------------------------------------------------------- BatchedHistogram

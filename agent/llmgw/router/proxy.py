@@ -35,14 +35,18 @@ from .metrics import BatchedHistogram, RouterMetrics
 from .request import parse_body
 from .runtime import EndpointRuntime, ModelGroup, Routing
 from .settings import RouterSettings
-from .splice import CLIENT_GONE, Splice, can_take_all, read_any
+from .http1 import ProtocolError
+from .splice import CLIENT_GONE, DONE as SPLICE_DONE, Splice
 from .sse import (DONE, ERROR_MARK, EventBuffer, Kind, classify, ends_with_done, error_message, event_data,
                   first_error, iter_events)
+from .upstream import ConnectError, Connection, UpstreamError
 
 log = logging.getLogger("llmgw.router")
 access_log = logging.getLogger("llmgw.router.access")
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
+_HEADER_VALUE = re.compile(r"^[\t\x20-\x7e]{1,1024}$")  # what may be copied into an engine request line
+_UPSTREAM_ERRORS = (UpstreamError, ProtocolError, OSError)  # the engine connection failed
 _ERROR_BODY_LIMIT = 64 * 1024
 
 
@@ -83,7 +87,12 @@ class _Watchdog:
         self.poison = poison  # makes the relay's pending wait raise
         self.writing = False
         self.fired: str | None = None
-        self.handle = loop.call_later(max(0.0, min(idle, self.deadline - self.last)), self._check)
+        self.handle: asyncio.TimerHandle | None = None
+
+    def arm(self) -> None:
+        """Start watching (not needed for a stream that ended before its relay had to wait)."""
+        if self.handle is None:
+            self.handle = self.loop.call_later(max(0.0, min(self.idle, self.deadline - self.last)), self._check)
 
     def _check(self) -> None:
         now = time.perf_counter()
@@ -103,7 +112,8 @@ class _Watchdog:
         self.poison(StreamStalled(reason))
 
     def cancel(self) -> None:
-        self.handle.cancel()
+        if self.handle is not None:
+            self.handle.cancel()
 
 
 class Proxy:
@@ -185,13 +195,13 @@ class Proxy:
                        payload: dict) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         total_deadline = ctx.t0_loop + self.s.timeouts.total
-        headers = {
-            "Content-Type": "application/json",  # parse_body proved it is JSON, whatever the client said
-            "Accept": request.headers.get("Accept", "text/event-stream" if stream else "application/json"),
-            "Accept-Encoding": "identity",
-            "X-Request-Id": ctx.rid,
-        }
-        path = request.raw_path  # path and query as the client sent them
+        accept = request.headers.get("Accept")
+        if accept is None or not _HEADER_VALUE.match(accept):
+            accept = "text/event-stream" if stream else "application/json"
+        # parse_body proved the body is JSON, whatever the client's Content-Type said
+        headers = (b"Content-Type: application/json\r\nAccept: %s\r\nAccept-Encoding: identity\r\n"
+                   b"X-Request-Id: %s\r\n" % (accept.encode("ascii"), ctx.rid.encode("ascii")))
+        target = request.raw_path.encode("utf-8", "surrogateescape")  # path and query as the client sent them
         self.budget.note_request()
         tried: set[str] = set()
         last: Failed | None = None
@@ -212,7 +222,6 @@ class Proxy:
             tried.add(rt.id)
             ctx.attempts += 1
             ctx.endpoint = rt.id
-            url = rt.endpoint.base_url + path
             now = loop.time()
             if now >= total_deadline:
                 break
@@ -221,10 +230,10 @@ class Proxy:
                 if stream:
                     pre_deadline = min(now + self.s.timeouts.per_try, now + self.s.timeouts.first_token,
                                        total_deadline)
-                    result = await self._stream_attempt(request, ctx, rt, group, url, body, headers,
+                    result = await self._stream_attempt(request, ctx, rt, group, target, body, headers,
                                                         pre_deadline, total_deadline)
                 else:
-                    result = await self._plain_attempt(ctx, rt, group, url, body, headers,
+                    result = await self._plain_attempt(ctx, rt, group, target, body, headers,
                                                        min(now + self.s.timeouts.per_try, total_deadline))
             finally:
                 rt.outstanding -= 1
@@ -241,25 +250,30 @@ class Proxy:
             return last.upstream
         raise last.error
 
-    async def _plain_attempt(self, ctx: "_Ctx", rt: EndpointRuntime, group: ModelGroup, url: str, body: bytes,
-                             headers: dict[str, str], deadline: float) -> web.Response | Failed:
-        session = rt.get_session()
+    async def _plain_attempt(self, ctx: "_Ctx", rt: EndpointRuntime, group: ModelGroup, target: bytes,
+                             body: bytes, headers: bytes, deadline: float) -> web.Response | Failed:
+        conn: Connection | None = None
         try:
             async with asyncio.timeout_at(deadline):
-                async with session.post(url, data=body, headers=headers) as resp:
-                    data = await resp.read()
-                    status = resp.status
-                    ctype = resp.headers.get("Content-Type", "application/json")
-                    retry_after = resp.headers.get("Retry-After")
+                conn = await rt.get_pool().request(target, headers, body)
+                data = await conn.read_all()
         except asyncio.CancelledError:
+            if conn is not None:
+                conn.close()
             self.routing.record(rt, group, "cancelled", failure=False)
             raise
         except BaseException as e:  # noqa: BLE001 - classified below, re-raised if unknown
+            if conn is not None:
+                conn.close()
             failed = _classify_exception(e, rt, ctx, "per-try timeout")
             self.routing.record(rt, group, failed.outcome, failure=failed.counts)
             return failed
+        head = conn.head
+        conn.release()
+        status = head.status
+        ctype = head.headers.get("content-type", "application/json")
         if status >= 500 or status == 429:
-            failed = _status_failure(status, data, ctype, rt, ctx, retry_after)
+            failed = _status_failure(status, data, ctype, rt, ctx, head.headers.get("retry-after"))
             self.routing.record(rt, group, failed.outcome, failure=failed.counts)
             return failed
         self.routing.record(rt, group, "ok" if status < 400 else "client_error", failure=False)
@@ -267,22 +281,22 @@ class Proxy:
         return web.Response(status=status, body=data, headers={"Content-Type": ctype, "X-Request-Id": ctx.rid})
 
     async def _stream_attempt(self, request: web.Request, ctx: "_Ctx", rt: EndpointRuntime, group: ModelGroup,
-                              url: str, body: bytes, headers: dict[str, str], pre_deadline: float,
+                              target: bytes, body: bytes, headers: bytes, pre_deadline: float,
                               total_deadline: float) -> web.StreamResponse | Failed:
-        session = rt.get_session()
-        resp: aiohttp.ClientResponse | None = None
+        resp: Connection | None = None
         buf = EventBuffer()
         held: list[bytes] = []
         try:
             async with asyncio.timeout_at(pre_deadline):
-                resp = await session.post(url, data=body, headers=headers)
-                ctype = resp.headers.get("Content-Type", "")
-                if resp.status != 200 or not ctype.startswith("text/event-stream"):
-                    data = await resp.content.read(_ERROR_BODY_LIMIT) if resp.status >= 400 else await resp.read()
+                resp = await rt.get_pool().request(target, headers, body)
+                head = resp.head
+                status = head.status
+                ctype = head.headers.get("content-type", "")
+                if status != 200 or not ctype.startswith("text/event-stream"):
+                    data = await resp.read_all(_ERROR_BODY_LIMIT if status >= 400 else None)
                     resp.release()
-                    status = resp.status
                     if status >= 500 or status == 429:
-                        failed = _status_failure(status, data, ctype, rt, ctx, resp.headers.get("Retry-After"))
+                        failed = _status_failure(status, data, ctype, rt, ctx, head.headers.get("retry-after"))
                         self.routing.record(rt, group, failed.outcome, failure=failed.counts)
                         return failed
                     self.routing.record(rt, group, "ok" if status < 400 else "client_error", failure=False)
@@ -291,9 +305,9 @@ class Proxy:
                                         headers={"Content-Type": ctype or "application/json",
                                                  "X-Request-Id": ctx.rid})
                 committed = False
-                content = resp.content
+                read = resp.read
                 while not committed:
-                    chunk = await (read_any(content) if can_take_all(content) else content.readany())
+                    chunk = await read()
                     if not chunk:
                         if held and ends_with_done(held[-1]):
                             break  # a complete stream without output (e.g. max_tokens=0)
@@ -341,12 +355,12 @@ class Proxy:
         return await self._relay(request, ctx, rt, group, resp, buf, held, total_deadline)
 
     async def _relay(self, request: web.Request, ctx: "_Ctx", rt: EndpointRuntime, group: ModelGroup,
-                     resp: aiohttp.ClientResponse, buf: EventBuffer, held: list[bytes],
+                     resp: Connection, buf: EventBuffer, held: list[bytes],
                      total_deadline: float) -> web.StreamResponse:
         """Past the commit point: relay raw bytes, event-aligned, until [DONE] or failure."""
         loop = asyncio.get_running_loop()
         out = web.StreamResponse(status=200, headers={
-            "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
+            "Content-Type": resp.head.headers.get("content-type", "text/event-stream"),
             "Cache-Control": "no-cache",
             "X-Request-Id": ctx.rid,
         })
@@ -375,7 +389,7 @@ class Proxy:
             m.ttft.observe(ctx.ttft)
             saw_error = first_error(first) is not None
             tail = first
-            wd = _Watchdog(loop, self.s.timeouts.inter_token, total_deadline, resp.content.set_exception)
+            wd = _Watchdog(loop, self.s.timeouts.inter_token, total_deadline, resp.fail)
             gaps = BatchedHistogram(m.inter_token, now)
             observe = gaps.observe
             try:
@@ -384,6 +398,8 @@ class Proxy:
                     # relayed from the upstream's read callback; this task only waits for the end
                     wd.poison = splice.abort
                     try:
+                        if splice.state != SPLICE_DONE:
+                            wd.arm()
                         result = await splice.run()
                     finally:
                         splice.detach()
@@ -393,7 +409,9 @@ class Proxy:
                         return out
                 # the ordinary per-chunk loop, when the splice cannot be used: locals only, one clock
                 # read, no parsing unless an error may be in it
-                readany = resp.content.readany
+                if splice is None:
+                    wd.arm()
+                readany = resp.read
                 write = out.write
                 feed = buf.feed
                 clock = time.perf_counter
@@ -423,7 +441,7 @@ class Proxy:
             except StreamStalled as e:
                 outcome, failure = await self._stalled(out, ctx, rt, e)
                 return out
-            except (aiohttp.ClientError, OSError) as e:
+            except _UPSTREAM_ERRORS as e:
                 outcome, failure = "broken", True
                 await self._end_with_error(
                     out, ctx, f"stream from endpoint {rt.id} broke after output started ({type(e).__name__})",
@@ -547,25 +565,18 @@ def _too_large(limit: int) -> RouterError:
 
 
 def _classify_exception(e: BaseException, rt: EndpointRuntime, ctx: _Ctx, timeout_what: str) -> Failed:
-    if isinstance(e, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)):
+    if isinstance(e, ConnectError):
         return Failed("connect", RouterError(
-            502, f"cannot connect to endpoint {rt.id}: {_reason(e)}", SERVER, "upstream_connect_error",
+            502, f"cannot connect to endpoint {rt.id}: {e.reason}", SERVER, "upstream_connect_error",
             klass="upstream_error"))
     if isinstance(e, TimeoutError):
         return Failed("timeout", RouterError(
             504, f"endpoint {rt.id}: {timeout_what}", SERVER, "upstream_timeout", klass="upstream_timeout"))
-    if isinstance(e, (aiohttp.ClientError, OSError)):
+    if isinstance(e, _UPSTREAM_ERRORS):
         return Failed("broken", RouterError(
             502, f"endpoint {rt.id} dropped the connection: {type(e).__name__}", SERVER,
             "upstream_disconnected", klass="upstream_error"))
     raise e
-
-
-def _reason(e: BaseException) -> str:
-    os_err = getattr(e, "os_error", None)
-    if os_err is not None and getattr(os_err, "strerror", None):
-        return os_err.strerror
-    return type(e).__name__
 
 
 def _status_failure(status: int, data: bytes, ctype: str, rt: EndpointRuntime, ctx: _Ctx,

@@ -3,8 +3,8 @@
 The endpoint table says what exists; this module keeps what the data path
 learns about each endpoint and carries it across table revisions (an
 endpoint that merely started draining keeps its health record and its
-pool).  Each endpoint has its own ``ClientSession`` so that a backend that
-accepts connections and never answers exhausts only its own pool.
+pool).  Each endpoint has its own connection pool (``upstream.Pool``) so that
+a backend that accepts connections and never answers ties up only its own.
 """
 
 from __future__ import annotations
@@ -15,20 +15,19 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
-
 from .balancing import LeastOutstanding, PrefixAffinity
 from .endpoints import Endpoint, EndpointTable
 from .errors import RATE_LIMIT, SERVER, RouterError
 from .metrics import EndpointMetrics, RouterMetrics
 from .outlier import Health, OutlierPolicy
 from .settings import RouterSettings
+from .upstream import Pool
 
 log = logging.getLogger("llmgw.router")
 
 
 class EndpointRuntime:
-    __slots__ = ("id", "key", "endpoint", "outstanding", "limit", "health", "session", "retired", "m",
+    __slots__ = ("id", "key", "endpoint", "outstanding", "limit", "health", "pool", "retired", "m",
                  "_settings")
 
     def __init__(self, ep: Endpoint, settings: RouterSettings, metrics: RouterMetrics) -> None:
@@ -38,7 +37,7 @@ class EndpointRuntime:
         self.outstanding = 0
         self.limit = ep.max_concurrency or settings.limits.max_concurrency_per_endpoint
         self.health = Health()
-        self.session: aiohttp.ClientSession | None = None
+        self.pool: Pool | None = None
         self.retired = False
         self.m = EndpointMetrics(metrics, ep.model, ep.id)
         self._settings = settings
@@ -47,32 +46,16 @@ class EndpointRuntime:
         self.endpoint = ep
         self.limit = ep.max_concurrency or self._settings.limits.max_concurrency_per_endpoint
 
-    def get_session(self) -> aiohttp.ClientSession:
-        if self.session is None or self.session.closed:
+    def get_pool(self) -> Pool:
+        pool = self.pool
+        if pool is None or pool.closed:
             s = self._settings
-            connector = aiohttp.TCPConnector(
-                # The router's own per-endpoint gate (self.limit) bounds concurrency;
-                # the pool must not be a second, silent cap (aiohttp's default is 100).
-                limit=0,
-                limit_per_host=0,
-                keepalive_timeout=s.limits.upstream_keepalive,
-                ttl_dns_cache=60,
-                enable_cleanup_closed=False,
-            )
-            self.session = aiohttp.ClientSession(
-                connector=connector,
-                timeout=aiohttp.ClientTimeout(total=None, connect=None, sock_connect=s.timeouts.connect,
-                                              sock_read=None),
-                auto_decompress=False,
-                cookie_jar=aiohttp.DummyCookieJar(),  # engines set no cookies; skip the per-request jar work
-                skip_auto_headers=("User-Agent", "Accept-Encoding"),
-                raise_for_status=False,
-            )
-        return self.session
+            pool = self.pool = Pool(self.endpoint.url, s.timeouts.connect, s.limits.upstream_keepalive)
+        return pool
 
     async def close(self) -> None:
-        if self.session is not None and not self.session.closed:
-            await self.session.close()
+        if self.pool is not None:
+            self.pool.close()
 
 
 @dataclass(frozen=True)
@@ -189,6 +172,8 @@ class Routing:
         self.sync()
         now = time.monotonic()
         for rt in self._runtimes.values():
+            if rt.pool is not None:
+                rt.pool.sweep()
             self.metrics.outstanding.labels(rt.endpoint.model, rt.id).set(rt.outstanding)
             self.metrics.ejected.labels(rt.endpoint.model, rt.id).set(1 if rt.health.is_ejected(now) else 0)
         done = [rt for rt in self._retired if rt.outstanding == 0]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import gc
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -93,6 +94,23 @@ def listen_socket(host: str, port: int, backlog: int, listen: bool = True) -> so
     return sock
 
 
+def tune_gc() -> None:
+    """Keep the cyclic garbage collector off the request path's critical share of CPU.
+
+    Every request allocates hundreds of container objects (aiohttp's request,
+    headers, tasks, futures), so the default gen-0 threshold of 700 ran a
+    collection several times per request, and the older generations kept
+    re-scanning everything imported at startup: together about a twentieth of
+    a worker's CPU.  Objects alive once the app is built are frozen (never
+    scanned again) and collections run every 20,000 allocations instead.
+    Request state is freed by reference counting; cycles are rare and still
+    collected.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 20, 20)
+
+
 def run_loop(coro: Any) -> None:
     """Run on uvloop when it is installed: it roughly halves the loop's share of CPU per event."""
     try:
@@ -120,6 +138,7 @@ async def serve_worker(settings: RouterSettings, sock: socket.socket, on_ready: 
     await runner.setup()
     site = web.SockSite(runner, sock, backlog=settings.backlog)
     await site.start()
+    tune_gc()
     on_ready()
     await stop.wait()
     log.info("stopping: finishing in-flight requests (up to %gs)", settings.timeouts.shutdown_grace)

@@ -93,9 +93,18 @@ class Kind(enum.Enum):
 
 
 _OUTPUT_KEYS = ("content", "tool_calls", "function_call", "reasoning_content", "reasoning", "refusal")
+# how vLLM (and the simulator) start a chat chunk whose first choice carries text
+_CONTENT_CHUNK = b'"choices":[{"index":0,"delta":{"content":"'
 
 
 def classify(block: bytes) -> Kind:
+    # The usual first token, recognised without parsing it: no error can be in it (no unescaped
+    # "error"), and its first choice's delta has non-empty content, which is what makes an event
+    # output below.  Inside JSON strings quotes are escaped, so the marker cannot come from text.
+    i = block.find(_CONTENT_CHUNK)
+    if i >= 0 and block[i + len(_CONTENT_CHUNK):i + len(_CONTENT_CHUNK) + 1] not in (b'"', b"") \
+            and ERROR_MARK not in block:
+        return Kind.TOKEN
     data = event_data(block)
     if data is None:
         return Kind.HOLD
