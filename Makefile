@@ -4,12 +4,12 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: quickstart fleet-down test unit integration ansible venv clean
+.PHONY: quickstart fleet-down test unit integration ansible molecule venv clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[controller,test]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -29,11 +29,13 @@ quickstart: $(STAMP)
 fleet-down:
 	-pkill -TERM -f '$(CURDIR)/[.]local/fleet/'
 
-## The whole test suite: unit, then integration (real processes), then the Ansible collection.
+## The whole test suite: unit, then integration (real processes), then the Ansible
+## collection, then the collection's molecule scenarios on podman test hosts.
 test: $(STAMP)
 	$(PY) -m pytest tests/unit -q
 	$(PY) -m pytest tests/integration -q
 	$(MAKE) --no-print-directory ansible
+	$(MAKE) --no-print-directory molecule
 
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit -q
@@ -46,6 +48,11 @@ integration: $(STAMP)
 ansible: $(STAMP)
 	$(PY) -m pytest tests/ansible tests/inventory -q -p no:cacheprovider
 	VENV=$(abspath $(VENV)) bash tests/ansible/lint.sh lint sanity
+
+## Multi-host rollouts on podman containers booting systemd (needs root): builds the
+## test-host image once (tests/hosts/build-image), then runs every scenario.
+molecule: $(STAMP)
+	VENV=$(abspath $(VENV)) tests/hosts/molecule
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Quality gates of the llmgw.fleet collection, both with empty ignore files:
-#   ansible-lint (production profile, offline) over playbooks, roles and inventories;
+#   ansible-lint (production profile, offline) over playbooks, roles, molecule scenarios and inventories;
 #   ansible-test sanity on Python 3.11, run in place in the collection.
 # Exits non-zero on any finding. Usage: tests/ansible/lint.sh [lint|sanity]...
 set -euo pipefail
@@ -13,7 +13,7 @@ export ANSIBLE_CONFIG=$root/ansible.cfg
 run_lint() {
   cd "$root"
   ansible-lint --offline --profile production -c tests/ansible/ansible-lint.yml \
-    playbooks collections/ansible_collections/llmgw/fleet/roles inventory
+    playbooks collections/ansible_collections/llmgw/fleet/roles collections/ansible_collections/llmgw/fleet/extensions inventory
 }
 
 # ansible-test builds a virtualenv per sanity test and bootstraps pip in it from a
