@@ -1,6 +1,7 @@
-"""``ansible-inventory --list`` through llmgw.fleet.llmgw on fleets of 1k, 5k and 10k nodes.
+"""``ansible-inventory`` (--list, --export, --graph) through llmgw.fleet.llmgw on fleets of 1k, 5k and 10k nodes.
 
     .venv/bin/python benchmarks/inventory/bench.py [--sizes 1000 5000 10000] [--runs 3]
+        [--modes list export graph] [--option gpu_detail=full] [--no-write]
 
 The API answers are the recorded answers of a real control plane
 (tests/inventory/recorded/) scaled up: every node is the recorded node
@@ -13,7 +14,16 @@ more) API requests, JSON decoding, building the inventory, and printing it.
 The control plane's own time to render /v1/nodes for such a fleet is not in
 these figures (it is the control plane's to measure).
 
-Writes benchmarks/results/inventory.json and inventory.md.
+Modes: ``list`` is ``--list`` (the figure that matters); ``export`` is
+``--list --export`` (group variables stay on their groups, host variables are
+not merged per host); ``graph`` is ``--graph``, which loads the inventory the
+way ansible-playbook does and prints only names, so ``list`` less ``graph`` is
+what printing the variables costs. Each run records its wall clock and the CPU
+time (user + system) of the ansible-inventory process: on a machine shared with
+other work the CPU time is the steadier of the two.
+
+Writes benchmarks/results/inventory.json (the text, inventory.md, is written
+from it by hand).
 """
 
 from __future__ import annotations
@@ -23,6 +33,8 @@ import copy
 import json
 import os
 import platform
+import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -104,67 +116,93 @@ def serve(docs: dict[str, bytes]) -> tuple[ThreadingHTTPServer, str]:
     return server, f"http://127.0.0.1:{server.server_address[1]}"
 
 
-def run_once(config: Path, tmp: Path) -> tuple[float, int, dict]:
+MODES = {"list": ["--list"], "export": ["--list", "--export"], "graph": ["--graph"]}
+
+
+def cpu_of_children() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def run_once(config: Path, tmp: Path, mode: str) -> tuple[float, float, bytes]:
+    """Wall clock and CPU seconds of one ansible-inventory run, and what it printed."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ANSIBLE_", "LLMGW_"))}
     env.update(ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), ANSIBLE_INVENTORY_ANY_UNPARSED_IS_FAILED="true",
                ANSIBLE_LOCAL_TEMP=str(tmp / "ansible-tmp"), LLMGW_TOKEN=TOKEN)
-    t0 = time.perf_counter()
-    res = subprocess.run([str(BIN / "ansible-inventory"), "--list", "-i", str(config)], cwd=REPO, env=env,
+    cpu0, t0 = cpu_of_children(), time.perf_counter()
+    res = subprocess.run([str(BIN / "ansible-inventory"), *MODES[mode], "-i", str(config)], cwd=REPO, env=env,
                          capture_output=True, timeout=600)
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, cpu_of_children() - cpu0
     if res.returncode != 0:
         raise SystemExit(f"ansible-inventory failed: {res.stderr.decode()[-2000:]}")
-    return elapsed, len(res.stdout), json.loads(res.stdout)
+    return elapsed, cpu, res.stdout
+
+
+def check(out: bytes, mode: str, n: int) -> None:
+    """The output holds every node (and, for the --list modes, every shard)."""
+    if mode == "graph":
+        hosts = set(re.findall(rb"--(gpu\d{5})$", out, re.M))
+        assert b"--@llmgw_live:" in out and len(hosts) == n, len(hosts)
+        return
+    hv = json.loads(out)["_meta"]["hostvars"]
+    shards = sum(len(v["llmgw_live_shards"]) for v in hv.values())
+    assert len(hv) == n and shards == n * GPUS, (len(hv), shards)
+
+
+def median(values: list[float]) -> float:
+    return round(statistics.median(values), 3)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[1000, 5000, 10000])
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--modes", nargs="+", choices=sorted(MODES), default=["list", "export", "graph"])
+    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                    help="a plugin option for the configuration file (e.g. gpu_detail=full)")
     ap.add_argument("--no-write", action="store_true", help="print only")
     args = ap.parse_args()
+    options = dict(o.split("=", 1) for o in args.option)
     rows = []
-    baseline = None
+    startup = {}
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        for n in args.sizes:
+        for n in [1, *args.sizes]:  # 1 node: the process start-up alone
             docs = fleet_documents(n)
             server, url = serve(docs)
             try:
                 config = tmp / f"bench{n}.llmgw.yml"
-                config.write_text(json.dumps({"plugin": "llmgw.fleet.llmgw", "url": url}))
-                times = []
-                for _ in range(args.runs):
-                    elapsed, size, inv = run_once(config, tmp)
-                    times.append(elapsed)
-                hv = inv["_meta"]["hostvars"]
-                shards = sum(len(v["llmgw_live_shards"]) for v in hv.values())
-                assert len(hv) == n and shards == n * GPUS, (len(hv), shards)
+                config.write_text(json.dumps({"plugin": "llmgw.fleet.llmgw", "url": url, **options}))
+                for mode in args.modes:
+                    walls, cpus = [], []
+                    for _ in range(args.runs):
+                        wall, cpu, out = run_once(config, tmp, mode)
+                        walls.append(wall)
+                        cpus.append(cpu)
+                    check(out, mode, n)
+                    if n == 1:
+                        startup[mode] = {"median_s": median(walls), "cpu_median_s": median(cpus)}
+                        continue
+                    row = {"mode": mode, "nodes": n, "shards": n * GPUS, "runs": walls, "cpu_runs": cpus,
+                           "median_s": median(walls), "cpu_median_s": median(cpus),
+                           "api_bytes": sum(len(b) for b in docs.values()), "output_bytes": len(out)}
+                    row["per_1k_nodes_s"] = round((row["median_s"] - startup[mode]["median_s"]) / n * 1000, 3)
+                    row["cpu_per_1k_nodes_s"] = round((row["cpu_median_s"] - startup[mode]["cpu_median_s"]) / n * 1000, 3)
+                    rows.append(row)
+                    print(f"{mode:>6} {n:>6} nodes: median {row['median_s']:.2f}s wall, {row['cpu_median_s']:.2f}s CPU "
+                          f"(wall {', '.join(f'{t:.2f}' for t in walls)}), output {len(out) / 1e6:.1f} MB", flush=True)
             finally:
                 server.shutdown()
                 server.server_close()
-            row = {"nodes": n, "shards": shards, "runs": times, "median_s": round(statistics.median(times), 3),
-                   "api_bytes": sum(len(b) for b in docs.values()), "output_bytes": size}
-            rows.append(row)
-            print(f"{n:>6} nodes {shards:>6} shards: median {row['median_s']:.2f}s "
-                  f"(runs {', '.join(f'{t:.2f}' for t in times)}), API {row['api_bytes'] / 1e6:.1f} MB, "
-                  f"output {size / 1e6:.1f} MB", flush=True)
-        # the process start-up alone: an inventory of 1 node
-        server, url = serve(fleet_documents(1))
-        try:
-            config = tmp / "bench1.llmgw.yml"
-            config.write_text(json.dumps({"plugin": "llmgw.fleet.llmgw", "url": url}))
-            startup = statistics.median(run_once(config, tmp)[0] for _ in range(args.runs))
-        finally:
-            server.shutdown()
-            server.server_close()
-    for row in rows:
-        row["per_1k_nodes_s"] = round((row["median_s"] - startup) / row["nodes"] * 1000, 3)
     doc = {
-        "what": "ansible-inventory --list -i X.llmgw.yml, wall clock, median of runs",
-        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()},
+        "what": "ansible-inventory -i X.llmgw.yml (--list, --list --export, --graph): wall clock and CPU time, median of runs",
+        "plugin_options": options,
+        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform(),
+                    "load_average_before": [round(x, 2) for x in load_before],
+                    "load_average_after": [round(x, 2) for x in os.getloadavg()]},
         "ansible_core": subprocess.run([str(BIN / "ansible"), "--version"], capture_output=True, text=True).stdout.splitlines()[0],
-        "startup_1_node_s": round(startup, 3),
+        "startup_1_node": startup,
         "rows": rows,
     }
     print(json.dumps(doc, indent=1))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import signal
 
 import ansible_runner
@@ -65,8 +64,10 @@ def test_runner_inventory_merges_declared_and_live_on_the_same_hosts(live, tmp_p
     out = plain(out)
     hv = out["_meta"]["hostvars"]
     replicas = live.fleet.replicas()["replicas"]
+    nodes = live.fleet.nodes()
     for name in ("a", "b"):
         host = hv[live.node(name)]
+        assert host["llmgw_live_certificate"] == nodes[live.node(name)]["certificate"]
         assert host["llmgw_fabrics"] == FABRICS  # declared
         assert host["llmgw_live_state"] == "ready"  # live
         assert host["llmgw_live_fabrics"][0]["advertised_hcas"] == ["mlx5_0", "mlx5_1"]
@@ -184,10 +185,10 @@ def test_replicas_ready_below_declared_with_the_placement_explanation(live, tmp_
 
 def test_agent_version_differing_from_the_declared_one(live, tmp_path):
     b = live.node("b")
+    # The agent reports the installed distribution's version: put an older one first on its path.
     old = tmp_path / "old-agent"
-    shutil.copytree(REPO / "agent" / "llmgw", old / "llmgw", ignore=shutil.ignore_patterns("__pycache__"))
-    init = old / "llmgw" / "__init__.py"
-    init.write_text(re.sub(r'__version__ = "[^"]+"', '__version__ = "0.0.9"', init.read_text()))
+    (old / "llmgw-0.0.9.dist-info").mkdir(parents=True)
+    (old / "llmgw-0.0.9.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: llmgw\nVersion: 0.0.9\n")
     live.restart_agent("b", env_prefix=["env", f"PYTHONPATH={old}"])
     try:
         assert live.fleet.nodes()[b]["agent_version"] == "0.0.9"
@@ -200,16 +201,34 @@ def test_agent_version_differing_from_the_declared_one(live, tmp_path):
 
 def test_certificate_expiring_within_the_renewal_window(live, tmp_path):
     a = live.node("a")
+    before = live.fleet.nodes()[a]["certificate"]
     live.reissue_cert("a", days=2)
-    live.restart_agent("a")  # the agent now runs on it: the control plane accepted it
     try:
+        # Only on disk so far: the agent still presents its 90-day certificate, and that is the one checked.
+        # A declared node the control plane does not know has its file read from the node instead.
+        res, doc = report(live, live.declared(hosts={"gpu-never-started": {"llmgw_tls_dir": str(live.tls["a"])}}), tmp_path)
+        assert kinds(doc) == [("certificate_expiring", "gpu-never-started"), ("node_not_registered", "gpu-never-started")]
+        (disk,) = [d["message"] for d in doc["differences"] if d["kind"] == "certificate_expiring"]
+        assert f"{live.tls['a']}/node.crt read from the node (the control plane reports none)" in disk
+
+        live.restart_agent("a")  # the agent now presents the 2-day certificate: the control plane accepted it
+        presented = live.fleet.nodes()[a]["certificate"]
+        assert presented["serial"] != before["serial"]
         res, doc = report(live, live.declared(), tmp_path)
         assert kinds(doc) == [("certificate_expiring", a)]
-        assert "within the renewal window of 30 days" in doc["differences"][0]["message"]
+        message = doc["differences"][0]["message"]
+        assert f"{a}: the certificate the agent presented to the control plane (serial {presented['serial']})" in message
+        assert "within the renewal window of 30 days" in message
         ok, doc = report(live, live.declared(llmgw_pki_renew_days=1), tmp_path)
         assert ok.returncode == 0 and doc["differences"] == []
+
+        # Renewed on disk but not loaded yet: the agent still presents the expiring one.
+        live.reissue_cert("a", days=90)
+        res, doc = report(live, live.declared(), tmp_path)
+        assert kinds(doc) == [("certificate_expiring", a)]
     finally:
         live.reissue_cert("a", days=90)
+        live.restart_agent("a")
 
 
 def test_stopped_agent_is_reported_not_ready(live, tmp_path):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from livefleet import BIN, run
+from livefleet import BIN, plain, run
 from recorded import GOLDEN, TOKEN, documents, plugin_config, render, serve
 
 
@@ -52,24 +52,49 @@ def test_hosts_groups_and_vars_say_what_the_api_said(tmp_path, docs):
         h = hv[n["node_id"]]
         assert h["llmgw_live_state"] == n["state"] and h["llmgw_live_agent_version"] == n["agent_version"]
         assert h["llmgw_live_fabrics"] == n["fabrics"]
+        assert h["llmgw_live_certificate"] == n["certificate"] and n["certificate"]["not_after"]
+        # GPUs in summary (the default): count, names, memory, and no per-GPU list
+        assert (h["llmgw_live_gpus_total"], h["llmgw_live_gpus_free"]) == (len(n["gpus"]), n["gpus_free"])
+        assert h["llmgw_live_gpu_names"] == sorted({g["name"] for g in n["gpus"]})
+        assert h["llmgw_live_gpu_memory_bytes"] == sum(g["memory_bytes"] for g in n["gpus"]) > 0
+        assert "llmgw_live_gpus" not in h
         assert n["node_id"] in inv[f"llmgw_state_{n['state']}"]["hosts"]
         assert all(k.startswith("llmgw_live_") for k in h)
+        assert "llmgw_live_fleet" not in h  # --export: the summary stays on the all group
     for r in replicas:
         for s in r["shards"]:
-            (mine,) = [x for x in hv[s["node_id"]]["llmgw_live_shards"] if x["shard_id"] == s["shard_id"]]
-            assert (mine["replica_id"], mine["model"], mine["state"], mine["endpoint"]) == (
-                r["replica_id"], r["model"], s["state"], r["endpoint"])
+            (mine,) = [x for x in hv[s["node_id"]]["llmgw_live_shards"]
+                       if f"{x['replica_id']}/r{x['rank']}" == s["shard_id"]]
+            assert (mine["replica_id"], mine["model"], mine["profile"], mine["state"], mine["replica_state"], mine["gpus"]) == (
+                r["replica_id"], r["model"], r["profile"], s["state"], r["state"], s["gpus"])
+            assert mine["endpoint"] == r["endpoint"] if s["rank"] == 0 else "endpoint" not in mine
             assert s["node_id"] in inv[f"llmgw_model_{r['model']}"]["hosts"]
     # the node whose mlx5_1 is in INIT still advertises ib-a through mlx5_0, and says why mlx5_1 is not used
     (partial,) = [n for n in nodes if n["fabrics"][0]["advertised_hcas"] == ["mlx5_0"]]
     assert any("INIT" in p for p in hv[partial["node_id"]]["llmgw_live_fabrics"][0]["problems"])
     assert sorted(inv["llmgw_fabric_ib_a"]["hosts"]) == sorted(hv)
     fleet = inv["all"]["vars"]["llmgw_live_fleet"]
-    big = next(d for d in fleet["deployments"] if d["model"] == "big")
-    assert big["ready"] == 0 and big["unplaced"][0]["slot"] == 0
+    assert sorted(fleet["deployments"]) == ["big/tp4", "tiny/sim"]
+    big = fleet["deployments"]["big/tp4"]
+    assert (big["replicas"], big["ready"]) == (1, 0) and big["unplaced"][0]["slot"] == 0
     assert "0 free GPUs, needs 4" in big["explain"][0]["text"]
-    tiny = next(d for d in fleet["deployments"] if d["model"] == "tiny")
-    assert (tiny["replicas"], tiny["ready"]) == (2, 2) and "explain" not in tiny and "not_ready" not in tiny
+    tiny = fleet["deployments"]["tiny/sim"]
+    assert tiny == {"replicas": 2, "ready": 2}
+    assert fleet["nodes"] == len(nodes) and fleet["node_states"] == {"ready": len(nodes)}
+
+
+def test_gpu_detail_full_lists_every_gpu(tmp_path, docs):
+    nodes = json.loads(docs["/v1/nodes"])["nodes"]
+    with serve(docs) as url:
+        res = run([str(BIN / "ansible-inventory"), "--list", "-i",
+                   str(plugin_config(tmp_path / "llmgw.yml", url, token=TOKEN, gpu_detail="full"))], tmp_path)
+    assert res.returncode == 0, res.stderr
+    hv = plain(json.loads(res.stdout))["_meta"]["hostvars"]
+    for n in nodes:
+        h = hv[n["node_id"]]
+        assert h["llmgw_live_gpus"] == [{k: g[k] for k in ("index", "name", "memory_bytes", "uuid", "shard")} for g in n["gpus"]]
+        assert h["llmgw_live_gpus"][0]["shard"] == "%s/r%d" % (h["llmgw_live_shards"][0]["replica_id"], h["llmgw_live_shards"][0]["rank"])
+        assert h["llmgw_live_gpu_names"] and h["llmgw_live_gpus_total"] == len(n["gpus"])
 
 
 def test_compose_groups_keyed_groups_and_strict(tmp_path, docs):
@@ -109,18 +134,28 @@ def test_the_cache_answers_when_the_control_plane_is_gone(tmp_path, docs):
 
 
 def test_remote_strings_are_never_templated(tmp_path, docs):
+    """A string a node reports (a reason, at the top and inside a shard) stays data in compose and in a play."""
     marker = tmp_path / "templated"
-    nodes = json.loads(docs["/v1/nodes"])
     evil = "{{ lookup('ansible.builtin.pipe', 'touch %s') }}" % marker
-    nodes["nodes"][0]["reason"] = evil
+    nodes, replicas = json.loads(docs["/v1/nodes"]), json.loads(docs["/v1/replicas"])
     host = nodes["nodes"][0]["node_id"]
-    with serve({**docs, "/v1/nodes": json.dumps(nodes).encode()}) as url:
+    nodes["nodes"][0]["reason"] = evil
+    next(s for r in replicas["replicas"] for s in r["shards"] if s["node_id"] == host)["reason"] = evil
+    play = [{"name": "use the live variables", "hosts": host, "gather_facts": False, "tasks": [
+        {"name": "copy them", "ansible.builtin.set_fact": {"copied": "{{ llmgw_live_reason }} {{ llmgw_live_shards[0].reason }}"}},
+        {"name": "show them", "ansible.builtin.debug": {"msg": "{{ copied }}|{{ why }}"}}]}]
+    playbook = tmp_path / "use.yml"
+    playbook.write_text(yaml.safe_dump(play))
+    with serve({**docs, "/v1/nodes": json.dumps(nodes).encode(), "/v1/replicas": json.dumps(replicas).encode()}) as url:
         config = plugin_config(tmp_path / "evil.llmgw.yml", url, token=TOKEN,
                                compose={"why": "llmgw_live_reason"})
-        res = run([str(BIN / "ansible"), host, "-i", str(config), "-m", "ansible.builtin.debug",
-                   "-a", "var=why"], tmp_path, JSON_RESULTS)
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert json.loads(res.stdout[res.stdout.index("{"):])["why"] == evil
+        adhoc = run([str(BIN / "ansible"), host, "-i", str(config), "-m", "ansible.builtin.debug",
+                     "-a", "var=why"], tmp_path, JSON_RESULTS)
+        played = run([str(BIN / "ansible-playbook"), str(playbook), "-i", str(config)], tmp_path, JSON_RESULTS)
+    assert adhoc.returncode == 0, adhoc.stdout + adhoc.stderr
+    assert json.loads(adhoc.stdout[adhoc.stdout.index("{"):])["why"] == evil
+    assert played.returncode == 0, played.stdout + played.stderr
+    assert json.dumps(f"{evil} {evil}|{evil}") in played.stdout
     assert not marker.exists()
 
 
