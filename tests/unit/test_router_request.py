@@ -30,3 +30,24 @@ def test_bad_bodies_are_400_naming_the_field(body, param, code):
     doc = json.loads(e.body())
     assert set(doc["error"]) == {"message", "type", "param", "code"}
     assert doc["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("body", [
+    b'{"model":"m","stream":true,"messages":[{"role":"user","content":"h\\u00e9 \\ud83d\\ude00"}]}',
+    '{"model":"m\u00e9","stream":false}'.encode("utf-8"),
+    '{"model":"m"}'.encode("utf-8-sig"),
+    '{"model":"m"}'.encode("utf-16"),
+    '{"model":"m"}'.encode("utf-16-le"),
+    b'{"model":"m","x":"\xed\xa0\x80"}',  # a lone surrogate, as json.loads(bytes) lets through
+    b' {"model":"m"} ',
+])
+def test_bodies_decode_as_json_loads_decodes_them(body):
+    import json
+    assert parse_body(body).payload == json.loads(body)
+
+
+@pytest.mark.parametrize("body", [b'{"model":"m"}x', b'{"model":"\xff"}', b'{"model":"m",}'])
+def test_bodies_json_loads_refuses_are_400(body):
+    with pytest.raises(RouterError) as e:
+        parse_body(body)
+    assert e.value.status == 400

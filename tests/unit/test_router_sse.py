@@ -66,3 +66,29 @@ def test_iter_events_cuts_like_splitting_on_blank_lines():
     assert list(iter_events(b"data: 1\n\n\n\ndata: 2\r\n\r\n: c\n\n")) == [b"data: 1", b"data: 2", b": c"]
     first = next(iter_events(b"data: 1\n\n" + b"data: x\n\n" * 1000))
     assert first == b"data: 1"
+
+
+def test_the_role_only_first_chunk_is_recognised_exactly_as_parsing_it_would():
+    tail = b',"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}'
+    lead = b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":17,"model":"m"'
+    variants = [lead + tail, lead + b',"x":"a\\"b\\u00e9"' + tail, lead + b',"x":-1.5e3,"y":true' + tail,
+                lead + b',"usage":{"prompt_tokens":1}' + tail, lead + b',"usage":null' + tail,
+                lead + b',"error":{"message":"boom"}' + tail, lead.replace(b'"chat.completion.chunk"', b'"error"') + tail,
+                lead[:-1] + tail, lead + b',"x":{"a":1}' + tail, lead + b',"x":"\xc3\xa9"' + tail,
+                lead + b',"x":"\xff"' + tail, b"data: " + tail, b"data: {" + tail[1:], lead + b",\n" + tail[1:],
+                lead + tail[:-3] + b',{"index":1,"delta":{"content":"x"}}]}', lead + tail + b"}"]
+    for block in variants:
+        parsed = classify(block.replace(b"data: ", b"data:  ", 1))  # one more space: only the JSON path
+        assert classify(block) is parsed, block
+    assert classify(lead + tail) is Kind.HOLD
+
+
+def test_events_are_cut_as_if_every_crlf_were_lf_however_late_the_first_cr_comes():
+    import itertools
+    pieces = [b"\r", b"\n", b"a", b"\r\n", b"\n\n", b"data: x"]
+    for n in range(6):
+        for combo in itertools.product(pieces, repeat=n):
+            data = b"".join(combo)
+            flat = data.replace(b"\r\n", b"\n")
+            want = [b for b in flat.split(b"\n\n") if b.strip()]
+            assert list(iter_events(data)) == want, data

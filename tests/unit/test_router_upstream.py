@@ -68,6 +68,47 @@ def test_a_size_line_that_never_ends_is_a_protocol_error():
         d.feed(b"0" * 5000)
 
 
+def test_a_huge_declared_size_is_refused_wherever_the_reads_split_it():
+    data = chunked([b"x"])[:-5] + b"f" * 16 + b"\r\nabc"
+    for cut in range(len(data) + 1):
+        with pytest.raises(ProtocolError):
+            decode_in_pieces(data, [cut])
+    with pytest.raises(ProtocolError):
+        decode_in_pieces(data, list(range(1, len(data))))
+
+
+def test_sizes_with_leading_zeros_and_hex_looking_bodies_and_trailers_decode():
+    parts = [b"f" * 20, b"0123456789abcdef0123\r\n", b"\r\nfffffffffffffffff"]
+    data = b"".join(b"0000000000%x\r\n%b\r\n" % (len(p), p) for p in parts) + \
+        b"0\r\nffffffffffffffffff: 1\r\n\r\n"
+    want = b"".join(parts)
+    for cut in range(len(data) + 1):
+        for cut2 in range(cut, len(data) + 1, 7):
+            assert decode_in_pieces(data, [cut, cut2]) == (want, True, False), (cut, cut2)
+
+
+def test_whitespace_before_extensions_is_accepted_and_bad_extensions_are_not():
+    assert ChunkedDecoder().feed(b"1 \t;a=b\r\nx\r\n0\r\n\r\n") == (b"x", True)
+    with pytest.raises(ProtocolError):
+        ChunkedDecoder().feed(b"1;a b\r\nx\r\n0\r\n\r\n")
+
+
+def test_line_ends_after_the_last_chunk_make_the_connection_unusable():
+    d = ChunkedDecoder()
+    assert d.feed(chunked([b"x"]) + b"\r\n") == (b"x", True) and d.extra
+    d = ChunkedDecoder()
+    assert d.feed(chunked([b"x"])) == (b"x", True) and not d.extra
+    assert d.feed(b"\r\n") == (b"", True) and d.extra
+
+
+def test_a_chunk_cut_short_is_never_reported_as_the_end():
+    data = chunked(EVENTS)
+    for cut in range(len(data)):
+        d = ChunkedDecoder()
+        payload, ended = d.feed(data[:cut])
+        assert not ended and b"".join(EVENTS).startswith(payload), cut
+
+
 def test_response_heads():
     h = parse_head(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
                    b"X-A: 1\r\nx-a: 2")

@@ -387,7 +387,9 @@ class Proxy:
             now = time.perf_counter()
             ctx.ttft = now - ctx.t0
             m.ttft.observe(ctx.ttft)
-            saw_error = first_error(first) is not None
+            # every held event was classified before the commit (the committing read's later ones by
+            # first_error): none is an error, or the attempt would have failed instead of committing
+            saw_error = False
             tail = first
             wd = _Watchdog(loop, self.s.timeouts.inter_token, total_deadline, resp.fail)
             gaps = BatchedHistogram(m.inter_token, now)

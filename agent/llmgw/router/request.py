@@ -13,6 +13,8 @@ from typing import Any
 
 from .errors import RouterError, bad_request
 
+_DECODER = json.JSONDecoder()
+
 
 @dataclass(frozen=True)
 class ParsedRequest:
@@ -26,7 +28,11 @@ def parse_body(body: bytes) -> ParsedRequest:
     if not body.strip():
         raise bad_request("request body is empty; expected a JSON object", code="invalid_json")
     try:
-        payload = json.loads(body)
+        if body[:1] == b"{" and body[1:2] != b"\x00":
+            # what json.loads(bytes) does for a UTF-8 object, without its encoding detection in Python
+            payload = _DECODER.decode(body.decode("utf-8", "surrogatepass"))
+        else:
+            payload = json.loads(body)
     except UnicodeDecodeError:
         raise bad_request("request body is not UTF-8 JSON", code="invalid_json") from None
     except json.JSONDecodeError as e:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 from typing import Iterator
 
 DONE = b"[DONE]"
@@ -60,16 +61,22 @@ def iter_events(data: bytes) -> Iterator[bytes]:
     """Event blocks of ``data`` (complete events), without their terminators.
 
     Lazy: the commit point usually needs only the first event or two of a
-    read that may hold dozens, so blocks are cut one at a time, not all at once.
+    read that may hold dozens, so blocks are cut one at a time, not all at
+    once, and only the blocks cut are looked at for CRLF line ends: from the
+    first one that has a CR on, the rest is read as if every CRLF were LF.
     """
-    if b"\r" in data:
-        data = data.replace(b"\r\n", b"\n")
     start, n = 0, len(data)
+    plain = True  # no CR seen yet
     while start < n:
         end = data.find(b"\n\n", start)
         if end < 0:
             end = n
         block = data[start:end]
+        if plain and b"\r" in block:
+            plain = False
+            data = data[start:].replace(b"\r\n", b"\n")
+            start, n = 0, len(data)
+            continue
         start = end + 2
         if block.strip():
             yield block
@@ -97,7 +104,25 @@ _OUTPUT_KEYS = ("content", "tool_calls", "function_call", "reasoning_content", "
 _CONTENT_CHUNK = b'"choices":[{"index":0,"delta":{"content":"'
 
 
+# how vLLM (and the simulator) end a stream's first chat chunk, which carries only the role
+_ROLE_CHUNK_TAIL = b',"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}'
+_JSON_SCALAR = rb'(?:"(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9A-Fa-f]{4})*"|-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?|true|false|null)'
+# "data: " and the opening of a JSON object of string keys and scalar values, without whitespace
+_FLAT_OBJECT_HEAD = re.compile(rb'data: \{(?:"[a-z_]+":%s(?:,"[a-z_]+":%s)*)?' % (_JSON_SCALAR, _JSON_SCALAR))
+
+
+def _role_only(block: bytes) -> bool:
+    """The role-only first chunk, recognised without parsing it: exactly what the JSON path below
+    concludes HOLD for (no "error", no "usage", one choice with empty content), and valid JSON,
+    because its head is checked to be a flat object of scalars in ASCII."""
+    return (block.endswith(_ROLE_CHUNK_TAIL) and block.isascii() and ERROR_MARK not in block
+            and b'"usage"' not in block
+            and _FLAT_OBJECT_HEAD.fullmatch(block, 0, len(block) - len(_ROLE_CHUNK_TAIL)) is not None)
+
+
 def classify(block: bytes) -> Kind:
+    if _role_only(block):
+        return Kind.HOLD
     # The usual first token, recognised without parsing it: no error can be in it (no unescaped
     # "error"), and its first choice's delta has non-empty content, which is what makes an event
     # output below.  Inside JSON strings quotes are escaped, so the marker cannot come from text.
