@@ -146,6 +146,9 @@ class Splice:
         self.result = result
         self.error = exc
         self.detach()
+        self._wake()
+
+    def _wake(self) -> None:
         w = self._waiter
         if w is not None and not w.done():
             w.set_result(None)
@@ -190,6 +193,4 @@ class Splice:
             self.pauses += 1
             self._reading_paused = True
             self._conn.pause_reading()
-            w = self._waiter
-            if w is not None and not w.done():
-                w.set_result(None)
+            self._wake()

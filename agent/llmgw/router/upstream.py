@@ -142,9 +142,7 @@ class Connection(asyncio.Protocol):
         while not self._buf and self.state == _BODY and self._error is None:
             await self._wait()
         if self._buf:
-            data = self._buf[0] if len(self._buf) == 1 else b"".join(self._buf)
-            self._buf = []
-            return data
+            return self._take_buffered()
         if self._error is not None:
             raise self._error
         return b""
@@ -170,9 +168,7 @@ class Connection(asyncio.Protocol):
         if sink is None:
             return
         if self._buf:
-            data = self._buf[0] if len(self._buf) == 1 else b"".join(self._buf)
-            self._buf = []
-            sink.body(data, self.state == _ENDED)
+            sink.body(self._take_buffered(), self.state == _ENDED)
         elif self.state == _ENDED:
             sink.body(b"", True)
         if self._error is not None and self._sink is sink:
@@ -208,6 +204,11 @@ class Connection(asyncio.Protocol):
         if not self.closed:
             self.closed = True
             self.transport.close()
+
+    def _take_buffered(self) -> bytes:
+        buf = self._buf
+        self._buf = []
+        return buf[0] if len(buf) == 1 else b"".join(buf)
 
     # -- framing ---------------------------------------------------------------
 
@@ -324,11 +325,11 @@ class Pool:
         parts = urlsplit(url)
         self.scheme = parts.scheme
         self.host = parts.hostname or ""
-        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        default_port = 443 if parts.scheme == "https" else 80
+        self.port = parts.port or default_port
         self.prefix = parts.path.rstrip("/").encode()
-        default_port = parts.port is None or parts.port == (443 if parts.scheme == "https" else 80)
         host = f"[{self.host}]" if ":" in self.host else self.host
-        self.host_header = (host if default_port else f"{host}:{self.port}").encode("idna")
+        self.host_header = (host if self.port == default_port else f"{host}:{self.port}").encode("idna")
         self.connect_timeout = connect_timeout
         self.keepalive = keepalive
         self._idle: list[Connection] = []
@@ -358,10 +359,15 @@ class Pool:
         oldest = time.monotonic() - self.keepalive
         while idle:
             conn = idle.pop()
-            if not conn.closed and conn.idle_since > oldest and not conn.transport.is_closing():
+            if self._reusable(conn, oldest) and not conn.transport.is_closing():
                 return conn
             conn.close()
         return None
+
+    @staticmethod
+    def _reusable(conn: Connection, oldest: float) -> bool:
+        """Open, and idle for less than ``keepalive`` (``oldest`` = now - keepalive)."""
+        return not conn.closed and conn.idle_since > oldest
 
     def _put(self, conn: Connection) -> None:
         if self.closed:
@@ -395,10 +401,10 @@ class Pool:
         oldest = time.monotonic() - self.keepalive
         keep = []
         for conn in self._idle:
-            if conn.closed or conn.idle_since <= oldest:
-                conn.close()
-            else:
+            if self._reusable(conn, oldest):
                 keep.append(conn)
+            else:
+                conn.close()
         self._idle = keep
 
     def close(self) -> None:
