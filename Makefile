@@ -1,5 +1,5 @@
 # Two entry points, as the README says: `make quickstart` and `make test`.
-PYTHON ?= python3
+PYTHON ?= $(shell command -v python3.11 2>/dev/null || echo python3)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed

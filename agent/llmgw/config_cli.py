@@ -1,4 +1,4 @@
-"""``llmgw config validate``: check a file against its schema, listing every error.
+"""``llmgw config validate``: check a file against its schema and semantic rules, listing every error.
 
 Ansible's ``template`` task calls this through ``validate:`` so a rendered
 file that the runtime would refuse never replaces a working one.
@@ -56,6 +56,10 @@ def validate_file(path: str | Path, kind: str | None = None) -> list[ConfigError
         except ConfigInvalid as e:
             return list(e.errors)
         return []
+    if kind == "hardware":
+        from llmgw.hardware.simulated import document_errors
+
+        return document_errors(doc)  # the same checks the agent and ctl explain apply
     return schema_errors(doc, kind)
 
 

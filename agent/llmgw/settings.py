@@ -1,19 +1,22 @@
 """Typed settings for ``server.yaml`` and ``agent.yaml``.
 
-Loading is: parse YAML -> JSON Schema (every error, with its pointer) ->
-semantic checks the schema cannot express (references between sections,
-timing invariants, engine profile rules) -> frozen dataclasses.  Nothing
-starts on a file that fails any step; every error is reported at once.
+Loading is: parse YAML -> JSON Schema (every error, with its pointer) plus
+the semantic checks the schema cannot express (references between sections,
+timing invariants, engine profile rules), each run when the schema accepted
+what it reads -> frozen dataclasses.  Nothing starts on a file with any
+error; every error is reported at once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from llmgw.catalog import Catalog
 from llmgw.config import ConfigError, ConfigInvalid, read_yaml, schema_errors
+from llmgw.engines import ProfileError, validate_profile
+from llmgw.engines.base import pointer_token
 from llmgw.hardware.types import FabricDeclaration
 
 
@@ -96,7 +99,66 @@ def _tls(d: dict[str, Any] | None) -> TLSFiles | None:
     return TLSFiles(d["ca"], d["cert"], d["key"]) if d else None
 
 
-def _server_semantic_errors(doc: dict[str, Any]) -> list[ConfigError]:
+# A semantic check runs only when the schema accepted every value it reads,
+# so a typo in one section does not hide a broken invariant in another, and
+# a schema-invalid value never produces a second, misleading error.
+Check = Callable[[dict[str, Any]], list[ConfigError]]
+
+
+def _touches(pointer: str, reads: tuple[str, ...]) -> bool:
+    """Whether a schema error at ``pointer`` concerns a value under one of ``reads``.
+
+    An error at an ancestor counts too: ``/control_plane: 'url' is a required
+    property`` is about ``/control_plane/url``, and a root-level error (the
+    document is not a mapping, a required section is missing) about all.
+    """
+    return pointer == "" or any(
+        pointer == r or pointer.startswith(r + "/") or r.startswith(pointer + "/") for r in reads)
+
+
+def _run_checks(doc: Any, schema: Sequence[ConfigError],
+                checks: list[tuple[tuple[str, ...], Check]]) -> list[ConfigError]:
+    """Every check whose inputs (JSON pointers) the schema accepted."""
+    if not isinstance(doc, dict):
+        return []
+    errors: list[ConfigError] = []
+    for reads, check in checks:
+        if any(_touches(e.pointer, reads) for e in schema):
+            continue
+        try:
+            errors += check(doc)
+        except (KeyError, TypeError, AttributeError, ValueError):
+            # A shape the schema reported where the check did not expect it
+            # (an error at a pointer not among ``reads``): that error stands
+            # alone.  On a schema-valid document this is a bug, so re-raise.
+            if not schema:
+                raise
+    return errors
+
+
+def _point_at_bad_names(doc: Any, errors: list[ConfigError]) -> list[ConfigError]:
+    """Move a ``propertyNames`` error from the object to the offending key.
+
+    jsonschema reports a key that fails ``propertyNames`` (``env: {1X: ...}``)
+    at the object holding it; the operator wants ``/profiles/0/env/1X``.
+    """
+    out = []
+    for e in errors:
+        target: Any = doc
+        try:
+            for part in e.pointer.split("/")[1:]:
+                part = part.replace("~1", "/").replace("~0", "~")
+                target = target[int(part)] if isinstance(target, list) else target[part]
+        except (KeyError, IndexError, ValueError, TypeError):
+            target = None
+        bad = [k for k in target if e.message.startswith(f"{k!r} does not match ")] if isinstance(target, dict) else []
+        if len(bad) == 1:
+            e = ConfigError(f"{e.pointer}/{pointer_token(bad[0])}", e.message)
+        out.append(e)
+    return out
+
+
+def _lifecycle_errors(doc: dict[str, Any]) -> list[ConfigError]:
     errors: list[ConfigError] = []
     lc = {**Lifecycle().__dict__, **doc.get("lifecycle", {})}
     if lc["unreachable_after"] <= lc["keepalive_interval"] + lc["heartbeat_interval"]:
@@ -110,21 +172,38 @@ def _server_semantic_errors(doc: dict[str, Any]) -> list[ConfigError]:
         errors.append(ConfigError(
             "/lifecycle/lost_after",
             f"must exceed unreachable_after ({lc['unreachable_after']}), got {lc['lost_after']}"))
+    return errors
+
+
+def _restart_errors(doc: dict[str, Any]) -> list[ConfigError]:
     rs = {**RestartPolicy().__dict__, **doc.get("restart", {})}
     if rs["backoff_max"] < rs["backoff_initial"]:
-        errors.append(ConfigError("/restart/backoff_max",
-                                  f"must be >= backoff_initial ({rs['backoff_initial']})"))
-    if not doc.get("insecure_no_tls") and "tls" not in doc:
-        errors.append(ConfigError("/tls", "required unless insecure_no_tls is true: "
-                                  "the agent stream and API need mutual TLS"))
+        return [ConfigError("/restart/backoff_max", f"must be >= backoff_initial ({rs['backoff_initial']})")]
+    return []
 
-    for section in ("models", "profiles"):
+
+def _server_tls_errors(doc: dict[str, Any]) -> list[ConfigError]:
+    if not doc.get("insecure_no_tls") and "tls" not in doc:
+        return [ConfigError("/tls", "required unless insecure_no_tls is true: "
+                            "the agent stream and API need mutual TLS")]
+    return []
+
+
+def _duplicate_names(section: str) -> Check:
+    def check(doc: dict[str, Any]) -> list[ConfigError]:
+        errors = []
         seen: dict[str, int] = {}
         for i, item in enumerate(doc.get(section, ())):
             if item["name"] in seen:
                 errors.append(ConfigError(f"/{section}/{i}/name",
                                           f"duplicate name {item['name']!r} (first at /{section}/{seen[item['name']]})"))
             seen.setdefault(item["name"], i)
+        return errors
+    return check
+
+
+def _served_name_errors(doc: dict[str, Any]) -> list[ConfigError]:
+    errors = []
     served: dict[str, int] = {}
     for i, m in enumerate(doc.get("models", ())):
         name = m.get("served_name", m["name"])
@@ -132,9 +211,13 @@ def _server_semantic_errors(doc: dict[str, Any]) -> list[ConfigError]:
             errors.append(ConfigError(f"/models/{i}/served_name",
                                       f"served name {name!r} already used by /models/{served[name]}"))
         served.setdefault(name, i)
+    return errors
 
+
+def _reference_errors(doc: dict[str, Any]) -> list[ConfigError]:
+    errors = []
     models = {m["name"] for m in doc.get("models", ())}
-    profiles = {p["name"]: p for p in doc.get("profiles", ())}
+    profiles = {p["name"] for p in doc.get("profiles", ())}
     pairs: dict[tuple[str, str], int] = {}
     for i, d in enumerate(doc.get("deployments", ())):
         if d["model"] not in models:
@@ -147,29 +230,41 @@ def _server_semantic_errors(doc: dict[str, Any]) -> list[ConfigError]:
         if key in pairs:
             errors.append(ConfigError(f"/deployments/{i}", f"{key[0]}/{key[1]} already declared at /deployments/{pairs[key]}"))
         pairs.setdefault(key, i)
-
-    catalog = Catalog.from_config(doc)
-    from llmgw.engines import validate_profile  # late: engines import catalog
-    from llmgw.engines.base import ProfileError
-
-    for i, p in enumerate(doc.get("profiles", ())):
-        prof = catalog.profiles[p["name"]]
-        if prof.gpus_total % prof.nodes:
-            errors.append(ConfigError(
-                f"/profiles/{i}/nodes",
-                f"{prof.nodes} nodes do not divide tensor_parallel_size * pipeline_parallel_size = {prof.gpus_total}"))
-        try:
-            validate_profile(prof)
-        except ProfileError as e:
-            errors.append(ConfigError(f"/profiles/{i}", str(e)))
     return errors
 
 
+def _profile_errors(i: int) -> Check:
+    """The engine adapter's checks of ``/profiles/i``, each problem at the key it is about."""
+    def check(doc: dict[str, Any]) -> list[ConfigError]:
+        p = doc["profiles"][i]
+        try:
+            validate_profile(Catalog.from_config({"profiles": [p]}).profiles[p["name"]])
+        except ProfileError as e:
+            return [ConfigError(f"/profiles/{i}/{path}" if path else f"/profiles/{i}", problem)
+                    for problem, path in zip(e.problems, e.paths)]
+        return []
+    return check
+
+
+def _server_semantic_errors(doc: Any, schema: Sequence[ConfigError] = ()) -> list[ConfigError]:
+    checks: list[tuple[tuple[str, ...], Check]] = [
+        (("/lifecycle",), _lifecycle_errors),
+        (("/restart",), _restart_errors),
+        (("/insecure_no_tls", "/tls"), _server_tls_errors),
+        (("/models",), _duplicate_names("models")),
+        (("/profiles",), _duplicate_names("profiles")),
+        (("/models",), _served_name_errors),
+        (("/models", "/profiles", "/deployments"), _reference_errors),
+    ]
+    profiles = doc.get("profiles") if isinstance(doc, dict) else None
+    if isinstance(profiles, list):
+        checks += [((f"/profiles/{i}",), _profile_errors(i)) for i in range(len(profiles))]
+    return _run_checks(doc, schema, checks)
+
+
 def parse_server_settings(doc: Any, source: str = "server.yaml") -> ServerSettings:
-    errors = schema_errors(doc, "server")
-    if errors:
-        raise ConfigInvalid(source, errors)
-    errors = _server_semantic_errors(doc)
+    schema = _point_at_bad_names(doc, schema_errors(doc, "server"))
+    errors = schema + _server_semantic_errors(doc, schema)
     if errors:
         raise ConfigInvalid(source, errors)
     api = doc["api"]
@@ -188,25 +283,45 @@ def parse_server_settings(doc: Any, source: str = "server.yaml") -> ServerSettin
     )
 
 
-def _agent_semantic_errors(doc: dict[str, Any]) -> list[ConfigError]:
-    errors: list[ConfigError] = []
+def _agent_tls_errors(doc: dict[str, Any]) -> list[ConfigError]:
+    if not doc.get("insecure_no_tls") and "tls" not in doc:
+        return [ConfigError("/tls", "required unless insecure_no_tls is true")]
+    return []
+
+
+def _agent_url_errors(doc: dict[str, Any]) -> list[ConfigError]:
     insecure = bool(doc.get("insecure_no_tls"))
     url = doc["control_plane"]["url"]
-    if not insecure and "tls" not in doc:
-        errors.append(ConfigError("/tls", "required unless insecure_no_tls is true"))
     if not insecure and url.startswith("ws://"):
-        errors.append(ConfigError("/control_plane/url", "ws:// is plaintext; use wss:// (or set insecure_no_tls for development)"))
+        return [ConfigError("/control_plane/url", "ws:// is plaintext; use wss:// (or set insecure_no_tls for development)")]
     if insecure and url.startswith("wss://"):
-        errors.append(ConfigError("/control_plane/url", "insecure_no_tls is set but the URL is wss://"))
+        return [ConfigError("/control_plane/url", "insecure_no_tls is set but the URL is wss://")]
+    return []
+
+
+def _reconnect_errors(doc: dict[str, Any]) -> list[ConfigError]:
     cp = doc["control_plane"]
     if cp.get("reconnect_max", 30) < cp.get("reconnect_initial", 1):
-        errors.append(ConfigError("/control_plane/reconnect_max", "must be >= reconnect_initial"))
+        return [ConfigError("/control_plane/reconnect_max", "must be >= reconnect_initial")]
+    return []
+
+
+def _fetch_errors(doc: dict[str, Any]) -> list[ConfigError]:
     fetch = {**FetchPolicy().__dict__, **doc.get("fetch", {})}
     if fetch["backoff_max"] < fetch["backoff_initial"]:
-        errors.append(ConfigError("/fetch/backoff_max", f"must be >= backoff_initial ({fetch['backoff_initial']})"))
+        return [ConfigError("/fetch/backoff_max", f"must be >= backoff_initial ({fetch['backoff_initial']})")]
+    return []
+
+
+def _engine_ports_errors(doc: dict[str, Any]) -> list[ConfigError]:
     ports = doc.get("engine_ports")
     if ports and ports["last"] < ports["first"]:
-        errors.append(ConfigError("/engine_ports/last", f"must be >= first ({ports['first']})"))
+        return [ConfigError("/engine_ports/last", f"must be >= first ({ports['first']})")]
+    return []
+
+
+def _fabric_errors(doc: dict[str, Any]) -> list[ConfigError]:
+    errors = []
     seen: dict[str, int] = {}
     for i, f in enumerate(doc.get("fabrics", ())):
         if f["name"] in seen:
@@ -215,11 +330,20 @@ def _agent_semantic_errors(doc: dict[str, Any]) -> list[ConfigError]:
     return errors
 
 
+def _agent_semantic_errors(doc: Any, schema: Sequence[ConfigError] = ()) -> list[ConfigError]:
+    return _run_checks(doc, schema, [
+        (("/insecure_no_tls", "/tls"), _agent_tls_errors),
+        (("/insecure_no_tls", "/control_plane/url"), _agent_url_errors),
+        (("/control_plane/reconnect_initial", "/control_plane/reconnect_max"), _reconnect_errors),
+        (("/fetch",), _fetch_errors),
+        (("/engine_ports",), _engine_ports_errors),
+        (("/fabrics",), _fabric_errors),
+    ])
+
+
 def parse_agent_settings(doc: Any, source: str = "agent.yaml") -> AgentSettings:
-    errors = schema_errors(doc, "agent")
-    if errors:
-        raise ConfigInvalid(source, errors)
-    errors = _agent_semantic_errors(doc)
+    schema = _point_at_bad_names(doc, schema_errors(doc, "agent"))
+    errors = schema + _agent_semantic_errors(doc, schema)
     if errors:
         raise ConfigInvalid(source, errors)
     state_dir = doc["state_dir"]

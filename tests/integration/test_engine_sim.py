@@ -10,6 +10,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -240,6 +241,38 @@ def test_concurrent_streams_each_get_every_token_once(tmp_path):
 
         results = asyncio.run(run())
         assert all(words == [f"tok{i}" for i in range(20)] for words in results)
+
+
+LATENCY = 0.05  # seconds per token
+# Timers may fire up to a loop tick early (uvloop rounds to milliseconds);
+# each token's due time is absolute, so this slack does not accumulate.
+EARLY = 0.005
+
+
+def test_token_latency_paces_every_streamed_token(tmp_path):
+    """Token i is written no earlier than (i + 1) x latency after the request.
+
+    The simulator paces from a fixed origin, so one late chunk is followed by
+    a shorter gap; the promise is cumulative, and only a lower bound is
+    asserted (a loaded machine may always be slower).
+    """
+    n = 8
+    with start_sim(env={"LLMGW_SIM_TOKEN_LATENCY": str(LATENCY)}, log_dir=tmp_path) as s:
+        c = client(s)
+        c.models.list()  # connection set up before timing starts
+        t0 = time.monotonic()
+        stream = c.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "pace"}], max_tokens=n, stream=True)
+        arrivals = [time.monotonic() - t0 for ch in stream if ch.choices and ch.choices[0].delta.content]
+        assert len(arrivals) == n
+        for i, t in enumerate(arrivals):
+            assert t >= (i + 1) * LATENCY - EARLY, (i, arrivals)
+        assert arrivals[-1] >= n * LATENCY - EARLY
+
+        t0 = time.monotonic()
+        r = c.completions.create(model="m", prompt="pace", max_tokens=n)
+        assert r.usage.completion_tokens == n
+        assert time.monotonic() - t0 >= n * LATENCY - EARLY
 
 
 # ------------------------------------------------------------------------ faults

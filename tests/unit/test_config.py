@@ -65,7 +65,7 @@ def test_timing_invariant_broken_is_one_clear_error():
 def test_profile_setting_a_flag_the_adapter_owns_is_refused():
     errs = errors_of("server-owned-flag.yaml")
     assert len(errs) == 1
-    assert errs[0][0] == "/profiles/0"
+    assert errs[0][0] == "/profiles/0/extra_args/0"
     assert "--tensor-parallel-size" in errs[0][1]
 
 
@@ -79,7 +79,7 @@ def test_references_and_parallel_layout_are_checked():
     errs = dict(errors_of("server-bad-refs.yaml"))
     assert "unknown profile 'nope'" in errs["/deployments/0/profile"]
     assert "unknown model 'ghost'" in errs["/deployments/1/model"]
-    assert "do not divide" in errs["/profiles/0/nodes"]
+    assert "cannot be split evenly over nodes=2" in errs["/profiles/0/nodes"]
 
 
 def test_tls_required_unless_explicitly_insecure():

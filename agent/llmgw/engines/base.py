@@ -9,16 +9,44 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+def pointer_token(key: str) -> str:
+    """``key`` escaped as one JSON pointer segment (RFC 6901: ``~`` -> ``~0``, ``/`` -> ``~1``)."""
+    return key.replace("~", "~0").replace("/", "~1")
+
+
+class Problem(str):
+    """One problem's text, plus where it is inside the profile.
+
+    ``path`` is a JSON pointer relative to the profile (``extra_args/3``,
+    ``env/CUDA_VISIBLE_DEVICES``; "" for the profile as a whole), so config
+    loading can name the offending key rather than the whole profile.  A str,
+    so every caller that reads problems as text keeps working.
+    """
+
+    path: str
+
+    def __new__(cls, text: str, path: str = "") -> "Problem":
+        self = super().__new__(cls, text)
+        self.path = path
+        return self
+
+
 class ProfileError(ValueError):
     """A profile the engine would refuse, or that fights the adapter.
 
     ``problems`` lists every individual problem, so an operator fixes a
-    profile in one pass instead of one error per launch attempt.
+    profile in one pass instead of one error per launch attempt; ``paths``
+    says where each one is (see ``Problem``).
     """
 
     def __init__(self, message: str, problems: tuple[str, ...] | list[str] = ()) -> None:
         super().__init__(message)
         self.problems: tuple[str, ...] = tuple(problems) or (message,)
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """Each problem's pointer relative to the profile ("" when it is the profile as a whole)."""
+        return tuple(getattr(p, "path", "") for p in self.problems)
 
 
 class SourceError(ProfileError):

@@ -27,8 +27,10 @@ from llmgw.engines.base import (
     LaunchContext,
     LaunchContextError,
     LaunchSpec,
+    Problem,
     ProfileError,
     SourceError,
+    pointer_token,
 )
 
 # What to do instead of setting an owned flag, worded for the operator who
@@ -101,76 +103,84 @@ def _is_flag(token: str) -> bool:
 
 
 def find_owned(
-    args: Sequence[str], owned: Iterable[OwnedFlag], syntax: FlagSyntax
-) -> list[tuple[str, OwnedFlag]]:
-    """Every token in ``args`` that sets an owned flag, with the flag it sets."""
+    args: Sequence[object], owned: Iterable[OwnedFlag], syntax: FlagSyntax
+) -> list[tuple[int, str, OwnedFlag]]:
+    """Every token in ``args`` that sets an owned flag: its index, the token, the flag it sets.
+
+    Non-string elements are skipped (``args_type_problems`` reports them);
+    indices are those of ``args`` itself, so a config error can point at the
+    offending element.
+    """
     owned = tuple(owned)
     exact: dict[str, OwnedFlag] = {s: f for f in owned for s in f.spellings}
     longs = [(s, f) for f in owned for s in f.spellings if s.startswith("--")]
     shorts = [(s, f) for f in owned for s in f.spellings if len(s) == 2 and s[1] != "-"]
-    hits: list[tuple[str, OwnedFlag]] = []
-    for token in args:
+    hits: list[tuple[int, str, OwnedFlag]] = []
+    for i, token in enumerate(args):
         if not isinstance(token, str) or not _is_flag(token):
             continue
         name = _flag_name(token, syntax)
         if name in exact:
-            hits.append((token, exact[name]))
+            hits.append((i, token, exact[name]))
             continue
         if syntax.abbreviations and name.startswith("--") and len(name) > 3:
             flag = next((f for s, f in longs if s.startswith(name)), None)
             if flag is not None:
-                hits.append((token, flag))
+                hits.append((i, token, flag))
                 continue
         if syntax.attached_short and not token.startswith("--"):
             flag = next((f for s, f in shorts if token.startswith(s) and len(token) > 2), None)
             if flag is not None:
-                hits.append((token, flag))
+                hits.append((i, token, flag))
     return hits
 
 
 def owned_problems(
-    engine: str, args: Sequence[str], owned: Iterable[OwnedFlag], syntax: FlagSyntax
+    engine: str, args: Sequence[object], owned: Iterable[OwnedFlag], syntax: FlagSyntax
 ) -> list[str]:
-    problems = []
-    for token, flag in find_owned(args, owned, syntax):
+    problems: list[str] = []
+    for i, token, flag in find_owned(args, owned, syntax):
         form = "" if token == flag.name else f" (as {token!r})"
-        problems.append(
+        problems.append(Problem(
             f"extra_args sets {flag.name}{form}, which the {engine} adapter sets itself: "
-            f"{flag.use_instead}"
-        )
+            f"{flag.use_instead}",
+            f"extra_args/{i}",
+        ))
     return problems
 
 
 def shape_problems(profile: Profile) -> list[str]:
     """Parallelism that no engine can run: non-positive sizes, uneven node split."""
-    problems = []
+    problems: list[str] = []
     for field_name in ("tensor_parallel_size", "pipeline_parallel_size", "nodes"):
         value = getattr(profile, field_name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            problems.append(f"{field_name} must be a positive integer, got {value!r}")
+            problems.append(Problem(f"{field_name} must be a positive integer, got {value!r}", field_name))
     if not problems and profile.gpus_total % profile.nodes:
-        problems.append(
+        problems.append(Problem(
             f"tensor_parallel_size x pipeline_parallel_size = {profile.gpus_total} GPUs "
-            f"cannot be split evenly over nodes={profile.nodes}"
-        )
+            f"cannot be split evenly over nodes={profile.nodes}",
+            "nodes",
+        ))
     return problems
 
 
 def env_problems(profile: Profile, forbidden: Mapping[str, str]) -> list[str]:
     """Profile env keys the adapter owns; ``forbidden`` maps key -> what to use instead."""
-    problems = []
+    problems: list[str] = []
     owned = {"CUDA_VISIBLE_DEVICES": USE_GPUS, **forbidden}
     for key, _ in profile.env:
         if key in owned:
-            problems.append(
-                f"env sets {key}, which the adapter sets itself: {owned[key]}"
-            )
+            problems.append(Problem(
+                f"env sets {key}, which the adapter sets itself: {owned[key]}",
+                f"env/{pointer_token(key)}",
+            ))
     return problems
 
 
 def args_type_problems(profile: Profile) -> list[str]:
     return [
-        f"extra_args[{i}] must be a string, got {type(a).__name__}"
+        Problem(f"extra_args[{i}] must be a string, got {type(a).__name__}", f"extra_args/{i}")
         for i, a in enumerate(profile.extra_args)
         if not isinstance(a, str)
     ]
@@ -229,8 +239,9 @@ def build_env(profile: Profile, ctx: LaunchContext) -> dict[str, str]:
     if ctx.gpu_indices:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in ctx.gpu_indices)
     prof = profile.env_dict
-    clashes = [
-        f"env sets {k}={prof[k]!r} but placement sets {k}={v!r} for this shard"
+    clashes: list[str] = [
+        Problem(f"env sets {k}={prof[k]!r} but placement sets {k}={v!r} for this shard",
+                f"env/{pointer_token(k)}")
         for k, v in ctx.extra_env.items()
         if k in prof and prof[k] != v
     ]
@@ -315,14 +326,13 @@ class Adapter:
     def profile_problems(self, profile: Profile) -> list[str]:
         problems: list[str] = []
         if profile.engine != self.name:
-            problems.append(f"engine is {profile.engine!r}, not {self.name!r}")
+            problems.append(Problem(f"engine is {profile.engine!r}, not {self.name!r}", "engine"))
         shape = shape_problems(profile)
         problems += shape
         if not shape:
             problems += self.engine_problems(profile)
         problems += args_type_problems(profile)
-        args = [a for a in profile.extra_args if isinstance(a, str)]
-        problems += owned_problems(self.name, args, self.owned_flags(profile), self.syntax)
+        problems += owned_problems(self.name, profile.extra_args, self.owned_flags(profile), self.syntax)
         problems += env_problems(profile, self.forbidden_env)
         return problems
 
@@ -333,8 +343,7 @@ class Adapter:
     def validate(self, model: Model, profile: Profile) -> None:
         """Profile checks plus those that need the model (sources, model-owned flags)."""
         problems = self.profile_problems(profile)
-        args = [a for a in profile.extra_args if isinstance(a, str)]
-        problems += owned_problems(self.name, args, self.model_owned_flags(model), self.syntax)
+        problems += owned_problems(self.name, profile.extra_args, self.model_owned_flags(model), self.syntax)
         raise_if(
             problems,
             f"profile {profile.name!r} (engine {self.name}) for model {model.name!r}",

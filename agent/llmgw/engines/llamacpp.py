@@ -20,7 +20,7 @@ the env names of owned flags are refused in a profile's env as well.
 from __future__ import annotations
 
 from llmgw.catalog import Model, Profile, SourceKind, source_kind
-from llmgw.engines.base import LaunchContext, LaunchContextError
+from llmgw.engines.base import LaunchContext, LaunchContextError, Problem
 from llmgw.engines.common import (
     USE_GPUS,
     USE_HOST,
@@ -96,17 +96,19 @@ class LlamaCppAdapter(Adapter):
         return ()
 
     def engine_problems(self, profile: Profile) -> list[str]:
-        problems = []
+        problems: list[str] = []
         if profile.nodes > 1:
-            problems.append(
+            problems.append(Problem(
                 f"nodes={profile.nodes}: llama.cpp serves a model from one node; "
-                "use nodes: 1 (or vllm/sglang for multi-node)"
-            )
+                "use nodes: 1 (or vllm/sglang for multi-node)",
+                "nodes",
+            ))
         if profile.pipeline_parallel_size > 1:
-            problems.append(
+            problems.append(Problem(
                 f"pipeline_parallel_size={profile.pipeline_parallel_size}: llama.cpp has no "
-                "pipeline parallelism here; use tensor_parallel_size to spread layers over GPUs"
-            )
+                "pipeline parallelism here; use tensor_parallel_size to spread layers over GPUs",
+                "pipeline_parallel_size",
+            ))
         return problems
 
     def source_problems(self, model: Model) -> list[str]:

@@ -36,6 +36,13 @@ from llmgw.engines.common import (
     OwnedFlag,
 )
 
+# vLLM starts tp x pp x pcp GPU workers per replica; placement reserves tp x pp.
+# (--decode-context-parallel-size / -dcp reuses the TP ranks, so it stays allowed.)
+_USE_NO_PCP = (
+    "vLLM would start tensor_parallel_size x pipeline_parallel_size x pcp GPU workers, "
+    "but placement reserves tensor_parallel_size x pipeline_parallel_size; leave it at 1"
+)
+
 _OWNED = (
     OwnedFlag(("--host",), USE_HOST),
     OwnedFlag(("--port",), USE_PORT),
@@ -44,6 +51,7 @@ _OWNED = (
     OwnedFlag(("--served-model-name",), USE_SERVED),
     OwnedFlag(("--tensor-parallel-size", "-tp"), USE_TP),
     OwnedFlag(("--pipeline-parallel-size", "-pp"), USE_PP),
+    OwnedFlag(("--prefill-context-parallel-size", "-pcp"), _USE_NO_PCP),
     OwnedFlag(("--nnodes", "-n"), USE_NODES),
     OwnedFlag(("--node-rank", "-r"), USE_PLACEMENT),
     OwnedFlag(("--master-addr",), USE_PLACEMENT),
@@ -56,8 +64,8 @@ _OWNED = (
     OwnedFlag(("--data-parallel-address", "-dpa"), USE_REPLICAS),
     OwnedFlag(("--data-parallel-rpc-port", "-dpp"), USE_REPLICAS),
     OwnedFlag(("--data-parallel-backend", "-dpb"), USE_REPLICAS),
-    OwnedFlag(("--data-parallel-hybrid-lb",), USE_REPLICAS),
-    OwnedFlag(("--data-parallel-external-lb",), USE_REPLICAS),
+    OwnedFlag(("--data-parallel-hybrid-lb", "-dph"), USE_REPLICAS),
+    OwnedFlag(("--data-parallel-external-lb", "-dpe"), USE_REPLICAS),
     # A YAML file of flags could set any of the above out of sight.
     OwnedFlag(("--config",), USE_LISTED),
 )

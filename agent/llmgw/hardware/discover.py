@@ -4,7 +4,8 @@ GPUs come from NVML or, for tests and demos, a hardware file
 (``llmgw.hardware.simulated``).  Adapters come from the file when it lists
 ``hcas``, else from sysfs, so a simulated node can still validate real
 adapters.  Declared fabrics are always checked against the adapters that
-were found, and each problem is logged here, on the node.
+were found, and each problem, and each adapter no fabric declares, is logged
+here, on the node.
 """
 
 from __future__ import annotations
@@ -15,7 +16,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from llmgw.hardware.infiniband import DEFAULT_SYSFS_ROOT, log_fabric_problems, read_hcas, validate_fabrics
+from llmgw.hardware.infiniband import (
+    DEFAULT_SYSFS_ROOT,
+    log_fabric_problems,
+    log_undeclared,
+    read_hcas,
+    validate_fabrics,
+)
 from llmgw.hardware.nvml import discover_gpus
 from llmgw.hardware.simulated import inventory_from_document, read_hardware_document
 from llmgw.hardware.types import FabricDeclaration, HardwareInventory
@@ -64,6 +71,7 @@ def discover(
             nvlink_known=found.nvlink_known,
         )
     log_fabric_problems(inv.fabrics)
+    log_undeclared(inv.undeclared_hcas)
     return inv
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -305,3 +306,29 @@ def log_fabric_problems(statuses: Iterable[FabricStatus], logger: logging.Logger
                 logger.warning("fabric %s: %s", s.name, problem)
             else:
                 logger.warning("fabric %s (not advertised: no usable adapter): %s", s.name, problem)
+
+
+_logged_undeclared: set[str] = set()
+_logged_lock = threading.Lock()
+
+
+def log_undeclared(names: Iterable[str], logger: logging.Logger = log) -> None:
+    """One INFO per adapter found that no fabric declares, the first time it is seen.
+
+    The inventory already lists it, but the operator reading this node's log
+    is the one who can tell a renamed card (mlx5_0 declared, mlx5_2 found)
+    from a spare.  Once per process: the agent rediscovers on every reconnect.
+    """
+    for name in names:
+        with _logged_lock:
+            if name in _logged_undeclared:
+                continue
+            _logged_undeclared.add(name)
+        logger.info("adapter %s found but in no declared fabric, so not used: "
+                    "fabric membership is configuration (fabrics[].hcas in agent.yaml)", name)
+
+
+def _reset_logged() -> None:
+    """Forget which undeclared adapters were logged (for tests)."""
+    with _logged_lock:
+        _logged_undeclared.clear()

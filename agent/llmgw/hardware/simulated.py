@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from llmgw.config import ConfigError, ConfigInvalid, read_yaml, validate_document
+from llmgw.config import ConfigError, ConfigInvalid, read_yaml, schema_errors
 from llmgw.hardware.infiniband import validate_fabrics
 from llmgw.hardware.types import GPU, FabricDeclaration, HardwareInventory
 
@@ -39,6 +39,29 @@ SCHEMA = "hardware"
 
 def semantic_errors(doc: Mapping[str, Any]) -> list[ConfigError]:
     """What the schema cannot check, for a document that passed it."""
+    return _gpu_errors(doc) + _hca_errors(doc)
+
+
+def document_errors(doc: Any) -> list[ConfigError]:
+    """Every error of a hardware document: the schema's, then the semantic ones.
+
+    The GPU and adapter checks each run when the schema accepted the section
+    they read, so a typo in ``hcas`` does not hide a duplicate GPU index, and
+    a schema-invalid section never yields a second, misleading error.  An
+    error at the root (not a mapping, a required key missing) stops them all.
+    """
+    errors = schema_errors(doc, SCHEMA)
+    if any(e.pointer == "" for e in errors):
+        return errors
+    bad = {e.pointer.split("/")[1] for e in errors}
+    if "gpus" not in bad:
+        errors += _gpu_errors(doc)
+    if "hcas" not in bad:
+        errors += _hca_errors(doc)
+    return errors
+
+
+def _gpu_errors(doc: Mapping[str, Any]) -> list[ConfigError]:
     errors: list[ConfigError] = []
     first: dict[int, int] = {}
     for i, g in enumerate(doc.get("gpus", ())):
@@ -54,6 +77,11 @@ def semantic_errors(doc: Mapping[str, Any]) -> list[ConfigError]:
                 errors.append(ConfigError(where, f"GPU {peer} cannot be its own NVLink peer"))
             elif peer not in first:
                 errors.append(ConfigError(where, f"no GPU with index {peer} in this file"))
+    return errors
+
+
+def _hca_errors(doc: Mapping[str, Any]) -> list[ConfigError]:
+    errors: list[ConfigError] = []
     seen_hca: dict[str, int] = {}
     for i, h in enumerate(doc.get("hcas", ())):
         if h["name"] in seen_hca:
@@ -72,12 +100,10 @@ def semantic_errors(doc: Mapping[str, Any]) -> list[ConfigError]:
 
 def read_hardware_document(path: str | Path) -> dict[str, Any]:
     """The file's document, validated; ``ConfigInvalid`` lists every error with its pointer."""
-    source = str(path)
     doc = read_yaml(path)
-    validate_document(doc, SCHEMA, source)
-    errors = semantic_errors(doc)
+    errors = document_errors(doc)
     if errors:
-        raise ConfigInvalid(source, errors)
+        raise ConfigInvalid(str(path), errors)
     return doc
 
 
