@@ -163,24 +163,60 @@ def local_weights_bytes(path: str | os.PathLike[str]) -> int | None:
     return None
 
 
-def remote_weights_bytes(url: str, timeout: float = 10.0) -> int | None:
-    """Content-Length of an http(s) weights file (HEAD, following redirects),
-    or None when the server does not say or cannot be reached."""
+def probe_remote_size(url: str, timeout: float = 10.0) -> tuple[int | None, str | None]:
+    """(size, None) for an http(s) weights file, or (None, why not).
+
+    A HEAD (following redirects) that answers 200 with a Content-Length
+    settles it.  Many object stores and CDNs refuse HEAD on a signed URL or
+    leave the length out, so otherwise one GET asks for the first byte only
+    (``Range: bytes=0-0``) and reads the total from ``Content-Range``
+    (``bytes 0-0/TOTAL``); a server that ignores the range and answers 200 is
+    read for its Content-Length, and its body is never read.
+    """
     import httpx
 
+    head_problem = None
     try:
         with httpx.Client(timeout=timeout, follow_redirects=True) as client:
             r = client.head(url)
+            if r.status_code == 200:
+                size = _positive(r.headers.get("content-length"))
+                if size is not None:
+                    return size, None
+                head_problem = "HEAD gave no Content-Length"
+            else:
+                head_problem = f"HEAD answered {r.status_code}"
+            with client.stream("GET", url, headers={"Range": "bytes=0-0", "Accept-Encoding": "identity"}) as g:
+                if g.status_code == 206:
+                    total = g.headers.get("content-range", "").rpartition("/")[2]
+                    size = _positive(total)
+                    if size is not None:
+                        return size, None
+                    return None, f"{head_problem}; GET bytes=0-0 gave no total in Content-Range"
+                if g.status_code == 200 and "content-encoding" not in g.headers:
+                    size = _positive(g.headers.get("content-length"))
+                    if size is not None:
+                        return size, None
+                    return None, f"{head_problem}; GET gave no Content-Length"
+                return None, f"{head_problem}; GET bytes=0-0 answered {g.status_code}"
     except httpx.HTTPError as e:
-        log.debug("cannot size %s: %s", url, e)
-        return None
-    if r.status_code != 200:
-        return None
+        why = f"{type(e).__name__}: {e}".rstrip(": ")
+        log.debug("cannot size %s: %s", url, why)
+        return None, f"{head_problem}; {why}" if head_problem else why
+
+
+def _positive(value: str | None) -> int | None:
     try:
-        size = int(r.headers.get("content-length", ""))
+        n = int(value or "")
     except ValueError:
         return None
-    return size if size > 0 else None
+    return n if n > 0 else None
+
+
+def remote_weights_bytes(url: str, timeout: float = 10.0) -> int | None:
+    """Size of an http(s) weights file (``probe_remote_size``), or None when
+    the server does not say or cannot be reached."""
+    return probe_remote_size(url, timeout)[0]
 
 
 def weights_bytes(model: Model, known_sizes: Mapping[str, int] | None = None) -> int | None:
@@ -197,12 +233,31 @@ def weights_bytes(model: Model, known_sizes: Mapping[str, int] | None = None) ->
     return None
 
 
+SIZE_DECLARED = "declared"
+SIZE_MEASURED = "measured from URL"
+SIZE_UNKNOWN = "unknown"
+
+
+def weights_size(model: Model, known_sizes: Mapping[str, int] | None = None,
+                 origins: Mapping[str, str] | None = None) -> tuple[int | None, str]:
+    """``weights_bytes`` and where that size came from: ``SIZE_DECLARED``, the
+    origin recorded for the source in ``origins`` (``SIZE_MEASURED`` when none
+    is), or ``SIZE_UNKNOWN``."""
+    size = weights_bytes(model, known_sizes)
+    if size is None:
+        return None, SIZE_UNKNOWN
+    if model.size_bytes is not None:
+        return size, SIZE_DECLARED
+    return size, (origins or {}).get(model.source, SIZE_MEASURED)
+
+
 def measure_sources(models: Mapping[str, Model] | list[Model], *, remote: bool = False,
-                    timeout: float = 10.0) -> dict[str, int]:
+                    timeout: float = 10.0, failures: dict[str, str] | None = None) -> dict[str, int]:
     """Sizes of the models' sources that can be read from here: local paths
-    that exist on this machine, and (``remote=True``) http(s) files that
-    announce a Content-Length.  Models with a declared size are skipped; hub
-    ids are never sized (the engine resolves them)."""
+    that exist on this machine, and (``remote=True``) http(s) files whose
+    server tells their length (``probe_remote_size``).  Models with a declared
+    size are skipped; hub ids are never sized (the engine resolves them).
+    ``failures``, when given, receives why each remote source could not be sized."""
     items = models.values() if isinstance(models, Mapping) else models
     sizes: dict[str, int] = {}
     for m in items:
@@ -212,7 +267,9 @@ def measure_sources(models: Mapping[str, Model] | list[Model], *, remote: bool =
         if m.kind is SourceKind.PATH:
             size = local_weights_bytes(m.source)
         elif m.kind is SourceKind.URL and remote:
-            size = remote_weights_bytes(m.source, timeout)
+            size, why = probe_remote_size(m.source, timeout)
+            if size is None and failures is not None:
+                failures[m.source] = why or "unknown"
         if size is not None:
             sizes[m.source] = size
     return sizes

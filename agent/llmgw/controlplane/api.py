@@ -4,6 +4,11 @@ Nothing but ``/healthz`` is open.  An operator proves itself with an admin
 certificate or an admin bearer token (only its sha256 is configured).  A
 node certificate is refused here even alongside a valid token: a node that
 could drive the admin API could place work on every other node.
+
+Without TLS (``insecure_no_tls``) there are no client certificates, so a
+token is the only way in; with no ``api.admin_tokens`` configured every
+admin request (``/metrics`` and the router watch included) is refused with
+401 and told so, never let through.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ log = logging.getLogger("llmgw.controlplane.api")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 OPEN_PATHS = frozenset({"/healthz"})
+NO_TOKENS = ("the admin API is closed: without TLS client certificates (insecure_no_tls) it needs an admin "
+             "bearer token, and none is configured; add api.admin_tokens to server.yaml (name and sha256 of "
+             "the token) and reload or restart")
 
 
 def token_digest(token: str) -> str:
@@ -55,6 +63,8 @@ class AdminAuth:
                 return 0, f"admin certificate {identity.name!r}"
         header = request.headers.get("Authorization", "")
         tokens = self.cp.settings.admin_tokens
+        if not self.require_identity and not tokens:
+            return 401, NO_TOKENS
         if header:
             scheme, _, token = header.partition(" ")
             if scheme.lower() != "bearer" or not token.strip():
@@ -64,8 +74,8 @@ class AdminAuth:
                 if hmac.compare_digest(digest, want):
                     return 0, f"admin token {name!r}"
             return 403, "unknown admin token"
-        if not self.require_identity and not tokens:
-            return 0, "anyone (insecure_no_tls without admin tokens)"
+        if not self.require_identity:
+            return 401, "an admin bearer token is required (Authorization: Bearer <token>)"
         return 401, "an admin certificate or an admin bearer token is required"
 
 
@@ -102,6 +112,11 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
               watch_handler: Handler | None = None) -> web.Application:
     """The aiohttp application: agent stream, admin API, metrics, health."""
     auth = AdminAuth(cp, require_identity)
+    if not require_identity and not cp.settings.admin_tokens:
+        for line in ("*** no TLS client certificates and no api.admin_tokens: the admin API is CLOSED ***",
+                     "*** every admin request (ctl, /metrics, the router watch) is refused with 401 ***",
+                     "*** configure api.admin_tokens in server.yaml to use it ***"):
+            log.error(line)
     agents = AgentService(cp, require_identity=require_identity)
     registry = registry_for(cp)
 

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmgw.catalog import Catalog, Deployment
+from llmgw.catalog import Catalog, Deployment, weights_bytes
 from llmgw.controlplane.lifecycle import NodeState, ReplacementLimiter
 from llmgw.controlplane.replicas import (
     DRAINING,
@@ -117,6 +117,13 @@ class Context:
     in_grace: bool = False  # just started: wait for agents to report before placing
     damped: bool = False  # zone disruption: no replacement of lost nodes' replicas
     limiter: ReplacementLimiter | None = None
+    # Sizes of model sources learned while running (a URL's length, an agent's
+    # download total): placement checks memory against them when a model
+    # declares no size_bytes.
+    weight_sizes: Mapping[str, int] = field(default_factory=dict)
+    # Sources whose size is being probed right now: their models wait for the
+    # answer (bounded) rather than be placed without a memory check.
+    sizing: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -150,10 +157,13 @@ def capacities(book: ReplicaBook, nodes: Mapping[str, NodeView]) -> list[NodeCap
     return out
 
 
-def placement_request(catalog: Catalog, dep: Deployment, headroom: float) -> PlacementRequest:
+def placement_request(catalog: Catalog, dep: Deployment, headroom: float,
+                      weight_sizes: Mapping[str, int] | None = None) -> PlacementRequest:
+    """What one replica of ``dep`` needs; its weights are the declared size,
+    else the size learned for the model's source, else unknown."""
     m = catalog.models[dep.model]
     return PlacementRequest(model=m, profile=catalog.profiles[dep.profile],
-                            weights_bytes=m.size_bytes, memory_headroom=headroom)
+                            weights_bytes=weights_bytes(m, weight_sizes), memory_headroom=headroom)
 
 
 def _keeper_rank(r: Replica) -> tuple:
@@ -512,7 +522,10 @@ class Reconciler:
                 if ctx.limiter is not None and not ctx.limiter.available(now):
                     plan.unplaced[key] = "replacement held: replacements_per_minute reached"
                     continue
-            request = placement_request(catalog, dep, ctx.memory_headroom)
+            request = placement_request(catalog, dep, ctx.memory_headroom, ctx.weight_sizes)
+            if request.weights_bytes is None and request.model.source in ctx.sizing:
+                plan.unplaced[key] = f"waiting for the size of {request.model.source} (probing the URL)"
+                continue
             result = place(request, capacities(self.book, nodes))
             if result.placement is None:
                 plan.unplaced[key] = result.reason or "no placement"

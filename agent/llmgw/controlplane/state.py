@@ -14,13 +14,14 @@ a newer one reported.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from llmgw.catalog import Catalog
+from llmgw.catalog import SIZE_MEASURED, Catalog, SourceKind, measure_sources, weights_size
 from llmgw.controlplane.lifecycle import Evaluation, NodeClock, NodeState, ReplacementLimiter, evaluate, observe
 from llmgw.controlplane.reconciler import Context, NodeView, Plan, Reconciler, endpoints
 from llmgw.hardware.types import HardwareInventory
@@ -68,6 +69,47 @@ class Loaded:
     loaded_at: float = field(default_factory=time.time)
 
 
+PROBE_TIMEOUT = 5.0  # seconds per request when sizing a URL (a HEAD, then maybe one ranged GET)
+PROBE_HOLD = 30.0  # longest a model waits for its URL's size before it is placed without one
+
+
+def reported_origin(node_id: str) -> str:
+    return f"reported by agent {node_id} while downloading"
+
+
+class WeightSizes:
+    """Sizes of model sources learned while running, and where each came from.
+
+    A model with a declared ``size_bytes`` never needs one.  For an http(s)
+    source the control plane asks the server (``llmgw.catalog.measure_sources``,
+    the same probe ``llmgw ctl explain --probe-urls`` runs) at every catalog
+    load and reload, off the reconcile loop; an agent downloading the source
+    reports its total, which fills in what the probe could not learn.
+    """
+
+    def __init__(self) -> None:
+        self.bytes: dict[str, int] = {}
+        self.origin: dict[str, str] = {}
+        self.probing: dict[str, float] = {}  # source -> when its probe started
+        self.warned: dict[str, str] = {}  # source -> the failure last logged for it
+
+    def learn(self, source: str, size: int, origin: str) -> bool:
+        """Record a size; True when it is news."""
+        if self.bytes.get(source) == size and self.origin.get(source) == origin:
+            return False
+        self.bytes[source], self.origin[source] = size, origin
+        return True
+
+    def holding(self, now: float) -> frozenset[str]:
+        """Unknown sources still being probed, for at most ``PROBE_HOLD``."""
+        return frozenset(src for src, t in self.probing.items()
+                         if src not in self.bytes and now - t < PROBE_HOLD)
+
+    def describe(self, model: Any) -> dict[str, Any]:
+        size, origin = weights_size(model, self.bytes, self.origin)
+        return {"bytes": size, "source": origin}
+
+
 class ControlPlane:
     def __init__(self, settings: ServerSettings, source: str | None = None,
                  clock: Callable[[], float] = time.monotonic):
@@ -87,6 +129,9 @@ class ControlPlane:
         self._last_endpoints: list[dict[str, Any]] | None = None
         self._last_unplaced_logged: dict[tuple[str, int], str] = {}
         self.reload_errors: list[str] = []
+        self.sizes = WeightSizes()
+        self._sized_for: Loaded | None = None
+        self._probes: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ access
     @property
@@ -168,7 +213,79 @@ class ControlPlane:
             self.kick()
         elif kind == "progress":
             self.reconciler.observe_progress(node_id, msg, now)
+            self._learn_reported_size(node_id, msg)
         return True
+
+    def _learn_reported_size(self, node_id: str, msg: dict[str, Any]) -> None:
+        """An agent downloading a URL knows its length: keep it when nothing better is known."""
+        source, total = msg.get("source"), msg.get("bytes_total")
+        if not isinstance(total, int) or total <= 0 or source in self.sizes.bytes:
+            return
+        names = [m.name for m in self.catalog.models.values() if m.source == source and m.size_bytes is None]
+        if not names:
+            return
+        self.sizes.learn(source, total, reported_origin(node_id))
+        log.info("model %s: weights at %s are %d bytes (%s)", ", ".join(names), source, total,
+                 reported_origin(node_id))
+        self.kick()
+
+    # ----------------------------------------------------------- weights size
+    def _unsized_urls(self) -> dict[str, list[Any]]:
+        """http(s) sources without a declared size, with the models that use them."""
+        out: dict[str, list[Any]] = {}
+        for m in self.catalog.models.values():
+            if m.size_bytes is None and m.kind is SourceKind.URL:
+                out.setdefault(m.source, []).append(m)
+        return out
+
+    def start_sizing(self) -> None:
+        """Probe the catalog's unsized URLs, once per loaded catalog, in the background.
+
+        Called from the reconcile loop; returns at once.  A source already
+        known keeps its size while it is probed again (a reload may point at
+        a changed file); one not known holds its models' placement until the
+        probe answers (``PROBE_HOLD`` at most).
+        """
+        if self._sized_for is self.loaded:
+            return
+        self._sized_for = self.loaded
+        wanted = self._unsized_urls()
+        for source in [s for s in self.sizes.bytes if s not in wanted]:
+            self.sizes.bytes.pop(source, None)
+            self.sizes.origin.pop(source, None)
+        for source, models in wanted.items():
+            if source in self.sizes.probing:
+                continue
+            self.sizes.probing[source] = self.clock()
+            task = asyncio.get_running_loop().create_task(self._probe(source, models), name=f"size {source}")
+            self._probes.add(task)
+            task.add_done_callback(self._probes.discard)
+
+    async def _probe(self, source: str, models: list[Any]) -> None:
+        names = ", ".join(m.name for m in models)
+        failures: dict[str, str] = {}
+        loop = asyncio.get_running_loop()
+        try:
+            sizes = await loop.run_in_executor(None, functools.partial(
+                measure_sources, models[:1], remote=True, timeout=PROBE_TIMEOUT, failures=failures))
+        except Exception as e:  # never let a probe take anything else down
+            sizes, failures = {}, {source: f"{type(e).__name__}: {e}"}
+        finally:
+            self.sizes.probing.pop(source, None)
+        size = sizes.get(source)
+        if size is not None:
+            self.sizes.warned.pop(source, None)
+            if self.sizes.learn(source, size, SIZE_MEASURED):
+                log.info("model %s: weights at %s are %d bytes (%s)", names, source, size, SIZE_MEASURED)
+        else:
+            why = failures.get(source, "the server did not say")
+            kept = self.sizes.bytes.get(source)
+            tail = (f"keeping {kept} bytes ({self.sizes.origin.get(source)})" if kept is not None else
+                    "placement cannot check GPU memory for it (declare size_bytes to make it)")
+            level = logging.WARNING if self.sizes.warned.get(source) != why else logging.DEBUG
+            self.sizes.warned[source] = why
+            log.log(level, "model %s: cannot tell the size of %s: %s; %s", names, source, why, tail)
+        self.kick()
 
     def disconnected(self, node_id: str, epoch: int) -> None:
         rec = self.nodes.get(node_id)
@@ -195,6 +312,9 @@ class ControlPlane:
                            ("router", old.router, settings.router)):
             if a != b:
                 log.warning("reload: %s changed; it takes effect at the next restart", what)
+        if old.tls is None and not settings.admin_tokens:
+            log.error("reload: no TLS and no api.admin_tokens: every admin request is refused (401) "
+                      "until api.admin_tokens is configured")
         log.info("reload: catalog now %d model(s), %d profile(s), %d deployment(s)", len(settings.catalog.models),
                  len(settings.catalog.profiles), len(settings.catalog.deployments))
         self.kick()
@@ -213,7 +333,8 @@ class ControlPlane:
             level = logging.ERROR if tr.new is NodeState.LOST else logging.WARNING
             log.log(level, "node %s: %s -> %s (%s)", tr.node_id, tr.old.value, tr.new.value, tr.reason)
         ctx = Context(restart=self.settings.restart, memory_headroom=self.settings.memory_headroom,
-                      in_grace=ev.in_grace, damped=ev.damped, limiter=self.limiter)
+                      in_grace=ev.in_grace, damped=ev.damped, limiter=self.limiter,
+                      weight_sizes=dict(self.sizes.bytes), sizing=self.sizes.holding(now))
         views = self.node_views()
         plan = self.reconciler.reconcile(self.catalog, views, now, ctx)
         for line in plan.events:
@@ -249,15 +370,31 @@ class ControlPlane:
                 log.exception("endpoint listener failed")
 
     async def run(self, interval: float | None = None) -> None:
-        """Tick on every kick, and at least every ``interval`` seconds."""
-        while True:
-            period = interval or max(0.2, min(1.0, self.settings.lifecycle.heartbeat_interval / 2))
-            try:
-                await asyncio.wait_for(self._kick.wait(), timeout=period)
-            except asyncio.TimeoutError:
-                pass
-            self._kick.clear()
-            try:
-                self.tick()
-            except Exception:
-                log.exception("reconcile pass failed; retrying on the next tick")
+        """Tick on every kick, and at least every ``interval`` seconds.
+
+        Each catalog in force (at start, after every reload) first has its
+        unsized URLs probed in the background (``start_sizing``).
+        """
+        try:
+            while True:
+                self._start_sizing_safely()
+                period = interval or max(0.2, min(1.0, self.settings.lifecycle.heartbeat_interval / 2))
+                try:
+                    await asyncio.wait_for(self._kick.wait(), timeout=period)
+                except asyncio.TimeoutError:
+                    pass
+                self._kick.clear()
+                self._start_sizing_safely()
+                try:
+                    self.tick()
+                except Exception:
+                    log.exception("reconcile pass failed; retrying on the next tick")
+        finally:
+            for task in list(self._probes):
+                task.cancel()
+
+    def _start_sizing_safely(self) -> None:
+        try:
+            self.start_sizing()
+        except Exception:
+            log.exception("cannot start sizing the catalog's weights; placement goes on without")

@@ -14,6 +14,7 @@ from llmgw.controlplane.reconciler import capacities, placement_request
 from llmgw.controlplane.replicas import Replica, Shard, model_to_dict, profile_to_dict
 from llmgw.controlplane.state import ControlPlane
 from llmgw.placement import format_result, place_many
+from llmgw.placement.memory import gib
 
 
 def _ago(now: float, t: float | None) -> float | None:
@@ -129,10 +130,20 @@ def catalog_view(cp: ControlPlane) -> dict[str, Any]:
     return {
         "source": cp.loaded.source,
         "loaded_ago_s": round(max(0.0, time.time() - cp.loaded.loaded_at), 3),
-        "models": [model_to_dict(m) for m in cat.models.values()],
+        "models": [{**model_to_dict(m), "weights": cp.sizes.describe(m)} for m in cat.models.values()],
         "profiles": [profile_to_dict(p) for p in cat.profiles.values()],
         "deployments": [{"model": d.model, "profile": d.profile, "replicas": d.replicas} for d in cat.deployments],
     }
+
+
+def weights_line(weights: dict[str, Any], source: str, cp: ControlPlane) -> str:
+    """Where the size placement used came from, for people."""
+    if weights["bytes"] is not None:
+        return f"weights: {gib(weights['bytes'])} ({weights['source']})"
+    if source in cp.sizes.probing:
+        return f"weights: size unknown yet (probing {source})"
+    why = cp.sizes.warned.get(source)
+    return "weights: size unknown (no size_bytes declared" + (f"; {source}: {why})" if why else ")")
 
 
 def explain_view(cp: ControlPlane, model: str) -> dict[str, Any] | None:
@@ -163,17 +174,20 @@ def explain_view(cp: ControlPlane, model: str) -> dict[str, Any] | None:
             else:
                 pending.append((label, dep))
     if pending:
-        requests = [placement_request(cat, dep, cp.settings.memory_headroom) for _, dep in pending]
+        requests = [placement_request(cat, dep, cp.settings.memory_headroom, cp.sizes.bytes) for _, dep in pending]
         results = place_many(requests, capacities(book, views))
         for (label, dep), req, res in zip(pending, requests, results):
             slot = int(label.rsplit("#", 1)[1])
             held = cp.unplaced.get((dep.key, slot))
+            weights = cp.sizes.describe(req.model)
             report.append({
                 "replica": label,
                 "placed": res.ok,
                 "running": None,
                 "state": None,
-                "text": format_result(res, req) + (f"\n  (now: {held})" if held else ""),
+                "text": (format_result(res, req) + f"\n  {weights_line(weights, req.model.source, cp)}"
+                         + (f"\n  (now: {held})" if held else "")),
+                "weights": weights,
                 "placement": None if res.placement is None else {
                     "rule": res.placement.rule, "detail": res.placement.detail, "fabric": res.placement.fabric,
                     "shards": [{"node": s.node_id, "rank": s.rank, "gpus": list(s.gpu_indices), "env": s.env}
