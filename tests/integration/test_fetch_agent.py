@@ -44,11 +44,13 @@ class Agent:
         self.status: list[dict] = []
         self.progress: list[dict] = []
         self.on_progress = None
+        self.order: list[tuple[float, str]] = []  # (monotonic time, "progress" or the state reported)
 
     def emit(self, msg: dict) -> None:
         if msg["type"] != "progress" or len(self.progress) % 500 == 0:  # validating all 10,000 would be the test's cost
             errors = schema_errors(msg, "stream")
             assert not errors, f"emitted message fails the stream schema: {errors}: {msg}"
+        self.order.append((time.monotonic(), "progress" if msg["type"] == "progress" else msg.get("state", "?")))
         if msg["type"] == "progress":
             self.progress.append(msg)
             if self.on_progress:
@@ -125,26 +127,55 @@ def test_a_failed_fetch_fails_every_waiting_shard_with_the_reason(tmp_path):
 
 
 def test_ten_thousand_progress_reports_cause_no_transition_and_the_start_timeout_still_fires(tmp_path):
-    """Lockstep: the server makes its next write only after the agent has reported the last one,
-    so there is exactly one progress message per write; after 10,000 the server holds the
-    connection (well inside the stall timeout) and only the start timeout can end the shard."""
+    """Progress never moves the start deadline.
+
+    Lockstep: the server makes its next write only after the agent has reported the last one,
+    so there is exactly one progress message per write, and the reports keep coming for as long
+    as the download runs.  The file is far larger than can arrive that way, and the server is
+    told to stop writing only at 3x start_timeout.  A deadline that progress pushed back could
+    therefore only fire after the reports had stopped; this one must fire while they still flow,
+    after 10,000 of them, with not one state change between ``fetching`` and ``failed``.
+    """
     n = 10_000
-    data = random.Random(12).randbytes(n * 64 + 4096)
+    start_timeout = 10.0
+    data = random.Random(12).randbytes(16 * MIB)  # 64-byte writes: 262,144 reports to finish
 
     async def main(srv: WeightsServer) -> None:
         a = Agent(tmp_path, FetchPolicy(progress_interval=0, stall_timeout=600, attempts=1))
         a.on_progress = lambda k: srv.allow("slow/model.safetensors", k)  # report k lets write k go
+        loop = asyncio.get_running_loop()
+        source_stopped: list[float] = []
+
+        def stop_source() -> None:
+            srv.hold("slow/model.safetensors")
+            source_stopped.append(time.monotonic())
+
         try:
             sid = "big.sim.0-x/r0"
-            a.sup.start(spec(0, srv.url("slow/model.safetensors"), timeout=10))
+            t0 = time.monotonic()
+            a.sup.start(spec(0, srv.url("slow/model.safetensors"), timeout=start_timeout))
+            loop.call_later(3 * start_timeout, stop_source)
             await a.until(lambda: "failed" in a.states(sid), "the start timeout", timeout=WAIT)
-            assert len(a.progress) >= n, len(a.progress)
-            assert a.states(sid) == ["pending", "fetching", "failed"]  # 10,000 reports, 0 transitions
+            whats = [what for _, what in a.order]
+            i_fetching, i_failed = whats.index("fetching"), whats.index("failed")
+            failed_at = a.order[i_failed][0]
             reason = a.status[-1]["reason"]
-            assert reason.startswith("not ready within start_timeout (10s): still fetching ")
+            assert reason.startswith(f"not ready within start_timeout ({start_timeout:g}s): still fetching ")
+            # It fired while the progress source was still running, on an unfinished download ...
+            assert not source_stopped, f"failed only after the progress source stopped ({failed_at - t0:.1f}s in)"
+            assert a.progress[-1]["bytes_done"] < len(data)
+            # ... with reports still arriving in the last quarter of the start window (no lull let it fire) ...
+            assert any(t >= t0 + 0.75 * start_timeout for t, what in a.order if what == "progress" and t < failed_at)
+            # ... and never before the deadline.
+            assert failed_at - t0 >= start_timeout
+            # 10,000+ reports between fetching and failed, and 0 transitions caused by them.
+            between = whats[i_fetching + 1:i_failed]
+            assert between.count("progress") >= n, between.count("progress")
+            assert [w for w in between if w != "progress"] == []
+            assert a.states(sid) == ["pending", "fetching", "failed"]
         finally:
             await a.close()
 
     with WeightsServer() as srv:
-        srv.add("slow/model.safetensors", data, chunk=64, lockstep=n)
+        srv.add("slow/model.safetensors", data, chunk=64, lockstep=len(data))
         asyncio.run(main(srv))

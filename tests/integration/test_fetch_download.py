@@ -8,6 +8,7 @@ sends, so "resumed" and "one download" are measured, not assumed.
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import os
 import random
@@ -56,7 +57,8 @@ def sha(b: bytes) -> str:
 
 # The fetcher as its own process (what an agent is), so it can be SIGKILLed
 # anywhere, including inside the rename.  KILL_AT: "before-rename" dies just
-# before os.rename, "after-rename" between the rename and the directory fsync.
+# before os.rename, "after-rename" between the rename and the directory fsync,
+# "sidecar-rename" with the sidecar's tmp file written and not yet renamed.
 DRIVER = textwrap.dedent("""
     import asyncio, os, signal, sys
     from llmgw.agent.fetch import durable, fetch_weights, lock
@@ -70,6 +72,8 @@ DRIVER = textwrap.dedent("""
     real_rename, real_fsync_dir = durable.os.rename, durable.fsync_dir
     def rename(a, b):
         if kill_at == "before-rename" and str(b).endswith(".safetensors"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if kill_at == "sidecar-rename" and str(b).endswith(".llmgw-meta"):
             os.kill(os.getpid(), signal.SIGKILL)
         real_rename(a, b)
     def fsync_dir(d):
@@ -270,6 +274,27 @@ def test_a_stall_is_retried_from_where_it_stopped_then_fails_with_a_readable_rea
         assert "stalled: no bytes for 0.5s at 1.0 MiB of 3.0 MiB; gave up after 3 attempt(s)" in str(e.value)
 
 
+def test_a_stall_in_a_chunked_body_is_retried_from_where_it_stopped_then_fails(tmp_path):
+    """No Content-Length (chunked): aiohttp's body path and its per-read timeout, not the raw-socket one."""
+    data = random.Random(17).randbytes(3 * MIB)
+    with WeightsServer() as srv:
+        s = srv.add("cs/model.gguf", data, chunked=True, stall_after=MIB, stall_times=1)
+        notes: list = []
+        path = fetch(srv.url("cs/model.gguf"), tmp_path, sha(data), progress=notes.append)
+        assert Path(path).read_bytes() == data
+        assert any(m["bytes_total"] is None and m["bytes_done"] > 0 for m in notes)  # the body had no length
+        assert s.gets == 2 and s.requests[1]["Range"] == f"bytes={MIB - 1}-" and s.requests[1]["If-Range"]
+        assert s.sent == len(data) + 1  # resumed, not restarted
+        assert any(m.get("note", "").startswith("stalled: no bytes for 0.5s at 1.0 MiB (length unknown); retry 1 of 2")
+                   for m in notes), [m.get("note") for m in notes]
+        h = srv.add("ch/model.gguf", data, chunked=True, stall_after=MIB)  # hung for good
+        with pytest.raises(FetchError) as e:
+            fetch(srv.url("ch/model.gguf"), tmp_path)
+        assert str(e.value) == ("stalled: no bytes for 0.5s at 1.0 MiB of 3.0 MiB; "
+                                "gave up after 3 attempt(s) without progress")
+        assert h.gets == 3 and all(r["Range"] == f"bytes={MIB - 1}-" for r in h.requests[1:])
+
+
 def test_progress_without_content_length_says_so_far(tmp_path):
     data = random.Random(9).randbytes(2 * MIB)
     with WeightsServer() as srv:
@@ -306,10 +331,94 @@ def test_disk_full_mid_download_fails_cleanly_and_removes_the_partial(tiny_fs):
             fetch(srv.url("f/model.gguf"), tiny_fs)
         assert "no space left on device" in str(e.value) and "partial file was removed" in str(e.value)
         final = target_path(srv.url("f/model.gguf"), tiny_fs)
-        assert not final.exists() and not scratch_files(final.parent)
+        assert not final.exists() and os.listdir(final.parent) == []  # nothing of ours left
         srv.add("g/model.gguf", data)  # with a length: refused before a byte is written
-        with pytest.raises(FetchError, match="not enough space"):
-            fetch(srv.url("g/model.gguf"), tiny_fs)
         final = target_path(srv.url("g/model.gguf"), tiny_fs)
-        assert not final.exists() and all(os.path.getsize(final.parent / n) == 0 for n in scratch_files(final.parent)
-                                          if n.endswith(naming.PART_SUFFIX))
+        final.parent.mkdir(parents=True)
+        watcher = DirWatcher(final.parent)
+        try:
+            with pytest.raises(FetchError, match="not enough space"):
+                fetch(srv.url("g/model.gguf"), tiny_fs)
+            events = watcher.drain()
+        finally:
+            watcher.close()
+        assert not final.exists() and os.listdir(final.parent) == []  # no empty partial, no sidecar, no lock
+        assert any(what == "create" and n.endswith(naming.PART_SUFFIX) for what, n in events)  # there was one
+        assert not any(n.endswith(naming.META_SUFFIX) or naming.parse_tmp(n) for _, n in events)  # refused first
+
+
+def fill(directory: Path) -> None:
+    """Take every free byte of ``directory``'s file system."""
+    with open(directory / "filler", "wb", buffering=0) as f:
+        block = b"\0" * (64 << 10)
+        try:
+            while True:
+                f.write(block)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+    for size in (4096, 512, 1):
+        try:
+            with open(directory / "filler", "ab", buffering=0) as f:
+                while True:
+                    f.write(b"\0" * size)
+        except OSError:
+            pass
+
+
+def test_enospc_writing_the_sidecar_leaves_no_tmp_file_behind(tiny_fs):
+    """A full disk hits the first write of a length-less download: its sidecar's tmp file."""
+    data = random.Random(13).randbytes(MIB)
+    with WeightsServer() as srv:
+        srv.add("m/model.gguf", data, no_length=True)  # no length, no pre-check: the sidecar is written first
+        final = target_path(srv.url("m/model.gguf"), tiny_fs)
+        final.parent.mkdir(parents=True)
+        fill(tiny_fs)
+        watcher = DirWatcher(final.parent)
+        try:
+            with pytest.raises(FetchError) as e:
+                fetch(srv.url("m/model.gguf"), tiny_fs)
+            events = watcher.drain()
+        finally:
+            watcher.close()
+        assert "no space left on device" in str(e.value) and "partial file was removed" in str(e.value)
+        tmps = [n for what, n in events if what == "create" and naming.parse_tmp(n)]
+        assert tmps and all(n.endswith(f"{naming.META_SUFFIX}.tmp{os.getpid()}") for n in tmps), events
+        assert os.listdir(final.parent) == []
+
+
+def test_a_sidecar_tmp_left_by_a_killed_fetcher_is_recognised_and_removed(tmp_path):
+    data = random.Random(14).randbytes(MIB)
+    with WeightsServer() as srv:
+        srv.add("t/model.safetensors", data)
+        url = srv.url("t/model.safetensors")
+        proc = driver(url, tmp_path, kill_at="sidecar-rename")
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == -signal.SIGKILL, (out, err)
+        final = target_path(url, tmp_path)
+        left = sorted(os.listdir(final.parent))
+        tmps = [n for n in left if naming.parse_tmp(n)]
+        assert len(tmps) == 1 and tmps[0].endswith(f"{naming.META_SUFFIX}.tmp{proc.pid}"), left
+        assert all(naming.is_scratch(n) for n in left), left  # every leftover is known to be ours
+        assert fetch(url, tmp_path, sha(data)) == str(final)  # the next fetch sweeps it
+        assert final.read_bytes() == data
+        assert sorted(os.listdir(final.parent)) == sorted([final.name, naming.verified_name(final.name)])
+
+
+def test_a_resumed_partial_that_does_not_fit_is_kept_and_continues_once_there_is_room(tiny_fs):
+    data = random.Random(15).randbytes(3 * MIB // 2)
+    with WeightsServer() as srv:
+        final = _interrupted(srv, "k/model.gguf", data, tiny_fs, MIB // 2)  # 0.5 MiB kept of 1.5 MiB
+        fill(tiny_fs)
+        with pytest.raises(FetchError, match=r"not enough space in .*: 0\.5 MiB of 1\.5 MiB on disk"):
+            fetch(srv.url("k/model.gguf"), tiny_fs)
+        left = os.listdir(final.parent)  # the resume state, claimed by the refused fetch, untouched
+        parts = [n for n in left if n.endswith(naming.PART_SUFFIX)]
+        assert len(left) == 2 and len(parts) == 1 and naming.meta_name(parts[0]) in left, left
+        assert os.path.getsize(final.parent / parts[0]) == MIB // 2
+        os.unlink(tiny_fs / "filler")
+        s = srv.files["k/model.gguf"]
+        s.sent, s.gets, s.requests = 0, 0, []
+        assert fetch(srv.url("k/model.gguf"), tiny_fs, sha(data)) == str(final)
+        assert final.read_bytes() == data
+        assert s.requests[-1]["Range"] == f"bytes={MIB // 2 - 1}-" and s.sent == len(data) - MIB // 2 + 1
+        assert sorted(os.listdir(final.parent)) == sorted([final.name, naming.verified_name(final.name)])

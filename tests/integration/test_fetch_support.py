@@ -9,15 +9,21 @@ the end.  Each file also carries switches for the ways real servers and
 networks misbehave: ignoring Range, a wrong Content-Range, 416 for
 everything, no Content-Length (chunked), a stall after N bytes, a trickle,
 and a pause at an exact byte offset so a test can kill the client there.
-Every GET is counted and every byte sent is added up per file.
+Every GET is counted (HEADs apart) and every byte sent is added up per file.
+
+Given an ``ssl.SSLContext`` the same server speaks HTTPS (``tls_server_context``
+issues it a certificate from a CA made for the test), so a test can drive the
+fetcher's TLS path against the same switches.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import ssl
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from aiohttp import web
@@ -34,6 +40,7 @@ class Served:
     wrong_content_range: bool = False  # 206 starting one byte after what was asked
     always_416: bool = False  # 416 to every range request
     no_length: bool = False  # chunked, no Content-Length (and no ranges)
+    chunked: bool = False  # chunked, no Content-Length, but Range honoured (206 + Content-Range)
     stall_after: int | None = None  # go silent (connection held open) once a response reaches this offset
     stall_times: int | None = None  # only the first N responses stall (None: all)
     trickle: tuple[int, float] | None = None  # (bytes per write, seconds between writes)
@@ -44,11 +51,14 @@ class Served:
     on_pause: Callable[[], None] | None = None
     release: threading.Event = field(default_factory=threading.Event)
     # Lockstep: write number k waits until ``allow(name, k + 1)`` (a test calls it as its client
-    # reports); after ``lockstep`` writes the response holds the connection silent.
+    # reports); after ``lockstep`` writes, or once ``hold(name)`` is called, the response holds
+    # the connection silent.
     lockstep: int | None = None
     allowed: int = 0
+    held: bool = False
     wake: asyncio.Event | None = None
-    gets: int = 0
+    gets: int = 0  # GETs only: a HEAD (the control plane measuring the file) is no download
+    heads: int = 0
     sent: int = 0
     requests: list[dict[str, str]] = field(default_factory=list)
 
@@ -57,7 +67,8 @@ class Served:
 
 
 class WeightsServer:
-    def __init__(self) -> None:
+    def __init__(self, ssl_context: ssl.SSLContext | None = None) -> None:
+        self.ssl_context = ssl_context
         self.files: dict[str, Served] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -83,8 +94,21 @@ class WeightsServer:
         assert self.loop is not None
         self.loop.call_soon_threadsafe(set_)
 
+    def hold(self, name: str) -> None:
+        """Thread-safe: a lockstep response stops writing (and holds the connection silent)."""
+        s = self.files[name]
+
+        def set_() -> None:
+            s.held = True
+            if s.wake is not None:
+                s.wake.set()
+
+        assert self.loop is not None
+        self.loop.call_soon_threadsafe(set_)
+
     def url(self, name: str) -> str:
-        return f"http://127.0.0.1:{self.port}/{name}"
+        scheme = "https" if self.ssl_context is not None else "http"
+        return f"{scheme}://127.0.0.1:{self.port}/{name}"
 
     def __enter__(self) -> "WeightsServer":
         self._thread = threading.Thread(target=self._main, name="weights-server", daemon=True)
@@ -111,7 +135,7 @@ class WeightsServer:
         app.router.add_get("/{name:.+}", self._handle)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
+        site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=self.ssl_context)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self._started.set()
@@ -129,9 +153,13 @@ class WeightsServer:
         s = self.files.get(request.match_info["name"])
         if s is None:
             raise web.HTTPNotFound()
+        size = len(s.data)
+        if request.method == "HEAD":
+            s.heads += 1
+            return web.Response(headers={"Accept-Ranges": "bytes", "ETag": s.current_etag(),
+                                         "Content-Length": str(size)})
         s.gets += 1
         s.requests.append(dict(request.headers))
-        size = len(s.data)
         headers = {"Accept-Ranges": "bytes", "ETag": s.current_etag()}
         if s.last_modified:
             headers["Last-Modified"] = s.last_modified
@@ -148,7 +176,7 @@ class WeightsServer:
         if status == 206:
             shown = start + 1 if s.wrong_content_range else start
             resp.headers["Content-Range"] = f"bytes {shown}-{size - 1}/{size}"
-        if s.no_length:
+        if s.no_length or s.chunked:
             resp.enable_chunked_encoding()
         else:
             resp.content_length = size - start
@@ -164,13 +192,13 @@ class WeightsServer:
                 end = s.stall_after  # type: ignore[assignment]
             if end > pos:
                 if s.lockstep is not None:
-                    if writes >= s.lockstep:
-                        await asyncio.sleep(3600)
                     if s.wake is None:
                         s.wake = asyncio.Event()
-                    while s.allowed <= writes:
+                    while s.allowed <= writes and not s.held:
                         s.wake.clear()
                         await s.wake.wait()
+                    if writes >= s.lockstep or s.held:
+                        await asyncio.sleep(3600)
                 await resp.write(s.data[pos:end])
                 writes += 1
                 s.sent += end - pos
@@ -190,6 +218,24 @@ class WeightsServer:
                 await asyncio.sleep(s.trickle[1])
         await resp.write_eof()
         return resp
+
+
+def tls_server_context(directory: Path) -> tuple[ssl.SSLContext, Path]:
+    """(server context, CA bundle): a fresh CA and a certificate for 127.0.0.1 and localhost.
+
+    Issued with the fleet's own PKI code (``llmgw.tls``).  The CA bundle is what a
+    client must be told to trust (``SSL_CERT_FILE``); nothing else trusts it.
+    """
+    from llmgw.tls.ca import init_ca
+    from llmgw.tls.issue import issue_server
+
+    ca = init_ca(directory / "ca", common_name="weights test CA")
+    cert, key = issue_server(ca, ["localhost"], ["127.0.0.1"])
+    (directory / "server.crt").write_bytes(cert)
+    (directory / "server.key").write_bytes(key)
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(directory / "server.crt", directory / "server.key")
+    return ctx, ca.cert_path
 
 
 async def _in_thread(fn: Callable[[], object]) -> None:

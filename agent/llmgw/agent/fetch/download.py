@@ -20,7 +20,10 @@ The order of events, each step for a reason:
    slow download and a hung one look different; ``attempts`` failures in a
    row without a byte of progress fail the fetch with the last reason.
 6. ENOSPC (or a quota) mid-download removes the partial file: it cannot be
-   finished where it is, and it holds the space others need.
+   finished where it is, and it holds the space others need.  A fetch that
+   fails (or is cancelled) with nothing in its partial file removes that file
+   and its sidecar too (a refused free-space check, a 404, a stall before the
+   first byte): an empty partial is not resume state.
 7. fsync the file; verify the declared sha256 against what is on disk; a
    mismatch removes the file and promotes nothing.  Then rename onto the
    final name and fsync the directory (``durable.promote``).
@@ -94,7 +97,7 @@ async def run(job: Job) -> str:
     except OSError as e:
         raise FetchError(f"cannot create {directory}: {e}") from e
     async with lock.held(directory / naming.lock_name(name)):
-        scratch.sweep_orphan_metas(directory, name, job.node_id)  # e.g. a fetcher killed right after its rename
+        scratch.sweep_orphans(directory, name, job.node_id)  # e.g. a fetcher killed right after its rename
         if await _present(job):
             return str(job.final)
         owner = scratch.me(secrets.token_hex(3))
@@ -189,6 +192,10 @@ class _Transfer:
                 free = _free_or_unknown(self.part.parent)
                 raise FetchError(f"no space left on device in {self.part.parent} after writing "
                                  f"{_of(self.done, self.total)} ({free} free); the partial file was removed") from e
+            except BaseException:
+                if _empty(fd):  # nothing to resume from: leave nothing behind
+                    durable.remove(self.part, self.meta_path)
+                raise
         finally:
             os.close(fd)
 
@@ -259,10 +266,10 @@ class _Transfer:
                     log.warning("fetch %s: %s; starting over", self.job.url, d.reason or "whole body sent")
                 self._reset(fd)
             self.total = d.total
+            self._check_space()  # before the sidecar too: on a full disk nothing at all is written
             durable_now = self.meta.durable if (self.meta is not None and d.action is Action.APPEND) else 0
             self.meta = Meta(self.job.url, d.validator, d.total, self.boot, durable_now)
             durable.write_atomic(self.meta_path, self.meta.to_json())
-            self._check_space()
             body = resp.content
             if d.action is Action.APPEND:
                 first = await body.readexactly(1)
@@ -454,6 +461,13 @@ def _raw_body_fd(resp: aiohttp.ClientResponse) -> tuple[int, bytes] | None:
     buffered = resp.content.read_nowait()
     conn.protocol.pause_reading()
     return sock_fd, buffered
+
+
+def _empty(fd: int) -> bool:
+    try:
+        return os.fstat(fd).st_size == 0
+    except OSError:
+        return False
 
 
 def _write_all(fd: int, view: memoryview) -> None:

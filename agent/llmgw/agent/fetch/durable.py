@@ -15,6 +15,7 @@ import hashlib
 import os
 from pathlib import Path
 
+from llmgw.agent.fetch import naming
 from llmgw.agent.fetch.resume import Meta
 
 HASH_BLOCK = 8 << 20
@@ -55,15 +56,27 @@ def sha256_file(path: Path) -> str:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Replace a small file in one step (tmp + fsync + rename)."""
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    """Replace a small file in one step (tmp + fsync + rename).
+
+    A write that fails (ENOSPC is the usual one: the tmp file is created, its
+    first page is not) removes its tmp file before raising.  Only a process
+    killed inside this function leaves one behind, under a name that
+    ``naming.is_scratch`` recognises and ``scratch.sweep_orphans`` removes.
+    """
+    tmp = path.with_name(naming.tmp_name(path.name, os.getpid()))
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        os.write(fd, text.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(tmp, path)
+        try:
+            data = memoryview(text.encode())
+            while data:
+                data = data[os.write(fd, data):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+    except BaseException:
+        remove(tmp)
+        raise
 
 
 def read_meta(path: Path) -> Meta | None:

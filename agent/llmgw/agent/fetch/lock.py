@@ -6,7 +6,8 @@ then find the file present instead of downloading it again.  Correctness
 never depends on it: flock is a no-op on some parallel file systems and
 does not span nodes, and a fetcher that gets no lock still writes only its
 own partial file and promotes it by an atomic rename.  Tests patch
-``acquire`` to a no-op to show exactly that.
+``acquire`` to a no-op to show exactly that.  The lock file exists only
+while a fetch holds it.
 """
 
 from __future__ import annotations
@@ -22,23 +23,53 @@ POLL = 0.2
 
 
 async def acquire(path: Path) -> int | None:
-    """An fd holding an exclusive flock on ``path`` (waits), or None if locking is unavailable."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:
-        return None
+    """An fd holding an exclusive flock on ``path`` (waits), or None if locking is unavailable.
+
+    The holder removes the lock file when it lets go (``release``), so a
+    waiter can end up holding a lock on a file that no longer has the name:
+    that locks nothing, and it tries again on whatever the name leads to now.
+    """
     while True:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return fd
-        except BlockingIOError:
-            await asyncio.sleep(POLL)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            return None
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    await asyncio.sleep(POLL)
+            if _still_named(fd, path):
+                return fd
         except OSError:  # ENOLCK and friends: proceed unlocked, which is safe
             os.close(fd)
             return None
         except BaseException:
             os.close(fd)
             raise
+        os.close(fd)
+
+
+def _still_named(fd: int, path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
+
+
+def release(path: Path, fd: int) -> None:
+    """Remove the lock file, then let go: nothing of the fetcher stays in the directory.
+
+    Removed while still held, so no one can lock the old file after this and
+    think it holds the lock (see ``acquire``).
+    """
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+    os.close(fd)
 
 
 @contextlib.asynccontextmanager
@@ -48,4 +79,4 @@ async def held(path: Path) -> AsyncIterator[None]:
         yield
     finally:
         if fd is not None:
-            os.close(fd)
+            release(path, fd)

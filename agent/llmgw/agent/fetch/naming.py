@@ -28,6 +28,8 @@ PART_SUFFIX = ".llmgw-part"
 META_SUFFIX = ".llmgw-meta"
 LOCK_SUFFIX = ".llmgw-lock"
 VERIFIED_SUFFIX = ".llmgw-verified"
+# ``durable.write_atomic``'s tmp file for a sidecar or a stamp: ``<name>.tmp<pid>``.
+_TMP = re.compile(r"^(?P<of>\..+(?:\.llmgw-meta|\.llmgw-verified))\.tmp(?P<pid>\d+)$")
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -106,6 +108,17 @@ def verified_name(file_name: str) -> str:
     return f".{file_name}{VERIFIED_SUFFIX}"
 
 
+def tmp_name(name: str, pid: int) -> str:
+    """Where ``durable.write_atomic`` writes ``name`` before renaming it into place."""
+    return f"{name}.tmp{pid}"
+
+
+def parse_tmp(name: str) -> tuple[str, int] | None:
+    """(the sidecar or stamp it was to become, writer pid) of a tmp file of ours, or None."""
+    m = _TMP.match(name)
+    return (m.group("of"), int(m.group("pid"))) if m else None
+
+
 def parse_partial(name: str, file_name: str) -> tuple[str, Owner] | None:
     """(node id, owner) of a scratch file for ``file_name``, or None if it is not one."""
     prefix = f".{file_name}."
@@ -121,4 +134,6 @@ def parse_partial(name: str, file_name: str) -> tuple[str, Owner] | None:
 
 def is_scratch(name: str) -> bool:
     """Whether a directory entry is one of the fetcher's own files (never weights)."""
-    return name.startswith(".") and name.endswith((PART_SUFFIX, META_SUFFIX, LOCK_SUFFIX, VERIFIED_SUFFIX))
+    if name.startswith(".") and name.endswith((PART_SUFFIX, META_SUFFIX, LOCK_SUFFIX, VERIFIED_SUFFIX)):
+        return True
+    return parse_tmp(name) is not None

@@ -100,16 +100,49 @@ def claim(directory: Path, file_name: str, node_id: str, mine: Path) -> Path | N
     return claimed
 
 
-def sweep_orphan_metas(directory: Path, file_name: str, node_id: str) -> None:
-    """Sidecars whose partial is gone (claimed elsewhere, or removed after a failure)."""
+def sweep_orphans(directory: Path, file_name: str, node_id: str) -> None:
+    """Remove this node's leftovers for ``file_name`` that no live fetch will use.
+
+    * a sidecar whose partial is gone (claimed elsewhere, or removed after a failure);
+    * a sidecar's tmp file (``durable.write_atomic``) whose writer is dead: a fetcher
+      killed between creating it and renaming it;
+    * a verified stamp's tmp file whose writer is dead (stamps are written under
+      the per-file lock, so a tmp of this very process is a leftover too).
+    """
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
         return
     prefix = f".{file_name}.{node_id}."
+    stamp = naming.verified_name(file_name)
     for name in names:
         if name.startswith(prefix) and name.endswith(naming.META_SUFFIX):
-            part = name[: -len(naming.META_SUFFIX)] + naming.PART_SUFFIX
-            parsed = naming.parse_partial(part, file_name)
-            if parsed and not (directory / part).exists() and not owner_alive(parsed[1]):
+            parsed = naming.parse_partial(_partial_of(name), file_name)
+            if parsed and not (directory / _partial_of(name)).exists() and not owner_alive(parsed[1]):
                 remove(directory / name)
+            continue
+        tmp = naming.parse_tmp(name)
+        if tmp is None:
+            continue
+        of, pid = tmp
+        if of.startswith(prefix) and of.endswith(naming.META_SUFFIX):
+            parsed = naming.parse_partial(_partial_of(of), file_name)
+            if parsed and not owner_alive(parsed[1]):
+                log.info("removing %s, left by a fetcher that died while writing it", name)
+                remove(directory / name)
+        elif of == stamp and (pid == os.getpid() or not _pid_alive(pid)):
+            remove(directory / name)
+
+
+def _partial_of(meta: str) -> str:
+    return meta[: -len(naming.META_SUFFIX)] + naming.PART_SUFFIX
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
