@@ -25,6 +25,13 @@ The rule for "looks like an engine of this node" (``engine_evidence``):
    ``llama-server``); an interpreter in front (a console script's shebang)
    is looked through.
 
+An engine that survives SIGKILL (stuck in uninterruptible sleep, typically
+on a wedged GPU driver) still holds its GPUs: ``withhold_gpus`` takes them
+out of what the node advertises, with a reason naming the pid, for as long
+as it lives.  Which GPUs it holds is read from its ``CUDA_VISIBLE_DEVICES``
+(what this package's adapters set); without one, or with one that names
+devices we cannot map, it could be using any of them, so all are withheld.
+
 Never touched: this process and its ancestors; processes whose
 ``LLMGW_NODE_ID`` names another node (agents of a simulated fleet sharing
 one host each own their engines); processes of adopted engines (same process
@@ -35,6 +42,7 @@ environment cannot be read (another user's: we could not signal them either).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -46,6 +54,7 @@ from llmgw.agent.procident import ProcessIdentity
 from llmgw.agent.schema import definition_problems
 from llmgw.agent.statedir import ShardRecord, StateDir
 from llmgw.agent.supervisor import ENV_NODE_ID, ENV_SHARD_ID
+from llmgw.hardware.types import HardwareInventory
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +76,9 @@ class UnknownEngine:
     pgid: int
     why: str
     cmdline: tuple[str, ...] = ()
+    # CUDA_VISIBLE_DEVICES as it was in its environment, None when unset
+    # (then the process sees every GPU of the node).
+    visible_devices: str | None = None
 
 
 @dataclass
@@ -188,7 +200,7 @@ def find_unknown_engines(node_id: str, commands: Sequence[Sequence[str]],
             continue
         ident = procident.identify(pid)
         if ident is not None and ident.start_time == st.start_time:
-            found.append(UnknownEngine(ident, st.pgid, why, tuple(cmdline)))
+            found.append(UnknownEngine(ident, st.pgid, why, tuple(cmdline), env.get("CUDA_VISIBLE_DEVICES")))
     return found
 
 
@@ -236,7 +248,7 @@ async def kill_engines(engines: Sequence[UnknownEngine], grace: float = 5.0,
 
 
 async def recover(statedir: StateDir, node_id: str, configured_commands: Mapping[str, Sequence[str]],
-                  *, kill_grace: float = 5.0) -> RecoveryResult:
+                  *, kill_grace: float = 5.0, kill_wait: float = 30.0) -> RecoveryResult:
     """Judge every record, remove the dead, kill the unknown; return what to adopt.
 
     Must complete before the first ``register``: that message advertises the
@@ -258,8 +270,71 @@ async def recover(statedir: StateDir, node_id: str, configured_commands: Mapping
             statedir.remove(rec.shard_id)
             result.removed.append((rec.shard_id, verdict.why))
     unknown = find_unknown_engines(node_id, engine_commands(configured_commands), result.adopted)
-    result.survivors = await kill_engines(unknown, grace=kill_grace)
+    result.survivors = await kill_engines(unknown, grace=kill_grace, kill_wait=kill_wait)
     result.killed = [e for e in unknown if e not in result.survivors]
     for e in result.survivors:
-        log.error("unidentified engine pid %d survives SIGKILL; its GPUs may not be free", e.identity.pid)
+        log.error("unidentified engine pid %d survives SIGKILL (state %s); GPUs it can see (CUDA_VISIBLE_DEVICES=%s) "
+                  "are withheld from the control plane while it lives", e.identity.pid,
+                  getattr(procident.read_stat(e.identity.pid), "state", "?"),
+                  "unset: all" if e.visible_devices is None else repr(e.visible_devices))
     return result
+
+
+def held_gpu_indices(visible_devices: str | None, inventory: HardwareInventory) -> set[int]:
+    """The node's GPU indices a process with this ``CUDA_VISIBLE_DEVICES`` can be using.
+
+    Unset: all of them.  Each entry is an index or a (prefix of a) GPU UUID,
+    as CUDA accepts; one that maps to no GPU of the inventory (a MIG
+    instance, a typo) makes the answer "all", since guessing low here hands
+    out a GPU that is in use.  An empty value hides every GPU.
+    """
+    every = {g.index for g in inventory.gpus}
+    if visible_devices is None:
+        return every
+    held: set[int] = set()
+    for token in (t.strip() for t in visible_devices.split(",")):
+        if not token:
+            continue
+        if token.lstrip("-").isdigit():
+            idx = int(token)
+            if idx < 0:  # CUDA stops at a negative index: nothing after it is visible
+                break
+            if idx not in every:
+                return every
+            held.add(idx)
+            continue
+        matches = [g.index for g in inventory.gpus if g.uuid.startswith(token)]
+        if len(matches) != 1:
+            return every
+        held.add(matches[0])
+    return held
+
+
+def withhold_gpus(inventory: HardwareInventory, survivors: Sequence[UnknownEngine]) -> HardwareInventory:
+    """``inventory`` without the GPUs that ``survivors`` (engines we failed to kill) hold.
+
+    The register message has nowhere to mark a GPU busy-but-not-ours, so a
+    withheld GPU is left out of ``gpus`` (NVLink peers pointing at it too)
+    and ``gpu_reason`` says which, held by which pid: the control plane
+    cannot place on it, and an operator reading the node sees why.
+    """
+    if not survivors:
+        return inventory
+    held: dict[int, list[int]] = {}
+    for e in survivors:
+        for idx in held_gpu_indices(e.visible_devices, inventory):
+            held.setdefault(idx, []).append(e.identity.pid)
+    if not held:
+        return inventory
+    by_pid: dict[int, list[int]] = {}
+    for idx, pids in sorted(held.items()):
+        for pid in pids:
+            by_pid.setdefault(pid, []).append(idx)
+    parts = [f"GPU(s) {', '.join(map(str, idxs))} withheld: held by pid {pid}, an unidentified engine "
+             f"that survived SIGKILL" for pid, idxs in by_pid.items()]
+    reason = "; ".join(parts)
+    if inventory.gpu_reason:
+        reason = f"{inventory.gpu_reason}; {reason}"
+    gpus = tuple(dataclasses.replace(g, nvlink_peers=tuple(p for p in g.nvlink_peers if p not in held))
+                 for g in inventory.gpus if g.index not in held)
+    return dataclasses.replace(inventory, gpus=gpus, gpu_reason=reason)

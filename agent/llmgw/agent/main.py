@@ -7,7 +7,8 @@ Order matters and is the point of this module:
 2. discover the hardware once, so a broken hardware file stops the agent
    here rather than after it adopted engines;
 3. recover from the state dir: adopt live engines, drop dead records, kill
-   engines nothing describes, *before* anything is advertised;
+   engines nothing describes, *before* anything is advertised; the GPUs of
+   one that survives SIGKILL are withheld from every register while it lives;
 4. only then dial the control plane.
 
 SIGTERM and SIGINT end the agent and nothing else: engines run in their own
@@ -25,7 +26,8 @@ import signal
 import sys
 from pathlib import Path
 
-from llmgw.agent.adoption import recover
+from llmgw.agent import procident
+from llmgw.agent.adoption import UnknownEngine, recover, withhold_gpus
 from llmgw.agent.statedir import StateDir
 from llmgw.agent.stream import StreamClient
 from llmgw.agent.supervisor import Supervisor, SupervisorConfig
@@ -68,18 +70,33 @@ def _discover_sync(settings: AgentSettings) -> HardwareInventory:
 
 
 class _Discovery:
-    """Rediscovers on every connection; a failure then reuses the last good inventory."""
+    """Rediscovers on every connection; a failure then reuses the last good inventory.
 
-    def __init__(self, settings: AgentSettings, first: HardwareInventory):
+    GPUs held by ``survivors`` (unidentified engines that outlived SIGKILL)
+    are left out of what is advertised for as long as each one lives.
+    """
+
+    def __init__(self, settings: AgentSettings, first: HardwareInventory,
+                 survivors: list[UnknownEngine] | None = None):
         self.settings = settings
         self.last = first
+        self.survivors = list(survivors or ())
+
+    def advertised(self, inventory: HardwareInventory) -> HardwareInventory:
+        alive = [e for e in self.survivors if procident.is_running(e.identity)]
+        for e in self.survivors:
+            if e not in alive:
+                log.warning("unidentified engine pid %d that survived SIGKILL is gone; its GPUs are advertised "
+                            "again", e.identity.pid)
+        self.survivors = alive
+        return withhold_gpus(inventory, alive)
 
     async def __call__(self) -> HardwareInventory:
         try:
             self.last = await asyncio.to_thread(_discover_sync, self.settings)
         except Exception as e:
             log.error("hardware discovery failed; registering the last inventory: %s", e)
-        return self.last
+        return self.advertised(self.last)
 
 
 async def agent_main(settings: AgentSettings, stop: asyncio.Event | None = None) -> int:
@@ -110,6 +127,10 @@ async def agent_main(settings: AgentSettings, stop: asyncio.Event | None = None)
     recovered = await recover(statedir, settings.node_id, settings.engine_commands)
     for e in recovered.killed:
         log.warning("killed unidentified engine pid %d before registering: %s", e.identity.pid, e.why)
+    discovery = _Discovery(settings, inventory, recovered.survivors)
+    if recovered.survivors:
+        shown = discovery.advertised(inventory)
+        log.error("advertising %d of %d GPU(s): %s", len(shown.gpus), len(inventory.gpus), shown.gpu_reason)
 
     stream: StreamClient | None = None
 
@@ -122,7 +143,7 @@ async def agent_main(settings: AgentSettings, stop: asyncio.Event | None = None)
         supervisor.adopt(rec)
     stream = StreamClient(url=settings.control_plane_url, node_id=settings.node_id,
                           address=settings.advertise_address, ssl_context=ssl_context,
-                          supervisor=supervisor, discover=_Discovery(settings, inventory),
+                          supervisor=supervisor, discover=discovery,
                           reconnect_initial=settings.reconnect_initial, reconnect_max=settings.reconnect_max,
                           keepalive=settings.keepalive_interval)
 

@@ -97,6 +97,13 @@ class StreamClient:
     async def run_forever(self) -> None:
         timeout = aiohttp.ClientTimeout(total=None, connect=self.connect_timeout, sock_connect=self.connect_timeout)
         async with aiohttp.ClientSession(timeout=timeout) as session:
+            # aiohttp redials a GET once, at once, when the server drops or
+            # resets the connection before answering: a second, unjittered dial
+            # on the heels of every attempt, just when a control plane (or its
+            # load balancer) is shedding load.  The backoff below is the only
+            # retry policy; there is no public switch for this in aiohttp 3.x.
+            if hasattr(session, "_retry_connection"):
+                session._retry_connection = False
             while True:
                 try:
                     await self._connect_once(session)
