@@ -68,10 +68,31 @@ def test_zone_disruption_declares_nothing_lost():
     assert ev.damped and ev.unreachable_share > 0.55
     assert c["a"].state is NodeState.UNREACHABLE and c["b"].state is NodeState.UNREACHABLE
     assert set(ev.held) == {"a", "b"} and "max_unreachable_share" in (ev.hold_reason or "")
-    # The network heals for b: 1 of 3 unreachable, a is declared lost now.
+    # The network heals for b: 1 of 3 unreachable, no longer damped.  a's silence counts afresh
+    # from the last damped pass (10.0), as after a restart: it may still be reconnecting.
     observe("b", c["b"], 10.5)
-    ev = evaluate(c, 11.0, started_at=-100, timings=T)
-    assert not ev.damped and c["a"].state is NodeState.LOST
+    ev = evaluate(c, 11.0, started_at=-100, timings=T, last_damped=ev.last_damped)
+    assert not ev.damped and ev.last_damped == 10.0
+    assert c["a"].state is NodeState.UNREACHABLE and ev.transitions == ()
+    observe("b", c["b"], 15.0)  # b keeps talking
+    ev = evaluate(c, 15.9, started_at=-100, timings=T, last_damped=ev.last_damped)
+    assert c["a"].state is NodeState.UNREACHABLE
+    ev = evaluate(c, 16.1, started_at=-100, timings=T, last_damped=ev.last_damped)
+    assert c["a"].state is NodeState.LOST and "lost_after" in ev.transitions[0].reason
+
+
+def test_nodes_thawing_one_by_one_after_a_disruption_are_not_declared_lost():
+    c = clocks("a", "b", "c", "d")
+    ev = evaluate(c, 10.0, started_at=-100, timings=T)  # all four silent: damped
+    assert ev.damped
+    back: list[str] = []
+    for t, name in ((11.0, "a"), (12.0, "b"), (13.0, "c"), (14.0, "d")):
+        back.append(name)
+        for n in back:  # those back keep talking
+            observe(n, c[n], t)
+        ev = evaluate(c, t + 0.01, started_at=-100, timings=T, last_damped=ev.last_damped)
+        assert not any(x.new is NodeState.LOST for x in ev.transitions), (name, ev)
+    assert all(x.state is NodeState.READY for x in c.values())
 
 
 def test_share_at_threshold_is_not_damped():

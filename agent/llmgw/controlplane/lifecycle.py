@@ -15,6 +15,9 @@ changed, so the rules below are tested without clocks or sockets.
   unreachable at once, the fault is far more likely on the control plane's
   side of the network than on every node at once, so nobody is declared
   lost until the share falls again (Kubernetes' zone-disruption rule).
+  When it falls, silence is counted afresh from the last damped pass, as
+  after a restart: the first nodes to come back must not un-damp the fleet
+  and get the others, still reconnecting, declared lost on the next pass.
 - Replacements of lost nodes' replicas are rate-limited at all times
   (``ReplacementLimiter``), so a misjudgement moves a few replicas, not all.
 """
@@ -62,6 +65,7 @@ class Evaluation:
     transitions: tuple[Transition, ...] = ()
     in_grace: bool = False  # the control plane started less than startup_grace ago
     damped: bool = False  # too many unreachable at once: nothing is declared lost
+    last_damped: float | None = None  # the latest pass that was damped (this one or earlier)
     unreachable_share: float = 0.0
     held: tuple[str, ...] = field(default=())  # nodes past lost_after but not declared lost, and why in ``hold_reason``
     hold_reason: str | None = None
@@ -89,8 +93,13 @@ def evaluate(
     now: float,
     started_at: float,
     timings: Lifecycle,
+    last_damped: float | None = None,
 ) -> Evaluation:
-    """Advance every node's state by its silence; mutates ``clocks`` in place."""
+    """Advance every node's state by its silence; mutates ``clocks`` in place.
+
+    ``last_damped``: the previous evaluation's ``last_damped``; the silence
+    that makes a node lost is not counted from before it.
+    """
     transitions: list[Transition] = []
     in_grace = now - started_at < timings.startup_grace
     for node_id in sorted(clocks):
@@ -105,9 +114,14 @@ def evaluate(
     unreachable = sum(1 for c in alive if c.state is NodeState.UNREACHABLE)
     share = unreachable / len(alive) if alive else 0.0
     damped = share > timings.max_unreachable_share
+    # while damped, silence counts as usual (``held`` shows who would be lost); once the
+    # damping ends, only the silence since the last damped pass counts
+    counted_from = started_at if damped or last_damped is None else max(started_at, last_damped)
+    if damped:
+        last_damped = now
 
     due = [n for n in sorted(clocks)
-           if clocks[n].state is NodeState.UNREACHABLE and silence(clocks[n], now, started_at) > timings.lost_after]
+           if clocks[n].state is NodeState.UNREACHABLE and silence(clocks[n], now, counted_from) > timings.lost_after]
     hold_reason: str | None = None
     if due and in_grace:
         hold_reason = (f"control plane started {now - started_at:.1f}s ago "
@@ -119,7 +133,7 @@ def evaluate(
     if hold_reason is None:
         for node_id in due:
             c = clocks[node_id]
-            quiet = silence(c, now, started_at)
+            quiet = silence(c, now, counted_from)
             transitions.append(Transition(node_id, c.state, NodeState.LOST,
                                           f"silent for {quiet:.1f}s (lost_after {timings.lost_after:g}s)"))
             c.state, c.since = NodeState.LOST, now
@@ -127,6 +141,7 @@ def evaluate(
         transitions=tuple(transitions),
         in_grace=in_grace,
         damped=damped,
+        last_damped=last_damped,
         unreachable_share=share,
         held=tuple(due) if hold_reason else (),
         hold_reason=hold_reason,

@@ -324,7 +324,7 @@ class ControlPlane:
         now = self.clock()
         lc = self.settings.lifecycle
         clocks = {n: rec.clock for n, rec in self.nodes.items()}
-        ev = evaluate(clocks, now, self.started_at, lc)
+        ev = evaluate(clocks, now, self.started_at, lc, self.evaluation.last_damped)
         if ev.hold_reason and ev.hold_reason != self.evaluation.hold_reason and ev.held:
             log.warning("not declaring %s lost: %s", ", ".join(ev.held), ev.hold_reason)
         self.evaluation = ev
