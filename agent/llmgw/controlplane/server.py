@@ -27,6 +27,7 @@ from aiohttp import web
 from llmgw.config import ConfigInvalid
 from llmgw.controlplane.api import build_api
 from llmgw.controlplane.state import ControlPlane
+from llmgw.controlplane.tlssite import HandshakeLoggingSite
 from llmgw.settings import ServerSettings, load_server_settings
 
 log = logging.getLogger("llmgw.controlplane")
@@ -140,7 +141,12 @@ async def serve(settings: ServerSettings, config_path: str | None = None,
     app = build_api(cp, require_identity=ssl_ctx is not None, reload=reload, watch_handler=router.watch_handler)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
-    site = web.TCPSite(runner, settings.api_host, settings.api_port, ssl_context=ssl_ctx, reuse_address=True)
+    if ssl_ctx is not None:
+        # handshakes run by the site itself, so a refused client certificate is logged with its reason
+        site: web.TCPSite = HandshakeLoggingSite(runner, settings.api_host, settings.api_port, ssl_context=ssl_ctx,
+                                                 reuse_address=True)
+    else:
+        site = web.TCPSite(runner, settings.api_host, settings.api_port, reuse_address=True)
     await site.start()
     scheme = "https" if ssl_ctx is not None else "http"
     log.info("control plane listening on %s://%s:%d (agent stream at /v1/agent/stream); pid %d",

@@ -1,0 +1,124 @@
+"""An aiohttp site that says why a TLS handshake was refused.
+
+With ``create_server(ssl=...)`` asyncio (and uvloop) run the handshake
+inside the transport and drop a failure silently unless the loop is in
+debug mode: an agent presenting an expired, self-signed, foreign or
+serverAuth-only certificate was simply disconnected, and the control
+plane's log said nothing, although that is the first place an operator
+looks.  Here each connection is accepted as plain TCP and upgraded with
+``loop.start_tls``, so a refused handshake is caught and logged with the
+peer and the verifier's reason before the connection is dropped.  Once the
+handshake succeeds the aiohttp handler gets the TLS transport exactly as it
+would from ``create_server``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+import time
+from typing import Any, Callable
+
+from aiohttp import web
+
+log = logging.getLogger("llmgw.controlplane.tls")
+
+HANDSHAKE_TIMEOUT = 30.0
+_LOG_EVERY = 60.0  # seconds between two log lines for one peer address and reason
+
+
+def refusal_reason(exc: BaseException) -> str:
+    """What the operator needs from a failed handshake, without OpenSSL's file:line noise."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"client certificate refused: {exc.verify_message or exc.reason}"
+    if isinstance(exc, ssl.SSLError):
+        return f"TLS handshake failed: {exc.reason or exc}"
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+        return "TLS handshake timed out"
+    return f"TLS handshake failed: {type(exc).__name__}: {exc}"
+
+
+class _RefusalLog:
+    """One line per (peer address, reason) a minute: a scanner must not flood the log."""
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[str, str], float] = {}
+
+    def __call__(self, peer: Any, reason: str) -> None:
+        host = peer[0] if isinstance(peer, tuple) and peer else str(peer)
+        now = time.monotonic()
+        key = (host, reason)
+        if now - self._last.get(key, -_LOG_EVERY) < _LOG_EVERY:
+            return
+        if len(self._last) > 4096:
+            self._last.clear()
+        self._last[key] = now
+        port = f":{peer[1]}" if isinstance(peer, tuple) and len(peer) > 1 else ""
+        log.warning("TLS connection from %s%s refused: %s", host, port, reason)
+
+
+class _Upgrade(asyncio.Protocol):
+    """Holds an accepted TCP connection until its TLS handshake succeeds or fails."""
+
+    __slots__ = ("_factory", "_ctx", "_refused", "_transport", "_task")
+
+    def __init__(self, factory: Callable[[], asyncio.Protocol], ctx: ssl.SSLContext,
+                 refused: Callable[[Any, str], None]) -> None:
+        self._factory = factory
+        self._ctx = ctx
+        self._refused = refused
+        self._transport: asyncio.Transport | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        transport.pause_reading()  # the ClientHello waits in the socket for start_tls
+        self._transport = transport
+        self._task = asyncio.get_running_loop().create_task(self._handshake(transport))
+
+    async def _handshake(self, transport: asyncio.Transport) -> None:
+        loop = asyncio.get_running_loop()
+        app = self._factory()
+        try:
+            tls = await loop.start_tls(transport, app, self._ctx, server_side=True,
+                                       ssl_handshake_timeout=HANDSHAKE_TIMEOUT)
+        except ssl.SSLError as e:
+            self._refused(transport.get_extra_info("peername"), refusal_reason(e))
+            transport.abort()
+            return
+        except (OSError, TimeoutError, asyncio.TimeoutError) as e:
+            # the peer hung up or stalled mid-handshake (port scans, load-balancer checks)
+            log.debug("TLS handshake with %s abandoned: %s", transport.get_extra_info("peername"), e)
+            transport.abort()
+            return
+        if tls is None:  # the connection closed as the handshake ended
+            transport.abort()
+            return
+        app.connection_made(tls)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        # only before start_tls took the transport over: the peer left before the handshake began
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+
+
+class HandshakeLoggingSite(web.TCPSite):
+    """``web.TCPSite`` whose TLS handshakes are run, and their refusals logged, by ``_Upgrade``."""
+
+    def __init__(self, runner: web.BaseRunner, host: str | None, port: int, *, ssl_context: ssl.SSLContext,
+                 **kwargs: Any) -> None:
+        super().__init__(runner, host, port, ssl_context=ssl_context, **kwargs)
+        self._refused = _RefusalLog()
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)
+        loop = asyncio.get_running_loop()
+        server = self._runner.server
+        ctx = self._ssl_context
+        assert server is not None and ctx is not None
+        self._server = await loop.create_server(
+            lambda: _Upgrade(server, ctx, self._refused), self._host, self._port,
+            backlog=self._backlog, reuse_address=self._reuse_address, reuse_port=self._reuse_port)
+        sockets = self._server.sockets
+        self._bound_port = sockets[0].getsockname()[1] if sockets else self._port

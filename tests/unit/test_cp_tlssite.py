@@ -1,0 +1,39 @@
+"""Refused TLS handshakes: what the log says, and how often."""
+
+from __future__ import annotations
+
+import logging
+import ssl
+
+from llmgw.controlplane import tlssite
+from llmgw.controlplane.tlssite import _RefusalLog, refusal_reason
+
+
+def test_reason_names_the_verifiers_complaint_not_openssls_source_line():
+    e = ssl.SSLCertVerificationError(1, "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed (_ssl.c:1006)")
+    e.verify_message = "certificate has expired"
+    assert refusal_reason(e) == "client certificate refused: certificate has expired"
+    plain = ssl.SSLError(1, "[SSL: TLSV1_ALERT_PROTOCOL_VERSION] alert (_ssl.c:1006)")
+    plain.reason = "UNSUPPORTED_PROTOCOL"
+    assert refusal_reason(plain) == "TLS handshake failed: UNSUPPORTED_PROTOCOL"
+    assert refusal_reason(TimeoutError()) == "TLS handshake timed out"
+
+
+def test_one_line_per_peer_and_reason_a_minute(caplog, monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr(tlssite.time, "monotonic", lambda: now[0])
+    refused = _RefusalLog()
+    with caplog.at_level(logging.WARNING, logger="llmgw.controlplane.tls"):
+        for port in range(50):  # a scanner retrying from one address
+            refused(("10.0.0.9", 40000 + port), "client certificate refused: self-signed certificate")
+        refused(("10.0.0.9", 41000), "client certificate refused: certificate has expired")
+        refused(("10.0.0.7", 41000), "client certificate refused: self-signed certificate")
+        now[0] += 61
+        refused(("10.0.0.9", 42000), "client certificate refused: self-signed certificate")
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "TLS connection from 10.0.0.9:40000 refused: client certificate refused: self-signed certificate",
+        "TLS connection from 10.0.0.9:41000 refused: client certificate refused: certificate has expired",
+        "TLS connection from 10.0.0.7:41000 refused: client certificate refused: self-signed certificate",
+        "TLS connection from 10.0.0.9:42000 refused: client certificate refused: self-signed certificate",
+    ]
