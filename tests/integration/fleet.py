@@ -392,3 +392,58 @@ def gpu_owners(doc: dict[str, Any]) -> dict[tuple[str, int], list[str]]:
                 for g in s["gpus"]:
                     owners.setdefault((s["node_id"], g), []).append(s["shard_id"])
     return owners
+
+
+# ------------------------------------------------- helpers added for e2e tests
+# (additions only: nothing above changes behaviour)
+
+def fake_hardware(node_id: str, gpus: int = 1, memory_bytes: int = 80 * GIB) -> dict[str, Any]:
+    """A hardware document as an agent would report it, for hand-written stream clients."""
+    return HardwareInventory(node_id=node_id, gpu_source="simulated", gpus=tuple(
+        GPU(i, f"GPU-{node_id}-{i}", "Sim", memory_bytes, f"00000000:{0x30 + i:02X}:00.0",
+            nvlink_peers=tuple(j for j in range(gpus) if j != i)) for i in range(gpus))).to_dict()
+
+
+def register_message(node_id: str, gpus: int = 1, shards: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A valid ``register`` for ``node_id`` reporting ``shards`` (none by default)."""
+    return {"type": "register", "node_id": node_id, "agent_version": "test", "boot_id": "boot-test",
+            "address": "127.0.0.1", "hardware": fake_hardware(node_id, gpus), "shards": list(shards or [])}
+
+
+def edit_agent_config(agent: Proc, change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """Apply ``change`` to an agent's agent.yaml (before it starts); returns the new document."""
+    path = agent.cwd / "agent.yaml"
+    doc = yaml.safe_load(path.read_text())
+    change(doc)
+    path.write_text(yaml.safe_dump(doc))
+    return doc
+
+
+def metric_samples(f: "Fleet") -> dict[str, list[tuple[dict[str, str], float]]]:
+    """``/metrics`` of the real server, parsed: sample name -> [(labels, value)]."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with f.client() as c:
+        r = c.get("/metrics")
+        r.raise_for_status()
+        text = r.text
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out.setdefault(s.name, []).append((dict(s.labels), s.value))
+    return out
+
+
+def log_times(text: str, needle: str) -> list[float]:
+    """Epoch seconds of every log line (``%(asctime)s`` format) containing ``needle``, in order."""
+    import datetime as _dt
+
+    out = []
+    for line in text.splitlines():
+        if needle in line:
+            try:
+                stamp = _dt.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+            except ValueError:
+                continue
+            out.append(stamp.timestamp())
+    return out
