@@ -272,3 +272,12 @@ def test_clique_search_budget_shows_in_detail(monkeypatch):
 def test_clique_search_rejects_empty_size():
     with pytest.raises(ValueError, match="at least 1"):
         nvlink.lowest_clique(range(4), 0, {})
+
+
+def test_node_with_withheld_gpus_says_why_it_has_fewer():
+    import dataclasses
+
+    inv = dataclasses.replace(nvswitch_h100("gpu-w"), gpu_reason="GPU(s) 2, 3 withheld: held by pid 4242")
+    r = place(request(tp=4), [cap(inv, free={0, 1})])
+    assert r.placement is None
+    assert r.verdicts[0].reason == "2 free GPUs (GPU(s) 2, 3 withheld: held by pid 4242), needs 4"

@@ -116,6 +116,8 @@ def choose_group(node: NodeCapacity, n: int, need: MemoryNeed | None) -> NodeOpt
     if len(free) < n:
         if not inv.gpus and inv.gpu_reason:
             text = f"no GPUs ({inv.gpu_reason}), needs {n}"
+        elif inv.gpu_reason:  # some GPUs withheld (e.g. held by a stray process): say why there are fewer
+            text = f"{plural(len(free), 'free GPU')} ({inv.gpu_reason}), needs {n}"
         else:
             text = f"{plural(len(free), 'free GPU')}, needs {n}"
         return Refusal(node.node_id, "too few free GPUs", text)
