@@ -32,6 +32,21 @@ as it lives.  Which GPUs it holds is read from its ``CUDA_VISIBLE_DEVICES``
 (what this package's adapters set); without one, or with one that names
 devices we cannot map, it could be using any of them, so all are withheld.
 
+A GPU can also be held by a process that is no engine at all: another
+user's job, a notebook, a stuck CUDA process started under any command
+line.  Nothing above finds those, but NVML lists them on the GPU
+(``GPU.processes``).  ``withhold_foreign_gpus`` leaves out every GPU with a
+process that is not one of this agent's engines (``OwnEngines``: an engine
+leader it runs or adopted, any process in such a leader's session or
+process group, since engines spawn workers, or one carrying such a shard's
+``LLMGW_SHARD_ID``), naming GPU, pid and command name in ``gpu_reason``.
+Such processes are never signalled: they are not ours.  The GPU comes back
+at the first discovery that no longer lists them.  A pid absent from our
+pid namespace is not counted: on a host every process is visible, so it
+has just exited; inside a container NVML reports host pids, and counting
+them would withhold the GPUs of this agent's own engines (the agent logs
+them instead, ``invisible_holders``).
+
 Never touched: this process and its ancestors; processes whose
 ``LLMGW_NODE_ID`` names another node (agents of a simulated fleet sharing
 one host each own their engines); processes of adopted engines (same process
@@ -332,9 +347,124 @@ def withhold_gpus(inventory: HardwareInventory, survivors: Sequence[UnknownEngin
             by_pid.setdefault(pid, []).append(idx)
     parts = [f"GPU(s) {', '.join(map(str, idxs))} withheld: held by pid {pid}, an unidentified engine "
              f"that survived SIGKILL" for pid, idxs in by_pid.items()]
+    return _without(inventory, set(held), parts)
+
+
+def _without(inventory: HardwareInventory, held: set[int], parts: Sequence[str]) -> HardwareInventory:
+    """``inventory`` less the GPUs ``held`` (and peers pointing at them), ``parts`` added to the reason."""
     reason = "; ".join(parts)
     if inventory.gpu_reason:
         reason = f"{inventory.gpu_reason}; {reason}"
     gpus = tuple(dataclasses.replace(g, nvlink_peers=tuple(p for p in g.nvlink_peers if p not in held))
                  for g in inventory.gpus if g.index not in held)
     return dataclasses.replace(inventory, gpus=gpus, gpu_reason=reason)
+
+
+# --- GPUs held by processes that are not this agent's engines ----------------
+
+
+@dataclass(frozen=True)
+class OwnEngines:
+    """What makes a process one of this agent's engines (see the module docstring)."""
+
+    node_id: str
+    leaders: frozenset[int] = frozenset()  # pids of engine leaders it runs or adopted
+    shard_ids: frozenset[str] = frozenset()  # their shards, as in each worker's LLMGW_SHARD_ID
+
+    @classmethod
+    def of(cls, node_id: str, engines: Iterable[tuple[str, ProcessIdentity | None]]) -> "OwnEngines":
+        """From (shard id, leader identity) pairs; a leader no longer that process counts for nothing.
+
+        A leader that has exited but not been reaped still counts: its pid
+        cannot have been reused, and its workers may still run.
+        """
+        leaders: set[int] = set()
+        shards: set[str] = set()
+        for shard_id, ident in engines:
+            shards.add(shard_id)
+            if ident is not None and procident.is_same_process(ident):
+                leaders.add(ident.pid)
+        return cls(node_id, frozenset(leaders), frozenset(shards))
+
+    def owns(self, pid: int) -> bool:
+        """Is ``pid`` (as seen in our namespace) an engine of ours or one of its workers?"""
+        if pid in self.leaders:
+            return True
+        st = procident.read_stat(pid)
+        if st is None:
+            return False
+        # The kernel never hands out a pid that is still some process's
+        # session or group id, so a match here is the leader's own session.
+        if st.sid in self.leaders or st.pgid in self.leaders:
+            return True
+        if not self.shard_ids:
+            return False
+        env = procident.read_environ(pid)
+        if not env:
+            return False
+        return env.get(ENV_SHARD_ID) in self.shard_ids and env.get(ENV_NODE_ID, self.node_id) == self.node_id
+
+
+@dataclass(frozen=True)
+class ForeignHolder:
+    """A process NVML lists on a GPU that is not one of this agent's engines."""
+
+    gpu: int
+    pid: int
+    comm: str | None  # command name from /proc/<pid>/stat; None when the pid is not in our namespace
+    used_memory_bytes: int | None = None
+
+    def describe(self) -> str:
+        if self.comm is None:
+            return f"pid {self.pid} (no such process in the agent's pid namespace)"
+        return f"pid {self.pid} ({self.comm})"
+
+
+def foreign_holders(inventory: HardwareInventory, own: OwnEngines) -> list[ForeignHolder]:
+    """Every (GPU, process) pair where NVML lists a process that ``own`` does not cover.
+
+    A GPU whose ``processes`` are unknown (None) yields nothing: there is
+    nothing to go on, and withholding every GPU whenever NVML cannot list
+    processes would take a whole node down for a missing driver feature.
+    """
+    out: list[ForeignHolder] = []
+    for g in inventory.gpus:
+        for p in g.processes or ():
+            if own.owns(p.pid):
+                continue
+            st = procident.read_stat(p.pid)
+            if st is not None:
+                out.append(ForeignHolder(g.index, p.pid, st.comm, p.used_memory_bytes))
+    return out
+
+
+def invisible_holders(inventory: HardwareInventory) -> list[ForeignHolder]:
+    """(GPU, pid) pairs NVML lists whose pid does not exist in our pid namespace.
+
+    Not withheld (see the module docstring): reported so an agent in a
+    container without the host's pid namespace says it cannot see who
+    holds its GPUs.
+    """
+    return [ForeignHolder(g.index, p.pid, None, p.used_memory_bytes)
+            for g in inventory.gpus for p in g.processes or () if procident.read_stat(p.pid) is None]
+
+
+def withhold_foreign_gpus(inventory: HardwareInventory, own: OwnEngines
+                          ) -> tuple[HardwareInventory, list[ForeignHolder]]:
+    """``inventory`` without GPUs held by processes that are not ours, and those holders.
+
+    Nothing is ever signalled.  The reason, per GPU: ``GPU 3 withheld: in use
+    by pid 4242 (python3), not an llmgw engine``.
+    """
+    holders = foreign_holders(inventory, own)
+    if not holders:
+        return inventory, []
+    by_gpu: dict[int, list[ForeignHolder]] = {}
+    for h in holders:
+        by_gpu.setdefault(h.gpu, []).append(h)
+    parts = []
+    for idx, hs in sorted(by_gpu.items()):
+        tail = "not an llmgw engine" if len(hs) == 1 else "none of them an llmgw engine"
+        parts.append(f"GPU {idx} withheld: in use by {', '.join(h.describe() for h in hs)}, {tail}")
+    return _without(inventory, set(by_gpu), parts), holders
+

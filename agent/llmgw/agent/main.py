@@ -8,7 +8,9 @@ Order matters and is the point of this module:
    here rather than after it adopted engines;
 3. recover from the state dir: adopt live engines, drop dead records, kill
    engines nothing describes, *before* anything is advertised; the GPUs of
-   one that survives SIGKILL are withheld from every register while it lives;
+   one that survives SIGKILL are withheld from every register while it lives,
+   and so is every GPU on which NVML lists a process that is not one of this
+   agent's engines (never signalled: it is not ours);
 4. only then dial the control plane.
 
 SIGTERM and SIGINT end the agent and nothing else: engines run in their own
@@ -25,9 +27,11 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Callable
 
 from llmgw.agent import procident
-from llmgw.agent.adoption import UnknownEngine, recover, withhold_gpus
+from llmgw.agent.adoption import (OwnEngines, UnknownEngine, invisible_holders, recover, withhold_foreign_gpus,
+                                  withhold_gpus)
 from llmgw.agent.statedir import StateDir
 from llmgw.agent.stream import StreamClient
 from llmgw.agent.supervisor import Supervisor, SupervisorConfig
@@ -69,18 +73,30 @@ def _discover_sync(settings: AgentSettings) -> HardwareInventory:
                     fabrics=settings.fabrics)
 
 
+def own_engines(supervisor: Supervisor, node_id: str) -> OwnEngines:
+    """The engines ``supervisor`` runs or adopted, right now."""
+    return OwnEngines.of(node_id, [(s.shard_id, s.identity) for s in supervisor.live_shards()])
+
+
 class _Discovery:
     """Rediscovers on every connection; a failure then reuses the last good inventory.
 
     GPUs held by ``survivors`` (unidentified engines that outlived SIGKILL)
-    are left out of what is advertised for as long as each one lives.
+    are left out of what is advertised for as long as each one lives, and so
+    are GPUs on which discovery lists a process that ``own`` (this agent's
+    engines, asked afresh each time) does not cover, until discovery no
+    longer lists it.
     """
 
     def __init__(self, settings: AgentSettings, first: HardwareInventory,
-                 survivors: list[UnknownEngine] | None = None):
+                 survivors: list[UnknownEngine] | None = None,
+                 own: Callable[[], OwnEngines] | None = None):
         self.settings = settings
         self.last = first
         self.survivors = list(survivors or ())
+        self.own = own or (lambda: OwnEngines(settings.node_id))
+        self.foreign: set[tuple[int, int]] = set()  # (GPU, pid) withheld at the last advertisement
+        self.invisible: set[tuple[int, int]] = set()  # (GPU, pid) already logged as not in our pid namespace
 
     def advertised(self, inventory: HardwareInventory) -> HardwareInventory:
         alive = [e for e in self.survivors if procident.is_running(e.identity)]
@@ -89,7 +105,25 @@ class _Discovery:
                 log.warning("unidentified engine pid %d that survived SIGKILL is gone; its GPUs are advertised "
                             "again", e.identity.pid)
         self.survivors = alive
-        return withhold_gpus(inventory, alive)
+        shown, holders = withhold_foreign_gpus(withhold_gpus(inventory, alive), self.own())
+        now = {(h.gpu, h.pid) for h in holders}
+        for h in holders:
+            if (h.gpu, h.pid) not in self.foreign:
+                used = "unknown" if h.used_memory_bytes is None else f"{h.used_memory_bytes / (1 << 30):.2f} GiB"
+                log.warning("GPU %d withheld: in use by %s, not an llmgw engine (GPU memory used: %s); "
+                            "it is not signalled, and the GPU is advertised again once it is gone",
+                            h.gpu, h.describe(), used)
+        for gpu, pid in sorted(self.foreign - now):
+            if gpu not in {h.gpu for h in holders}:
+                log.warning("GPU %d: pid %d no longer uses it; advertised again", gpu, pid)
+        self.foreign = now
+        for h in invisible_holders(inventory):
+            if (h.gpu, h.pid) not in self.invisible:
+                self.invisible.add((h.gpu, h.pid))
+                log.warning("GPU %d: NVML lists pid %d, which does not exist in this agent's pid namespace: not "
+                            "counted (inside a container NVML reports host pids; run the agent in the host's pid "
+                            "namespace, e.g. --pid=host, so processes on its GPUs can be told apart)", h.gpu, h.pid)
+        return shown
 
     async def __call__(self) -> HardwareInventory:
         try:
@@ -127,10 +161,6 @@ async def agent_main(settings: AgentSettings, stop: asyncio.Event | None = None)
     recovered = await recover(statedir, settings.node_id, settings.engine_commands)
     for e in recovered.killed:
         log.warning("killed unidentified engine pid %d before registering: %s", e.identity.pid, e.why)
-    discovery = _Discovery(settings, inventory, recovered.survivors)
-    if recovered.survivors:
-        shown = discovery.advertised(inventory)
-        log.error("advertising %d of %d GPU(s): %s", len(shown.gpus), len(inventory.gpus), shown.gpu_reason)
 
     stream: StreamClient | None = None
 
@@ -141,6 +171,11 @@ async def agent_main(settings: AgentSettings, stop: asyncio.Event | None = None)
     supervisor = Supervisor(SupervisorConfig.from_settings(settings), statedir, emit)
     for rec in recovered.adopted:
         supervisor.adopt(rec)
+    discovery = _Discovery(settings, inventory, recovered.survivors,
+                           own=lambda: own_engines(supervisor, settings.node_id))
+    shown = discovery.advertised(inventory)
+    if len(shown.gpus) < len(inventory.gpus):
+        log.error("advertising %d of %d GPU(s): %s", len(shown.gpus), len(inventory.gpus), shown.gpu_reason)
     stream = StreamClient(url=settings.control_plane_url, node_id=settings.node_id,
                           address=settings.advertise_address, ssl_context=ssl_context,
                           supervisor=supervisor, discover=discovery,

@@ -9,7 +9,7 @@ actually discovered.
 
 from __future__ import annotations
 
-from llmgw.hardware.types import GPU, HCA, FabricDeclaration, FabricStatus, HardwareInventory, IBPort
+from llmgw.hardware.types import GPU, HCA, GPUProcess, FabricDeclaration, FabricStatus, HardwareInventory, IBPort
 from llmgw.hardware.infiniband import read_hcas, validate_fabrics
 from llmgw.hardware.nvml import discover_gpus
 from llmgw.hardware.simulated import load_hardware_file
@@ -17,6 +17,7 @@ from llmgw.hardware.discover import discover  # noqa: E402  (must come last, see
 
 __all__ = [
     "GPU",
+    "GPUProcess",
     "HCA",
     "FabricDeclaration",
     "FabricStatus",

@@ -29,6 +29,18 @@ NVML_ERROR_FUNCTION_NOT_FOUND means the driver's NVML has no NVLink calls:
 the GPU is treated as having no NVLink, but the topology is then *unknown*.
 Any other NVML error on a link also makes the topology unknown.
 
+Processes using each GPU (``GPU.processes``) come from
+``nvmlDeviceGetComputeRunningProcesses`` and
+``nvmlDeviceGetGraphicsRunningProcesses``, the newest version the bindings
+and the driver both have (``_v3``, then ``_v2``, then the unversioned name
+older bindings have); a pid in both lists is listed once.  A used-memory
+value NVML cannot give (None, or NVML_VALUE_NOT_AVAILABLE where older
+bindings pass it through) becomes None.  A failed query is logged and leaves
+that GPU's list None ("unknown"), never failing discovery; a device without
+graphics process accounting (NOT_SUPPORTED) simply has no graphics entries.
+Inside a container NVML reports the driver's (host) pids, which may not
+exist in this process's pid namespace.
+
 Without NVML (library missing, driver not loaded, init failing for any
 reason) discovery returns no GPUs and a reason, logs "0 GPUs: <reason>" once
 per process per reason at WARNING, and never raises: a node without GPUs
@@ -45,7 +57,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, NamedTuple
 
-from llmgw.hardware.types import GPU
+from llmgw.hardware.types import GPU, GPUProcess
 
 log = logging.getLogger(__name__)
 
@@ -213,6 +225,88 @@ def _active_remote_ids(nvml: Any, handle: Any, index: int) -> tuple[tuple[str | 
     return tuple(remotes), not errors
 
 
+_NOT_AVAILABLE = (1 << 64) - 1  # NVML_VALUE_NOT_AVAILABLE_ulonglong as an unsigned value
+
+
+class _NoQuery(Exception):
+    """Neither the bindings nor the driver have any version of a process query."""
+
+
+def _running_processes(nvml: Any, handle: Any, kind: str) -> list[Any]:
+    """``nvmlDeviceGet<kind>RunningProcesses``, newest version both ends have.
+
+    A version the bindings lack is skipped; one the driver lacks answers
+    NVML_ERROR_FUNCTION_NOT_FOUND (or, through the unversioned wrapper of
+    current bindings, ``NVMLLibraryMismatchError``) and the next is tried.
+    Any other NVML error propagates.
+    """
+    base = f"nvmlDeviceGet{kind}RunningProcesses"
+    mismatch = getattr(nvml, "NVMLLibraryMismatchError", None)
+    missing: list[str] = []
+    for name in (f"{base}_v3", f"{base}_v2", base):
+        fn = getattr(nvml, name, None)
+        if fn is None:
+            continue
+        try:
+            return list(fn(handle))
+        except nvml.NVMLError as e:
+            if _code(nvml, e) != nvml.NVML_ERROR_FUNCTION_NOT_FOUND:
+                raise
+            missing.append(f"{name}: {e}")
+        except Exception as e:  # noqa: BLE001 - only the bindings' version mismatch is expected here
+            if mismatch is None or not isinstance(e, mismatch):
+                raise
+            missing.append(f"{name}: {e}")
+    raise _NoQuery("; ".join(missing) or f"the NVML bindings have no {base}")
+
+
+def _used_memory(value: Any) -> int | None:
+    if value is None:
+        return None
+    try:
+        used = int(value)
+    except (TypeError, ValueError):
+        return None
+    return None if used < 0 or used >= _NOT_AVAILABLE else used
+
+
+def gpu_processes(nvml: Any, handle: Any, index: int) -> tuple[GPUProcess, ...] | None:
+    """Processes with a compute or graphics context on the GPU; None when NVML cannot tell.
+
+    Never raises: an error is logged (WARNING, naming the GPU) and means
+    "unknown".  Graphics answering NOT_SUPPORTED or missing altogether adds
+    nothing; the compute list alone is then the answer.
+    """
+    found: dict[int, int | None] = {}
+    for kind in ("Compute", "Graphics"):
+        try:
+            procs = _running_processes(nvml, handle, kind)
+        except _NoQuery as e:
+            if kind == "Compute":
+                log.warning("GPU %d: processes unknown: this NVML has no compute process query (%s)", index, e)
+                return None
+            continue
+        except Exception as e:  # noqa: BLE001 - a failed query means "unknown", never a failed discovery
+            if kind == "Graphics" and _code(nvml, e) == getattr(nvml, "NVML_ERROR_NOT_SUPPORTED", None):
+                continue
+            log.warning("GPU %d: processes unknown: nvmlDeviceGet%sRunningProcesses failed: %s (%s)",
+                        index, kind, e, type(e).__name__)
+            return None
+        for p in procs:
+            try:
+                pid = int(p.pid)
+            except (AttributeError, TypeError, ValueError) as e:
+                log.warning("GPU %d: processes unknown: NVML returned an unreadable process entry %r (%s)",
+                            index, p, e)
+                return None
+            used = _used_memory(getattr(p, "usedGpuMemory", None))
+            if pid in found and found[pid] is not None:
+                # Both lists name it: keep the larger figure (each is the process's total on this GPU).
+                used = found[pid] if used is None else max(used, found[pid])  # type: ignore[type-var]
+            found[pid] = used
+    return tuple(GPUProcess(pid, used) for pid, used in sorted(found.items()))
+
+
 def _load_default_nvml() -> ModuleType:
     import pynvml
 
@@ -285,8 +379,8 @@ def _discover_initialised(nvml: Any) -> NvmlDiscovery:
     peers, ids_known = nvlink_peers(reports, frozenset(unusable))
     gpus = tuple(
         GPU(index=index, uuid=uuid, name=name, memory_bytes=mem, pci_bus_id=bus,
-            nvlink_peers=peers[index])
-        for index, uuid, name, mem, bus, _handle in found
+            nvlink_peers=peers[index], processes=gpu_processes(nvml, handle, index))
+        for index, uuid, name, mem, bus, handle in found
     )
     return NvmlDiscovery(gpus, None, known and ids_known)
 

@@ -15,6 +15,9 @@ How a file becomes an inventory:
 * ``node_id`` is the agent's own (its certificate's identity), not the file's,
   and ``gpu_source`` is ``simulated``: the GPUs did not come from NVML;
 * NVLink peers are made symmetric, as NVML-derived peers are;
+* a GPU's optional ``processes`` stand for what NVML would list on it (the
+  agent withholds a GPU whose process is not one of its engines); leaving
+  the key out means "unknown", as when NVML cannot be asked;
 * if the file has ``hcas`` and the agent declares fabrics, the fabric status
   and the undeclared adapters are recomputed from those adapters with
   ``validate_fabrics``, exactly as on a real node, and the file's own
@@ -77,6 +80,13 @@ def _gpu_errors(doc: Mapping[str, Any]) -> list[ConfigError]:
                 errors.append(ConfigError(where, f"GPU {peer} cannot be its own NVLink peer"))
             elif peer not in first:
                 errors.append(ConfigError(where, f"no GPU with index {peer} in this file"))
+        pids: dict[int, int] = {}
+        for j, proc in enumerate(g.get("processes") or ()):
+            if proc["pid"] in pids:
+                errors.append(ConfigError(f"/gpus/{i}/processes/{j}/pid",
+                                          f"duplicate pid {proc['pid']} (also /gpus/{i}/processes/{pids[proc['pid']]})"))
+            else:
+                pids[proc["pid"]] = j
     return errors
 
 

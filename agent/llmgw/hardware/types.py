@@ -14,6 +14,28 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class GPUProcess:
+    """A process NVML lists as running on a GPU (compute or graphics context).
+
+    ``pid`` is as NVML reports it: inside a container without the host's pid
+    namespace it is a host pid, which may not exist (or be someone else) in
+    the agent's own namespace.  ``used_memory_bytes`` is None when NVML cannot
+    say (NVML_VALUE_NOT_AVAILABLE: some drivers, MIG, Windows WDDM).
+    """
+
+    pid: int
+    used_memory_bytes: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pid": self.pid, "used_memory_bytes": self.used_memory_bytes}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "GPUProcess":
+        used = d.get("used_memory_bytes")
+        return cls(pid=int(d["pid"]), used_memory_bytes=None if used is None else int(used))
+
+
+@dataclass(frozen=True)
 class GPU:
     index: int
     uuid: str
@@ -24,9 +46,13 @@ class GPU:
     # Empty means "no NVLink seen", which is not the same as "topology unknown":
     # ``HardwareInventory.nvlink_known`` says which.
     nvlink_peers: tuple[int, ...] = ()
+    # Processes using the GPU, as NVML listed them at discovery.  None means
+    # "unknown" (the query failed, or a hardware file does not say), which is
+    # not the same as () "NVML lists none".
+    processes: tuple[GPUProcess, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "index": self.index,
             "uuid": self.uuid,
             "name": self.name,
@@ -34,6 +60,9 @@ class GPU:
             "pci_bus_id": self.pci_bus_id,
             "nvlink_peers": list(self.nvlink_peers),
         }
+        if self.processes is not None:
+            d["processes"] = [p.to_dict() for p in self.processes]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "GPU":
@@ -44,6 +73,8 @@ class GPU:
             memory_bytes=int(d["memory_bytes"]),
             pci_bus_id=str(d["pci_bus_id"]),
             nvlink_peers=tuple(sorted(int(p) for p in d.get("nvlink_peers", ()))),
+            processes=None if d.get("processes") is None
+            else tuple(GPUProcess.from_dict(p) for p in d["processes"]),
         )
 
 
@@ -165,7 +196,9 @@ class HardwareInventory:
     # Discovered adapters that no declared fabric names: reported, never used.
     undeclared_hcas: tuple[str, ...] = ()
     gpu_source: str = "nvml"  # "nvml" | "simulated"
-    gpu_reason: str | None = None  # why there are 0 GPUs, when there are
+    # Why there are 0 GPUs, when there are; or, in what an agent advertises,
+    # which GPUs it withholds and why (held by a process that is not its own).
+    gpu_reason: str | None = None
     nvlink_known: bool = True  # False when topology could not be read
     extra: dict[str, Any] = field(default_factory=dict)
 
