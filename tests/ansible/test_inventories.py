@@ -41,5 +41,22 @@ def test_the_production_sample_declares_two_racks_on_separate_fabrics():
     assert set(inv["llmgw_agents"]["children"]) == {"rack1", "rack2"}
     assert inv["rack1"]["hosts"] == ["gpu-r1-n1", "gpu-r1-n2"] and inv["rack2"]["hosts"] == ["gpu-r2-n1", "gpu-r2-n2"]
     engines = {p["engine"] for p in yaml.safe_load((PRODUCTION / "group_vars" / "all" / "fleet.yml").read_text())["llmgw_profiles"]}
-    assert engines == {"vllm", "sglang"}
+    assert engines == {"vllm", "sglang", "llamacpp"}
+
+
+def test_the_production_sample_fetches_only_single_files_that_its_engines_can_load():
+    """A URL source is fetched as exactly one file and never unpacked: the sample must not
+    point an engine at an archive, and a fetched file is a GGUF served by llama.cpp (the one
+    engine that loads a single file); checkpoints of several files are paths or hub ids."""
+    fleet = yaml.safe_load((PRODUCTION / "group_vars" / "all" / "fleet.yml").read_text())
+    engine = {p["name"]: p["engine"] for p in fleet["llmgw_profiles"]}
+    urls = {m["name"]: m["source"] for m in fleet["llmgw_models"] if "://" in m["source"]}
+    assert urls, "the sample shows no URL source"
+    for name, url in urls.items():
+        assert url.startswith("https://") and url.endswith(".gguf"), (name, url)
+        assert {engine[d["profile"]] for d in fleet["llmgw_deployments"] if d["model"] == name} == {"llamacpp"}, name
+    archives = (".tar", ".tar.gz", ".tgz", ".zip", ".tar.zst")
+    assert [m["source"] for m in fleet["llmgw_models"] if m["source"].endswith(archives)] == []
+    node = yaml.safe_load((PRODUCTION / "group_vars" / "llmgw_agents" / "node.yml").read_text())
+    assert set(engine.values()) <= set(node["llmgw_engines"])  # every engine the catalog uses has a command
 

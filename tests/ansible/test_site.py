@@ -7,8 +7,18 @@ last play proves every declared replica Ready and a chat completion answered
 through the router; a second run and a second check change nothing. Then a new
 build of the package reaches the node and playbooks/upgrade.yml replaces its
 agent while clients keep sending completions: not one fails, and every engine
-keeps running under the new agent. Last, a catalog change (one replica fewer)
-reloads the running control plane (SIGHUP, same process), which applies it.
+keeps running under the new agent, and the control plane, upgraded last, is
+left alone because its package did not change. A catalog change (one replica
+fewer) reloads the running control plane (SIGHUP, same process), which applies
+it, and leaves the agent alone; an agent.yaml change restarts the agent (new
+process) and leaves the control plane and the engines alone.
+
+Then what must fail does, and says why: documents the runtime refuses (a broken
+timing invariant in server.yaml, a broken backoff in agent.yaml; both pass the
+preflight's schema check, so the template tasks' `validate:` is what stops
+them) fail at the task rendering them, naming the JSON pointer, and leave the
+installed files byte for byte; and a deployment whose weights do not exist
+makes the final readiness check fail, naming the deployment and the reason.
 """
 
 from __future__ import annotations
@@ -25,12 +35,22 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 
 from fleet_harness import REPO, run_playbook
 
 SITE = REPO / "playbooks" / "site.yml"
 UPGRADE = REPO / "playbooks" / "upgrade.yml"
 INVENTORY = REPO / "inventory" / "local" / "hosts.yml"
+LOCAL_SERVER = yaml.safe_load((REPO / "inventory" / "local" / "files" / "server.yaml").read_text())
+# The catalog after change_the_catalog: one replica of the small model fewer.
+FEWER = [
+    {"model": "qwen2.5-0.5b-instruct", "profile": "vllm-tp1", "replicas": 1},
+    {"model": "qwen2.5-7b-instruct", "profile": "vllm-tp2", "replicas": 1},
+]
+# An agent.yaml setting that changes nothing the running engines depend on.
+AGENT_EXTRA = {"fetch": {"stall_timeout": 30}}
+MISSING_WEIGHTS = "/nonexistent/llmgw-site-test/missing-weights"
 
 
 def free_port() -> int:
@@ -79,12 +99,18 @@ def site(tmp_path_factory):
     try:
         runs["check-fresh"] = run_playbook(SITE, root / "runs", inventory=INVENTORY, extravars=extravars, check=True, diff=True)
         runs["wrote-in-check"] = [p for p in (root / "fleet", root / "pki") if p.exists()]
+        runs["wheels-after-check"] = sorted((source / "build" / "llmgw-wheel").glob("*.whl"))
         runs["apply"] = run_playbook(SITE, root / "runs", inventory=INVENTORY, extravars=extravars)
         runs["apply-again"] = run_playbook(SITE, root / "runs", inventory=INVENTORY, extravars=extravars)
         runs["check-again"] = run_playbook(SITE, root / "runs", inventory=INVENTORY, extravars=extravars, check=True, diff=True)
         if runs["apply"].rc == 0:
             runs["upgrade"] = upgrade_while_serving(root, router, extravars)
+            runs["upgrade-agents-only"] = run_playbook(
+                UPGRADE, root / "runs", inventory=INVENTORY, extravars=extravars, limit="llmgw_agents", check=True)
             runs["catalog"] = change_the_catalog(root, api, extravars)
+            runs["agent-config"] = change_the_agent_config(root, extravars)
+            runs["invalid"] = render_invalid_documents(root, extravars)
+            runs["unready"] = declare_weights_that_do_not_exist(root, extravars)
         yield runs
     finally:
         # Engines outlive their agent by design: stop everything this fleet started.
@@ -180,12 +206,8 @@ def live_replicas(root: Path, api: int) -> list[dict]:
 
 def change_the_catalog(root: Path, api: int, extravars: dict) -> dict:
     """site.yml with one replica of the small model fewer: server.yaml changes, nothing else."""
-    before = server_pid(root)
-    deployments = [
-        {"model": "qwen2.5-0.5b-instruct", "profile": "vllm-tp1", "replicas": 1},
-        {"model": "qwen2.5-7b-instruct", "profile": "vllm-tp2", "replicas": 1},
-    ]
-    run = run_playbook(SITE, root / "runs", inventory=INVENTORY, extravars={**extravars, "llmgw_deployments": deployments})
+    before, agent = server_pid(root), agent_pid(root)
+    run = run_playbook(SITE, root / "runs", inventory=INVENTORY, extravars={**extravars, "llmgw_deployments": FEWER})
     small = []
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -193,7 +215,51 @@ def change_the_catalog(root: Path, api: int, extravars: dict) -> dict:
         if len(small) == 1:
             break
         time.sleep(0.5)
-    return {"run": run, "server_before": before, "server_after": server_pid(root), "small_replicas": small}
+    return {"run": run, "server_before": before, "server_after": server_pid(root), "small_replicas": small,
+            "agent_before": agent, "agent_after": agent_pid(root)}
+
+
+def installed(root: Path) -> dict[str, bytes]:
+    return {"server.yaml": (root / "fleet" / "local-cp" / "etc" / "llmgw" / "server.yaml").read_bytes(),
+            "agent.yaml": (root / "fleet" / "local-gpu0" / "etc" / "llmgw" / "agent.yaml").read_bytes()}
+
+
+def change_the_agent_config(root: Path, extravars: dict) -> dict:
+    """site.yml with one agent.yaml setting changed (and the catalog as change_the_catalog left it)."""
+    before = {"agent": agent_pid(root), "server": server_pid(root), "engines": engine_pids(root), "files": installed(root)}
+    run = run_playbook(SITE, root / "runs", inventory=INVENTORY,
+                       extravars={**extravars, "llmgw_deployments": FEWER, "llmgw_agent_config_extra": AGENT_EXTRA})
+    after = {"agent": agent_pid(root), "server": server_pid(root), "engines": engine_pids(root), "files": installed(root)}
+    return {"run": run, "before": before, "after": after}
+
+
+def render_invalid_documents(root: Path, extravars: dict) -> dict:
+    """site.yml with a server.yaml, then with an agent.yaml, that is valid JSON Schema-wise (so
+    preflight lets it through) but that the runtime refuses: only `validate:` stops it. Two
+    runs, because a play whose every host failed (the control plane's) ends the playbook."""
+    lifecycle = {**LOCAL_SERVER["lifecycle"], "unreachable_after": 6}  # <= keepalive 5 + heartbeat 2
+    agent_extra = {"fetch": {**AGENT_EXTRA["fetch"], "backoff_initial": 10, "backoff_max": 5}}
+    out = {}
+    for document, broken in (("server.yaml", {"llmgw_lifecycle": lifecycle}),
+                             ("agent.yaml", {"llmgw_agent_config_extra": agent_extra})):
+        before = {"agent": agent_pid(root), "server": server_pid(root), "files": installed(root)}
+        run = run_playbook(SITE, root / "runs", inventory=INVENTORY, extravars={
+            **extravars, "llmgw_deployments": FEWER, "llmgw_agent_config_extra": AGENT_EXTRA, **broken})
+        after = {"agent": agent_pid(root), "server": server_pid(root), "files": installed(root)}
+        out[document] = {"run": run, "before": before, "after": after}
+    return out
+
+
+def declare_weights_that_do_not_exist(root: Path, extravars: dict) -> dict:
+    """site.yml with one more deployment, of a model whose weights are a path that does not
+    exist, and a short wait: the last play fails saying which deployment and why."""
+    models = LOCAL_SERVER["models"] + [{"name": "missing-weights", "source": MISSING_WEIGHTS, "size_bytes": 1000000}]
+    deployments = FEWER + [{"model": "missing-weights", "profile": "vllm-tp1", "replicas": 1}]
+    started = time.monotonic()
+    run = run_playbook(SITE, root / "runs", inventory=INVENTORY, extravars={
+        **extravars, "llmgw_models": models, "llmgw_deployments": deployments,
+        "llmgw_agent_config_extra": AGENT_EXTRA, "llmgw_verify_retries": 15, "llmgw_verify_delay": 1})
+    return {"run": run, "seconds": time.monotonic() - started}
 
 
 def test_check_mode_on_a_fresh_machine_changes_nothing(site):
@@ -201,6 +267,21 @@ def test_check_mode_on_a_fresh_machine_changes_nothing(site):
     assert run.rc == 0, run.explain()
     assert run.changed() > 0
     assert site["wrote-in-check"] == []
+
+
+def test_check_mode_says_so_when_it_builds_the_wheel_on_the_controller(site):
+    """The wheel is built in check mode too (the hosts' copy is compared with it); a
+    build that leaves a new wheel on the controller is reported as a change, and one
+    that leaves the same wheel is not."""
+    assert site["wheels-after-check"], "check mode built no wheel"
+    def build(run):  # built once per run, by the first play that installs the runtime
+        (report,) = [r for r in run.task("Report whether the build replaced the earlier one") if r.status != "skipped"]
+        return report
+
+    assert build(site["check-fresh"]).changed, build(site["check-fresh"]).res
+    for name in ("apply-again", "check-again"):
+        again = build(site[name])
+        assert again.status == "ok" and not again.changed, (name, again.res)
 
 
 def test_site_converges_and_the_fleet_serves(site):
@@ -240,6 +321,26 @@ def test_upgrading_an_agent_does_not_interrupt_serving(site):
     assert ready.status == "ok"
 
 
+def test_the_control_plane_is_upgraded_last_and_says_whether_the_router_is_interrupted(site):
+    run = site["upgrade"]["run"]
+    hosts = [r.host for r in run.results if r.task == "Record whether the package changed"]
+    assert hosts == ["local-gpu0", "local-cp"], hosts  # agents first, the control plane last
+    (plan,) = run.task("Say what this run upgrades")
+    assert "Agents (local-gpu0)" in plan.res["msg"] and "Control plane (local-cp): last" in plan.res["msg"], plan.res
+    assert "refuses connections" in plan.res["msg"]
+    (warning,) = run.task("Warn that the router is about to be interrupted", "local-cp")
+    assert "not restarted, the router is not interrupted" in warning.res["msg"], warning.res  # same package
+    assert not run.task("Restart llmgw-server (plain process)")
+
+
+def test_an_upgrade_limited_to_the_agents_leaves_the_control_plane_alone(site):
+    run = site["upgrade-agents-only"]
+    assert run.rc == 0, run.explain()
+    assert sorted({r.host for r in run.results}) == ["local-gpu0"], sorted({r.host for r in run.results})
+    (plan,) = run.task("Say what this run upgrades")
+    assert "Control plane: not in this run" in plan.res["msg"], plan.res
+
+
 def test_a_catalog_change_reloads_the_running_control_plane(site):
     change = site["catalog"]
     run = change["run"]
@@ -250,3 +351,56 @@ def test_a_catalog_change_reloads_the_running_control_plane(site):
     assert reload.res["action"] == "reloaded"
     assert change["server_after"] == change["server_before"]  # signalled, not restarted
     assert len(change["small_replicas"]) == 1, change["small_replicas"]  # and the new catalog is in force
+    assert change["agent_after"] == change["agent_before"]  # a catalog change is none of the agent's business
+
+
+def test_an_agent_yaml_change_restarts_the_agent_and_nothing_else(site):
+    change = site["agent-config"]
+    run, before, after = change["run"], change["before"], change["after"]
+    assert run.rc == 0, run.explain()
+    assert sorted(run.changed_tasks()) == [
+        "local-gpu0: Render agent.yaml", "local-gpu0: Restart llmgw-agent (plain process)"], run.explain()
+    (restart,) = run.task("Restart llmgw-agent (plain process)")
+    assert restart.res["action"] == "restarted", restart.res
+    assert after["agent"] != before["agent"]  # a new agent process reads the new agent.yaml ...
+    assert b"stall_timeout: 30" in after["files"]["agent.yaml"] and b"stall_timeout" not in before["files"]["agent.yaml"]
+    assert after["server"] == before["server"] and after["files"]["server.yaml"] == before["files"]["server.yaml"]
+    assert before["engines"] and after["engines"] == before["engines"]  # ... and adopts the running engines
+    (ready,) = run.task("Wait until every declared replica is Ready")
+    assert ready.status == "ok"
+
+
+@pytest.mark.parametrize("document, host, message", [
+    ("server.yaml", "local-cp", "/lifecycle/unreachable_after: must exceed keepalive_interval + heartbeat_interval"),
+    ("agent.yaml", "local-gpu0", "/fetch/backoff_max: must be >= backoff_initial (10)"),
+])
+def test_a_document_the_runtime_refuses_fails_at_its_template_and_leaves_the_installed_file(site, document, host, message):
+    change = site["invalid"][document]
+    run, before, after = change["run"], change["before"], change["after"]
+    assert run.rc != 0, run.explain()
+    # Preflight (JSON Schema) let it through: what refuses it is the template's `validate:`.
+    assert [r.status for r in run.task("Refuse an invalid declared fleet")] == ["ok", "ok"], run.explain()
+    (render,) = run.task(f"Render {document}", host)
+    assert render.status == "failed", render.res
+    assert render.res["msg"] == "failed to validate", render.res
+    assert message in render.res["stderr"], render.res  # the runtime's own words, with the JSON pointer
+    assert message in run.stdout, run.explain()  # as the operator sees it
+    # Nothing was replaced, reloaded or restarted.
+    assert after["files"] == before["files"]
+    assert after["server"] == before["server"] and after["agent"] == before["agent"]
+    assert run.changed_tasks() == [], run.explain()
+    assert not [r for r in run.results if r.task.startswith(("Reload llmgw", "Restart llmgw"))], run.explain()
+
+
+def test_a_deployment_that_cannot_start_fails_the_last_play_naming_it_and_why(site):
+    change = site["unready"]
+    run = change["run"]
+    assert run.rc != 0, run.explain()
+    (report,) = run.task("Report what is not Ready")
+    assert report.status == "failed", report.res
+    message = report.res["msg"]
+    assert "the fleet did not reach its declared replicas in time" in message, message
+    assert "Short: missing-weights/vllm-tp1: 0 of 1 Ready." in message, message  # that deployment alone ...
+    assert f"{MISSING_WEIGHTS} does not exist" in message, message  # ... and why (the shard's reason)
+    assert not run.task("Send one chat completion through the router")
+    assert change["seconds"] < 180, change["seconds"]
