@@ -65,46 +65,38 @@ def document_errors(doc: Any) -> list[ConfigError]:
 
 
 def _gpu_errors(doc: Mapping[str, Any]) -> list[ConfigError]:
-    errors: list[ConfigError] = []
-    first: dict[int, int] = {}
-    for i, g in enumerate(doc.get("gpus", ())):
-        idx = g["index"]
-        if idx in first:
-            errors.append(ConfigError(f"/gpus/{i}/index", f"duplicate GPU index {idx} (also /gpus/{first[idx]})"))
-        else:
-            first[idx] = i
-    for i, g in enumerate(doc.get("gpus", ())):
+    gpus = doc.get("gpus", ())
+    errors = _duplicates(gpus, "index", "/gpus", "GPU index")
+    indices = {g["index"] for g in gpus}
+    for i, g in enumerate(gpus):
         for j, peer in enumerate(g.get("nvlink_peers", ())):
             where = f"/gpus/{i}/nvlink_peers/{j}"
             if peer == g["index"]:
                 errors.append(ConfigError(where, f"GPU {peer} cannot be its own NVLink peer"))
-            elif peer not in first:
+            elif peer not in indices:
                 errors.append(ConfigError(where, f"no GPU with index {peer} in this file"))
-        pids: dict[int, int] = {}
-        for j, proc in enumerate(g.get("processes") or ()):
-            if proc["pid"] in pids:
-                errors.append(ConfigError(f"/gpus/{i}/processes/{j}/pid",
-                                          f"duplicate pid {proc['pid']} (also /gpus/{i}/processes/{pids[proc['pid']]})"))
-            else:
-                pids[proc["pid"]] = j
+        errors += _duplicates(g.get("processes") or (), "pid", f"/gpus/{i}/processes", "pid")
     return errors
 
 
 def _hca_errors(doc: Mapping[str, Any]) -> list[ConfigError]:
+    hcas = doc.get("hcas", ())
+    errors = _duplicates(hcas, "name", "/hcas", "adapter")
+    for i, h in enumerate(hcas):
+        errors += _duplicates(h.get("ports", ()), "port", f"/hcas/{i}/ports", "port")
+    return errors
+
+
+def _duplicates(items: Any, key: str, pointer: str, what: str) -> list[ConfigError]:
+    """An error at each item whose ``key`` an earlier item of ``items`` already has."""
     errors: list[ConfigError] = []
-    seen_hca: dict[str, int] = {}
-    for i, h in enumerate(doc.get("hcas", ())):
-        if h["name"] in seen_hca:
-            errors.append(ConfigError(f"/hcas/{i}/name", f"duplicate adapter {h['name']!r} (also /hcas/{seen_hca[h['name']]})"))
+    first: dict[Any, int] = {}
+    for j, item in enumerate(items):
+        value = item[key]
+        if value in first:
+            errors.append(ConfigError(f"{pointer}/{j}/{key}", f"duplicate {what} {value!r} (also {pointer}/{first[value]})"))
         else:
-            seen_hca[h["name"]] = i
-        ports: dict[int, int] = {}
-        for j, p in enumerate(h.get("ports", ())):
-            if p["port"] in ports:
-                errors.append(ConfigError(f"/hcas/{i}/ports/{j}/port",
-                                          f"duplicate port {p['port']} (also /hcas/{i}/ports/{ports[p['port']]})"))
-            else:
-                ports[p["port"]] = j
+            first[value] = j
     return errors
 
 
