@@ -8,6 +8,15 @@ latency percentiles.
 TTFT is measured to the first chunk that carries generated content, not to
 the role-only chunk engines send first, so proxies that hold that chunk back
 and those that do not are compared on the same event.
+
+``--warmup S``: the workers run for S seconds before anything is counted, so
+every client connection and every connection a proxy opens to its upstream
+exists before the measured window (otherwise the first wave of a 256-stream
+load measures TCP handshakes and listen-backlog overflow, whose 1 s SYN
+retransmit then dominates p99).  When the window opens the generator prints
+``warm`` on its own line, so a caller can start its CPU accounting at the same
+moment; counts and rates cover the window, latencies and TTFT the requests
+sent inside it.
 """
 
 from __future__ import annotations
@@ -75,7 +84,20 @@ async def main(args: argparse.Namespace) -> dict:
         await asyncio.gather(*(s.get(args.url.rstrip("/") + args.warm_path, headers=auth)
                                for _ in range(min(args.concurrency, 8))), return_exceptions=True)
         start = time.perf_counter()
-        deadline = start + args.duration
+        measured_from = start + args.warmup
+        deadline = measured_from + args.duration
+
+        def open_window() -> None:
+            # everything counted so far belongs to the warm-up
+            for k in counts:
+                counts[k] = 0
+            errors.clear()
+            print("warm", flush=True)
+
+        if args.warmup > 0:
+            loop.call_later(args.warmup, open_window)
+        else:
+            open_window()
 
         async def worker() -> None:
             nonlocal sent
@@ -107,9 +129,10 @@ async def main(args: argparse.Namespace) -> dict:
                     counts["requests"] += 1
                     if ok:
                         counts["ok"] += 1
-                        lat.append(time.perf_counter() - t0)
-                        if first is not None:
-                            ttft.append(first - t0)
+                        if t0 >= measured_from:
+                            lat.append(time.perf_counter() - t0)
+                            if first is not None:
+                                ttft.append(first - t0)
                     else:
                         errors[f"status_{r.status}"] = errors.get(f"status_{r.status}", 0) + 1
                 except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
@@ -117,9 +140,10 @@ async def main(args: argparse.Namespace) -> dict:
                     errors[type(e).__name__] = errors.get(type(e).__name__, 0) + 1
 
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
-        elapsed = time.perf_counter() - start
+        elapsed = time.perf_counter() - max(start, measured_from)
     return {
         "elapsed_s": elapsed,
+        "warmup_s": args.warmup,
         **counts,
         "errors": errors,
         "rps": counts["ok"] / elapsed,
@@ -144,7 +168,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--stream", action="store_true")
     p.add_argument("--max-tokens", type=int, default=1)
     p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--duration", type=float, default=8.0)
+    p.add_argument("--duration", type=float, default=8.0, help="measured seconds (after --warmup)")
+    p.add_argument("--warmup", type=float, default=0.0, help="unmeasured seconds of the same load first")
     p.add_argument("--max-requests", type=int, default=1_000_000)
     p.add_argument("--request-timeout", type=float, default=60.0)
     p.add_argument("--prefix-prompts", type=int, default=0, help="cycle through N shared system prompts")

@@ -28,11 +28,12 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -274,16 +275,19 @@ class Workload:
     duration: float
     what: str
     extra: list[str] = field(default_factory=list)
+    warmup: float = 0.0  # unmeasured seconds of the same load before the window (connections, pools)
 
 
 def workloads(quick: bool) -> list[Workload]:
     d = 3.0 if quick else 8.0
     return [
-        Workload("small-c16", "fast", False, 1, 16, d, "non-streaming, 1 token, 16 concurrent"),
-        Workload("small-c64", "fast", False, 1, 64, d, "non-streaming, 1 token, 64 concurrent"),
-        Workload("stream-64", "fast", True, 64, 16, d, "streaming, 64 chunks, no token delay, 16 concurrent"),
+        Workload("small-c16", "fast", False, 1, 16, d, "non-streaming, 1 token, 16 concurrent", warmup=1.0),
+        Workload("small-c64", "fast", False, 1, 64, d, "non-streaming, 1 token, 64 concurrent", warmup=1.0),
+        Workload("stream-64", "fast", True, 64, 16, d, "streaming, 64 chunks, no token delay, 16 concurrent",
+                 warmup=1.0),
+        # each stream lasts ~1 s: 3 s of warm-up are three generations of streams, every connection open
         Workload("stream-256x20ms", "slow", True, 50, 256, d + 2,
-                 "streaming, 256 concurrent streams, 20 ms/token, 50 tokens"),
+                 "streaming, 256 concurrent streams, 20 ms/token, 50 tokens", warmup=3.0),
     ]
 
 
@@ -293,18 +297,34 @@ def target_url(t: Target, w: Workload) -> str:
     return t.url
 
 
-def run_load(url: str, w: Workload, cpus: str | None, model: str | None = None, api_key: str = "bench") -> dict:
+def run_load(url: str, w: Workload, cpus: str | None, model: str | None = None, api_key: str = "bench",
+             on_warm: Callable[[], None] | None = None) -> dict:
+    """Run the load generator; ``on_warm`` is called when its measured window opens."""
     argv = [PY, str(HERE / "loadgen.py"), "--url", url, "--model", model or w.model, "--api-key", api_key,
-            "--max-tokens", str(w.max_tokens),
+            "--max-tokens", str(w.max_tokens), "--warmup", str(w.warmup),
             "--concurrency", str(w.concurrency), "--duration", str(w.duration), *w.extra]
     if w.stream:
         argv.append("--stream")
     if cpus:
         argv = ["taskset", "-c", cpus, *argv]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=w.duration + 180)
-    if out.returncode != 0:
-        raise RuntimeError(f"loadgen failed: {out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True)
+        killer = threading.Timer(w.warmup + w.duration + 180, proc.kill)  # a hung run ends as a failure
+        killer.start()
+        try:
+            lines = []
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                if line.strip() == "warm" and on_warm is not None:
+                    on_warm()
+                lines.append(line)
+            rc = proc.wait()
+        finally:
+            killer.cancel()
+        if rc != 0 or not lines:
+            err.seek(0)
+            raise RuntimeError(f"loadgen failed: {err.read()[-2000:].decode(errors='replace')}")
+    return json.loads(lines[-1])
 
 
 def warm(t: Target, cpus: str | None) -> None:
@@ -319,10 +339,15 @@ def warm(t: Target, cpus: str | None) -> None:
 def measure(t: Target, w: Workload, cpus: str | None) -> dict:
     url = target_url(t, w)
     pid = t.proc.proc.pid if t.proc else None
-    c0 = tree_cpu_s(pid) if pid else 0.0
-    res = run_load(url, w, cpus, api_key=t.api_key)
+    c0 = [0.0]
+
+    def window_opens() -> None:
+        if pid:
+            c0[0] = tree_cpu_s(pid)
+
+    res = run_load(url, w, cpus, api_key=t.api_key, on_warm=window_opens)
     c1 = tree_cpu_s(pid) if pid else 0.0
-    cpu = c1 - c0
+    cpu = c1 - c0[0]
     res["proxy_cpu_s"] = cpu if pid else None
     res["proxy_cpu_per_request_us"] = cpu / res["ok"] * 1e6 if pid and res["ok"] else None
     res["proxy_cpu_per_chunk_us"] = cpu / res["chunks"] * 1e6 if pid and res["chunks"] else None
@@ -421,15 +446,21 @@ def report(results: dict) -> str:
     L.append("")
     L.append("Targets: " + "; ".join(f"**{t['name']}**: {t['note']}" for t in results["targets"]))
     L.append("")
-    L.append("CPU is the proxy's whole process tree (utime+stime from /proc/<pid>/stat, children included) over the "
-             "run; per request = CPU / completed requests, per chunk = CPU / SSE events relayed.")
+    L.append("Each measurement starts with a warm-up of the same load (1 s; 3 s for stream-256x20ms) that is not "
+             "counted, so every client connection and every connection a proxy keeps to its upstream is open "
+             "before the window: without it the first wave of 256 streams measures TCP handshakes and "
+             "listen-backlog overflow (a dropped SYN costs 1 s), which dominated TTFT p99 for every proxy. "
+             "CPU is the proxy's whole process tree (utime+stime from /proc/<pid>/stat, children included) over the "
+             "measured window; per request = CPU / requests completed in it, per chunk = CPU / SSE events relayed "
+             "in it; TTFT and latency cover the requests sent in it.")
     L.append("")
     L.append("Reading the numbers: on a machine this small every process competes for the same cores, so throughput "
              "and latency columns move with the scheduler from run to run; the CPU columns are the comparison that "
              "survives contention. The aiohttp-bare row is the thinnest relay on aiohttp's ordinary read/write "
              "path; the llmgw rows add the router's own work (keys, routing, retries, SSE event boundaries, "
              "watchdogs, metrics) but talk to engines with their own HTTP/1.1 client and relay committed streams "
-             "from the upstream connection's read callback, below that path, so per chunk they can come in under it. In stream-64 the simulator writes without delay, so several events arrive per "
+             "from the upstream connection's read callback, below that path, so per chunk they can come in under it. "
+             "In stream-64 the simulator writes without delay, so several events arrive per "
              "read and the per-chunk cost is lower for every proxy than with real token spacing (stream-256x20ms).")
     L.append("")
     names = [t["name"] for t in results["targets"]]
