@@ -102,7 +102,10 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("explain", help="show where each declared replica goes, or why not")
+    p = subparsers.add_parser(
+        "explain", help="show where each declared replica goes, or why not",
+        epilog="exit status: 0 when every replica shown is placed, 3 when one or more cannot be "
+               "(scripts and Ansible can tell 'will not fit' from an error, which exits 1)")
     p.add_argument("model", nargs="?", help="only this model (name or served name)")
     p.add_argument("--config", help="server.yaml (offline mode, with --hardware)")
     p.add_argument("--hardware", nargs="*", default=[], metavar="FILE", help="hardware files (offline mode)")
