@@ -355,21 +355,21 @@ def measure(t: Target, w: Workload, cpus: str | None) -> dict:
     return res
 
 
-def measure_repeated(t: Target, w: Workload, cpus: str | None, n: int) -> dict:
-    """Measure ``n`` times; keep the median run by CPU, and every run's CPU figure to show the spread.
+def median_run(runs: list[dict], w: Workload) -> dict:
+    """The median run by CPU (per chunk for streams, per request otherwise), with every run's figure.
 
     On a small shared machine one run's CPU per chunk moves by several percent; a change to
     the relay is only believable when it moves the number by more than the runs disagree.
     """
-    if n <= 1:
-        return measure(t, w, cpus)
-    runs = [measure(t, w, cpus) for _ in range(n)]
-    key = "proxy_cpu_per_chunk_us" if w.stream else "proxy_cpu_per_request_us"
-    if runs[0].get(key) is None:
+    good = [r for r in runs if "error" not in r]
+    if not good:
         return runs[0]
-    runs.sort(key=lambda r: r[key])
-    med = dict(runs[len(runs) // 2])
-    med["repeats"] = [r[key] for r in runs]
+    key = "proxy_cpu_per_chunk_us" if w.stream else "proxy_cpu_per_request_us"
+    if len(good) == 1 or good[0].get(key) is None:
+        return good[0]
+    good.sort(key=lambda r: r[key])
+    med = dict(good[len(good) // 2])
+    med["repeats"] = [r[key] for r in good]
     return med
 
 
@@ -452,7 +452,9 @@ def report(results: dict) -> str:
              "listen-backlog overflow (a dropped SYN costs 1 s), which dominated TTFT p99 for every proxy. "
              "CPU is the proxy's whole process tree (utime+stime from /proc/<pid>/stat, children included) over the "
              "measured window; per request = CPU / requests completed in it, per chunk = CPU / SSE events relayed "
-             "in it; TTFT and latency cover the requests sent in it.")
+             "in it; TTFT and latency cover the requests sent in it. Every target stays up for the whole run and "
+             "each workload's repeats go round the targets in turn, so figures compared with each other are "
+             "measured close together.")
     L.append("")
     L.append("Reading the numbers: on a machine this small every process competes for the same cores, so throughput "
              "and latency columns move with the scheduler from run to run; the CPU columns are the comparison that "
@@ -605,9 +607,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default="",
                     help="comma-separated workloads to run (e.g. stream-64,stream-256x20ms); default all")
     ap.add_argument("--repeat", type=int, default=1,
-                    help="measure each workload N times per target (to see the noise); the report keeps the "
-                         "median run by CPU per chunk (per request for non-streaming; of two, the higher) and "
-                         "lists every run's figure")
+                    help="measure each workload N times per target, the targets taken in turn each round (to see "
+                         "the noise); the report keeps the median run by CPU per chunk (per request for "
+                         "non-streaming; of two, the higher) and lists every run's figure")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "router"))
     ap.add_argument("--report-only", metavar="JSON", help="rebuild the .md (and checks) from an earlier .json")
     ap.add_argument("--pin", action="store_true",
@@ -663,26 +665,39 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"unknown workload(s): {', '.join(sorted(unknown))}")
             wls = [w for w in wls if w.name in wanted]
         results["workloads"] = [w.__dict__ for w in wls]
-        for name, start in starters:
-            if name in skip:
-                continue
-            print(f"[{time.monotonic() - t_start:6.1f}s] starting {name}", flush=True)
-            try:
-                t = start()
-            except Exception as e:  # noqa: BLE001 - a target that cannot start is reported, not fatal
-                results["notes"].append(f"{name} could not be started: {e}".splitlines()[0])
-                continue
-            results["targets"].append({"name": t.name, "note": t.note})
-            try:
+        # Every target is started first and stays up; each workload's repeats then go round the
+        # targets (A B C, A B C, ...), so a target's figure and the one it is compared with are
+        # measured minutes apart at most, not a whole target's run apart: on a shared machine the
+        # same process's CPU per chunk drifts by more than the differences being judged.
+        running: list[Target] = []
+        try:
+            for name, start in starters:
+                if name in skip:
+                    continue
+                print(f"[{time.monotonic() - t_start:6.1f}s] starting {name}", flush=True)
+                try:
+                    t = start()
+                except Exception as e:  # noqa: BLE001 - a target that cannot start is reported, not fatal
+                    results["notes"].append(f"{name} could not be started: {e}".splitlines()[0])
+                    continue
+                results["targets"].append({"name": t.name, "note": t.note})
+                running.append(t)
+            for t in running:
                 warm(t, cpus_up)
-                for w in wls:
-                    print(f"[{time.monotonic() - t_start:6.1f}s]   {name} / {w.name}", flush=True)
-                    try:
-                        results["runs"].setdefault(w.name, {})[name] = measure_repeated(t, w, cpus_up,
-                                                                                         args.repeat)
-                    except Exception as e:  # noqa: BLE001
-                        results["runs"].setdefault(w.name, {})[name] = {"error": str(e)}
-            finally:
+            for w in wls:
+                samples: dict[str, list[dict]] = {t.name: [] for t in running}
+                for rep in range(max(1, args.repeat)):
+                    for t in running:
+                        print(f"[{time.monotonic() - t_start:6.1f}s]   {w.name} / {t.name} "
+                              f"({rep + 1}/{max(1, args.repeat)})", flush=True)
+                        try:
+                            samples[t.name].append(measure(t, w, cpus_up))
+                        except Exception as e:  # noqa: BLE001
+                            samples[t.name].append({"error": str(e)})
+                for t in running:
+                    results["runs"].setdefault(w.name, {})[t.name] = median_run(samples[t.name], w)
+        finally:
+            for t in running:
                 if t.proc:
                     t.proc.stop()
         if "prefix" not in skip:
