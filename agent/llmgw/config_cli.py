@@ -48,6 +48,14 @@ def validate_file(path: str | Path, kind: str | None = None) -> list[ConfigError
         except ConfigInvalid as e:
             return list(e.errors)
         return []
+    if kind == "router":
+        from llmgw.router.settings import RouterSettings
+
+        try:
+            RouterSettings.from_config(doc, str(path))
+        except ConfigInvalid as e:
+            return list(e.errors)
+        return []
     if kind == "agent":
         from llmgw.settings import parse_agent_settings
 
