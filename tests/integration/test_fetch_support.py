@@ -32,6 +32,14 @@ LAST_MODIFIED = "Wed, 01 Jan 2025 00:00:00 GMT"
 
 
 @dataclass
+class Answer:
+    """One GET's response as the server wrote it: bytes handed to the socket, and whether its handler ended."""
+
+    sent: int = 0
+    finished: bool = False  # written whole, or abandoned when the client went away
+
+
+@dataclass
 class Served:
     data: bytes
     etag: str | None = None  # default: a strong ETag from the content
@@ -61,6 +69,7 @@ class Served:
     heads: int = 0
     sent: int = 0
     requests: list[dict[str, str]] = field(default_factory=list)
+    answers: list["Answer"] = field(default_factory=list)  # one per GET, in order
 
     def current_etag(self) -> str:
         return self.etag if self.etag is not None else '"' + hashlib.sha256(self.data).hexdigest()[:16] + '"'
@@ -160,6 +169,14 @@ class WeightsServer:
                                          "Content-Length": str(size)})
         s.gets += 1
         s.requests.append(dict(request.headers))
+        answer = Answer()
+        s.answers.append(answer)
+        try:
+            return await self._send(request, s, size, answer)
+        finally:
+            answer.finished = True
+
+    async def _send(self, request: web.Request, s: "Served", size: int, answer: "Answer") -> web.StreamResponse:
         headers = {"Accept-Ranges": "bytes", "ETag": s.current_etag()}
         if s.last_modified:
             headers["Last-Modified"] = s.last_modified
@@ -203,6 +220,7 @@ class WeightsServer:
                 writes += 1
                 s.sent += end - pos
                 sent_here += end - pos
+                answer.sent += end - pos
                 pos = end
             if s.pause_at is not None and pos == s.pause_at:
                 s.pause_at = None

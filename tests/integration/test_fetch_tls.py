@@ -158,6 +158,7 @@ def test_https_resume_after_the_fetcher_is_killed_sends_range_and_if_range(tmp_p
         assert served.gets == 2
         assert served.requests[1]["Range"] == f"bytes={point - 1}-"
         assert served.requests[1]["If-Range"] == served.current_etag()
+        until(lambda: served.answers[-1].finished, "the resumed answer's handler to end")  # its last count
         assert served.sent == size + 1  # resumed (one byte of overlap), not downloaded again
         assert ours(final.parent) == [naming.verified_name(final.name)]
 
@@ -171,6 +172,7 @@ def test_https_stall_is_retried_from_where_it_stopped_then_fails_with_a_readable
         assert done.get("path"), done
         assert Path(done["path"]).read_bytes() == data
         assert s.gets == 2 and s.requests[1]["Range"] == f"bytes={MIB - 1}-"
+        until(lambda: s.answers[-1].finished, "the resumed answer's handler to end")  # its last count
         assert s.sent == len(data) + 1  # resumed, not restarted
         notes = [m["note"] for m in done["progress"] if m.get("note")]
         assert any(n.startswith("stalled: no bytes for 0.5s at 1.0 MiB of 3.0 MiB") and "retry 1 of 2" in n
