@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import random
@@ -35,9 +36,14 @@ from typing import Any, Callable
 
 import httpx
 import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from llmgw.hardware.types import GPU, HardwareInventory
 from llmgw.tls import init_ca, issue_admin, issue_node, issue_server
+from llmgw.tls.ca import key_to_pem
 from llmgw.tls.context import client_context
 from llmgw.tls.files import write_pair
 
@@ -50,6 +56,26 @@ GIB = 1 << 30
 FAST_LIFECYCLE = {"heartbeat_interval": 0.5, "keepalive_interval": 1.0, "unreachable_after": 3.0,
                   "lost_after": 6.0, "startup_grace": 4.0, "max_unreachable_share": 0.55,
                   "replacements_per_minute": 30}
+
+
+
+def self_signed_node(node_id: str) -> tuple[bytes, bytes]:
+    """(certificate, key) PEM that look exactly like a node certificate but sign themselves."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "llmgw"),
+                      x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, "node"),
+                      x509.NameAttribute(NameOID.COMMON_NAME, node_id)])
+    now = dt.datetime.now(dt.timezone.utc)
+    ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+            .add_extension(ski, critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ski), critical=False)
+            .sign(key, hashes.SHA256()))
+    return cert.public_bytes(serialization.Encoding.PEM), key_to_pem(key)
 
 
 def until(pred: Callable[[], Any], what: str, timeout: float = WAIT,
@@ -304,6 +330,28 @@ class Fleet:
 
     def nodes(self) -> dict[str, dict[str, Any]]:
         return {n["node_id"]: n for n in self.get("/v1/nodes")["nodes"]}
+
+    def try_node(self, name: str) -> dict[str, Any] | None:
+        """Agent ``name``'s node as the API shows it; None while the API does not answer or lacks it."""
+        doc = self.try_get("/v1/nodes")
+        if doc is None:
+            return None
+        return next((n for n in doc["nodes"] if n["node_id"] == self.node_ids[name]), None)
+
+    def drop_stream(self, agent: "Proc") -> None:
+        """Freeze the control plane until ``agent``'s keepalive gives up on the stream, then thaw it.
+
+        The agent redials with its backoff and registers again, rediscovering
+        on the way: the test's way to make one agent reconnect without
+        restarting either process.
+        """
+        closed = agent.life_output().count("stream closed")
+        self.server.signal(signal.SIGSTOP)
+        try:
+            until(lambda: agent.life_output().count("stream closed") > closed,
+                  "the agent to drop the frozen control plane's stream", on_timeout=agent.output)
+        finally:
+            self.server.signal(signal.SIGCONT)
 
     def ready_replicas(self) -> list[dict[str, Any]]:
         doc = self.try_get("/v1/replicas")

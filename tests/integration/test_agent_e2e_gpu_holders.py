@@ -14,7 +14,6 @@ is advertised again and the replica keeps serving, untouched.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 from pathlib import Path
 
@@ -24,13 +23,6 @@ import yaml
 from fleet import GIB, Fleet, until
 
 pytestmark = pytest.mark.integration
-
-
-def node(f: Fleet) -> dict | None:
-    doc = f.try_get("/v1/nodes")
-    if doc is None:
-        return None
-    return next((n for n in doc["nodes"] if n["node_id"] == f.node_ids["a"]), None)
 
 
 def set_processes(path: Path, processes: dict[int, list[int]]) -> None:
@@ -55,7 +47,7 @@ def test_a_gpu_used_by_a_foreign_process_is_withheld_until_it_is_gone(tmp_path):
             (replica,) = f.wait_ready(1)
             (shard,) = replica["shards"]
             assert shard["gpus"] == [1], "placed on the GPU nobody else uses"
-            first = node(f)
+            first = f.try_node("a")
             assert first["gpus_total"] == 1 and [g["index"] for g in first["gpus"]] == [1]
             assert first["hardware"]["gpu_reason"] == (
                 f"GPU 0 withheld: in use by pid {foreign.pid} (sleep), not an llmgw engine")
@@ -69,16 +61,10 @@ def test_a_gpu_used_by_a_foreign_process_is_withheld_until_it_is_gone(tmp_path):
             engine_pid = shard["process"]["pid"]
             set_processes(hw, {1: [engine_pid]})
             regs = first["registrations"]
-            assert node(f)["gpus_total"] == 1, "nothing is re-read while the stream stays up"
+            assert f.try_node("a")["gpus_total"] == 1, "nothing is re-read while the stream stays up"
 
-            closed = agent.life_output().count("stream closed")
-            f.server.signal(signal.SIGSTOP)
-            try:
-                until(lambda: agent.life_output().count("stream closed") > closed,
-                      "the agent to drop the frozen control plane's stream", on_timeout=agent.output)
-            finally:
-                f.server.signal(signal.SIGCONT)
-            back = until(lambda: (n := node(f)) and n["connected"] and n["registrations"] > regs and n,
+            f.drop_stream(agent)
+            back = until(lambda: (n := f.try_node("a")) and n["connected"] and n["registrations"] > regs and n,
                          "the agent to register again", on_timeout=f.dump)
             assert back["gpus_total"] == 2 and "gpu_reason" not in back["hardware"], back["hardware"]
             assert {g["index"]: g["shard"] for g in back["gpus"]} == {0: None, 1: shard["shard_id"]}

@@ -19,17 +19,13 @@ from typing import Any
 
 import aiohttp
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from llmgw.tls import init_ca, issue_node, issue_server
-from llmgw.tls.ca import key_to_pem, utcnow
+from llmgw.tls.ca import utcnow
 from llmgw.tls.context import client_context
 from llmgw.tls.files import write_pair
 
-from fleet import Fleet, register_message, until
+from fleet import Fleet, register_message, self_signed_node, until
 
 pytestmark = pytest.mark.integration
 
@@ -157,24 +153,6 @@ def test_tls12_client_is_refused_by_the_server_itself(tmp_path):
         assert f.server.alive()
 
 
-def _self_signed(node_id: str) -> tuple[bytes, bytes]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "llmgw"),
-                      x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, "node"),
-                      x509.NameAttribute(NameOID.COMMON_NAME, node_id)])
-    now = dt.datetime.now(dt.timezone.utc)
-    ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-            .add_extension(ski, critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ski), critical=False)
-            .sign(key, hashes.SHA256()))
-    return cert.public_bytes(serialization.Encoding.PEM), key_to_pem(key)
-
-
 async def _try_register(f: Fleet, cert: tuple[Path, Path], node_id: str) -> dict[str, Any]:
     ctx = client_context(f.pki.ca_cert, *cert)
     try:
@@ -195,7 +173,7 @@ def test_each_refused_client_certificate_is_logged_with_its_reason(tmp_path):
         node = f"node-refused-{f.suffix}"
         other_ca = init_ca(tmp_path / "other-ca")
         cases = {  # what -> (certificate, the reason the log must give)
-            "self-signed": (write_pair(tmp_path / "self", *_self_signed(node)), r"self[- ]signed certificate"),
+            "self-signed": (write_pair(tmp_path / "self", *self_signed_node(node)), r"self[- ]signed certificate"),
             "other-ca": (write_pair(tmp_path / "other", *issue_node(other_ca, node)),
                          r"unable to get local issuer certificate|unknown ca|issuer"),
             "expired": (write_pair(tmp_path / "expired", *issue_node(f.pki.ca, node, days=1,

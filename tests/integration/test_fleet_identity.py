@@ -20,8 +20,6 @@ import pytest
 import yaml
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from llmgw.hardware.types import GPU, HardwareInventory
 from llmgw.tls import init_ca, issue_node, issue_server
@@ -30,7 +28,7 @@ from llmgw.tls.context import client_context
 from llmgw.tls.files import write_pair
 from llmgw.tls.issue import LeafRequest, build_leaf
 
-from fleet import ADMIN_TOKEN, GIB, Fleet, make_pki, until
+from fleet import ADMIN_TOKEN, GIB, Fleet, make_pki, self_signed_node, until
 
 pytestmark = pytest.mark.integration
 
@@ -65,24 +63,6 @@ def leaf(cp: Fleet, role: str, name: str, **kw: Any) -> tuple[bytes, bytes]:
     """A certificate from the fleet CA with any CN (bypassing issuing's id rules)."""
     key = generate_key()
     cert = build_leaf(cp.pki.ca, LeafRequest(role=role, name=name), key.public_key(), **kw)
-    return cert.public_bytes(serialization.Encoding.PEM), key_to_pem(key)
-
-
-def self_signed_node(node_id: str) -> tuple[bytes, bytes]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "llmgw"),
-                      x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, "node"),
-                      x509.NameAttribute(NameOID.COMMON_NAME, node_id)])
-    now = dt.datetime.now(dt.timezone.utc)
-    ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-            .add_extension(ski, critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ski), critical=False)
-            .sign(key, hashes.SHA256()))
     return cert.public_bytes(serialization.Encoding.PEM), key_to_pem(key)
 
 

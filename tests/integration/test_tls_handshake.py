@@ -26,15 +26,14 @@ import aiohttp
 import pytest
 from aiohttp import web
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from llmgw.tls.ca import init_ca, key_to_pem
+from llmgw.tls.ca import init_ca
 from llmgw.tls.context import client_context, server_context
 from llmgw.tls.files import write_pair
 from llmgw.tls.identity import IdentityError, check_admin_identity, check_node_identity, peer_identity
 from llmgw.tls.issue import issue_admin, issue_node, issue_server
+
+from fleet import self_signed_node
 
 pytestmark = pytest.mark.integration
 
@@ -42,35 +41,6 @@ TIMEOUT = 60.0  # generous: a loaded 2-core machine must not turn slowness into 
 
 
 # ------------------------------------------------------------------ PKI
-
-
-def self_signed_node(node_id: str) -> tuple[bytes, bytes]:
-    """A certificate that looks exactly like a node certificate but signs itself."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name(
-        [
-            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "llmgw"),
-            x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, "node"),
-            x509.NameAttribute(NameOID.COMMON_NAME, node_id),
-        ]
-    )
-    now = dt.datetime.now(dt.timezone.utc)
-    ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + dt.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-        .add_extension(ski, critical=False)
-        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ski), critical=False)
-        .sign(key, hashes.SHA256())
-    )
-    return cert.public_bytes(serialization.Encoding.PEM), key_to_pem(key)
 
 
 @pytest.fixture(scope="module")
