@@ -12,6 +12,7 @@ import yaml
 
 import llmgw.hardware as hardware
 from llmgw.config import ConfigInvalid, schema_errors
+from llmgw.hardware import infiniband
 from llmgw.hardware import nvml as nvml_mod
 from llmgw.hardware.discover import discover
 from llmgw.hardware.types import FabricDeclaration
@@ -38,8 +39,10 @@ class NoLibrary:
 
 @pytest.fixture(autouse=True)
 def _fresh_warnings():
+    infiniband._reset_logged()
     nvml_mod._reset_warnings()
     yield
+    infiniband._reset_logged()
     nvml_mod._reset_warnings()
 
 
@@ -101,3 +104,27 @@ def test_configuration_errors_raise(tmp_path):
     with pytest.raises(ConfigInvalid) as excinfo:
         discover("n", gpu_source="simulated", hardware_file=bad)
     assert {e.pointer for e in excinfo.value.errors} == {"/gpus/0"}
+
+
+# --- adapters found but in no declared fabric: logged on the node, once ---------------------
+
+
+def undeclared_lines(caplog):
+    return [r for r in caplog.records if "in no declared fabric" in r.getMessage()]
+
+
+def test_renamed_adapter_is_logged_once_naming_it(caplog):
+    caplog.set_level(logging.INFO, logger="llmgw.hardware")
+    inv = discover("gpu-01", sysfs_root=sysfs("renamed"), fabrics=[IB_A], nvml=NoLibrary())
+    assert inv.undeclared_hcas == ("mlx5_2",)
+    (record,) = undeclared_lines(caplog)
+    assert record.levelno == logging.INFO
+    assert "mlx5_2" in record.getMessage() and "fabric membership is configuration" in record.getMessage()
+    discover("gpu-01", sysfs_root=sysfs("renamed"), fabrics=[IB_A], nvml=NoLibrary())  # a reconnect rediscovers
+    assert len(undeclared_lines(caplog)) == 1
+
+
+def test_declared_adapters_are_not_logged_as_undeclared(caplog):
+    caplog.set_level(logging.INFO, logger="llmgw.hardware")
+    discover("gpu-01", sysfs_root=sysfs("healthy"), fabrics=[IB_A], nvml=NoLibrary())
+    assert undeclared_lines(caplog) == []
