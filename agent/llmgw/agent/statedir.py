@@ -23,13 +23,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import secrets
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote
 
 from llmgw.agent.procident import ProcessIdentity
+from llmgw.tls.files import fsync_dir, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -119,37 +119,6 @@ def _file_name(shard_id: str) -> str:
     return quote(shard_id, safe="")
 
 
-def write_atomic(path: Path, data: bytes, mode: int = PRIVATE_FILE) -> None:
-    """temp beside target (created with ``mode``) -> write -> fsync -> rename -> fsync dir."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
-    try:
-        try:
-            os.fchmod(fd, mode)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    fsync_dir(path.parent)
-
-
-def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class StateDir:
     """Shard records and engine logs under one directory (created 0700)."""
 
@@ -169,7 +138,7 @@ class StateDir:
 
     def write(self, record: ShardRecord) -> None:
         data = json.dumps(record.to_dict(), indent=1, sort_keys=True).encode()
-        write_atomic(self.record_path(record.shard_id), data)
+        write_atomic(self.record_path(record.shard_id), data, mode=PRIVATE_FILE)
 
     def remove(self, shard_id: str) -> None:
         try:

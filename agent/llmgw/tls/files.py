@@ -1,4 +1,4 @@
-"""Durable, permission-correct writes for keys and certificates.
+"""Durable, permission-correct writes: keys, certificates, the agent's shard records.
 
 A private key must never exist on disk, even for an instant, with a mode wider
 than 0600, and a reader must never see half a file. So every write goes to a

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from llmgw.agent.fetch import naming
 from llmgw.agent.fetch.resume import Meta
+from llmgw.tls.files import fsync_dir
 
 HASH_BLOCK = 8 << 20
 
@@ -25,14 +26,6 @@ def free_bytes(directory: Path) -> int:
     """Bytes an unprivileged writer may still use in ``directory``'s file system."""
     st = os.statvfs(directory)
     return st.f_bavail * st.f_frsize
-
-
-def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def promote(partial: Path, final: Path) -> None:
