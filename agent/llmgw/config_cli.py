@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Callable
 
 from llmgw.config import ConfigError, ConfigInvalid, read_yaml, schema_errors
 
@@ -40,27 +41,10 @@ def validate_file(path: str | Path, kind: str | None = None) -> list[ConfigError
     kind = kind or _guess_kind(path, doc)
     if kind is None:
         return [ConfigError("", f"cannot tell which kind of file this is; pass --kind ({'|'.join(KINDS)})")]
-    if kind == "server":
-        from llmgw.settings import parse_server_settings
-
+    parse = _parser(kind)
+    if parse is not None:
         try:
-            parse_server_settings(doc, str(path))
-        except ConfigInvalid as e:
-            return list(e.errors)
-        return []
-    if kind == "router":
-        from llmgw.router.settings import RouterSettings
-
-        try:
-            RouterSettings.from_config(doc, str(path))
-        except ConfigInvalid as e:
-            return list(e.errors)
-        return []
-    if kind == "agent":
-        from llmgw.settings import parse_agent_settings
-
-        try:
-            parse_agent_settings(doc, str(path))
+            parse(doc, str(path))
         except ConfigInvalid as e:
             return list(e.errors)
         return []
@@ -69,6 +53,23 @@ def validate_file(path: str | Path, kind: str | None = None) -> list[ConfigError
 
         return document_errors(doc)  # the same checks the agent and ctl explain apply
     return schema_errors(doc, kind)
+
+
+def _parser(kind: str) -> Callable[[object, str], object] | None:
+    """What the runtime loads a ``kind`` file with (schema and its own rules), imported late."""
+    if kind == "server":
+        from llmgw.settings import parse_server_settings
+
+        return parse_server_settings
+    if kind == "agent":
+        from llmgw.settings import parse_agent_settings
+
+        return parse_agent_settings
+    if kind == "router":
+        from llmgw.router.settings import RouterSettings
+
+        return RouterSettings.from_config
+    return None
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
