@@ -126,11 +126,15 @@ def make_pki(root: Path, hosts: tuple[str, ...] = ("localhost",), ips: tuple[str
 
 # ------------------------------------------------------------------ processes
 
-def hardware_file(path: Path, node_id: str, gpus: int) -> Path:
-    inv = HardwareInventory(node_id=node_id, gpu_source="simulated", gpus=tuple(
+def simulated_inventory(node_id: str, gpus: int) -> HardwareInventory:
+    """``gpus`` simulated 80 GiB GPUs, all NVLink peers of each other."""
+    return HardwareInventory(node_id=node_id, gpu_source="simulated", gpus=tuple(
         GPU(i, f"GPU-{node_id}-{i:02d}", "Simulated H100 80GB", 80 * GIB, f"00000000:{0x10 + i:02X}:00.0",
             nvlink_peers=tuple(j for j in range(gpus) if j != i)) for i in range(gpus)))
-    path.write_text(yaml.safe_dump(inv.to_dict()))
+
+
+def hardware_file(path: Path, node_id: str, gpus: int) -> Path:
+    path.write_text(yaml.safe_dump(simulated_inventory(node_id, gpus).to_dict()))
     return path
 
 
@@ -445,17 +449,11 @@ def gpu_owners(doc: dict[str, Any]) -> dict[tuple[str, int], list[str]]:
 # ------------------------------------------------- helpers added for e2e tests
 # (additions only: nothing above changes behaviour)
 
-def fake_hardware(node_id: str, gpus: int = 1, memory_bytes: int = 80 * GIB) -> dict[str, Any]:
-    """A hardware document as an agent would report it, for hand-written stream clients."""
-    return HardwareInventory(node_id=node_id, gpu_source="simulated", gpus=tuple(
-        GPU(i, f"GPU-{node_id}-{i}", "Sim", memory_bytes, f"00000000:{0x30 + i:02X}:00.0",
-            nvlink_peers=tuple(j for j in range(gpus) if j != i)) for i in range(gpus))).to_dict()
-
-
 def register_message(node_id: str, gpus: int = 1, shards: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """A valid ``register`` for ``node_id`` reporting ``shards`` (none by default)."""
     return {"type": "register", "node_id": node_id, "agent_version": "test", "boot_id": "boot-test",
-            "address": "127.0.0.1", "hardware": fake_hardware(node_id, gpus), "shards": list(shards or [])}
+            "address": "127.0.0.1", "hardware": simulated_inventory(node_id, gpus).to_dict(),
+            "shards": list(shards or [])}
 
 
 def edit_agent_config(agent: Proc, change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:

@@ -21,14 +21,13 @@ import yaml
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 
-from llmgw.hardware.types import GPU, HardwareInventory
 from llmgw.tls import init_ca, issue_node, issue_server
 from llmgw.tls.ca import generate_key, key_to_pem, utcnow
 from llmgw.tls.context import client_context
 from llmgw.tls.files import write_pair
 from llmgw.tls.issue import LeafRequest, build_leaf
 
-from fleet import ADMIN_TOKEN, GIB, Fleet, make_pki, self_signed_node, until
+from fleet import ADMIN_TOKEN, Fleet, make_pki, register_message, self_signed_node, until
 
 pytestmark = pytest.mark.integration
 
@@ -44,15 +43,8 @@ def cp(tmp_path_factory):
     f.close()
 
 
-def hardware(node_id: str, gpus: int = 2) -> dict[str, Any]:
-    return HardwareInventory(node_id=node_id, gpu_source="simulated", gpus=tuple(
-        GPU(i, f"GPU-{node_id}-{i}", "Sim", 80 * GIB, f"00000000:{0x20 + i:02X}:00.0",
-            nvlink_peers=tuple(j for j in range(gpus) if j != i)) for i in range(gpus))).to_dict()
-
-
 def register(node_id: str) -> dict[str, Any]:
-    return {"type": "register", "node_id": node_id, "agent_version": "test", "boot_id": "boot-test",
-            "address": "127.0.0.1", "hardware": hardware(node_id), "shards": []}
+    return register_message(node_id, gpus=2)
 
 
 def write(path: Path, cert: bytes, key: bytes) -> tuple[Path, Path]:
