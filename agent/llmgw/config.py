@@ -147,6 +147,10 @@ def schema_errors(doc: Any, schema_name: str, definition: str | None = None) -> 
                 known = leaf.schema.get("properties", {})
                 for key in sorted(set(leaf.instance) - set(known)):
                     errors.add(ConfigError(f"{pointer}/{key}", f"unknown key; allowed: {', '.join(sorted(known))}"))
+            elif "propertyNames" in leaf.schema_path and isinstance(leaf.instance, str):
+                # jsonschema reports a badly named key at the object holding it; point at the key.
+                errors.add(ConfigError(f"{pointer}/{leaf.instance.replace('~', '~0').replace('/', '~1')}",
+                                       _describe(leaf)))
             else:
                 errors.add(ConfigError(pointer, _describe(leaf)))
     return sorted(errors)

@@ -16,7 +16,6 @@ from typing import Any, Callable, Sequence
 from llmgw.catalog import Catalog
 from llmgw.config import ConfigError, ConfigInvalid, read_yaml, schema_errors
 from llmgw.engines import ProfileError, validate_profile
-from llmgw.engines.base import pointer_token
 from llmgw.hardware.types import FabricDeclaration
 
 
@@ -136,28 +135,6 @@ def _run_checks(doc: Any, schema: Sequence[ConfigError],
     return errors
 
 
-def _point_at_bad_names(doc: Any, errors: list[ConfigError]) -> list[ConfigError]:
-    """Move a ``propertyNames`` error from the object to the offending key.
-
-    jsonschema reports a key that fails ``propertyNames`` (``env: {1X: ...}``)
-    at the object holding it; the operator wants ``/profiles/0/env/1X``.
-    """
-    out = []
-    for e in errors:
-        target: Any = doc
-        try:
-            for part in e.pointer.split("/")[1:]:
-                part = part.replace("~1", "/").replace("~0", "~")
-                target = target[int(part)] if isinstance(target, list) else target[part]
-        except (KeyError, IndexError, ValueError, TypeError):
-            target = None
-        bad = [k for k in target if e.message.startswith(f"{k!r} does not match ")] if isinstance(target, dict) else []
-        if len(bad) == 1:
-            e = ConfigError(f"{e.pointer}/{pointer_token(bad[0])}", e.message)
-        out.append(e)
-    return out
-
-
 def _lifecycle_errors(doc: dict[str, Any]) -> list[ConfigError]:
     errors: list[ConfigError] = []
     lc = {**Lifecycle().__dict__, **doc.get("lifecycle", {})}
@@ -263,7 +240,7 @@ def _server_semantic_errors(doc: Any, schema: Sequence[ConfigError] = ()) -> lis
 
 
 def parse_server_settings(doc: Any, source: str = "server.yaml") -> ServerSettings:
-    schema = _point_at_bad_names(doc, schema_errors(doc, "server"))
+    schema = schema_errors(doc, "server")
     errors = schema + _server_semantic_errors(doc, schema)
     if errors:
         raise ConfigInvalid(source, errors)
@@ -342,7 +319,7 @@ def _agent_semantic_errors(doc: Any, schema: Sequence[ConfigError] = ()) -> list
 
 
 def parse_agent_settings(doc: Any, source: str = "agent.yaml") -> AgentSettings:
-    schema = _point_at_bad_names(doc, schema_errors(doc, "agent"))
+    schema = schema_errors(doc, "agent")
     errors = schema + _agent_semantic_errors(doc, schema)
     if errors:
         raise ConfigInvalid(source, errors)
