@@ -40,7 +40,13 @@ BAD_SERVER = {
 }
 ORIGINS = {"/api/listen/port": "llmgw_api_port", "/profiles": "llmgw_profiles", "/deployments": "llmgw_deployments", "/router": "llmgw_router"}
 
-CASES = _fixture_cases() + [
+# keys failing propertyNames: both sides point at the key, not the object holding it
+BAD_ENV_NAMES = {"name": "bad-env-names", "schema": "server", "document": {
+    "api": {"listen": {"port": 8443}}, "models": [{"name": "m", "source": "/m"}],
+    "profiles": [{"name": "p", "engine": "vllm", "env": {"9LIVES": "x", "a/b~c": "y", "OK": "z"}}],
+    "deployments": [{"model": "m", "profile": "p", "replicas": 1}]}}
+
+CASES = _fixture_cases() + [BAD_ENV_NAMES] + [
     {"name": "bad-server", "schema": "server", "document": BAD_SERVER, "origins": ORIGINS},
     {"name": "not-a-mapping", "schema": "agent", "document": ["node_id"]},
     {"name": "unknown-schema", "schema": "servr", "document": {}},
@@ -67,7 +73,7 @@ def test_never_changes_anything(runs, index):
     assert runs[index].changed() == 0, runs[index].explain()
 
 
-@pytest.mark.parametrize("case", _fixture_cases(), ids=lambda c: c["name"])
+@pytest.mark.parametrize("case", _fixture_cases() + [BAD_ENV_NAMES], ids=lambda c: c["name"])
 def test_same_errors_as_the_runtime(runs, case):
     expected = [{"pointer": e.pointer, "message": e.message} for e in schema_errors(case["document"], case["schema"])]
     for run in runs:

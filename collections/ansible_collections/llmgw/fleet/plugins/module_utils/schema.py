@@ -105,6 +105,10 @@ def document_errors(validator, document):
                 known = leaf.schema.get("properties", {})
                 for key in sorted(set(leaf.instance) - set(known)):
                     found.add(("%s/%s" % (where, key), "unknown key; allowed: %s" % ", ".join(sorted(known))))
+            elif "propertyNames" in leaf.schema_path and isinstance(leaf.instance, str):
+                # reported at the object holding the key; point at the key, as the runtime does
+                key = leaf.instance.replace("~", "~0").replace("/", "~1")
+                found.add(("%s/%s" % (where, key), _describe(leaf)))
             else:
                 found.add((where, _describe(leaf)))
     return [{"pointer": p, "message": m} for p, m in sorted(found)]
