@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
+import time
 
 import openai
 import pytest
+import yaml
 
-from test_router_support import (Blackhole, CountingServer, RouterProcess, closed_port, openai_client, router_doc,
-                                 start_sims, wait_for)
+from test_router_support import (Blackhole, CountingServer, RouterProcess, SSEServer, closed_port, openai_client,
+                                 router_doc, start_sims, wait_for)
 
 pytestmark = pytest.mark.integration
 
@@ -251,3 +255,95 @@ def test_blackholed_endpoint_does_not_hold_up_healthy_ones(tmp_path):
         hole.close()
         for s in sims:
             s.stop()
+
+
+ROLE = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n'
+
+
+def sse_token(text: str) -> bytes:
+    return b'data: {"choices":[{"index":0,"delta":{"content":"%s"},"finish_reason":null}]}\n\n' % text.encode()
+
+
+def test_impatient_clients_do_not_keep_a_hung_engine_in_rotation(tmp_path):
+    # clients give up (0.5 s) long before the first-token timeout (1.5 s): the router still waits
+    # for the hung engine's verdict, so the engine is found out and ejected all the same
+    hung, healthy = start_sims(2, envs=[{"LLMGW_SIM_FAULT": "hang"}, {"LLMGW_SIM_OUTPUT_TOKENS": "4"}])
+    try:
+        doc = router_doc(endpoints([("hung", hung.url), ("healthy", healthy.url)]),
+                         timeouts={"first_token": 1.5, "per_try": 3},
+                         outlier={"consecutive_errors": 2, "base_ejection": 300, "max_ejection": 300})
+        with RouterProcess(doc, tmp=tmp_path) as r:
+            impatient = openai_client(r, timeout=0.5)
+            gave_up = 0
+            deadline = time.monotonic() + 30
+            while not r.metric("llmgw_router_ejections_total", endpoint="hung"):
+                assert time.monotonic() < deadline, "the hung engine was never ejected"
+                pieces, err = stream_text(impatient, max_tokens=4)
+                if err is not None:
+                    assert isinstance(err, openai.APITimeoutError)
+                    gave_up += 1
+                else:
+                    assert pieces == TOKENS[:4]
+            assert gave_up >= 2 and hung.health_status() == 200
+            assert r.metric("llmgw_router_upstream_attempts_total", endpoint="hung",
+                            outcome="first_token_timeout") == 2
+            assert r.metric("llmgw_router_upstream_attempts_total", endpoint="hung", outcome="cancelled") == 0
+            before = r.metric("llmgw_router_upstream_attempts_total", endpoint="hung")
+            for _ in range(10):
+                assert stream_text(impatient, max_tokens=4) == (TOKENS[:4], None)
+            assert r.metric("llmgw_router_upstream_attempts_total", endpoint="hung") == before
+    finally:
+        hung.stop()
+        healthy.stop()
+
+
+def test_sse_comments_do_not_keep_a_stalled_stream_alive(tmp_path):
+    # one token, then only keep-alive comments for 20 s: the inter-token watchdog must cut it
+    engine = SSEServer([(0, ROLE), (0, sse_token("t0"))] + [(0.1, b": keepalive\n\n")] * 200)
+    try:
+        doc = router_doc(endpoints([("e", engine.url)]), timeouts={"inter_token": 1})
+        with RouterProcess(doc, tmp=tmp_path) as r:
+            t = time.monotonic()
+            pieces, err = stream_text(openai_client(r))
+            assert time.monotonic() - t < 10
+            assert pieces == ["t0"] and err is not None and err.body["code"] == "upstream_stream_stalled"
+            assert r.metric("llmgw_router_upstream_attempts_total", outcome="inter_token_timeout") == 1
+    finally:
+        engine.close()
+
+
+def test_done_before_any_output_is_not_a_successful_empty_completion(tmp_path):
+    empty = SSEServer([(0, ROLE), (0, b": ping\n\n"), (0, b"data: [DONE]\n\n")])
+    (sim,) = start_sims(1, env={"LLMGW_SIM_OUTPUT_TOKENS": "8"})
+    try:
+        with RouterProcess(router_doc(endpoints([("empty", empty.url)])), tmp=tmp_path) as r:
+            with pytest.raises(openai.APIStatusError) as ei:
+                for _ in openai_client(r).chat.completions.create(model="m", messages=MSG, stream=True):
+                    pass
+            assert ei.value.status_code == 502 and ei.value.body["code"] == "upstream_stream_broken"
+        doc = router_doc(endpoints([("empty", empty.url), ("ok", sim.url)]), retries={"budget_min": 100})
+        with RouterProcess(doc, tmp=tmp_path) as r:
+            c = openai_client(r)
+            for _ in range(40):  # until one request met the empty engine: retried, invisibly
+                assert stream_text(c) == (TOKENS[:8], None)
+                if r.metric("llmgw_router_retries_total", reason="broken"):
+                    break
+            assert r.metric("llmgw_router_retries_total", reason="broken") >= 1
+            assert r.metric("llmgw_router_upstream_attempts_total", endpoint="empty", outcome="broken") >= 1
+    finally:
+        empty.close()
+        sim.stop()
+
+
+def test_static_endpoint_with_an_invalid_port_is_a_config_error(tmp_path):
+    doc = router_doc(endpoints([("bad", "http://127.0.0.1:99999")]))
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text(yaml.safe_dump({"listen": {"host": "127.0.0.1", "port": 0}, **doc}))
+    run = subprocess.run([sys.executable, "-m", "llmgw.router", "--config", str(cfg)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert "/static_endpoints/0/url" in run.stderr + run.stdout and "99999" in run.stderr + run.stdout
+    assert "Traceback" not in run.stderr
+    check = subprocess.run([sys.executable, "-m", "llmgw", "config", "validate", "--kind", "router", str(cfg)],
+                           capture_output=True, text=True, timeout=120)
+    assert check.returncode == 1 and "/static_endpoints/0/url" in check.stderr

@@ -80,9 +80,13 @@ def test_api_keys(router):
         openai_client(router, "sk-wrong").chat.completions.create(model="m", messages=MSG)
     assert ei.value.body["code"] == "invalid_api_key"
     tenant = openai_client(router, "sk-tenant")
-    with pytest.raises(openai.PermissionDeniedError) as ei:
+    with pytest.raises(openai.NotFoundError) as ei:
         tenant.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
-    assert ei.value.body["code"] == "model_not_allowed"
+    assert ei.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError) as absent:
+        tenant.chat.completions.create(model="absent", messages=[{"role": "user", "content": "x"}])
+    # the same answer as for a model that does not exist: the key learns nothing about "m"
+    assert ei.value.body == dict(absent.value.body, message=absent.value.body["message"].replace("absent", "m"))
     assert [m.id for m in tenant.models.list()] == []
     st, _, body = post(router, "/v1/chat/completions", b'{"model":"m","messages":[]}', key="")
     assert st == 401 and json.loads(body)["error"]["type"] == "authentication_error"

@@ -5,6 +5,8 @@
 - ``Blackhole``: a socket that accepts connections and never answers.
 - ``CountingServer``: answers every request with a fixed HTTP status and counts them,
   so a test can compare what reached the engines with what the router claims.
+- ``SSEServer``: answers every request with a scripted event stream (comments, role-only
+  chunks, [DONE] where a real engine would not put it).
 - ``closed_port``: a loopback port with nothing listening (connection refused).
 - ``ControlPlane``: the watch API (``endpoints_watch_handler``) on mutual TLS with a
   throw-away fleet CA, in a background thread, for watch-mode routers.
@@ -243,6 +245,48 @@ class CountingServer(_ThreadServer):
                     self.count += 1
                 conn.sendall(b"HTTP/1.1 %d Failed\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
                              % (self.status, len(body), body))
+
+
+class SSEServer(_ThreadServer):
+    """HTTP/1.1 server answering every request with a scripted ``text/event-stream`` body.
+
+    ``script`` is a list of ``(delay_s, bytes)``: each piece is sent as one chunk after its delay;
+    the body then ends (chunked terminator) and the connection is closed.  Counts requests.
+    """
+
+    def __init__(self, script: list[tuple[float, bytes]]) -> None:
+        self.script = script
+        self.count = 0
+        super().__init__()
+
+    def handle(self, conn: socket.socket) -> None:
+        buf = b""
+        with conn:
+            try:
+                while b"\r\n\r\n" not in buf:
+                    data = conn.recv(65536)
+                    if not data:
+                        return
+                    buf += data
+                head, _, rest = buf.partition(b"\r\n\r\n")
+                m = re.search(rb"(?im)^content-length:\s*(\d+)", head)
+                need = int(m.group(1)) if m else 0
+                while len(rest) < need:
+                    data = conn.recv(65536)
+                    if not data:
+                        return
+                    rest += data
+                with self._lock:
+                    self.count += 1
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                             b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
+                for delay, piece in self.script:
+                    if delay:
+                        time.sleep(delay)
+                    conn.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+                conn.sendall(b"0\r\n\r\n")
+            except OSError:  # the router hung up
+                return
 
 
 class ControlPlane:

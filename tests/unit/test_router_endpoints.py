@@ -3,7 +3,7 @@ import threading
 
 import pytest
 
-from llmgw.router.endpoints import Endpoint, EndpointError, EndpointTable
+from llmgw.router.endpoints import Endpoint, EndpointError, EndpointTable, EndpointURLError
 
 
 def ep(i, model="m", **kw):
@@ -19,6 +19,15 @@ def test_endpoint_rejects_bad_fields_naming_them():
         Endpoint(id="a", model="m", url="http://h:1", max_concurrency=0)
     with pytest.raises(EndpointError, match="query"):
         Endpoint(id="a", model="m", url="http://h:1/?x=1")
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:99999", "http://h:-1", "http://h:port", "http://h:0"])
+def test_endpoint_with_an_unusable_port_is_rejected(url):
+    # urlsplit accepts these; its .port (what the connection pool uses) raises or is useless
+    with pytest.raises(EndpointURLError, match="url"):
+        Endpoint(id="a", model="m", url=url)
+    with pytest.raises(EndpointURLError, match="/static_endpoints/3"):
+        Endpoint.from_dict({"model": "m", "url": url}, where="/static_endpoints/3")
 
 
 def test_from_dict_defaults_id_and_round_trips():

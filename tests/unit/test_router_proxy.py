@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 
 import aiohttp
+import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -489,7 +491,8 @@ async def test_api_errors_are_openai_shaped():
         cases = [
             (await r.post(), 401, "invalid_api_key"),
             (await r.post(headers={"Authorization": "Bearer nope"}), 401, "invalid_api_key"),
-            (await r.post(headers={"Authorization": "Bearer sk-a"}), 403, "model_not_allowed"),
+            # a key not allowed the model hears exactly what an unknown model gets (no existence leak)
+            (await r.post(headers={"Authorization": "Bearer sk-a"}), 404, "model_not_found"),
             (await r.post(raw=b"{", headers=ok), 400, "invalid_json"),
             (await r.post(body={"messages": []}, headers=ok), 400, "missing_model"),
             (await r.post(body={"model": "zzz"}, headers=ok), 404, "model_not_found"),
@@ -607,3 +610,257 @@ async def test_client_leaving_before_done_is_still_a_cancellation():
         assert await r.metric("llmgw_router_requests_total", status="499") == 1
     never.set()
     await a.stop()
+
+
+# ------------------------------------------------ audit fixes (2026-12-03)
+
+async def _until(pred, timeout=10.0):
+    for _ in range(int(timeout / 0.01)):
+        if pred():
+            return
+        await asyncio.sleep(0.01)
+    assert pred()
+
+
+async def _abandon(r, after: float):
+    """A streaming client that gives up after ``after`` seconds."""
+    try:
+        await asyncio.wait_for(r.chat_stream(), after)
+    except asyncio.TimeoutError:
+        pass
+
+
+@pytest.mark.parametrize("sends_head", [False, True])
+@run
+async def test_impatient_clients_do_not_keep_a_hung_engine_in_rotation(sends_head):
+    never = asyncio.Event()
+
+    async def hung(request, body):
+        if sends_head:  # vLLM-like: the head and the role chunk, then nothing
+            return await stream(request, [ROLE], hold=never)
+        await never.wait()
+    a = await Engine(hung).start()
+    async with Router(eps(a), {"timeouts": {"first_token": 0.6},
+                               "outlier": {"consecutive_errors": 2, "base_ejection": 300,
+                                           "max_ejection": 300}}) as r:
+        rt = r.routing.runtimes()[0]
+        await _abandon(r, 0.2)
+        await _abandon(r, 0.2)
+        # the engine still works on them (as far as the router knows): their slots stay taken
+        await _until(lambda: len(r.app[PROXY_KEY]._verdicts) == 2)
+        assert rt.outstanding == 2
+        await _until(lambda: rt.outstanding == 0)
+        outcome = "first_token_timeout" if sends_head else "timeout"
+        assert await r.metric("llmgw_router_upstream_attempts_total", outcome=outcome) == 2
+        assert await r.metric("llmgw_router_upstream_attempts_total", outcome="cancelled") == 0
+        assert await r.metric("llmgw_router_ejections_total", endpoint="e0") == 1
+        st, _, body = await r.chat_stream()
+        assert st == 503 and json.loads(body)["error"]["code"] == "no_healthy_endpoint"
+        assert not r.app[PROXY_KEY]._verdicts
+    never.set()
+    await a.stop()
+
+
+@run
+async def test_client_leaving_before_the_first_token_of_a_slow_but_working_engine_is_not_a_failure():
+    async def slow(request, body):
+        return await stream(request, [ROLE, chunk(0), DONE], delay=0.3)
+    a = await Engine(slow).start()
+    async with Router(eps(a), {"timeouts": {"first_token": 5}, "outlier": {"consecutive_errors": 1}}) as r:
+        rt = r.routing.runtimes()[0]
+        await _abandon(r, 0.1)
+        await _until(lambda: len(r.app[PROXY_KEY]._verdicts) == 1)
+        assert rt.outstanding == 1  # held until the engine's first token shows it works
+        await _until(lambda: rt.outstanding == 0)
+        assert await r.metric("llmgw_router_upstream_attempts_total", outcome="cancelled") == 1
+        assert rt.health.consecutive_failures == 0 and not rt.health.ejections
+    await a.stop()
+
+
+@run
+async def test_shutdown_cancels_verdict_tasks_and_closes_their_connections():
+    never = asyncio.Event()
+    closed = asyncio.Event()
+
+    async def hung(request, body):
+        while request.transport is not None and not request.transport.is_closing():
+            await asyncio.sleep(0.02)  # never answers; notices when the router closes the connection
+        closed.set()
+        await never.wait()
+    a = await Engine(hung).start()
+    r = Router(eps(a), {"timeouts": {"first_token": 60, "per_try": 60}})
+    async with r:
+        await _abandon(r, 0.2)
+        proxy = r.app[PROXY_KEY]
+        await _until(lambda: len(proxy._verdicts) == 1)
+        t = asyncio.get_running_loop().time()
+    # (the Router context's exit ran the app's cleanup)
+    assert asyncio.get_running_loop().time() - t < 5
+    assert not proxy._verdicts
+    await asyncio.wait_for(closed.wait(), 5)
+    never.set()
+    await a.stop()
+
+
+@pytest.mark.parametrize("stream_req", [False, True])
+@run
+async def test_engine_429_always_has_retry_after_and_an_openai_body(stream_req):
+    async def plain_429(request, body):
+        return web.Response(status=429, text="Too Many Requests", content_type="text/plain")
+
+    async def json_429(request, body):
+        return web.Response(status=429, text='{"error":{"message":"busy","type":"x","param":null,"code":429}}',
+                            content_type="application/json", headers={"Retry-After": "7"})
+
+    async def bad_retry_after(request, body):
+        return web.Response(status=429, text='{"error":"busy"}', content_type="application/json",
+                            headers={"Retry-After": "soon"})
+    engines = [await Engine(b).start() for b in (plain_429, json_429, bad_retry_after)]
+    body = {"model": "m", "messages": [], "stream": stream_req}
+    for e, want_ra, want_code in [(engines[0], "1", "upstream_rate_limited"), (engines[1], "7", 429),
+                                  (engines[2], "1", None)]:
+        async with Router(eps(e)) as r:
+            st, hdrs, raw = await r.post(body=body)
+            assert st == 429 and hdrs["Retry-After"] == want_ra and hdrs["Content-Type"] == "application/json"
+            err = json.loads(raw)["error"]
+            if want_code is not None:
+                assert err["code"] == want_code
+            assert await r.metric("llmgw_router_errors_total", **{"class": "saturated"}) == 1
+    for e in engines:
+        await e.stop()
+
+
+@run
+async def test_unexpected_exception_is_an_openai_500_and_charges_the_attempt(caplog, monkeypatch):
+    a = await Engine(healthy()).start()
+    async with Router(eps(a)) as r:
+        rt = r.routing.runtimes()[0]
+
+        def broken_pool(self):
+            raise RuntimeError("bug in the pool")
+        monkeypatch.setattr(type(rt), "get_pool", broken_pool)
+        caplog.set_level(logging.ERROR, "llmgw.router")
+        st, hdrs, raw = await r.post(body={"model": "m", "messages": []}, headers={"X-Request-Id": "rid-42"})
+        assert st == 500 and hdrs["Content-Type"] == "application/json" and hdrs["X-Request-Id"] == "rid-42"
+        err = json.loads(raw)["error"]
+        assert err["code"] == "internal_error" and "rid-42" in err["message"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert len([x for x in caplog.records if x.exc_info]) == 1 and "Traceback" in caplog.text
+        assert await r.metric("llmgw_router_upstream_attempts_total", outcome="error") == 1
+        assert rt.health.consecutive_failures == 1
+        assert await r.metric("llmgw_router_errors_total", **{"class": "internal"}) == 1
+    await a.stop()
+
+
+@run
+async def test_total_deadline_spends_no_retry_and_is_not_the_engines_fault():
+    never = asyncio.Event()
+
+    async def hung(request, body):
+        await never.wait()
+    a, b = await Engine(hung).start(), await Engine(hung).start()
+    async with Router(eps(a, b), {"timeouts": {"total": 0.5, "per_try": 0.5, "first_token": 0.5}}) as r:
+        st, _, raw = await r.post(body={"model": "m", "messages": []})
+        assert st == 504
+        proxy = r.app[PROXY_KEY]
+        assert proxy.budget.total_retries == 0
+        assert await r.metric("llmgw_router_retries_total") == 0
+        assert [x.health.consecutive_failures for x in r.routing.runtimes()] == [0, 0]
+        assert await r.metric("llmgw_router_upstream_attempts_total") == 1
+    never.set()
+    await a.stop(); await b.stop()
+
+
+@pytest.mark.parametrize("splice", [True, False])
+@run
+async def test_sse_comments_do_not_feed_the_inter_token_watchdog(splice, monkeypatch):
+    if not splice:
+        from llmgw.router import proxy as proxy_mod
+        monkeypatch.setattr(proxy_mod.Splice, "attach", classmethod(lambda cls, *a, **kw: None))
+
+    async def keepalive(request, body):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(chunk(0))
+        try:
+            for _ in range(50):
+                await asyncio.sleep(0.1)
+                await resp.write(b": keepalive\n\n")
+        except (ConnectionError, RuntimeError):
+            pass
+        return resp
+    a = await Engine(keepalive).start()
+    async with Router(eps(a), {"timeouts": {"inter_token": 0.5}}) as r:
+        t = asyncio.get_running_loop().time()
+        st, _, body = await r.chat_stream()
+        assert asyncio.get_running_loop().time() - t < 2.5  # not the engine's 5 s of comments
+        assert st == 200 and error_event(body)["code"] == "upstream_stream_stalled"
+        assert await r.metric("llmgw_router_upstream_attempts_total", outcome="inter_token_timeout") == 1
+    await a.stop()
+
+
+@run
+async def test_done_before_any_output_is_a_broken_stream_and_retried():
+    async def empty(request, body):
+        return await stream(request, [ROLE, b": ping\n\n", DONE])
+    a = await Engine(empty).start()
+    b = await Engine(healthy(1)).start()
+    async with Router(eps(a)) as r:
+        st, _, raw = await r.chat_stream()
+        assert st == 502 and json.loads(raw)["error"]["code"] == "upstream_stream_broken"
+        assert await r.metric("llmgw_router_upstream_attempts_total", outcome="broken") == 1
+    async with Router(eps(a, b)) as r:
+        for _ in range(20):
+            st, _, raw = await r.chat_stream()
+            assert st == 200 and raw == ROLE + chunk(0) + DONE
+            if await r.metric("llmgw_router_retries_total", reason="broken"):
+                break
+        assert await r.metric("llmgw_router_retries_total", reason="broken") == 1
+    await a.stop(); await b.stop()
+
+
+@run
+async def test_gets_and_fallback_answers_are_access_logged_with_a_request_id(caplog):
+    a = await Engine(healthy()).start()
+    caplog.set_level(logging.INFO, "llmgw.router.access")
+    async with Router(eps(a), {"access_log": True}) as r:
+        for method, path, want in [("GET", "/v1/models", 200), ("GET", "/v1/models/m", 200),
+                                   ("GET", "/v1/models/zzz", 404), ("GET", "/nope", 404),
+                                   ("DELETE", "/v1/models", 405), ("GET", "/v1/chat/completions", 405)]:
+            rid = f"rid-{method}-{want}-{len(path)}"
+            async with r.http.request(method, r.url + path, headers={"X-Request-Id": rid}) as resp:
+                assert resp.status == want and resp.headers["X-Request-Id"] == rid
+            assert f'rid={rid} key=- "{method} {path}"' in caplog.text
+            assert f"status={want}" in caplog.text.split(f"rid={rid}")[1].splitlines()[0]
+        async with r.http.get(r.url + "/v1/models") as resp:
+            assert len(resp.headers["X-Request-Id"]) == 24
+        n = caplog.text.count("rid=")
+        async with r.http.get(r.url + "/healthz") as resp:
+            assert resp.status == 200
+        assert caplog.text.count("rid=") == n  # /healthz (and /metrics) stay out of the log
+    await a.stop()
+
+
+@run
+async def test_a_forbidden_model_is_indistinguishable_from_an_unknown_one():
+    a = await Engine(healthy()).start()
+    doc = {"allow_unauthenticated": False,
+           "api_keys": [{"name": "alice", "sha256": hash_key("sk-a"), "models": ["other"]}]}
+    async with Router(eps(a), doc) as r:
+        h = {"Authorization": "Bearer sk-a"}
+        st1, _, b1 = await r.post(body={"model": "m"}, headers=h)
+        st2, _, b2 = await r.post(body={"model": "q"}, headers=h)
+        assert st1 == st2 == 404
+        assert json.loads(b1) == {"error": {
+            "message": "The model `m` does not exist or you do not have access to it.",
+            "type": "invalid_request_error", "param": None, "code": "model_not_found"}}
+        assert b1.replace(b"`m`", b"`q`") == b2
+        for name in ("m", "q"):
+            async with r.http.get(r.url + f"/v1/models/{name}", headers=h) as resp:
+                assert resp.status == 404
+                assert (await resp.json())["error"]["message"] == \
+                    f"The model `{name}` does not exist or you do not have access to it."
+        assert await r.metric("llmgw_router_errors_total", **{"class": "forbidden"}) == 0
+        assert len(a.requests) == 0
+    await a.stop()
+

@@ -79,6 +79,22 @@ def test_cross_field_errors_are_all_reported():
         "/timeouts/per_try", "/outlier/base_ejection"}
 
 
+def test_static_endpoint_with_an_invalid_port_is_a_config_error_with_its_pointer(tmp_path):
+    doc = {"allow_unauthenticated": True,
+           "static_endpoints": [{"id": "ok", "model": "m", "url": "http://h:1"},
+                                {"id": "x", "model": "m", "url": "http://127.0.0.1:99999"}]}
+    with pytest.raises(ConfigInvalid) as ei:
+        RouterSettings.from_config(doc)
+    assert pointers(ei.value) == ["/static_endpoints/1/url"]
+    assert "99999" in str(ei.value)
+    # `llmgw config validate --kind router` reports it the same way
+    import yaml
+    from llmgw.config_cli import validate_file
+    path = tmp_path / "router.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert [e.pointer for e in validate_file(path, "router")] == ["/static_endpoints/1/url"]
+
+
 def test_server_schema_embeds_router_schema():
     errs = schema_errors({"router": {"retries": {"max_attempts": 9}}}, "server")
     assert any(e.pointer == "/router/retries/max_attempts" for e in errs)

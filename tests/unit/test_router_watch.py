@@ -128,7 +128,7 @@ async def test_client_ignores_a_malformed_answer():
     local = EndpointTable([ep(9)])
 
     async def garbage(request):
-        return web.json_response({"revision": 5, "endpoints": [{"model": "m", "url": "not a url"}]})
+        return web.json_response({"revision": 5, "endpoints": [{"model": "m"}]})  # no url at all
 
     async with ControlPlane(EndpointTable(), handler=garbage) as cp:
         task = asyncio.create_task(watch_endpoints(cp.url, None, None, local,
@@ -136,3 +136,15 @@ async def test_client_ignores_a_malformed_answer():
         await asyncio.sleep(0.5)
         task.cancel()
     assert [e.id for e in local.snapshot()[1]] == ["e9"] and local.revision == 0
+
+
+def test_endpoint_with_an_unusable_url_is_skipped_with_a_log_line(caplog):
+    caplog.set_level(logging.WARNING, "llmgw.router.watch")
+    good = ep(1).to_dict()
+    doc = {"revision": 4, "epoch": "e", "endpoints": [
+        {"id": "bad-port", "model": "m", "url": "http://127.0.0.1:99999"}, good,
+        {"id": "bad-scheme", "model": "m", "url": "not a url"}]}
+    rev, _, eps = parse_watch_response(doc)
+    assert rev == 4 and [e.id for e in eps] == ["e1"]
+    assert "bad-port" in caplog.text and "bad-scheme" in caplog.text
+    EndpointTable(eps)  # the table takes the rest

@@ -99,7 +99,13 @@ class RouterHook:
     def update(self, eps: list[dict[str, Any]]) -> None:
         if self.table is None:
             return
-        self.table.replace([self._endpoint_cls(**e) for e in eps])
+        endpoints = []
+        for e in eps:
+            try:
+                endpoints.append(self._endpoint_cls(**e))
+            except ValueError as err:  # one replica's unusable URL must not hide every other endpoint
+                log.warning("not routing to endpoint %s: %s", e.get("id", "?"), err)
+        self.table.replace(endpoints)
 
     async def start(self) -> web.AppRunner | None:
         if self.app is None:

@@ -18,15 +18,13 @@ from aiohttp import web
 
 from .balancing import make_scorer
 from .endpoints import EndpointTable
-from .errors import INVALID_REQUEST, RouterError
 from .metrics import CONTENT_TYPE, RouterMetrics
-from .proxy import Proxy
+from .proxy import OPENAI_POST_PATHS, Proxy
 from .runtime import Routing, run_housekeeping
 from .settings import RouterSettings
 
 __all__ = ["build_app", "RouterSettings", "RUNNER_KWARGS", "PROXY_KEY"]
 
-OPENAI_POST_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 RUNNER_KWARGS = {"access_log": None, "handler_cancellation": True}
 PROXY_KEY: web.AppKey[Proxy] = web.AppKey("llmgw_router_proxy", Proxy)
 
@@ -57,19 +55,9 @@ def build_app(cfg: RouterSettings, table: EndpointTable, metrics: RouterMetrics 
         body = await asyncio.get_running_loop().run_in_executor(None, metrics.render)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
-    async def fallback(request: web.Request) -> web.Response:
-        if request.path in OPENAI_POST_PATHS or request.path.startswith("/v1/models"):
-            allow = "POST" if request.path in OPENAI_POST_PATHS else "GET"
-            err = RouterError(405, f"method {request.method} not allowed on {request.path}; use {allow}",
-                              INVALID_REQUEST, "method_not_allowed")
-            resp = err.response()
-            resp.headers["Allow"] = allow
-            return resp
-        return RouterError(404, f"unknown path {request.path}", INVALID_REQUEST, "unknown_url").response()
-
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics_handler)
-    app.router.add_route("*", "/{tail:.*}", fallback)
+    app.router.add_route("*", "/{tail:.*}", proxy.fallback)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         task = asyncio.create_task(run_housekeeping(routing), name="llmgw-router-housekeeping")
@@ -77,6 +65,7 @@ def build_app(cfg: RouterSettings, table: EndpointTable, metrics: RouterMetrics 
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+        await proxy.close()  # abandoned attempts still awaiting their engine's verdict
         await routing.close()
 
     app.cleanup_ctx.append(lifecycle)

@@ -21,6 +21,10 @@ class EndpointError(ValueError):
     """An endpoint description that cannot be routed to; the message names the field."""
 
 
+class EndpointURLError(EndpointError):
+    """The endpoint's URL cannot be connected to (scheme, host, port, query)."""
+
+
 @dataclass(frozen=True)
 class Endpoint:
     """One engine HTTP server (a replica's rank 0) serving one model name."""
@@ -37,11 +41,17 @@ class Endpoint:
             raise EndpointError("id: must be a non-empty string")
         if not self.model:
             raise EndpointError(f"endpoint {self.id!r}: model: must be a non-empty string")
-        parts = urlsplit(self.url)
+        try:
+            parts = urlsplit(self.url)
+            port = parts.port  # raises ValueError when out of range or not a number
+        except ValueError as e:
+            raise EndpointURLError(f"endpoint {self.id!r}: url: {self.url!r} is not a valid URL ({e})") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise EndpointError(f"endpoint {self.id!r}: url: {self.url!r} is not an http(s) URL with a host")
+            raise EndpointURLError(f"endpoint {self.id!r}: url: {self.url!r} is not an http(s) URL with a host")
+        if port == 0:
+            raise EndpointURLError(f"endpoint {self.id!r}: url: {self.url!r}: port 0 cannot be connected to")
         if parts.query or parts.fragment:
-            raise EndpointError(f"endpoint {self.id!r}: url: {self.url!r} must not carry a query or fragment")
+            raise EndpointURLError(f"endpoint {self.id!r}: url: {self.url!r} must not carry a query or fragment")
         if self.max_concurrency is not None and (
             not isinstance(self.max_concurrency, int) or isinstance(self.max_concurrency, bool) or self.max_concurrency < 1
         ):
@@ -90,7 +100,7 @@ class Endpoint:
                 max_concurrency=mc,
             )
         except EndpointError as e:
-            raise EndpointError(f"{where}: {e}") from None
+            raise type(e)(f"{where}: {e}") from None
 
 
 @dataclass(frozen=True)

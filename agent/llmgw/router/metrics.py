@@ -40,14 +40,14 @@ class RouterMetrics:
             "llmgw_router_requests", "Client requests answered, by model and HTTP status.",
             ["model", "status"], registry=r)
         self.errors = Counter(
-            "llmgw_router_errors", "Client-visible errors by class (bad_request, unauthorized, forbidden, "
+            "llmgw_router_errors", "Client-visible errors by class (bad_request, unauthorized, "
             "model_not_found, too_large, saturated, unavailable, upstream_error, upstream_timeout, "
-            "stream_broken, stream_error).",
+            "stream_broken, stream_error, internal, unknown_url, method_not_allowed).",
             ["model", "class"], registry=r)
         self.attempts = Counter(
             "llmgw_router_upstream_attempts", "Requests sent to engines, by outcome (ok, client_error, "
             "status_5xx, rate_limited, connect, timeout, first_token_timeout, inter_token_timeout, "
-            "inband_error, broken, cancelled).",
+            "inband_error, broken, cancelled, error).",
             ["model", "endpoint", "outcome"], registry=r)
         self.retries = Counter(
             "llmgw_router_retries", "Retries made, by the failure that caused them.",

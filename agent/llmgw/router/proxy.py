@@ -17,6 +17,7 @@ A 4xx is the client's problem and counts as the engine being alive.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import re
@@ -29,8 +30,7 @@ from aiohttp import web
 
 from .auth import AuthFailure, KeyRing
 from .budget import RetryBudget
-from .errors import (AUTHENTICATION, INVALID_REQUEST, NOT_FOUND, PERMISSION, SERVER, RouterError,
-                     sse_error_events)
+from .errors import (AUTHENTICATION, INVALID_REQUEST, RATE_LIMIT, SERVER, RouterError, sse_error_events)
 from .metrics import BatchedHistogram, RouterMetrics
 from .request import parse_body
 from .runtime import EndpointRuntime, ModelGroup, Routing
@@ -42,6 +42,7 @@ from .sse import (DONE, ERROR_MARK, EventBuffer, Kind, classify, ends_with_done,
 from .upstream import ConnectError, Connection, UpstreamError
 
 log = logging.getLogger("llmgw.router")
+OPENAI_POST_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 access_log = logging.getLogger("llmgw.router.access")
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
@@ -125,14 +126,24 @@ class Proxy:
         r = settings.retries
         self.budget = RetryBudget(r.budget_ratio, r.budget_min, r.budget_window)
         self.started = int(time.time())
+        # attempts whose client left before the first token, still watched for the engine's verdict
+        self._verdicts: set[asyncio.Task] = set()
+        self._closing = False
+
+    async def close(self) -> None:
+        """Shutdown: stop watching abandoned attempts (their connections are closed)."""
+        self._closing = True
+        tasks = list(self._verdicts)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     # -- entry points -------------------------------------------------------
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
-        rid = request.headers.get("X-Request-Id")
-        if rid is None or not _REQUEST_ID.match(rid):
-            rid = os.urandom(12).hex()
+        rid = _request_id(request)
         ctx = _Ctx(rid, loop.time())
         try:
             resp = await self._handle(request, ctx)
@@ -146,6 +157,40 @@ class Proxy:
             ctx.status = 200 if ctx.delivered else 499
             self._account(ctx, request, loop)
             raise
+        except Exception:  # noqa: BLE001 - a bug: still an OpenAI-shaped answer, never aiohttp's text 500
+            resp = await self._internal_error(ctx)
+        self._account(ctx, request, loop)
+        return resp
+
+    async def _internal_error(self, ctx: "_Ctx") -> web.StreamResponse:
+        log.exception("rid=%s unexpected error while handling the request", ctx.rid)
+        self.metrics.error(ctx.model_label, "internal")
+        ctx.note = "internal_error"
+        message = f"internal router error (request id {ctx.rid})"
+        out = ctx.out
+        if out is not None and out.prepared:  # a stream already started: end it with an error event
+            await _write_quiet(out, sse_error_events(message, "internal_error"))
+            try:
+                await out.write_eof()
+            except (ConnectionError, aiohttp.ClientConnectionError):
+                pass
+            return out
+        ctx.status = 500
+        return RouterError(500, message, SERVER, "internal_error", klass="internal").response(ctx.rid)
+
+    async def _simple(self, request: web.Request, fn) -> web.StreamResponse:
+        """GETs and fallback answers: request id, errors as for POSTs, access log and metrics."""
+        loop = asyncio.get_running_loop()
+        ctx = _Ctx(_request_id(request), loop.time())
+        try:
+            resp = await fn(request, ctx)
+        except RouterError as e:
+            self.metrics.error(ctx.model_label, e.klass)
+            resp = e.response(ctx.rid)
+        except Exception:  # noqa: BLE001
+            resp = await self._internal_error(ctx)
+        ctx.status = resp.status
+        resp.headers["X-Request-Id"] = ctx.rid
         self._account(ctx, request, loop)
         return resp
 
@@ -180,13 +225,11 @@ class Proxy:
         ctx.model = parsed.model
         self.routing.sync()
         group = self.routing.group(parsed.model)
-        if group is None:
-            raise RouterError(404, f"the model {parsed.model!r} does not exist or has no ready endpoint",
-                              NOT_FOUND, "model_not_found", "model", klass="model_not_found")
+        # an unknown model and one the key may not use get the same answer: a restricted key
+        # must not learn which models exist
+        if group is None or not principal.allows(parsed.model):
+            raise _model_not_found(parsed.model)
         ctx.model_label = parsed.model
-        if not principal.allows(parsed.model):
-            raise RouterError(403, f"key {principal.name!r} may not use model {parsed.model!r}", PERMISSION,
-                              "model_not_allowed", "model", klass="forbidden")
         return await self._forward(request, ctx, group, body, parsed.stream, parsed.payload)
 
     # -- attempts -----------------------------------------------------------
@@ -207,6 +250,10 @@ class Proxy:
         last: Failed | None = None
         max_attempts = self.s.retries.max_attempts
         while True:
+            # the deadline first: a retry that cannot happen spends no retry token
+            now = loop.time()
+            if now >= total_deadline:
+                break
             pick = self.routing.pick(group, tried, payload)
             if isinstance(pick, RouterError):
                 raise pick
@@ -222,19 +269,15 @@ class Proxy:
             tried.add(rt.id)
             ctx.attempts += 1
             ctx.endpoint = rt.id
-            now = loop.time()
-            if now >= total_deadline:
-                break
             rt.outstanding += 1
             try:
                 if stream:
-                    pre_deadline = min(now + self.s.timeouts.per_try, now + self.s.timeouts.first_token,
-                                       total_deadline)
+                    try_deadline = now + min(self.s.timeouts.per_try, self.s.timeouts.first_token)
                     result = await self._stream_attempt(request, ctx, rt, group, target, body, headers,
-                                                        pre_deadline, total_deadline)
+                                                        try_deadline, total_deadline)
                 else:
                     result = await self._plain_attempt(ctx, rt, group, target, body, headers,
-                                                       min(now + self.s.timeouts.per_try, total_deadline))
+                                                       now + self.s.timeouts.per_try, total_deadline)
             finally:
                 rt.outstanding -= 1
             if not isinstance(result, Failed):
@@ -247,12 +290,15 @@ class Proxy:
                               klass="upstream_timeout")
         if last.upstream is not None:
             ctx.status = last.upstream.status
+            self.metrics.error(ctx.model_label, last.error.klass)
             return last.upstream
         raise last.error
 
     async def _plain_attempt(self, ctx: "_Ctx", rt: EndpointRuntime, group: ModelGroup, target: bytes,
-                             body: bytes, headers: bytes, deadline: float) -> web.Response | Failed:
+                             body: bytes, headers: bytes, try_deadline: float,
+                             total_deadline: float) -> web.Response | Failed:
         conn: Connection | None = None
+        deadline = min(try_deadline, total_deadline)
         try:
             async with asyncio.timeout_at(deadline):
                 conn = await rt.get_pool().request(target, headers, body)
@@ -265,9 +311,7 @@ class Proxy:
         except BaseException as e:  # noqa: BLE001 - classified below, re-raised if unknown
             if conn is not None:
                 conn.close()
-            failed = _classify_exception(e, rt, ctx, "per-try timeout")
-            self.routing.record(rt, group, failed.outcome, failure=failed.counts)
-            return failed
+            return self._attempt_failed(e, rt, group, ctx, "per-try timeout", deadline >= total_deadline)
         head = conn.head
         conn.release()
         status = head.status
@@ -281,14 +325,18 @@ class Proxy:
         return web.Response(status=status, body=data, headers={"Content-Type": ctype, "X-Request-Id": ctx.rid})
 
     async def _stream_attempt(self, request: web.Request, ctx: "_Ctx", rt: EndpointRuntime, group: ModelGroup,
-                              target: bytes, body: bytes, headers: bytes, pre_deadline: float,
+                              target: bytes, body: bytes, headers: bytes, try_deadline: float,
                               total_deadline: float) -> web.StreamResponse | Failed:
-        resp: Connection | None = None
+        conn: Connection | None = None  # once the request was sent
+        resp: Connection | None = None  # once its response head arrived
         buf = EventBuffer()
         held: list[bytes] = []
+        pre_deadline = min(try_deadline, total_deadline)
         try:
             async with asyncio.timeout_at(pre_deadline):
-                resp = await rt.get_pool().request(target, headers, body)
+                conn = await rt.get_pool().send(target, headers, body)
+                await conn.response()
+                resp = conn
                 head = resp.head
                 status = head.status
                 ctype = head.headers.get("content-type", "")
@@ -309,8 +357,6 @@ class Proxy:
                 while not committed:
                     chunk = await read()
                     if not chunk:
-                        if held and ends_with_done(held[-1]):
-                            break  # a complete stream without output (e.g. max_tokens=0)
                         resp.close()
                         self.routing.record(rt, group, "broken", failure=True)
                         return Failed("broken", RouterError(
@@ -320,14 +366,24 @@ class Proxy:
                     if not complete:
                         continue
                     err: bytes | None = None
+                    empty = False
                     for block in iter_events(complete):
                         kind = classify(block)
                         if kind is Kind.ERROR:
                             err = event_data(block) or b""
                             break
+                        if kind is Kind.DONE:  # [DONE] before any output or finish_reason
+                            empty = True
+                            break
                         if kind is not Kind.HOLD:
                             committed = True
                             break
+                    if empty:
+                        resp.close()
+                        self.routing.record(rt, group, "broken", failure=True)
+                        return Failed("broken", RouterError(
+                            502, f"endpoint {rt.id} ended the stream without any output", SERVER,
+                            "upstream_stream_broken", klass="upstream_error"))
                     if committed and ERROR_MARK in complete:
                         # an error later in the same read is still before anything was sent
                         err = first_error(complete)
@@ -339,20 +395,95 @@ class Proxy:
                             SERVER, "upstream_error", klass="upstream_error"))
                     held.append(complete)
         except asyncio.CancelledError:
-            if resp is not None:
-                resp.close()
-            self.routing.record(rt, group, "cancelled", failure=False)
+            if conn is not None and not conn.closed:
+                # the client left before the first token; the engine may still be hung: let a
+                # verdict task watch the attempt to its first-token deadline (it closes and records)
+                self._start_verdict(conn, buf, rt, group, try_deadline)
+            else:
+                if conn is not None:
+                    conn.close()
+                self.routing.record(rt, group, "cancelled", failure=False)
             raise
         except BaseException as e:  # noqa: BLE001
-            if resp is not None:
-                resp.close()
-            failed = _classify_exception(e, rt, ctx, "no first token within the first-token timeout"
-                                         if resp is not None else "per-try timeout")
-            if resp is not None and failed.outcome == "timeout":
-                failed.outcome = "first_token_timeout"
-            self.routing.record(rt, group, failed.outcome, failure=failed.counts)
-            return failed
+            if conn is not None:
+                conn.close()
+            return self._attempt_failed(e, rt, group, ctx, "no first token within the first-token timeout"
+                                        if resp is not None else "per-try timeout", pre_deadline >= total_deadline,
+                                        "first_token_timeout" if resp is not None else "timeout")
         return await self._relay(request, ctx, rt, group, resp, buf, held, total_deadline)
+
+    def _attempt_failed(self, e: BaseException, rt: EndpointRuntime, group: ModelGroup, ctx: "_Ctx",
+                        timeout_what: str, by_total: bool, timeout_outcome: str = "timeout") -> Failed:
+        """Classify and record an attempt that raised; unknown exceptions are recorded and re-raised."""
+        if by_total and isinstance(e, TimeoutError):
+            # the request's own deadline fired, not the engine's per-try/first-token one: not its fault
+            failed = Failed("timeout", RouterError(
+                504, f"total request timeout reached while waiting for endpoint {rt.id}", SERVER,
+                "upstream_timeout", klass="upstream_timeout"), counts=False, retryable=False)
+        else:
+            try:
+                failed = _classify_exception(e, rt, ctx, timeout_what)
+            except BaseException:
+                self.routing.record(rt, group, "error", failure=True)
+                raise
+            if failed.outcome == "timeout":
+                failed.outcome = timeout_outcome
+        self.routing.record(rt, group, failed.outcome, failure=failed.counts)
+        return failed
+
+    def _start_verdict(self, conn: Connection, buf: EventBuffer, rt: EndpointRuntime, group: ModelGroup,
+                       deadline: float) -> None:
+        if self._closing:
+            conn.close()
+            self.routing.record(rt, group, "cancelled", failure=False)
+            return
+        rt.outstanding += 1  # the engine still works on it: it keeps its slot until the verdict
+        task = asyncio.get_running_loop().create_task(self._verdict(conn, buf, rt, group, deadline))
+        self._verdicts.add(task)
+        task.add_done_callback(self._verdicts.discard)
+
+    async def _verdict(self, conn: Connection, buf: EventBuffer, rt: EndpointRuntime, group: ModelGroup,
+                       deadline: float) -> None:
+        """An attempt whose client left before its first token: wait (until the attempt's own
+        first-token deadline) for what the engine does, so that a hung engine is still found out.
+        A token: "cancelled", not a failure; silence, a broken stream, a 5xx or an in-band error:
+        the failure it is."""
+        outcome, failure = "cancelled", False
+        head_seen = conn.head is not None
+        try:
+            async with asyncio.timeout_at(deadline):
+                head = await conn.response()
+                head_seen = True
+                if head.status != 200 or not head.headers.get("content-type", "").startswith("text/event-stream"):
+                    if head.status >= 500:
+                        outcome, failure = "status_5xx", True
+                    return
+                while True:
+                    chunk = await conn.read()
+                    if not chunk:
+                        outcome, failure = "broken", True
+                        return
+                    complete = buf.feed(chunk)
+                    if not complete:
+                        continue
+                    for block in iter_events(complete):
+                        kind = classify(block)
+                        if kind is Kind.ERROR:
+                            outcome, failure = "inband_error", True
+                            return
+                        if kind is Kind.DONE:
+                            outcome, failure = "broken", True
+                            return
+                        if kind is not Kind.HOLD:
+                            return  # output: the engine works
+        except TimeoutError:
+            outcome, failure = ("first_token_timeout" if head_seen else "timeout"), True
+        except _UPSTREAM_ERRORS:
+            outcome, failure = "broken", True
+        finally:
+            conn.close()
+            rt.outstanding -= 1
+            self.routing.record(rt, group, outcome, failure=failure)
 
     async def _relay(self, request: web.Request, ctx: "_Ctx", rt: EndpointRuntime, group: ModelGroup,
                      resp: Connection, buf: EventBuffer, held: list[bytes],
@@ -376,6 +507,7 @@ class Proxy:
         final = b""  # held back by the splice for write_eof
         try:
             first = b"".join(held)
+            ctx.out = out
             # the headers go out with the first events, in one send
             out._send_headers_immediately = False
             try:
@@ -423,10 +555,11 @@ class Proxy:
                     if not chunk:
                         break
                     t = clock()
-                    wd.last = t
                     complete = feed(chunk)
                     if not complete:
                         continue
+                    if b"data:" in complete:  # progress is an event with data, not a comment
+                        wd.last = t
                     if ERROR_MARK in complete and first_error(complete) is not None:
                         saw_error = True
                     wd.writing = True
@@ -468,6 +601,9 @@ class Proxy:
             except (ConnectionError, aiohttp.ClientConnectionError):
                 pass
             return out
+        except Exception:
+            outcome, failure = "error", True  # a bug in the relay: the attempt did not end well
+            raise
         finally:
             if splice is not None:
                 splice.detach()  # before the connection is closed or goes back to the pool
@@ -518,33 +654,48 @@ class Proxy:
     def _model_card(self, name: str) -> dict:
         return {"id": name, "object": "model", "created": self.started, "owned_by": "llmgw"}
 
-    async def list_models(self, request: web.Request) -> web.Response:
-        try:
-            principal = self.authenticate(request)
-        except RouterError as e:
-            self.metrics.error("-", e.klass)
-            return e.response()
+    async def list_models(self, request: web.Request) -> web.StreamResponse:
+        return await self._simple(request, self._list_models)
+
+    async def get_model(self, request: web.Request) -> web.StreamResponse:
+        return await self._simple(request, self._get_model)
+
+    async def fallback(self, request: web.Request) -> web.StreamResponse:
+        """Every path and method the app has no route for: 405 on known paths, else 404."""
+        return await self._simple(request, self._fallback)
+
+    async def _list_models(self, request: web.Request, ctx: "_Ctx") -> web.Response:
+        principal = self.authenticate(request)
+        ctx.key = principal.name
         self.routing.sync()
         data = [self._model_card(m) for m in self.routing.models() if principal.allows(m)]
         return web.json_response({"object": "list", "data": data})
 
-    async def get_model(self, request: web.Request) -> web.Response:
-        try:
-            principal = self.authenticate(request)
-        except RouterError as e:
-            self.metrics.error("-", e.klass)
-            return e.response()
+    async def _get_model(self, request: web.Request, ctx: "_Ctx") -> web.Response:
+        principal = self.authenticate(request)
+        ctx.key = principal.name
         self.routing.sync()
         name = request.match_info["model"]
+        ctx.model = name
         if name in self.routing.models() and principal.allows(name):
             return web.json_response(self._model_card(name))
-        return RouterError(404, f"the model {name!r} does not exist or has no ready endpoint", NOT_FOUND,
-                           "model_not_found", "model").response()
+        raise _model_not_found(name)
+
+    async def _fallback(self, request: web.Request, ctx: "_Ctx") -> web.Response:
+        if request.path in OPENAI_POST_PATHS or request.path.startswith("/v1/models"):
+            allow = "POST" if request.path in OPENAI_POST_PATHS else "GET"
+            err = RouterError(405, f"method {request.method} not allowed on {request.path}; use {allow}",
+                              INVALID_REQUEST, "method_not_allowed", klass="method_not_allowed")
+            self.metrics.error("-", err.klass)
+            resp = err.response()
+            resp.headers["Allow"] = allow
+            return resp
+        raise RouterError(404, f"unknown path {request.path}", INVALID_REQUEST, "unknown_url", klass="unknown_url")
 
 
 class _Ctx:
     __slots__ = ("rid", "t0", "t0_loop", "model", "model_label", "key", "status", "endpoint", "attempts", "ttft",
-                 "note", "delivered")
+                 "note", "delivered", "out")
 
     def __init__(self, rid: str, t0_loop: float) -> None:
         self.rid = rid
@@ -559,6 +710,21 @@ class _Ctx:
         self.ttft: float | None = None
         self.note = ""
         self.delivered = False  # a stream relayed whole, [DONE] included
+        self.out: web.StreamResponse | None = None  # the client's stream, once the relay started
+
+
+def _request_id(request: web.Request) -> str:
+    """The client's X-Request-Id when it is acceptable, else a generated one."""
+    rid = request.headers.get("X-Request-Id")
+    if rid is None or not _REQUEST_ID.match(rid):
+        rid = os.urandom(12).hex()
+    return rid
+
+
+def _model_not_found(model: str) -> RouterError:
+    # OpenAI's wording and shape, for unknown models and models the key may not use alike
+    return RouterError(404, f"The model `{model}` does not exist or you do not have access to it.",
+                       INVALID_REQUEST, "model_not_found", klass="model_not_found")
 
 
 def _too_large(limit: int) -> RouterError:
@@ -585,16 +751,37 @@ def _status_failure(status: int, data: bytes, ctype: str, rt: EndpointRuntime, c
                     retry_after: str | None) -> Failed:
     if status == 429:
         # The engine's own back-pressure: try another endpoint, do not hold it against this one,
-        # and when nothing else can take it, hand the engine's answer through.
-        headers = {"Content-Type": ctype or "application/json", "X-Request-Id": ctx.rid}
-        if retry_after:
-            headers["Retry-After"] = retry_after
-        return Failed("rate_limited", RouterError(429, f"endpoint {rt.id} is overloaded", "rate_limit_error",
-                                                  "upstream_rate_limited", klass="saturated", retry_after=1),
-                      counts=False, upstream=web.Response(status=429, body=data, headers=headers))
+        # and when nothing else can take it, hand the engine's answer through: always with a
+        # Retry-After, and with an OpenAI-shaped body (the engine's if it is one, else the router's).
+        delay = _retry_after(retry_after)
+        err = RouterError(429, f"endpoint {rt.id} is overloaded; retry later", RATE_LIMIT,
+                          "upstream_rate_limited", klass="saturated", retry_after=delay)
+        if _is_openai_error(data):
+            upstream = web.Response(status=429, body=data, headers={
+                "Content-Type": "application/json", "X-Request-Id": ctx.rid, "Retry-After": str(delay)})
+        else:
+            upstream = err.response(ctx.rid)
+        return Failed("rate_limited", err, counts=False, upstream=upstream)
     return Failed("status_5xx", RouterError(
         502, f"endpoint {rt.id} answered HTTP {status}: {error_message(data)}", SERVER,
         "upstream_error", klass="upstream_error"))
+
+
+def _retry_after(value: str | None) -> int:
+    """The engine's Retry-After if it is a delay in seconds (RFC 9110 delay-seconds), else 1."""
+    if value:
+        v = value.strip()
+        if v.isascii() and v.isdigit() and len(v) <= 9:
+            return int(v)
+    return 1
+
+
+def _is_openai_error(data: bytes) -> bool:
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        return False
+    return isinstance(obj, dict) and "error" in obj
 
 
 async def _write_quiet(out: web.StreamResponse, data: bytes) -> None:

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from llmgw.config import ConfigError, ConfigInvalid, schema_errors
 
-from .endpoints import Endpoint
+from .endpoints import Endpoint, EndpointURLError
 
 
 @dataclass(frozen=True)
@@ -130,10 +130,14 @@ def semantic_errors(doc: Mapping[str, Any]) -> list[ConfigError]:
         errors.append(ConfigError("/control_plane", "set either static_endpoints or control_plane, not both"))
     ids: dict[str, int] = {}
     for i, raw in enumerate(doc.get("static_endpoints") or []):
+        where = f"/static_endpoints/{i}"
         try:
-            ep = Endpoint.from_dict(raw, where=f"/static_endpoints/{i}")
+            ep = Endpoint.from_dict(raw, where=where)
         except ValueError as e:
-            errors.append(ConfigError(f"/static_endpoints/{i}", str(e)))
+            # a URL that urlsplit accepts but nothing can connect to (port 99999) points at the url key;
+            # the pointer is the error's location, so the message does not repeat it
+            at = f"{where}/url" if isinstance(e, EndpointURLError) else where
+            errors.append(ConfigError(at, str(e).removeprefix(f"{where}: ")))
             continue
         if ep.id in ids:
             errors.append(ConfigError(f"/static_endpoints/{i}/id", f"duplicate endpoint id {ep.id!r} (also /static_endpoints/{ids[ep.id]})"))

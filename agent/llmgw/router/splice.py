@@ -58,7 +58,7 @@ class Splice:
         self.state = RUNNING
         self.result = EOF
         self.error: BaseException | None = None
-        self.wd = wd  # anything with .last (the time of the last upstream chunk) and .writing
+        self.wd = wd  # anything with .last (the time of the last data event) and .writing
         self.saw_error = saw_error
         self.tail = tail  # the last bytes written: does the stream end with [DONE]?
         self.last_write = last_write
@@ -168,10 +168,11 @@ class Splice:
 
     def _relay(self, chunk: bytes, at_eof: bool) -> None:
         t = self._clock()
-        self.wd.last = t
         complete = self._feed(chunk)
         if not complete:
             return  # the rest of an event: held until its blank line arrives
+        if b"data:" in complete:  # progress is an event with data; comments (": keepalive") are not
+            self.wd.last = t
         if ERROR_MARK in complete and first_error(complete) is not None:
             self.saw_error = True
         if at_eof and not self.saw_error and ends_with_done(complete):

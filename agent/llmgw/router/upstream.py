@@ -339,6 +339,17 @@ class Pool:
     async def request(self, target: bytes, headers: bytes, body: bytes) -> Connection:
         """Send ``POST target`` with ``headers`` (complete header lines) and ``body``; return the
         connection once the response head arrived.  The caller ``release``s or ``close``s it."""
+        conn = await self.send(target, headers, body)
+        try:
+            await conn.response()
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    async def send(self, target: bytes, headers: bytes, body: bytes) -> Connection:
+        """Like ``request`` but returns as soon as the request was written: the caller awaits
+        ``conn.response()`` and owns the connection from here on (``release`` or ``close``)."""
         conn = self._get()
         if conn is None:
             conn = await self._connect()
@@ -346,7 +357,6 @@ class Pool:
                 % (self.prefix, target, self.host_header, headers, len(body)))
         try:
             conn.send(head, body)
-            await conn.response()
         except BaseException:
             conn.close()
             raise

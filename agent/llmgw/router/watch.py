@@ -22,7 +22,7 @@ from typing import Any, Mapping
 import aiohttp
 from aiohttp import web
 
-from .endpoints import Endpoint, EndpointError, EndpointTable
+from .endpoints import Endpoint, EndpointError, EndpointTable, EndpointURLError
 from .errors import INVALID_REQUEST, RouterError
 
 log = logging.getLogger("llmgw.router.watch")
@@ -75,6 +75,10 @@ def parse_watch_response(doc: Any) -> tuple[int, str, list[Endpoint]]:
     for i, d in enumerate(raw):
         try:
             ep = Endpoint.from_dict(d, where=f"/endpoints/{i}")
+        except EndpointURLError as e:
+            # one endpoint the router cannot connect to: skip it, keep the others
+            log.warning("endpoint watch: skipping an endpoint with an unusable URL: %s", e)
+            continue
         except EndpointError as e:
             raise WatchError(str(e)) from None
         if ep.id in seen:
