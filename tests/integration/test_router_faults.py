@@ -186,12 +186,17 @@ def test_inband_error_chunk(n, tmp_path):
         healthy.stop()
 
 
+def hung_and_healthy_doc(hung, healthy) -> dict:
+    """Router config for a hung engine beside a healthy one: two failures eject it, for longer than a test."""
+    return router_doc(endpoints([("hung", hung.url), ("healthy", healthy.url)]),
+                      timeouts={"first_token": 1.5, "per_try": 3},
+                      outlier={"consecutive_errors": 2, "base_ejection": 300, "max_ejection": 300})
+
+
 def test_hung_engine_with_healthy_health_check_leaves_rotation(tmp_path):
     hung, healthy = start_sims(2, envs=[{"LLMGW_SIM_FAULT": "hang"}, {"LLMGW_SIM_OUTPUT_TOKENS": "4"}])
     try:
-        doc = router_doc(endpoints([("hung", hung.url), ("healthy", healthy.url)]),
-                         timeouts={"first_token": 1.5, "per_try": 3},
-                         outlier={"consecutive_errors": 2, "base_ejection": 300, "max_ejection": 300})
+        doc = hung_and_healthy_doc(hung, healthy)
         with RouterProcess(doc, tmp=tmp_path) as r:
             c = openai_client(r)
             for i in range(40):
@@ -208,13 +213,18 @@ def test_hung_engine_with_healthy_health_check_leaves_rotation(tmp_path):
                                  outcome="first_token_timeout")
                         + r.metric("llmgw_router_upstream_attempts_total", endpoint="hung", outcome="timeout"))
             assert timeouts == 2
-            before = r.metric("llmgw_router_upstream_attempts_total", endpoint="hung")
-            for _ in range(10):
-                assert stream_text(c, max_tokens=4) == (TOKENS[:4], None)
-            assert r.metric("llmgw_router_upstream_attempts_total", endpoint="hung") == before
+            assert_out_of_rotation(r, c, "hung")
     finally:
         hung.stop()
         healthy.stop()
+
+
+def assert_out_of_rotation(r, client, endpoint: str) -> None:
+    """Ten more streams all succeed without a single attempt on ``endpoint``."""
+    before = r.metric("llmgw_router_upstream_attempts_total", endpoint=endpoint)
+    for _ in range(10):
+        assert stream_text(client, max_tokens=4) == (TOKENS[:4], None)
+    assert r.metric("llmgw_router_upstream_attempts_total", endpoint=endpoint) == before
 
 
 def test_blackholed_endpoint_does_not_hold_up_healthy_ones(tmp_path):
@@ -269,9 +279,7 @@ def test_impatient_clients_do_not_keep_a_hung_engine_in_rotation(tmp_path):
     # for the hung engine's verdict, so the engine is found out and ejected all the same
     hung, healthy = start_sims(2, envs=[{"LLMGW_SIM_FAULT": "hang"}, {"LLMGW_SIM_OUTPUT_TOKENS": "4"}])
     try:
-        doc = router_doc(endpoints([("hung", hung.url), ("healthy", healthy.url)]),
-                         timeouts={"first_token": 1.5, "per_try": 3},
-                         outlier={"consecutive_errors": 2, "base_ejection": 300, "max_ejection": 300})
+        doc = hung_and_healthy_doc(hung, healthy)
         with RouterProcess(doc, tmp=tmp_path) as r:
             impatient = openai_client(r, timeout=0.5)
             gave_up = 0
@@ -288,10 +296,7 @@ def test_impatient_clients_do_not_keep_a_hung_engine_in_rotation(tmp_path):
             assert r.metric("llmgw_router_upstream_attempts_total", endpoint="hung",
                             outcome="first_token_timeout") == 2
             assert r.metric("llmgw_router_upstream_attempts_total", endpoint="hung", outcome="cancelled") == 0
-            before = r.metric("llmgw_router_upstream_attempts_total", endpoint="hung")
-            for _ in range(10):
-                assert stream_text(impatient, max_tokens=4) == (TOKENS[:4], None)
-            assert r.metric("llmgw_router_upstream_attempts_total", endpoint="hung") == before
+            assert_out_of_rotation(r, impatient, "hung")
     finally:
         hung.stop()
         healthy.stop()

@@ -211,6 +211,25 @@ class Blackhole(_ThreadServer):
         super().close()
 
 
+def read_request(conn: socket.socket, buf: bytes) -> bytes | None:
+    """Read one request (head and Content-Length body) from ``conn``, ``buf`` holding what was read
+    before; returns the bytes after it, or None when the peer closed first."""
+    while b"\r\n\r\n" not in buf:
+        data = conn.recv(65536)
+        if not data:
+            return None
+        buf += data
+    head, _, rest = buf.partition(b"\r\n\r\n")
+    m = re.search(rb"(?im)^content-length:\s*(\d+)", head)
+    need = int(m.group(1)) if m else 0
+    while len(rest) < need:
+        data = conn.recv(65536)
+        if not data:
+            return None
+        rest += data
+    return rest[need:]
+
+
 class CountingServer(_ThreadServer):
     """HTTP/1.1 server answering every request ``status`` with an OpenAI error body; counts requests."""
 
@@ -224,23 +243,12 @@ class CountingServer(_ThreadServer):
         body = b'{"error":{"message":"injected failure","type":"InternalServerError","param":null,"code":500}}'
         with conn:
             while True:
-                while b"\r\n\r\n" not in buf:
-                    try:
-                        data = conn.recv(65536)
-                    except OSError:
-                        return
-                    if not data:
-                        return
-                    buf += data
-                head, _, rest = buf.partition(b"\r\n\r\n")
-                m = re.search(rb"(?im)^content-length:\s*(\d+)", head)
-                need = int(m.group(1)) if m else 0
-                while len(rest) < need:
-                    data = conn.recv(65536)
-                    if not data:
-                        return
-                    rest += data
-                buf = rest[need:]
+                try:
+                    buf = read_request(conn, buf)
+                except OSError:
+                    return
+                if buf is None:
+                    return
                 with self._lock:
                     self.count += 1
                 conn.sendall(b"HTTP/1.1 %d Failed\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
@@ -263,19 +271,8 @@ class SSEServer(_ThreadServer):
         buf = b""
         with conn:
             try:
-                while b"\r\n\r\n" not in buf:
-                    data = conn.recv(65536)
-                    if not data:
-                        return
-                    buf += data
-                head, _, rest = buf.partition(b"\r\n\r\n")
-                m = re.search(rb"(?im)^content-length:\s*(\d+)", head)
-                need = int(m.group(1)) if m else 0
-                while len(rest) < need:
-                    data = conn.recv(65536)
-                    if not data:
-                        return
-                    rest += data
+                if read_request(conn, buf) is None:
+                    return
                 with self._lock:
                     self.count += 1
                 conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
