@@ -123,15 +123,21 @@ def tree_cpu_s(root: int, which: slice = slice(11, 15)) -> float:
             st = _stat(int(entry), which)
             if st:
                 stats[int(entry)] = st
+    members = _tree(root, {pid: ppid for pid, (ppid, _) in stats.items()})
+    return sum(stats[p][1] for p in members if p in stats) / CLK_TCK
+
+
+def _tree(root: int, parents: dict[int, int]) -> set[int]:
+    """``root`` and its descendants, given every live process's parent."""
     members = {root}
     changed = True
     while changed:
         changed = False
-        for pid, (ppid, _) in stats.items():
+        for pid, ppid in parents.items():
             if ppid in members and pid not in members:
                 members.add(pid)
                 changed = True
-    return sum(stats[p][1] for p in members if p in stats) / CLK_TCK
+    return members
 
 
 def cpu_times() -> dict[int, tuple[int, int]]:
@@ -167,15 +173,7 @@ def tree_pids(root: int) -> set[int]:
             st = _stat(int(entry))
             if st:
                 parents[int(entry)] = st[0]
-    members = {root}
-    changed = True
-    while changed:
-        changed = False
-        for pid, ppid in parents.items():
-            if ppid in members and pid not in members:
-                members.add(pid)
-                changed = True
-    return members
+    return _tree(root, parents)
 
 
 def move_tree(root: int, cpus: set[int]) -> None:

@@ -37,8 +37,8 @@ from .runtime import EndpointRuntime, ModelGroup, Routing
 from .settings import RouterSettings
 from .http1 import ProtocolError
 from .splice import CLIENT_GONE, DONE as SPLICE_DONE, Splice
-from .sse import (DONE, ERROR_MARK, EventBuffer, Kind, classify, ends_with_done, error_message, event_data,
-                  first_error, iter_events)
+from .sse import (DONE, ERROR_MARK, EventBuffer, Kind, ends_with_done, error_message, event_data, first_error,
+                  first_output)
 from .upstream import ConnectError, Connection, UpstreamError
 
 log = logging.getLogger("llmgw.router")
@@ -378,25 +378,16 @@ class Proxy:
                     complete = buf.feed(chunk)
                     if not complete:
                         continue
-                    err: bytes | None = None
-                    empty = False
-                    for block in iter_events(complete):
-                        kind = classify(block)
-                        if kind is Kind.ERROR:
-                            err = event_data(block) or b""
-                            break
-                        if kind is Kind.DONE:  # [DONE] before any output or finish_reason
-                            empty = True
-                            break
-                        if kind is not Kind.HOLD:
-                            committed = True
-                            break
-                    if empty:
+                    found = first_output(complete)
+                    kind = found[0] if found is not None else Kind.HOLD
+                    if kind is Kind.DONE:  # [DONE] before any output or finish_reason
                         resp.close()
                         self.routing.record(rt, group, "broken", failure=True)
                         return Failed("broken", RouterError(
                             502, f"endpoint {rt.id} ended the stream without any output", SERVER,
                             "upstream_stream_broken", klass="upstream_error"))
+                    err = (event_data(found[1]) or b"") if kind is Kind.ERROR else None
+                    committed = kind is Kind.TOKEN
                     if committed and ERROR_MARK in complete:
                         # an error later in the same read is still before anything was sent
                         err = first_error(complete)
@@ -479,16 +470,14 @@ class Proxy:
                     complete = buf.feed(chunk)
                     if not complete:
                         continue
-                    for block in iter_events(complete):
-                        kind = classify(block)
-                        if kind is Kind.ERROR:
-                            outcome, failure = "inband_error", True
-                            return
-                        if kind is Kind.DONE:
-                            outcome, failure = "broken", True
-                            return
-                        if kind is not Kind.HOLD:
-                            return  # output: the engine works
+                    found = first_output(complete)
+                    if found is None:
+                        continue
+                    if found[0] is Kind.ERROR:
+                        outcome, failure = "inband_error", True
+                    elif found[0] is Kind.DONE:
+                        outcome, failure = "broken", True
+                    return  # else output: the engine works
         except TimeoutError:
             outcome, failure = ("first_token_timeout" if head_seen else "timeout"), True
         except _UPSTREAM_ERRORS:

@@ -158,6 +158,17 @@ def classify(block: bytes) -> Kind:
     return Kind.HOLD
 
 
+def first_output(data: bytes) -> tuple[Kind, bytes] | None:
+    """The first event of ``data`` that is not held back (output, [DONE] or an error), with its
+    kind; None when every event in it is held (role-only chunks, comments).  This is what decides
+    an attempt before its first token."""
+    for block in iter_events(data):
+        kind = classify(block)
+        if kind is not Kind.HOLD:
+            return kind, block
+    return None
+
+
 def first_error(data: bytes) -> bytes | None:
     """The data of the first in-band error event in ``data`` (complete events), if any."""
     if ERROR_MARK not in data:
