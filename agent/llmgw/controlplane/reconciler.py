@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmgw.catalog import Catalog, Deployment, weights_bytes
+from llmgw.controlplane.capacity import FleetCapacity
 from llmgw.controlplane.lifecycle import NodeState, ReplacementLimiter
 from llmgw.controlplane.replicas import (
     DRAINING,
@@ -71,6 +72,10 @@ class NodeView:
     epoch: int
     inventory: HardwareInventory
     address: str | None = None
+    # What placement can see of the node without its identities
+    # (``capacity.shape_of``); nodes of one shape are interchangeable. Empty:
+    # not known, the node is compared with no other.
+    shape: str = ""
 
     @property
     def schedulable(self) -> bool:
@@ -140,21 +145,26 @@ def backoff(policy: RestartPolicy, failures: int) -> float:
     return min(policy.backoff_max, policy.backoff_initial * (2 ** min(failures - 1, 30)))
 
 
+def fleet_capacity(book: ReplicaBook, nodes: Mapping[str, NodeView]) -> FleetCapacity:
+    """Every known node with the GPUs no shard holds."""
+    return FleetCapacity.of({n: book.claimed(n) for n in nodes}, nodes)
+
+
 def capacities(book: ReplicaBook, nodes: Mapping[str, NodeView]) -> list[NodeCapacity]:
     """Every known node with the GPUs no shard holds, in node-id order."""
-    out = []
-    for node_id in sorted(nodes):
-        n = nodes[node_id]
-        taken = book.claimed(node_id)
-        free = frozenset(g.index for g in n.inventory.gpus if g.index not in taken)
-        if n.state is not NodeState.READY:
-            reason: str | None = n.state.value
-        elif not n.connected:
-            reason = "stream disconnected"
-        else:
-            reason = None
-        out.append(NodeCapacity(inventory=n.inventory, free_gpus=free, schedulable=reason is None, reason=reason))
-    return out
+    return fleet_capacity(book, nodes).everyone()
+
+
+def place_in(request: PlacementRequest, fleet: FleetCapacity) -> PlacementResult:
+    """``place`` over the fleet, asking one node of each interchangeable class.
+
+    The answer is the one ``place`` gives over every node (see ``capacity``);
+    only a refusal needs every node, to say why each one cannot.
+    """
+    result = place(request, fleet.candidates(per_class=max(1, request.profile.nodes)))
+    if result.placement is None:
+        result = place(request, fleet.everyone())
+    return result
 
 
 def placement_request(catalog: Catalog, dep: Deployment, headroom: float,
@@ -210,10 +220,10 @@ class Reconciler:
                          and spec["nnodes"] == r.nnodes
                          and (spec["model"]["name"], spec["profile"]["name"]) == (r.model, r.profile))
             if slot_free:
-                r.shards[spec["rank"]] = shard
+                book.set_shard(r, spec["rank"], shard)
                 events.append(f"{sid} on {node_id}: adopted ({state})")
             else:
-                book.strays[(node_id, sid)] = shard
+                book.add_stray(shard)
                 events.append(f"{sid} on {node_id}: not recognised (replica {spec['replica_id']} has rank "
                               f"{spec['rank']} elsewhere or differs): will stop it")
         return events
@@ -228,7 +238,7 @@ class Reconciler:
             stray = Shard(shard_id=sid, replica_id=msg.get("replica_id") or sid.split("/")[0], rank=0,
                           node_id=node_id, gpu_indices=(), spec={}, state=state, state_since=now,
                           reason="reported by its agent but never started or adopted here")
-            self.book.strays[(node_id, sid)] = stray
+            self.book.add_stray(stray)
             return [f"{sid} on {node_id}: unknown shard reported {state}: will stop it"]
         if state != s.state:
             s.state, s.state_since, s.progress = state, now, None
@@ -297,7 +307,7 @@ class Reconciler:
         for rank in range(spec["nnodes"]):
             r.shards[rank] = Shard(shard_id=shard_id(rid, rank), replica_id=rid, rank=rank, node_id=None,
                                    gpu_indices=(), spec={}, state=WAITING, state_since=now)
-        self.book.replicas[rid] = r
+        self.book.add(r)
         return r
 
     # --------------------------------------------------------------- decisions
@@ -321,8 +331,9 @@ class Reconciler:
                 self._progress(r, catalog, nodes, now, plan)
         self._clean_retired(nodes, now, plan)
         self._clean_strays(nodes, plan)
+        fleet: list[FleetCapacity] = []  # built on first need: most passes place nothing
         for dep in catalog.deployments:
-            self._place_missing(catalog, dep, nodes, now, ctx, plan)
+            self._place_missing(catalog, dep, nodes, now, ctx, plan, fleet)
         return plan
 
     def _forget_lost_nodes(self, nodes: Mapping[str, NodeView], now: float, plan: Plan) -> None:
@@ -487,13 +498,13 @@ class Reconciler:
             drain = r.draining and r.retired_at is not None and now - r.retired_at < DRAIN_TIMEOUT
             self._stop_shards(r, nodes, plan, r.retire_reason or "retired", drain=drain)
             if r.all_released or all(s.released or s.node_id is None for s in r.shards.values()):
-                del self.book.replicas[r.replica_id]
+                self.book.remove(r.replica_id)
                 plan.events.append(f"{r.replica_id}: gone ({r.retire_reason})")
 
     def _clean_strays(self, nodes: Mapping[str, NodeView], plan: Plan) -> None:
         for key, s in list(self.book.strays.items()):
             if s.released:
-                del self.book.strays[key]
+                self.book.remove_stray(key)
             else:
                 self._stop_once(s, nodes, plan, s.reason or "not recognised by the control plane")
 
@@ -501,8 +512,9 @@ class Reconciler:
         r.retired, r.retire_reason, r.retired_at, r.draining = True, reason, now, draining
 
     def _place_missing(self, catalog: Catalog, dep: Deployment, nodes: Mapping[str, NodeView], now: float,
-                       ctx: Context, plan: Plan) -> None:
+                       ctx: Context, plan: Plan, fleet: list[FleetCapacity]) -> None:
         filled = {r.slot for r in self.book.live() if (r.model, r.profile) == (dep.model, dep.profile)}
+        refused: str | None = None  # once one slot does not fit this pass, no later one will
         for slot in range(dep.replicas):
             if slot in filled:
                 continue
@@ -526,10 +538,16 @@ class Reconciler:
             if request.weights_bytes is None and request.model.source in ctx.sizing:
                 plan.unplaced[key] = f"waiting for the size of {request.model.source} (probing the URL)"
                 continue
-            result = place(request, capacities(self.book, nodes))
-            if result.placement is None:
-                plan.unplaced[key] = result.reason or "no placement"
+            if refused is not None:
+                plan.unplaced[key] = refused
                 continue
+            if not fleet:
+                fleet.append(fleet_capacity(self.book, nodes))
+            result = place_in(request, fleet[0])
+            if result.placement is None:
+                plan.unplaced[key] = refused = result.reason or "no placement"
+                continue
+            fleet[0].take(result.placement)
             if hist.needs_replacement_token and ctx.limiter is not None:
                 ctx.limiter.take(now)
             hist.needs_replacement_token = False
@@ -554,7 +572,7 @@ class Reconciler:
             r.shards[plan_shard.rank] = Shard(shard_id=sid, replica_id=rid, rank=plan_shard.rank,
                                               node_id=plan_shard.node_id, gpu_indices=tuple(plan_shard.gpu_indices),
                                               spec=spec, state=WAITING, state_since=now)
-        self.book.replicas[rid] = r
+        self.book.add(r)
         r0 = r.shards[0]
         r0.state, r0.dispatched_at = PENDING, now
         plan.actions.append(Start(r0.node_id, r0.spec))  # type: ignore[arg-type]

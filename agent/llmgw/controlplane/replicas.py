@@ -183,32 +183,98 @@ class SlotHistory:
 
 @dataclass
 class ReplicaBook:
+    """Every replica and stray shard, indexed by node.
+
+    At fleet size the questions asked most ("which GPUs of this node are
+    taken", "which shard is this report about") must not walk every shard
+    of the fleet, so shards are indexed by node as they enter and leave the
+    book.  Hence the rule: replicas and strays are added and removed only
+    through ``add``/``remove``/``set_shard``/``add_stray``/``remove_stray``
+    (a shard's ``node_id`` never changes once it is in the book).
+    """
+
     replicas: dict[str, Replica] = field(default_factory=dict)
     # Shards running on a node that belong to no replica we keep: stopped, and
     # their GPUs counted as taken until the agent says they are gone.
     strays: dict[tuple[str, str], Shard] = field(default_factory=dict)
     slots: dict[tuple[str, int], SlotHistory] = field(default_factory=dict)
+    _on_node: dict[str, dict[str, Shard]] = field(default_factory=dict, repr=False, compare=False)
+    _strays_on: dict[str, dict[str, Shard]] = field(default_factory=dict, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        self.reindex()
+
+    # ------------------------------------------------------------- mutation
+    def reindex(self) -> None:
+        """Rebuild the node index from scratch (construction, and tests that check it)."""
+        self._on_node, self._strays_on = {}, {}
+        for r in self.replicas.values():
+            for s in r.shards.values():
+                self._index(s)
+        for (node_id, sid), s in self.strays.items():
+            self._strays_on.setdefault(node_id, {})[sid] = s
+
+    def _index(self, s: Shard) -> None:
+        if s.node_id is not None:
+            self._on_node.setdefault(s.node_id, {})[s.shard_id] = s
+
+    def _unindex(self, s: Shard) -> None:
+        on = self._on_node.get(s.node_id) if s.node_id is not None else None
+        if on is not None and on.get(s.shard_id) is s:
+            del on[s.shard_id]
+            if not on:
+                del self._on_node[s.node_id]  # type: ignore[arg-type]
+
+    def add(self, r: Replica) -> None:
+        self.replicas[r.replica_id] = r
+        for s in r.shards.values():
+            self._index(s)
+
+    def remove(self, replica_id: str) -> None:
+        r = self.replicas.pop(replica_id)
+        for s in r.shards.values():
+            self._unindex(s)
+
+    def set_shard(self, r: Replica, rank: int, s: Shard) -> None:
+        old = r.shards.get(rank)
+        if old is not None:
+            self._unindex(old)
+        r.shards[rank] = s
+        if self.replicas.get(r.replica_id) is r:
+            self._index(s)
+
+    def add_stray(self, s: Shard) -> None:
+        assert s.node_id is not None
+        self.strays[(s.node_id, s.shard_id)] = s
+        self._strays_on.setdefault(s.node_id, {})[s.shard_id] = s
+
+    def remove_stray(self, key: tuple[str, str]) -> None:
+        del self.strays[key]
+        on = self._strays_on[key[0]]
+        del on[key[1]]
+        if not on:
+            del self._strays_on[key[0]]
+
+    # -------------------------------------------------------------- queries
     def all_shards(self) -> Iterator[Shard]:
         for r in self.replicas.values():
             yield from r.shards.values()
         yield from self.strays.values()
 
     def shards_on(self, node_id: str) -> list[Shard]:
-        return [s for s in self.all_shards() if s.node_id == node_id]
+        """Replica shards on the node, then strays there."""
+        return [*self._on_node.get(node_id, {}).values(), *self._strays_on.get(node_id, {}).values()]
 
     def find(self, node_id: str, sid: str) -> Shard | None:
         """The shard ``sid`` as believed to run on ``node_id`` (None if elsewhere or unknown)."""
-        for s in self.all_shards():
-            if s.shard_id == sid and s.node_id == node_id:
-                return s
-        return None
+        s = self._on_node.get(node_id, {}).get(sid)
+        return s if s is not None else self.strays.get((node_id, sid))
 
     def claimed(self, node_id: str) -> dict[int, str]:
         """GPU index -> shard id holding it, on ``node_id``."""
         out: dict[int, str] = {}
-        for s in self.all_shards():
-            if s.node_id == node_id and not s.released:
+        for s in self.shards_on(node_id):
+            if not s.released:
                 for g in s.gpu_indices:
                     out.setdefault(g, s.shard_id)
         return out

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from llmgw.catalog import SIZE_MEASURED, Catalog, SourceKind, measure_sources, weights_size
+from llmgw.controlplane.capacity import shape_of
 from llmgw.controlplane.lifecycle import Evaluation, NodeClock, NodeState, ReplacementLimiter, evaluate, observe
 from llmgw.controlplane.reconciler import Context, NodeView, Plan, Reconciler, endpoints
 from llmgw.hardware.types import HardwareInventory
@@ -55,9 +56,11 @@ class NodeRecord:
     peer: str | None = None
     certificate: dict[str, Any] | None = None  # what the agent presented: serial, not_after, fingerprint
     last_reason: str | None = None  # why it changed state last
+    shape: str = ""  # capacity.shape_of(inventory), computed once per registration
 
     def view(self) -> NodeView:
-        return NodeView(self.node_id, self.clock.state, self.connected, self.epoch, self.inventory, self.address)
+        return NodeView(self.node_id, self.clock.state, self.connected, self.epoch, self.inventory, self.address,
+                        self.shape)
 
 
 @dataclass
@@ -184,6 +187,7 @@ class ControlPlane:
             if tr is not None:
                 log.info("node %s: %s -> %s (%s)", node_id, tr.old.value, tr.new.value, tr.reason)
         rec.inventory, rec.epoch, rec.connected = inventory, epoch, True
+        rec.shape = shape_of(inventory)
         rec.address = msg.get("address") or rec.address
         rec.agent_version, rec.boot_id = msg["agent_version"], msg["boot_id"]
         rec.registered_at, rec.peer, rec.certificate = time.time(), peer, certificate

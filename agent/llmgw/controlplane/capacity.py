@@ -1,0 +1,116 @@
+"""The fleet's free GPUs during one reconcile pass, for placement at fleet size.
+
+Placement asks every node it is given the same question and breaks ties by
+node id.  Two nodes with the same hardware shape (GPUs, links, fabrics:
+everything but their identities) and the same free GPUs give the same answer,
+so among such interchangeable nodes only the lowest node ids can ever be
+chosen.  ``FleetCapacity`` groups nodes into those classes and hands
+placement one representative per class (``k`` for a replica spanning ``k``
+nodes), which picks exactly what the whole fleet would, in time that grows
+with the number of distinct classes rather than with the fleet.
+
+When nothing fits, the reason must still speak for every node, so
+``everyone`` gives the whole list; a pass asks it once per deployment at
+most (once one slot of a deployment does not fit in a pass, none of its
+later slots will: the pass only ever takes GPUs).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from llmgw.controlplane.lifecycle import NodeState
+from llmgw.hardware.types import HardwareInventory
+from llmgw.placement import NodeCapacity, Placement
+
+
+def shape_of(inventory: HardwareInventory) -> str:
+    """What placement can see of a node, without its identities.
+
+    GPU UUIDs and PCI addresses, and the node id, never change an answer;
+    everything else (models, memory, links, fabrics and their problems) may.
+    """
+    d = inventory.to_dict()
+    d.pop("node_id", None)
+    for g in d.get("gpus", ()):
+        g.pop("uuid", None)
+        g.pop("pci_bus_id", None)
+    return repr(d)
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """A node as the pass sees it: capacity and interchangeability class."""
+
+    capacity: NodeCapacity
+    key: tuple
+
+
+def _reason(state: NodeState, connected: bool) -> str | None:
+    if state is not NodeState.READY:
+        return state.value
+    if not connected:
+        return "stream disconnected"
+    return None
+
+
+class FleetCapacity:
+    """Free GPUs per node for one pass; ``take`` keeps it true as the pass places."""
+
+    def __init__(self, units: Iterable[tuple[NodeCapacity, str]]):
+        self._units: dict[str, _Unit] = {}
+        self._classes: dict[tuple, list[str]] = {}  # key -> node ids, sorted
+        for cap, shape in units:
+            self._put(cap, shape)
+
+    @classmethod
+    def of(cls, claimed: Mapping[str, Iterable[int]] | None, nodes: Mapping[str, object]) -> "FleetCapacity":
+        """From node views (``NodeView``-like) and the GPUs claimed on each node."""
+        claimed = claimed or {}
+        units = []
+        for node_id in sorted(nodes):
+            n = nodes[node_id]
+            taken = claimed.get(node_id, ())
+            free = frozenset(g.index for g in n.inventory.gpus if g.index not in taken)  # type: ignore[attr-defined]
+            reason = _reason(n.state, n.connected)  # type: ignore[attr-defined]
+            cap = NodeCapacity(inventory=n.inventory, free_gpus=free,  # type: ignore[attr-defined]
+                               schedulable=reason is None, reason=reason)
+            units.append((cap, getattr(n, "shape", "") or ""))
+        return cls(units)
+
+    def _put(self, cap: NodeCapacity, shape: str) -> None:
+        # An empty shape is unknown: the node is a class of its own.
+        key = (shape or ("node", cap.node_id), cap.free_gpus, cap.schedulable, cap.reason)
+        self._units[cap.node_id] = _Unit(cap, key)
+        bisect.insort(self._classes.setdefault(key, []), cap.node_id)
+
+    def _drop(self, node_id: str) -> _Unit:
+        unit = self._units.pop(node_id)
+        members = self._classes[unit.key]
+        del members[bisect.bisect_left(members, node_id)]
+        if not members:
+            del self._classes[unit.key]
+        return unit
+
+    def everyone(self) -> list[NodeCapacity]:
+        """Every node, in node-id order."""
+        return [self._units[n].capacity for n in sorted(self._units)]
+
+    def candidates(self, per_class: int = 1) -> list[NodeCapacity]:
+        """The ``per_class`` lowest node ids of each class, in node-id order."""
+        ids = [n for members in self._classes.values() for n in members[:per_class]]
+        return [self._units[n].capacity for n in sorted(ids)]
+
+    def classes(self) -> int:
+        return len(self._classes)
+
+    def take(self, placement: Placement) -> None:
+        """The GPUs of ``placement`` are no longer free."""
+        for shard in placement.shards:
+            unit = self._drop(shard.node_id)
+            cap = unit.capacity
+            shape = unit.key[0] if isinstance(unit.key[0], str) else ""
+            self._put(NodeCapacity(inventory=cap.inventory, free_gpus=cap.free_gpus - frozenset(shard.gpu_indices),
+                                   schedulable=cap.schedulable, reason=cap.reason), shape)
