@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 from urllib.parse import urlsplit
 
 import yaml
@@ -107,6 +107,75 @@ def validator(name: str, definition: str | None = None) -> Draft202012Validator:
         registry=_registry(),
         format_checker=FORMAT_CHECKER,
     )
+
+
+def _bundle(name: str) -> dict[str, Any]:
+    """Schema ``name`` with every schema it references folded into its ``$defs``.
+
+    The compiled validator resolves references within one document only;
+    the schema files stay the one source, this is only their shape.
+    """
+    schemas = _schema_files()
+    out: dict[str, Any] = {"$defs": {}}
+    imported: set[str] = set()
+
+    def rewrite(node: Any, prefix: str) -> Any:
+        if isinstance(node, list):
+            return [rewrite(v, prefix) for v in node]
+        if not isinstance(node, dict):
+            return node
+        new = {k: rewrite(v, prefix) for k, v in node.items() if k not in ("$id", "$schema")}
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            doc, _, frag = ref.partition("#")
+            target = doc.removesuffix(".schema.json") if doc else None
+            pre = prefix if target is None else f"{target}__"
+            if target is not None and target not in imported:
+                imported.add(target)
+                take(target)
+            new["$ref"] = f"#/$defs/{pre}{frag.removeprefix('/$defs/')}" if frag else f"#/$defs/{pre}"
+        return new
+
+    def take(schema_name: str) -> None:
+        schema = schemas[schema_name]
+        pre = f"{schema_name}__"
+        for key, sub in schema.get("$defs", {}).items():
+            out["$defs"][pre + key] = rewrite(sub, pre)
+        out["$defs"][pre] = rewrite({k: v for k, v in schema.items() if k != "$defs"}, pre)
+
+    imported.add(name)
+    take(name)
+    return out
+
+
+@functools.cache
+def fast_check(name: str, definition: str | None = None) -> Callable[[Any], bool]:
+    """A compiled validator for schema ``name`` (or one of its ``$defs``): True when valid.
+
+    Thousands of agents validating their messages with ``jsonschema`` would
+    cost the control plane seconds of CPU per registration storm; the
+    compiled form answers "valid" in microseconds.  It only ever decides
+    that a document is valid: anything it refuses is checked again by
+    ``schema_errors``, which has the final say and the readable errors.
+    """
+    import fastjsonschema
+
+    bundle = _bundle(name)
+    entry = f"{name}__{definition}" if definition is not None else f"{name}__"
+    if entry not in bundle["$defs"]:
+        raise KeyError(f"schema {name!r} has no definition {definition!r}")
+    compiled = fastjsonschema.compile({"$schema": "http://json-schema.org/draft-07/schema#",
+                                       "$defs": bundle["$defs"], "$ref": f"#/$defs/{entry}"},
+                                      use_default=False, use_formats=False)
+
+    def check(doc: Any) -> bool:
+        try:
+            compiled(doc)
+        except fastjsonschema.JsonSchemaException:
+            return False
+        return True
+
+    return check
 
 
 def _pointer(err: ValidationError) -> str:

@@ -291,5 +291,9 @@ class ReplicaBook:
     def slot(self, key: str, slot: int) -> SlotHistory:
         return self.slots.setdefault((key, slot), SlotHistory())
 
+    def settled(self) -> bool:
+        """Nothing in flight: every replica serving, none retired or failed, no strays."""
+        return not self.strays and all(r.state is ReplicaState.READY for r in self.replicas.values())
+
     def live(self) -> list[Replica]:
         return [r for r in self.replicas.values() if not r.retired]

@@ -72,6 +72,8 @@ class Loaded:
     loaded_at: float = field(default_factory=time.time)
 
 
+FULL_PASS_EVERY = 30.0  # seconds: a settled fleet is still reconciled whole this often
+PASS_SHARE = 0.5  # at most this share of the event loop goes to back-to-back reconcile passes
 PROBE_TIMEOUT = 5.0  # seconds per request when sizing a URL (a HEAD, then maybe one ranged GET)
 PROBE_HOLD = 30.0  # longest a model waits for its URL's size before it is placed without one
 
@@ -135,6 +137,9 @@ class ControlPlane:
         self.sizes = WeightSizes()
         self._sized_for: Loaded | None = None
         self._probes: set[asyncio.Task[None]] = set()
+        self._dirty = True  # something may have changed since the last whole-fleet pass
+        self._settled = False  # the last pass left nothing to do
+        self._last_full = float("-inf")
 
     # ------------------------------------------------------------------ access
     @property
@@ -154,6 +159,8 @@ class ControlPlane:
         return {n: rec.view() for n, rec in self.nodes.items()}
 
     def kick(self) -> None:
+        """Something was observed: the next tick reconciles the whole fleet."""
+        self._dirty = True
         self._kick.set()
 
     def is_current(self, node_id: str, epoch: int) -> bool:
@@ -324,18 +331,33 @@ class ControlPlane:
         self.kick()
 
     def tick(self) -> Plan:
-        """One pass: lifecycle, reconcile, dispatch, endpoints."""
+        """One pass: lifecycle, then (when anything may have changed) reconcile, dispatch, endpoints.
+
+        The lifecycle runs every time: silence is news only a clock can bring.
+        The whole-fleet reconcile runs when something was observed (every
+        observation kicks), when the lifecycle moved, while the last pass left
+        work undone (unplaced slots, replicas not serving, strays), and at
+        least every ``FULL_PASS_EVERY`` seconds regardless.  A settled fleet
+        of thousands of nodes then costs a lifecycle pass per tick, not a
+        reconcile of every replica.
+        """
         now = self.clock()
         lc = self.settings.lifecycle
         clocks = {n: rec.clock for n, rec in self.nodes.items()}
-        ev = evaluate(clocks, now, self.started_at, lc, self.evaluation.last_damped)
-        if ev.hold_reason and ev.hold_reason != self.evaluation.hold_reason and ev.held:
+        prev = self.evaluation
+        ev = evaluate(clocks, now, self.started_at, lc, prev.last_damped)
+        if ev.hold_reason and ev.hold_reason != prev.hold_reason and ev.held:
             log.warning("not declaring %s lost: %s", ", ".join(ev.held), ev.hold_reason)
         self.evaluation = ev
+        if ev.transitions or (ev.in_grace, ev.damped) != (prev.in_grace, prev.damped):
+            self._dirty = True
         for tr in ev.transitions:
             self.nodes[tr.node_id].last_reason = tr.reason
             level = logging.ERROR if tr.new is NodeState.LOST else logging.WARNING
             log.log(level, "node %s: %s -> %s (%s)", tr.node_id, tr.old.value, tr.new.value, tr.reason)
+        if not (self._dirty or not self._settled or now - self._last_full >= FULL_PASS_EVERY):
+            return Plan()
+        self._dirty, self._last_full = False, now
         ctx = Context(restart=self.settings.restart, memory_headroom=self.settings.memory_headroom,
                       in_grace=ev.in_grace, damped=ev.damped, limiter=self.limiter,
                       weight_sizes=dict(self.sizes.bytes), sizing=self.sizes.holding(now))
@@ -358,6 +380,7 @@ class ControlPlane:
         for node_id, gpu, ids in doubles:
             log.error("GPU %d on %s is held by more than one shard: %s", gpu, node_id, ", ".join(ids))
         self._publish_endpoints(views)
+        self._settled = not plan.unplaced and not plan.actions and self.reconciler.book.settled()
         return plan
 
     def _publish_endpoints(self, views: dict[str, NodeView]) -> None:
@@ -389,10 +412,17 @@ class ControlPlane:
                     pass
                 self._kick.clear()
                 self._start_sizing_safely()
+                began = time.perf_counter()
                 try:
                     self.tick()
                 except Exception:
                     log.exception("reconcile pass failed; retrying on the next tick")
+                # A pass over a large fleet holds the loop for a while; during a
+                # registration storm the next kick is already waiting, so leave
+                # the stream as much time again before the next pass.
+                spent = time.perf_counter() - began
+                if spent > 0.05:
+                    await asyncio.sleep(min(5.0, spent * (1 - PASS_SHARE) / PASS_SHARE))
         finally:
             for task in list(self._probes):
                 task.cancel()
