@@ -51,7 +51,7 @@ from llmgw.controlplane.replicas import (
     profile_to_dict,
     shard_id,
     slot_of,
-    spec_matches,
+    spec_matcher,
 )
 from llmgw.hardware.types import HardwareInventory
 from llmgw.placement import NodeCapacity, PlacementRequest, PlacementResult, place
@@ -364,13 +364,17 @@ class Reconciler:
     def _retire_uncatalogued(self, catalog: Catalog, now: float, plan: Plan) -> None:
         declared = {(d.model, d.profile) for d in catalog.deployments}
         outdated: dict[str, list[Replica]] = {}
+        matchers: dict[tuple[str, str], Callable[[dict[str, Any]], bool]] = {}
         for r in self.book.live():
             if (r.model, r.profile) not in declared or r.model not in catalog.models or r.profile not in catalog.profiles:
                 self._retire(r, f"{r.model}/{r.profile} is not in the catalog", now)
                 plan.events.append(f"{r.replica_id}: stopping, {r.model}/{r.profile} is not in the catalog")
                 continue
-            m, p = catalog.models[r.model], catalog.profiles[r.profile]
-            if any(s.spec and not spec_matches(s.spec, m, p) for s in r.shards.values()):
+            matches = matchers.get((r.model, r.profile))
+            if matches is None:
+                matches = matchers[(r.model, r.profile)] = spec_matcher(catalog.models[r.model],
+                                                                        catalog.profiles[r.profile])
+            if any(s.spec and not matches(s.spec) for s in r.shards.values()):
                 outdated.setdefault(r.key, []).append(r)
         # A changed definition is rolled out one replica at a time: the next
         # outdated replica is stopped only once every other replica of the

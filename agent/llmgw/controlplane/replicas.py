@@ -56,13 +56,22 @@ def _normal(d: dict[str, Any], template: dict[str, Any]) -> dict[str, Any]:
     return {k: d.get(k) for k in template}
 
 
+def spec_matcher(model: Model, profile: Profile) -> Callable[[dict[str, Any]], bool]:
+    """Whether a running shard's spec is what the catalog declares now (one catalog entry, many shards)."""
+    want_m, want_p = model_to_dict(model), profile_to_dict(profile)
+
+    def matches(spec: dict[str, Any]) -> bool:
+        got_p = _normal(spec.get("profile", {}), want_p)
+        got_p["extra_args"] = list(got_p["extra_args"] or [])
+        got_p["env"] = dict(got_p["env"] or {})
+        return _normal(spec.get("model", {}), want_m) == want_m and got_p == want_p
+
+    return matches
+
+
 def spec_matches(spec: dict[str, Any], model: Model, profile: Profile) -> bool:
     """Whether a running shard's spec is what the catalog declares now."""
-    want_m, want_p = model_to_dict(model), profile_to_dict(profile)
-    got_p = _normal(spec.get("profile", {}), want_p)
-    got_p["extra_args"] = list(got_p["extra_args"] or [])
-    got_p["env"] = dict(got_p["env"] or {})
-    return _normal(spec.get("model", {}), want_m) == want_m and got_p == want_p
+    return spec_matcher(model, profile)(spec)
 
 
 def new_replica_id(model: str, profile: str, slot: int, rand: Callable[[], str] | None = None) -> str:
@@ -281,12 +290,18 @@ class ReplicaBook:
 
     def double_claims(self) -> list[tuple[str, int, list[str]]]:
         """(node, gpu, shard ids) for every GPU more than one live shard holds."""
-        seen: dict[tuple[str, int], list[str]] = {}
-        for s in self.all_shards():
-            if s.node_id is not None and not s.released:
-                for g in s.gpu_indices:
-                    seen.setdefault((s.node_id, g), []).append(s.shard_id)
-        return [(n, g, ids) for (n, g), ids in sorted(seen.items()) if len(ids) > 1]
+        out = []
+        for node_id in self._on_node.keys() | self._strays_on.keys():
+            shards = self.shards_on(node_id)
+            if len(shards) < 2:
+                continue  # the common case at fleet size: nothing to compare
+            seen: dict[int, list[str]] = {}
+            for s in shards:
+                if not s.released:
+                    for g in s.gpu_indices:
+                        seen.setdefault(g, []).append(s.shard_id)
+            out.extend((node_id, g, ids) for g, ids in seen.items() if len(ids) > 1)
+        return sorted(out)
 
     def slot(self, key: str, slot: int) -> SlotHistory:
         return self.slots.setdefault((key, slot), SlotHistory())

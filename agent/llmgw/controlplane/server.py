@@ -28,6 +28,7 @@ from llmgw.config import ConfigInvalid
 from llmgw.controlplane.api import build_api
 from llmgw.controlplane.state import ControlPlane
 from llmgw.controlplane.tlssite import HandshakeLoggingSite
+from llmgw.eventloop import run_loop, tune_gc
 from llmgw.settings import ServerSettings, load_server_settings
 
 log = logging.getLogger("llmgw.controlplane")
@@ -167,6 +168,7 @@ async def serve(settings: ServerSettings, config_path: str | None = None,
     lc = settings.lifecycle
     log.info("lifecycle: heartbeat %gs, keepalive %gs, unreachable after %gs, lost after %gs, startup grace %gs",
              lc.heartbeat_interval, lc.keepalive_interval, lc.unreachable_after, lc.lost_after, lc.startup_grace)
+    tune_gc()  # thousands of streams hold many objects: freeze what start-up built, collect less often
     ticker = asyncio.create_task(cp.run(), name="reconcile loop")
     try:
         await stop.wait()
@@ -187,7 +189,7 @@ async def serve(settings: ServerSettings, config_path: str | None = None,
 def run_server(settings: ServerSettings, config_path: str | None = None) -> int:
     """Blocking entry point; returns the process exit status."""
     try:
-        asyncio.run(serve(settings, config_path))
+        run_loop(serve(settings, config_path))
     except StartupRefused as e:
         log.error("refusing to start: %s", e)
         return 2

@@ -57,10 +57,16 @@ class NodeRecord:
     certificate: dict[str, Any] | None = None  # what the agent presented: serial, not_after, fingerprint
     last_reason: str | None = None  # why it changed state last
     shape: str = ""  # capacity.shape_of(inventory), computed once per registration
+    _view: NodeView | None = field(default=None, repr=False, compare=False)
 
     def view(self) -> NodeView:
-        return NodeView(self.node_id, self.clock.state, self.connected, self.epoch, self.inventory, self.address,
-                        self.shape)
+        """The reconciler's picture of this node; the same object while nothing in it changed."""
+        v = self._view
+        if (v is None or v.state is not self.clock.state or v.connected is not self.connected
+                or v.epoch != self.epoch or v.inventory is not self.inventory or v.address != self.address):
+            v = self._view = NodeView(self.node_id, self.clock.state, self.connected, self.epoch, self.inventory,
+                                      self.address, self.shape)
+        return v
 
 
 @dataclass

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import gc
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -30,6 +29,7 @@ from typing import Any, Callable
 from aiohttp import web
 
 from llmgw.config import ConfigError, ConfigInvalid
+from llmgw.eventloop import run_loop, tune_gc
 from llmgw.tls.context import client_context
 from llmgw.tls.files import private_mode_problem
 
@@ -92,33 +92,6 @@ def listen_socket(host: str, port: int, backlog: int, listen: bool = True) -> so
         sock.close()
         raise
     return sock
-
-
-def tune_gc() -> None:
-    """Keep the cyclic garbage collector off the request path's critical share of CPU.
-
-    Every request allocates hundreds of container objects (aiohttp's request,
-    headers, tasks, futures), so the default gen-0 threshold of 700 ran a
-    collection several times per request, and the older generations kept
-    re-scanning everything imported at startup: together about a twentieth of
-    a worker's CPU.  Objects alive once the app is built are frozen (never
-    scanned again) and collections run every 20,000 allocations instead.
-    Request state is freed by reference counting; cycles are rare and still
-    collected.
-    """
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(20_000, 20, 20)
-
-
-def run_loop(coro: Any) -> None:
-    """Run on uvloop when it is installed: it roughly halves the loop's share of CPU per event."""
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency; keep running without it
-        asyncio.run(coro)
-        return
-    uvloop.run(coro)
 
 
 async def serve_worker(settings: RouterSettings, sock: socket.socket, on_ready: Callable[[], None]) -> None:
