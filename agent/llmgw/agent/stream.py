@@ -53,6 +53,21 @@ def incoming_problems(msg: Any) -> list[str]:
     return definition_problems(kind, msg)
 
 
+def stream_session(connect_timeout: float = 15.0, connector: aiohttp.BaseConnector | None = None
+                   ) -> aiohttp.ClientSession:
+    """The HTTP session an agent's stream dials through (no total timeout, no silent redial)."""
+    timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout, sock_connect=connect_timeout)
+    session = aiohttp.ClientSession(timeout=timeout, connector=connector)
+    # aiohttp redials a GET once, at once, when the server drops or resets the
+    # connection before answering: a second, unjittered dial on the heels of
+    # every attempt, just when a control plane (or its load balancer) is
+    # shedding load.  The backoff in ``StreamClient`` is the only retry
+    # policy; there is no public switch for this in aiohttp 3.x.
+    if hasattr(session, "_retry_connection"):
+        session._retry_connection = False
+    return session
+
+
 class StreamClient:
     """One agent's connection loop.  ``send`` is safe to call at any time."""
 
@@ -94,29 +109,32 @@ class StreamClient:
         }
 
     # ----------------------------------------------------------------- the loop
-    async def run_forever(self) -> None:
-        timeout = aiohttp.ClientTimeout(total=None, connect=self.connect_timeout, sock_connect=self.connect_timeout)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            # aiohttp redials a GET once, at once, when the server drops or
-            # resets the connection before answering: a second, unjittered dial
-            # on the heels of every attempt, just when a control plane (or its
-            # load balancer) is shedding load.  The backoff below is the only
-            # retry policy; there is no public switch for this in aiohttp 3.x.
-            if hasattr(session, "_retry_connection"):
-                session._retry_connection = False
-            while True:
-                try:
-                    await self._connect_once(session)
-                except asyncio.CancelledError:
-                    raise
-                except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ssl.SSLError) as e:
-                    log.warning("control plane %s: %s: %s", self.url, type(e).__name__, e)
-                except Exception:
-                    log.exception("stream to %s failed", self.url)
-                delay = self.backoff.next_delay()
-                log.info("reconnecting to %s in %.2fs (attempt %d); engines keep running",
-                         self.url, delay, self.backoff.attempt)
-                await asyncio.sleep(delay)
+    async def run_forever(self, session: aiohttp.ClientSession | None = None) -> None:
+        """Connect, and reconnect, forever.
+
+        ``session`` (made by ``stream_session``) lets many clients in one
+        process share one connection pool; by default the client owns its own.
+        """
+        if session is None:
+            async with stream_session(self.connect_timeout) as own:
+                await self._run(own)
+        else:
+            await self._run(session)
+
+    async def _run(self, session: aiohttp.ClientSession) -> None:
+        while True:
+            try:
+                await self._connect_once(session)
+            except asyncio.CancelledError:
+                raise
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ssl.SSLError) as e:
+                log.warning("control plane %s: %s: %s", self.url, type(e).__name__, e)
+            except Exception:
+                log.exception("stream to %s failed", self.url)
+            delay = self.backoff.next_delay()
+            log.info("reconnecting to %s in %.2fs (attempt %d); engines keep running",
+                     self.url, delay, self.backoff.attempt)
+            await asyncio.sleep(delay)
 
     async def _connect_once(self, session: aiohttp.ClientSession) -> None:
         # Discover before dialling: the control plane gives a fresh stream only

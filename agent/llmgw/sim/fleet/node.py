@@ -1,0 +1,175 @@
+"""One simulated agent: the agent's own stream client and supervisor, plus fault switches.
+
+``SimStreamClient`` is ``llmgw.agent.stream.StreamClient`` with counting and
+faults layered on its hooks; connecting, TLS, registering, heartbeats,
+obeying start/stop/drain and redialling with jittered backoff are the real
+agent's code.  Faults:
+
+* silence: the connection stays open (WebSocket pings are still answered,
+  as a kernel answers TCP while the agent is wedged) but no heartbeat goes
+  out; other messages wait and are delivered on heal, as a stalled TCP
+  stream would deliver them;
+* kill: the agent's connection ends as a killed process's would, and the
+  node stays down until restarted; its shards (engines) live on and the new
+  agent reports them as adopted;
+* flap: killed and restarted again and again;
+* slow register: the register goes out some seconds after the WebSocket is up;
+* malformed / oversized: one message the control plane must refuse.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections import Counter
+from typing import Any, Callable
+
+import aiohttp
+
+from llmgw.agent.stream import MAX_MESSAGE, StreamClient
+from llmgw.hardware.types import HardwareInventory
+from llmgw.sim.fleet.shards import SimSupervisor
+
+log = logging.getLogger(__name__)
+
+MALFORMED = {"type": "shard_status", "shard_id": "", "state": "exploded"}  # fails the stream schema
+
+
+class SimStreamClient(StreamClient):
+    def __init__(self, *, sent: Counter, **kw: Any):
+        super().__init__(**kw)
+        self.sent = sent  # message type -> count, shared by the process's nodes
+        self.registrations = 0
+        self.registered = False  # on the current connection
+        self.connect_errors = 0
+        self.silenced = False
+        self.slow_register = 0.0
+        self.held: list[dict[str, Any]] = []
+
+    def send(self, msg: dict[str, Any]) -> None:
+        if self.silenced:
+            if msg.get("type") != "heartbeat":
+                self.held.append(msg)
+            return
+        if self._queue is not None:
+            self.sent[msg.get("type", "?")] += 1
+        super().send(msg)
+
+    def register_message(self, hw: HardwareInventory) -> dict[str, Any]:
+        self.sent["register"] += 1
+        return super().register_message(hw)
+
+    def heal(self) -> None:
+        self.silenced = False
+        held, self.held = self.held, []
+        for m in held:
+            self.send(m)
+
+    def send_raw(self, msg: dict[str, Any]) -> bool:
+        """Queue ``msg`` as is, bypassing silence; False when not connected."""
+        if self._queue is None:
+            return False
+        self.sent[str(msg.get("type", "?"))] += 1
+        self._queue.put_nowait(msg)
+        return True
+
+    async def _connect_once(self, session: aiohttp.ClientSession) -> None:
+        before = self.connections
+        try:
+            await super()._connect_once(session)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            if self.connections == before:  # failed before the WebSocket was up
+                self.connect_errors += 1
+            raise
+        finally:
+            self.registered = False
+
+    async def _sender(self, ws: aiohttp.ClientWebSocketResponse, queue: asyncio.Queue[dict[str, Any]]) -> None:
+        if self.slow_register > 0:
+            await asyncio.sleep(self.slow_register)
+        await super()._sender(ws, queue)
+
+    def _handle_text(self, data: str) -> float | None:
+        hb = super()._handle_text(data)
+        if hb is not None:
+            self.registrations += 1
+            self.registered = True
+        return hb
+
+
+class SimNode:
+    """A simulated agent's life: its client task, killed and restarted at will."""
+
+    def __init__(self, number: int, node_id: str, make_client: Callable[["SimNode"], SimStreamClient],
+                 supervisor_factory: Callable[[Callable[[dict[str, Any]], None]], SimSupervisor],
+                 session: aiohttp.ClientSession):
+        self.number = number
+        self.node_id = node_id
+        self.session = session
+        self.make_client = make_client
+        self.supervisor = supervisor_factory(self._emit)
+        self.client = make_client(self)
+        self.task: asyncio.Task[None] | None = None
+        self.killed = False
+        self.lives = 0
+        self.flapper: asyncio.Task[None] | None = None
+
+    def _emit(self, msg: dict[str, Any]) -> None:
+        self.client.send(msg)
+
+    def start(self) -> None:
+        if self.task is None or self.task.done():
+            self.lives += 1
+            self.killed = False
+            self.task = asyncio.get_running_loop().create_task(self.client.run_forever(self.session),
+                                                               name=f"agent {self.node_id}")
+
+    async def kill(self) -> None:
+        """End the agent as SIGKILL would: its connection goes, its engines stay."""
+        self.killed = True
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+        self.task = None
+
+    async def restart(self) -> None:
+        """A new agent process: fresh client, same engines, reported as adopted."""
+        await self.kill()
+        old = self.client
+        self.client = self.make_client(self)
+        self.client.registrations = old.registrations
+        self.client.connect_errors = old.connect_errors
+        self.client.slow_register = old.slow_register
+        self.supervisor.adopt_all()
+        self.start()
+
+    async def flap(self, period: float, down: float) -> None:
+        while True:
+            await asyncio.sleep(random.uniform(0.5, 1.5) * period)
+            await self.kill()
+            await asyncio.sleep(random.uniform(0.0, down))
+            await self.restart()
+
+    def stop_flapping(self) -> None:
+        if self.flapper is not None:
+            self.flapper.cancel()
+            self.flapper = None
+
+    @property
+    def connected(self) -> bool:
+        return self.client._queue is not None
+
+    def malformed(self) -> bool:
+        return self.client.send_raw(dict(MALFORMED))
+
+    def oversized(self) -> bool:
+        return self.client.send_raw({"type": "heartbeat", "seq": 0, "pad": "x" * (MAX_MESSAGE + 1024)})
+
+
+def discover_for(inventory: Callable[[], HardwareInventory]) -> Callable[[], Any]:
+    async def discover() -> HardwareInventory:
+        return inventory()
+    return discover
