@@ -139,6 +139,9 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
     async def nodes(request: web.Request) -> web.Response:
         return web.json_response(views.nodes_view(cp))
 
+    async def summary(request: web.Request) -> web.Response:
+        return web.json_response(views.summary_view(cp))
+
     async def replicas(request: web.Request) -> web.Response:
         return web.json_response(views.replicas_view(cp))
 
@@ -179,6 +182,7 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
     app.router.add_get("/healthz", healthz)
     app.router.add_get(STREAM_PATH, agents.handle)
     app.router.add_get("/v1/nodes", nodes)
+    app.router.add_get("/v1/summary", summary)
     app.router.add_get("/v1/replicas", replicas)
     app.router.add_get("/v1/catalog", catalog)
     app.router.add_get("/v1/explain/{model}", explain)

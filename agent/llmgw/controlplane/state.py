@@ -138,7 +138,7 @@ class ControlPlane:
         self._kick = asyncio.Event()
         self._endpoint_listeners: list[Callable[[list[dict[str, Any]]], None]] = []
         self._last_endpoints: list[dict[str, Any]] | None = None
-        self._last_unplaced_logged: dict[tuple[str, int], str] = {}
+        self._last_unplaced_logged: dict[tuple[str, str], list[int]] = {}
         self.reload_errors: list[str] = []
         self.sizes = WeightSizes()
         self._sized_for: Loaded | None = None
@@ -371,10 +371,7 @@ class ControlPlane:
         plan = self.reconciler.reconcile(self.catalog, views, now, ctx)
         for line in plan.events:
             log.info("%s", line)
-        for key, why in plan.unplaced.items():
-            if self._last_unplaced_logged.get(key) != why and not why.startswith("restarting in"):
-                log.warning("%s#%d not placed: %s", key[0], key[1], why)
-        self._last_unplaced_logged = dict(plan.unplaced)
+        self._log_unplaced(plan.unplaced)
         self.unplaced = plan.unplaced
         for action in plan.actions:
             session = self.sessions.get(action.node_id)
@@ -388,6 +385,23 @@ class ControlPlane:
         self._publish_endpoints(views)
         self._settled = not plan.unplaced and not plan.actions and self.reconciler.book.settled()
         return plan
+
+    def _log_unplaced(self, unplaced: dict[tuple[str, int], str]) -> None:
+        """One line per deployment and reason, when it changes, not one per slot.
+
+        A fleet coming up has thousands of slots waiting for the same reason;
+        a line each, on every pass whose reason text moved, is megabytes of
+        log a minute and CPU the control plane needs for its agents.
+        """
+        grouped: dict[tuple[str, str], list[int]] = {}
+        for (key, slot), why in unplaced.items():
+            if not why.startswith("restarting in"):  # the failure was logged; the countdown is in ctl
+                grouped.setdefault((key, why), []).append(slot)
+        for (key, why), slots in grouped.items():
+            if self._last_unplaced_logged.get((key, why)) != slots:
+                shown = ", ".join(f"#{n}" for n in slots[:5]) + (f" and {len(slots) - 5} more" if len(slots) > 5 else "")
+                log.warning("%s: %d replica(s) not placed (%s): %s", key, len(slots), shown, why)
+        self._last_unplaced_logged = grouped
 
     def _publish_endpoints(self, views: dict[str, NodeView]) -> None:
         eps = endpoints(self.reconciler.book, views)

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import ssl
 import time
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from aiohttp import web
 
@@ -72,7 +72,8 @@ class _Upgrade(asyncio.Protocol):
         self._task: asyncio.Task[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        # uvloop's transports are not asyncio.Transport subclasses, but have its methods
+        transport = cast(asyncio.Transport, transport)
         transport.pause_reading()  # the ClientHello waits in the socket for start_tls
         self._transport = transport
         self._task = asyncio.get_running_loop().create_task(self._handshake(transport))
