@@ -255,7 +255,7 @@ async def _run(args: argparse.Namespace, ca: Any, assignment: list[str]) -> int:
     handles: list[Any] = ([LocalHandle(specs[0])] if args.procs == 1
                           else [ProcessHandle(s, "DEBUG" if args.log_level == "DEBUG" else "WARNING") for s in specs])
     meta = {"url": args.url, "nodes_total": args.nodes, "procs_total": args.procs, "prefix": args.prefix}
-    coord = Coordinator(handles, args.nodes, args.seed, meta)
+    coord = Coordinator(handles, ids, args.seed, meta)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, coord.done.set)

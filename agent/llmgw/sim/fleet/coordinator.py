@@ -138,9 +138,10 @@ class ProcessHandle:
 
 
 class Coordinator:
-    def __init__(self, handles: list[Handle], total: int, seed: int | None, meta: dict[str, Any]):
+    def __init__(self, handles: list[Handle], node_ids: list[str], seed: int | None, meta: dict[str, Any]):
         self.handles = handles
-        self.total = total
+        self.node_ids = node_ids
+        self.total = len(node_ids)
         self.rng = random.Random(seed)
         self.meta = meta
         self.started = time.time()
@@ -178,7 +179,7 @@ class Coordinator:
             for doc in await asyncio.gather(*(h.request({"op": "nodes"}) for h in self.handles)):
                 rows += doc["nodes"]
             return {"nodes": sorted(rows, key=lambda r: r["node_id"])}
-        numbers = select(self.rng, self.total, cmd.share) if cmd.share is not None else []
+        numbers = select(self.rng, self.node_ids, cmd.share) if cmd.share is not None else []
         replies = await asyncio.gather(*(
             h.request({"op": cmd.op, "numbers": sorted(h.numbers.intersection(numbers)), "arg": cmd.arg})
             for h in self.handles))
@@ -189,7 +190,7 @@ class Coordinator:
 
     async def line(self, text: str) -> str:
         try:
-            reply = await self.execute(parse_command(text))
+            reply = await self.execute(parse_command(text))  # select() may raise CommandError too
         except CommandError as e:
             reply = {"error": str(e)}
         return json.dumps(reply, separators=(",", ":"))
