@@ -262,7 +262,12 @@ async def _run(args: argparse.Namespace, ca: Any, assignment: list[str]) -> int:
     background: list[asyncio.Task[Any]] = []
     server = None
     try:
-        await asyncio.gather(*(h.start() for h in handles))
+        try:
+            await asyncio.gather(*(h.start() for h in handles))
+        except RuntimeError as e:
+            log.error("%s", e)
+            coord.failed = str(e)
+            return 1
         log.info("%d agent(s) in %d process(es) dialling %s", args.nodes, args.procs, args.url)
         for cmd in start_commands(args):
             log.info("%s: %s", cmd.op, await coord.execute(cmd))
@@ -285,7 +290,7 @@ async def _run(args: argparse.Namespace, ca: Any, assignment: list[str]) -> int:
         await asyncio.gather(*(h.close() for h in handles), return_exceptions=True)
         if tmp is not None:
             tmp.cleanup()
-    return 0
+    return 1 if coord.failed else 0
 
 
 if __name__ == "__main__":

@@ -119,8 +119,11 @@ class ProcessHandle:
     async def request(self, req: dict[str, Any]) -> dict[str, Any]:
         assert self.proc is not None and self.proc.stdin is not None
         async with self.lock:
-            self.proc.stdin.write(json.dumps(req).encode() + b"\n")
-            await self.proc.stdin.drain()
+            try:
+                self.proc.stdin.write(json.dumps(req).encode() + b"\n")
+                await self.proc.stdin.drain()
+            except (ConnectionError, RuntimeError):
+                raise RuntimeError(f"worker process {self.pid} exited (status {await self.proc.wait()})") from None
             return await self._read()
 
     async def close(self) -> None:
@@ -147,9 +150,16 @@ class Coordinator:
         self.started = time.time()
         self.done = asyncio.Event()
         self.last_status: dict[str, Any] = {}
+        self.failed: str | None = None
 
     async def status(self) -> dict[str, Any]:
-        docs = await asyncio.gather(*(h.request({"op": "stats"}) for h in self.handles))
+        try:
+            docs = await asyncio.gather(*(h.request({"op": "stats"}) for h in self.handles))
+        except RuntimeError as e:  # a worker process died: its agents are gone, the figures would lie
+            log.error("%s; stopping", e)
+            self.failed = str(e)
+            self.done.set()
+            raise
         doc = merge(docs)
         procs = []
         for h in self.handles:
@@ -201,6 +211,8 @@ class Coordinator:
             try:
                 doc = await self.status()
                 write_atomic(path, json.dumps(doc, indent=1).encode() + b"\n", mode=PUBLIC_MODE)
+            except RuntimeError:
+                return  # a worker died; status() said so and stops the simulator
             except Exception:
                 log.exception("cannot write the status to %s", path)
             await asyncio.sleep(interval)
