@@ -342,6 +342,15 @@ class Supervisor:
             return f"GPU(s) {clash} are held by shard(s) {', '.join(owners)} on this node"
         return None
 
+    def _checked(self, shard: Shard) -> tuple[Model, Profile] | None:
+        """The shard's model and profile, or None after failing the shard for a preflight problem."""
+        model, profile = spec_model(shard.spec), spec_profile(shard.spec)
+        problem = self._preflight(shard, model, profile)
+        if problem:
+            self._fail_before_launch(shard, problem)
+            return None
+        return model, profile
+
     async def _resolve_source(self, shard: Shard, model: Model) -> str | None:
         """The model path to hand the engine, or None after failing the shard."""
         from llmgw.engines import SourceError, resolve_model_path
@@ -384,11 +393,10 @@ class Supervisor:
         from llmgw.engines import LaunchContext, LaunchContextError, ProfileError, build_launch
 
         spec = shard.spec
-        model, profile = spec_model(spec), spec_profile(spec)
-        problem = self._preflight(shard, model, profile)
-        if problem:
-            self._fail_before_launch(shard, problem)
+        checked = self._checked(shard)
+        if checked is None:
             return False
+        model, profile = checked
         model_path = await self._resolve_source(shard, model)
         if model_path is None or shard.state.terminal:
             return False

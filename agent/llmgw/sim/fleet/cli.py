@@ -17,7 +17,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 from urllib.parse import urlsplit
 
 from llmgw.sim.fleet.control import Command, CommandError, parse_share
@@ -26,24 +26,19 @@ from llmgw.sim.fleet.hardware import DEFAULT_MIX, MixError, allocate, builtin_te
 PROG = "llmgw-fleet-sim"
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
+def _whole(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {v}")
+        return v
+    return parse
 
 
-def _count(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
+_positive_int, _count = _whole(1), _whole(0)
 
 
 def _seconds(text: str) -> float:
@@ -255,14 +250,19 @@ async def _run(args: argparse.Namespace, ca: Any, assignment: list[str]) -> int:
     handles: list[Any] = ([LocalHandle(specs[0])] if args.procs == 1
                           else [ProcessHandle(s, "DEBUG" if args.log_level == "DEBUG" else "WARNING") for s in specs])
     meta = {"url": args.url, "nodes_total": args.nodes, "procs_total": args.procs, "prefix": args.prefix}
-    coord = Coordinator(handles, args.nodes, args.seed, meta)
+    coord = Coordinator(handles, ids, args.seed, meta)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, coord.done.set)
     background: list[asyncio.Task[Any]] = []
     server = None
     try:
-        await asyncio.gather(*(h.start() for h in handles))
+        try:
+            await asyncio.gather(*(h.start() for h in handles))
+        except RuntimeError as e:
+            log.error("%s", e)
+            coord.failed = str(e)
+            return 1
         log.info("%d agent(s) in %d process(es) dialling %s", args.nodes, args.procs, args.url)
         for cmd in start_commands(args):
             log.info("%s: %s", cmd.op, await coord.execute(cmd))
@@ -285,7 +285,7 @@ async def _run(args: argparse.Namespace, ca: Any, assignment: list[str]) -> int:
         await asyncio.gather(*(h.close() for h in handles), return_exceptions=True)
         if tmp is not None:
             tmp.cleanup()
-    return 0
+    return 1 if coord.failed else 0
 
 
 if __name__ == "__main__":

@@ -16,9 +16,10 @@ One command per line, answered by one line of JSON:
     help                       this text
     quit                       stop the simulator
 
-SHARE is a fraction (``0.05``), a percentage (``5%``) or a node count (``n=12``).
-Nodes are drawn at random (seeded by ``--seed``) from the whole fleet; the
-reply lists the node ids a command applied to.
+SHARE is a fraction (``0.05``), a percentage (``5%``), a node count (``n=12``)
+or a list of node ids (``ids=sim-00003,sim-00017``: a rack, the nodes of one
+replica).  Fractions and counts are drawn at random (seeded by ``--seed``)
+from the whole fleet; the reply lists the node ids a command applied to.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
+from typing import Any, Sequence
 
 USAGE = __doc__.split("\n\n", 2)[1]
 
@@ -44,28 +46,41 @@ class Command:
     arg: float | None = None
 
 
-def parse_share(text: str) -> tuple[str, float]:
-    """("fraction", f) or ("count", n); CommandError when it is neither."""
+def parse_share(text: str) -> tuple[str, Any]:
+    """("fraction", f), ("count", n) or ("ids", [node id, ...]); CommandError when it is none of them."""
     t = text.strip()
+    if t.startswith("ids="):
+        ids = [i for i in t[4:].split(",") if i]
+        if not ids:
+            raise CommandError(f"share {text!r}: ids= needs at least one node id")
+        return "ids", ids
     try:
         if t.startswith("n="):
             n = int(t[2:])
             if n < 0:
                 raise ValueError
-            return "count", float(n)
+            return "count", n
         f = float(t[:-1]) / 100 if t.endswith("%") else float(t)
     except ValueError:
-        raise CommandError(f"share {text!r}: expected a fraction (0.05), a percentage (5%) or a count (n=12)") from None
+        raise CommandError(f"share {text!r}: expected a fraction (0.05), a percentage (5%), a count (n=12) "
+                           "or node ids (ids=a,b)") from None
     if not 0.0 <= f <= 1.0:
         raise CommandError(f"share {text!r}: must be between 0 and 1 (0% and 100%)")
     return "fraction", f
 
 
-def count(share: str, total: int) -> int:
+def select(rng: random.Random, node_ids: Sequence[str], share: str) -> list[int]:
+    """Node numbers a share applies to: the ids named, or drawn from the whole fleet."""
     kind, value = parse_share(share)
-    if kind == "count":
-        return min(total, int(value))
-    return min(total, math.floor(value * total + 0.5))
+    total = len(node_ids)
+    if kind == "ids":
+        index = {n: i for i, n in enumerate(node_ids)}
+        unknown = [n for n in value if n not in index]
+        if unknown:
+            raise CommandError(f"unknown node id(s): {', '.join(unknown[:5])}")
+        return sorted({index[n] for n in value})
+    k = min(total, int(value)) if kind == "count" else min(total, math.floor(value * total + 0.5))
+    return sorted(rng.sample(range(total), k))
 
 
 def _number(text: str, what: str) -> float:
@@ -105,6 +120,3 @@ def parse_command(line: str) -> Command:
     raise CommandError(f"unknown command {op!r}; try: help")
 
 
-def select(rng: random.Random, total: int, share: str) -> list[int]:
-    """Node numbers a share applies to, drawn from the whole fleet."""
-    return sorted(rng.sample(range(total), count(share, total)))

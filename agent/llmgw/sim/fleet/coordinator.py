@@ -119,8 +119,11 @@ class ProcessHandle:
     async def request(self, req: dict[str, Any]) -> dict[str, Any]:
         assert self.proc is not None and self.proc.stdin is not None
         async with self.lock:
-            self.proc.stdin.write(json.dumps(req).encode() + b"\n")
-            await self.proc.stdin.drain()
+            try:
+                self.proc.stdin.write(json.dumps(req).encode() + b"\n")
+                await self.proc.stdin.drain()
+            except (ConnectionError, RuntimeError):
+                raise RuntimeError(f"worker process {self.pid} exited (status {await self.proc.wait()})") from None
             return await self._read()
 
     async def close(self) -> None:
@@ -138,17 +141,25 @@ class ProcessHandle:
 
 
 class Coordinator:
-    def __init__(self, handles: list[Handle], total: int, seed: int | None, meta: dict[str, Any]):
+    def __init__(self, handles: list[Handle], node_ids: list[str], seed: int | None, meta: dict[str, Any]):
         self.handles = handles
-        self.total = total
+        self.node_ids = node_ids
+        self.total = len(node_ids)
         self.rng = random.Random(seed)
         self.meta = meta
         self.started = time.time()
         self.done = asyncio.Event()
         self.last_status: dict[str, Any] = {}
+        self.failed: str | None = None
 
     async def status(self) -> dict[str, Any]:
-        docs = await asyncio.gather(*(h.request({"op": "stats"}) for h in self.handles))
+        try:
+            docs = await asyncio.gather(*(h.request({"op": "stats"}) for h in self.handles))
+        except RuntimeError as e:  # a worker process died: its agents are gone, the figures would lie
+            log.error("%s; stopping", e)
+            self.failed = str(e)
+            self.done.set()
+            raise
         doc = merge(docs)
         procs = []
         for h in self.handles:
@@ -178,7 +189,7 @@ class Coordinator:
             for doc in await asyncio.gather(*(h.request({"op": "nodes"}) for h in self.handles)):
                 rows += doc["nodes"]
             return {"nodes": sorted(rows, key=lambda r: r["node_id"])}
-        numbers = select(self.rng, self.total, cmd.share) if cmd.share is not None else []
+        numbers = select(self.rng, self.node_ids, cmd.share) if cmd.share is not None else []
         replies = await asyncio.gather(*(
             h.request({"op": cmd.op, "numbers": sorted(h.numbers.intersection(numbers)), "arg": cmd.arg})
             for h in self.handles))
@@ -189,7 +200,7 @@ class Coordinator:
 
     async def line(self, text: str) -> str:
         try:
-            reply = await self.execute(parse_command(text))
+            reply = await self.execute(parse_command(text))  # select() may raise CommandError too
         except CommandError as e:
             reply = {"error": str(e)}
         return json.dumps(reply, separators=(",", ":"))
@@ -200,6 +211,8 @@ class Coordinator:
             try:
                 doc = await self.status()
                 write_atomic(path, json.dumps(doc, indent=1).encode() + b"\n", mode=PUBLIC_MODE)
+            except RuntimeError:
+                return  # a worker died; status() said so and stops the simulator
             except Exception:
                 log.exception("cannot write the status to %s", path)
             await asyncio.sleep(interval)

@@ -33,12 +33,14 @@ from llmgw.sim.fleet.shards import SimSupervisor
 
 log = logging.getLogger(__name__)
 
+SHARED_RNG = random.Random()
 MALFORMED = {"type": "shard_status", "shard_id": "", "state": "exploded"}  # fails the stream schema
 
 
 class SimStreamClient(StreamClient):
     def __init__(self, *, sent: Counter, **kw: Any):
         super().__init__(**kw)
+        self.backoff.rng = SHARED_RNG  # one Mersenne Twister state (2.5 KB) per process, not per agent
         self.sent = sent  # message type -> count, shared by the process's nodes
         self.registrations = 0
         self.registered = False  # on the current connection

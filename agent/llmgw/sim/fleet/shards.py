@@ -39,7 +39,7 @@ from llmgw.agent.fetch.progress import Snapshot
 from llmgw.agent.procident import ProcessIdentity
 from llmgw.agent.shardstate import ShardState
 from llmgw.agent.statedir import ShardRecord, StateDir
-from llmgw.agent.supervisor import Emit, Shard, Supervisor, SupervisorConfig, spec_model, spec_profile
+from llmgw.agent.supervisor import Emit, Shard, Supervisor, SupervisorConfig
 
 log = logging.getLogger(__name__)
 
@@ -183,11 +183,10 @@ class SimSupervisor(Supervisor):
                 self.counters.engines += 1
             return ok
         spec = shard.spec
-        model, profile = spec_model(spec), spec_profile(spec)
-        problem = self._preflight(shard, model, profile)
-        if problem:
-            self._fail_before_launch(shard, problem)
+        checked = self._checked(shard)
+        if checked is None:
             return False
+        model = checked[0]
         if self.timings.fetch > 0:
             self._transition(shard, ShardState.FETCHING)
             if not await self._fetch(shard, model.source, model.size_bytes or self.timings.weights_bytes):

@@ -67,6 +67,19 @@ class WorkerSpec:
         return cls(**d)
 
 
+def raise_fd_limit(need: int) -> None:
+    """One socket per agent: lift the soft open-files limit as far as needed (and allowed)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        if target < need:
+            log.error("open files limited to %d (hard limit) but %d agents need about %d: some will fail to "
+                      "connect; raise the limit (ulimit -Hn) or use more --procs", target, need - 64, need)
+
+
 class Worker:
     def __init__(self, spec: WorkerSpec):
         self.spec = spec
@@ -83,6 +96,7 @@ class Worker:
     # ------------------------------------------------------------------ start
     async def start(self) -> None:
         spec = self.spec
+        raise_fd_limit(len(spec.numbers) + 2 * spec.engines + 64)
         templates = load_templates(spec.extra_templates)
         ids = [spec.node_ids[n] for n in spec.numbers]
         creds = load_credentials(spec.cert_cache, spec.ca_fingerprint, ids)

@@ -1,0 +1,258 @@
+"""Two hundred simulated agents against a real control plane: the fleet-scale behaviours, in short.
+
+``llmgw-fleet-sim`` runs as its own process (each agent: its own node
+certificate, TLS 1.3, the agent's stream client and supervisor); the control
+plane is a real ``llmgw server``.  Everything asserted is read from the
+control plane's admin API, as ``llmgw ctl`` reads it, or from the simulator's
+status file and control socket.  One fleet serves the whole module, and each
+test leaves it healed for the next.
+
+Lifecycle timings are short (heartbeat 1 s, lost after 6 s) so the scenarios
+take seconds; nothing here measures speed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from fleet import Fleet, Proc, gpu_owners, until
+from llmgw.sim.fleet.client import send_command
+
+pytestmark = pytest.mark.integration
+
+NODES = 200
+# keepalive 3 s: aiohttp wants a pong within half the interval, and two hundred
+# agents in one process on a busy 2-core machine do not always answer in 0.5 s.
+LIFECYCLE = {"heartbeat_interval": 1.0, "keepalive_interval": 3.0, "unreachable_after": 5.0, "lost_after": 8.0,
+             "startup_grace": 4.0, "max_unreachable_share": 0.55, "replacements_per_minute": 600}
+PROFILES = [{"name": "tp1", "engine": "vllm", "start_timeout": 60},
+            {"name": "tp2", "engine": "vllm", "start_timeout": 60, "tensor_parallel_size": 2},
+            {"name": "tp4", "engine": "vllm", "start_timeout": 60, "tensor_parallel_size": 4},
+            {"name": "tp8", "engine": "vllm", "start_timeout": 60, "tensor_parallel_size": 8},
+            {"name": "two-node", "engine": "vllm", "start_timeout": 60, "tensor_parallel_size": 8, "nodes": 2}]
+DEPLOYMENTS = {"tp1": 80, "tp2": 40, "tp4": 30, "tp8": 20, "two-node": 4}
+REPLICAS = sum(DEPLOYMENTS.values())
+WAIT = 120.0
+
+
+class Sim:
+    """The simulator process, its status file and its control socket."""
+
+    def __init__(self, f: Fleet, root: Path):
+        self.sock_dir = Path(tempfile.mkdtemp(prefix="fsim-"))  # unix socket paths must be short
+        self.sock = self.sock_dir / "ctl.sock"
+        self.status_path = root / "sim-status.json"
+        argv = [sys.executable, "-m", "llmgw.sim.fleet.cli", "--url", f.stream_url,
+                "--ca-dir", str(f.pki.ca.directory), "--cert-cache", str(root / "sim-certs"),
+                "--nodes", str(NODES), "--prefix", f"fs{f.suffix.replace('-', '')}", "--seed", "7",
+                "--start-seconds", "0.3", "--fetch-seconds", "0.3", "--progress-interval", "0.1",
+                "--stop-seconds", "0.1", "--reconnect-initial", "0.2", "--reconnect-max", "1.0",
+                "--status-file", str(self.status_path), "--status-interval", "0.5",
+                "--control", str(self.sock), "--log-level", "INFO"]
+        self.proc = Proc("fleet-sim", argv, root / "fleet-sim.log", root)
+
+    def command(self, line: str) -> dict[str, Any]:
+        reply = send_command(str(self.sock), line)
+        assert "error" not in reply, reply
+        return reply
+
+    def status(self) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.status_path.read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def close(self) -> None:
+        self.proc.terminate()
+        shutil.rmtree(self.sock_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Fleet, Sim]]:
+    root = tmp_path_factory.mktemp("fleetsim")
+    f = Fleet(root, nodes={}, lifecycle=LIFECYCLE)
+    f.config["profiles"] = PROFILES
+    f.config["deployments"] = [{"model": "tiny", "profile": p, "replicas": n} for p, n in DEPLOYMENTS.items()]
+    f.write_config()
+    sim = Sim(f, root)
+    f.extra.append(sim.proc)
+    try:
+        f.start(agents=False)
+        sim.proc.start()
+        yield f, sim
+    finally:
+        sim.close()
+        f.close()
+
+
+def dump(f: Fleet, sim: Sim) -> str:
+    return f"--- sim status ---\n{json.dumps(sim.status())[:3000]}\n--- sim ---\n{sim.proc.output(6000)}\n" \
+           f"--- server ---\n{f.server.output(8000)}"
+
+
+def nodes_doc(f: Fleet) -> dict[str, Any] | None:
+    return f.try_get("/v1/nodes")
+
+
+def node_states(f: Fleet) -> dict[str, str]:
+    doc = nodes_doc(f)
+    return {} if doc is None else {n["node_id"]: n["state"] for n in doc["nodes"]}
+
+
+def placement(doc: dict[str, Any]) -> dict[str, tuple]:
+    """replica id -> every shard's (id, node, GPUs, process identity): what a restart or move would change."""
+    return {r["replica_id"]: tuple((s["shard_id"], s["node_id"], tuple(s["gpus"]),
+                                    json.dumps(s["process"], sort_keys=True)) for s in r["shards"])
+            for r in doc["replicas"]}
+
+
+def all_ready(f: Fleet) -> dict[str, Any] | None:
+    doc = f.try_get("/v1/replicas")
+    if doc is None or len(doc["replicas"]) != REPLICAS or doc["unplaced"]:
+        return None
+    return doc if all(r["state"] == "ready" for r in doc["replicas"]) else None
+
+
+def assert_no_gpu_twice(doc: dict[str, Any]) -> None:
+    twice = {k: v for k, v in gpu_owners(doc).items() if len(v) > 1}
+    assert not twice, f"GPUs assigned twice: {twice}"
+
+
+def fleet_ready(f: Fleet, sim: Sim, what: str) -> dict[str, Any]:
+    until(lambda: len(s := node_states(f)) == NODES and set(s.values()) == {"ready"}, f"{what}: every node ready",
+          WAIT, on_timeout=lambda: dump(f, sim), interval=0.5)
+    return until(lambda: all_ready(f), f"{what}: every replica ready", WAIT, on_timeout=lambda: dump(f, sim),
+                 interval=0.5)
+
+
+def test_cold_start_registers_every_node_and_readies_every_replica(fleet: tuple[Fleet, Sim]) -> None:
+    f, sim = fleet
+    doc = fleet_ready(f, sim, "cold start")
+    assert_no_gpu_twice(doc)
+    st = until(lambda: (s := sim.status()) and s["registered"] == NODES and s, "the status file to show every node",
+               WAIT, on_timeout=lambda: dump(f, sim))
+    assert st["registrations"] >= NODES and st["messages_sent"]["register"] >= NODES
+    assert st["messages_sent"]["heartbeat"] > 0
+    assert st["progress_sent"] > 0  # the download phase reported progress
+    nodes = nodes_doc(f)["nodes"]
+    # every node registered with its own hardware: distinct GPU UUIDs fleet-wide
+    uuids = [g["uuid"] for n in nodes for g in n["gpus"]]
+    assert len(uuids) == len(set(uuids)) == sum(n["gpus_total"] for n in nodes)
+    assert {fab["name"] for n in nodes for fab in n["fabrics"]} == {"ib-ndr", "ib-hdr"}
+    two_node = [r for r in doc["replicas"] if r["profile"] == "two-node"]
+    assert len(two_node) == DEPLOYMENTS["two-node"] and all(len({s["node_id"] for s in r["shards"]}) == 2
+                                                            for r in two_node)
+
+
+def test_control_plane_sigkill_costs_nothing(fleet: tuple[Fleet, Sim]) -> None:
+    f, sim = fleet
+    before = placement(fleet_ready(f, sim, "before the kill"))
+    regs = sim.status()["registrations"]
+    f.server.kill()
+    f.server.start()
+    f.wait_healthy()
+    seen_states: set[str] = set()
+
+    def reregistered() -> bool:
+        seen_states.update(node_states(f).values())
+        st = sim.status()
+        return bool(st and st["registrations"] >= regs + NODES and st["registered"] == NODES)
+
+    until(reregistered, "every agent to register again", WAIT, on_timeout=lambda: dump(f, sim), interval=0.3)
+    after = fleet_ready(f, sim, "after the restart")
+    seen_states.update(node_states(f).values())
+    assert "lost" not in seen_states
+    assert placement(after) == before, "a replica was restarted or moved by the control-plane restart"
+    assert all(r["restarts"] == 0 for r in after["replicas"])
+    assert_no_gpu_twice(after)
+    assert all(n["registrations"] == 1 for n in nodes_doc(f)["nodes"])  # the new process saw each node once
+
+
+def test_sixty_percent_silent_past_lost_after_loses_nothing(fleet: tuple[Fleet, Sim]) -> None:
+    f, sim = fleet
+    before = placement(fleet_ready(f, sim, "before the silence"))
+    silenced = set(sim.command("silence 0.6")["nodes"])
+    assert len(silenced) == round(0.6 * NODES)
+    lost_after = LIFECYCLE["lost_after"]
+
+    def silent_long_enough() -> bool:
+        doc = nodes_doc(f)
+        if doc is None:
+            return False
+        mine = [n for n in doc["nodes"] if n["node_id"] in silenced]
+        assert all(n["state"] != "lost" for n in doc["nodes"]), "a node was declared lost"
+        return all(n["state"] == "unreachable" and n["last_seen_s"] > lost_after + 1 for n in mine) \
+            and doc["fleet"]["damped"]
+
+    until(silent_long_enough, "the silenced nodes to stay silent past lost_after", WAIT,
+          on_timeout=lambda: dump(f, sim), interval=0.3)
+    assert placement(f.replicas()) == before, "a replica moved while the fleet was damped"
+    assert all(n["connected"] for n in nodes_doc(f)["nodes"])  # silent, not disconnected
+    sim.command("heal")
+    after = fleet_ready(f, sim, "after heal")
+    assert placement(after) == before
+    assert_no_gpu_twice(after)
+
+
+def test_five_percent_silent_are_lost_and_their_replicas_replaced(fleet: tuple[Fleet, Sim]) -> None:
+    f, sim = fleet
+    doc = fleet_ready(f, sim, "before the loss")
+    # the silenced nodes are ten that hold single-node replicas, so losing them must move something
+    hosts = sorted({s["node_id"] for r in doc["replicas"] if r["profile"] != "two-node" for s in r["shards"]})
+    victims = set(hosts[:: max(1, len(hosts) // 10)][:10])
+    moved = {r["replica_id"] for r in doc["replicas"] if {s["node_id"] for s in r["shards"]} & victims}
+    assert victims and moved
+    sim.command("silence ids=" + ",".join(sorted(victims)))
+
+    def replaced() -> dict[str, Any] | None:
+        states = node_states(f)
+        if {n for n, s in states.items() if s == "lost"} != victims:
+            return None
+        d = all_ready(f)
+        if d is None or any(s["node_id"] in victims for r in d["replicas"] for s in r["shards"]):
+            return None
+        return d
+
+    after = until(replaced, "the silent nodes lost and their replicas ready elsewhere", WAIT,
+                  on_timeout=lambda: dump(f, sim), interval=0.5)
+    assert {n for n, s in node_states(f).items() if s == "lost"} == victims  # only the silent ones
+    assert_no_gpu_twice(after)
+    sim.command("heal")
+    healed = fleet_ready(f, sim, "after the lost nodes came back")
+    assert_no_gpu_twice(healed)
+
+
+def test_malformed_messages_close_only_their_senders_stream(fleet: tuple[Fleet, Sim]) -> None:
+    f, sim = fleet
+    fleet_ready(f, sim, "before the bad messages")
+    regs = {n["node_id"]: n["registrations"] for n in nodes_doc(f)["nodes"]}
+    malformed = set(sim.command("malformed n=3")["nodes"])
+    oversized = set(sim.command("oversized n=2")["nodes"])
+    bad = malformed | oversized
+    assert len(bad) >= 3
+
+    def reregistered() -> dict[str, int] | None:
+        doc = nodes_doc(f)
+        now = {} if doc is None else {n["node_id"]: n["registrations"] for n in doc["nodes"]}
+        return now if all(now.get(n, 0) > regs[n] for n in bad) else None
+
+    until(reregistered, "the senders of bad messages to be cut off and register again", WAIT,
+          on_timeout=lambda: dump(f, sim), interval=0.3)
+    time.sleep(2 * LIFECYCLE["heartbeat_interval"])  # room for a wrongly closed stream to show up
+    now = {n["node_id"]: n["registrations"] for n in nodes_doc(f)["nodes"]}
+    assert {n for n in now if now[n] != regs[n]} == bad
+    assert f.server.alive()
+    log = f.server.life_output()
+    for n in malformed:
+        assert f"closing stream of {n} " in log and "invalid shard_status message" in log
+    for n in oversized - malformed:
+        assert any(f"closed stream of {n} " in line and "exceeds limit" in line for line in log.splitlines())
+    fleet_ready(f, sim, "after the bad messages")
