@@ -157,7 +157,12 @@ def test_min_rate_not_met_is_reported_but_still_advertised():
 
 def test_roce_adapter():
     hcas = read_hcas(root("roce"))
-    assert hcas == (HCA("mlx5_bond_0", (IBPort(1, "ACTIVE", "LinkUp", 100.0, "100 Gb/sec (4X EDR)", "Ethernet"),)),)
+    port = IBPort(1, "ACTIVE", "LinkUp", 100.0, "100 Gb/sec (4X EDR)", "Ethernet")
+    # Where the card sits comes from the class symlink into devices/; the
+    # fixture has no numa_node file, so the NUMA node stays unknown.
+    assert hcas == (HCA("mlx5_bond_0", (port,), pci_bus_id="0000:3b:00.0",
+                        pci_path=("pci0000:3a", "0000:3a:00.0", "0000:3b:00.0"), numa_node=None,
+                        node_guid="0c42:a103:0065:3c20"),)
     status, undeclared = check("roce", FabricDeclaration("roce-a", ("mlx5_bond_0",)))
     assert status.advertised_hcas == ("mlx5_bond_0",) and status.rate_gbps == 100.0
     assert undeclared == ()

@@ -165,20 +165,64 @@ def natural_key(name: str) -> tuple:
     return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
 
 
+_PCI_ADDRESS = re.compile(r"^[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$")
+
+
+def pci_location(hca_dir: Path) -> tuple[str | None, tuple[str, ...] | None, int | None]:
+    """The adapter's PCI device, its path from the root bus, and its NUMA node.
+
+    ``class/infiniband/<hca>`` links to ``devices/pci0000:16/.../0000:17:00.0/
+    infiniband/<hca>``: the PCI device is the directory above ``infiniband``
+    and the path is every directory from ``pci<domain>:<bus>`` down to it.
+    ``numa_node`` there is the kernel's (-1, or absent, when the platform
+    does not say: unknown).
+    """
+    try:
+        target = hca_dir.resolve(strict=True)
+    except OSError:
+        return None, None, None
+    device = target.parent.parent
+    if target.parent.name != "infiniband" or not _PCI_ADDRESS.match(device.name):
+        return None, None, None
+    parts = device.parts
+    start = next((i for i, p in enumerate(parts) if p.startswith("pci") and ":" in p), None)
+    path = None if start is None else tuple(parts[start:])
+    numa: int | None = None
+    raw = _read_text(device / "numa_node")
+    if isinstance(raw, str):
+        try:
+            numa = int(raw.strip())
+        except ValueError:
+            numa = None
+        if numa is not None and numa < 0:
+            numa = None
+    return device.name, path, numa
+
+
+def read_node_guid(hca_dir: Path) -> str | None:
+    raw = _read_text(hca_dir / "node_guid")
+    if not isinstance(raw, str):
+        return None
+    value = raw.strip().lower()
+    return value if re.fullmatch(r"[0-9a-f]{4}(:[0-9a-f]{4}){3}", value) else None
+
+
 def read_hca(hca_dir: Path) -> HCA:
     """One adapter; its directory is usually a symlink, which is followed."""
+    bus, path, numa = pci_location(hca_dir)
+    where = {"pci_bus_id": bus, "pci_path": path, "numa_node": numa, "node_guid": read_node_guid(hca_dir)}
     ports_dir = hca_dir / "ports"
     try:
         entries = sorted(ports_dir.iterdir(), key=lambda p: natural_key(p.name))
     except OSError as e:
         log.debug("%s: cannot list ports: %s", hca_dir.name, e)
-        return HCA(name=hca_dir.name, ports=())
+        return HCA(name=hca_dir.name, ports=(), **where)
     ports = []
     for entry in entries:
         if not entry.name.isdigit():
             continue
         ports.append(read_port(entry))
-    return HCA(name=hca_dir.name, ports=tuple(ports))
+    return HCA(name=hca_dir.name, ports=tuple(ports), **where)
 
 
 def read_hcas(root: str | Path = DEFAULT_SYSFS_ROOT) -> tuple[HCA, ...]:

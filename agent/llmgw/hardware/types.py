@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmgw.hardware.topology import Topology
+
 
 @dataclass(frozen=True)
 class GPUProcess:
@@ -50,6 +52,12 @@ class GPU:
     # "unknown" (the query failed, or a hardware file does not say), which is
     # not the same as () "NVML lists none".
     processes: tuple[GPUProcess, ...] | None = None
+    # Where the GPU sits: its NUMA node and the CPUs close to it (kernel list
+    # format, "0-31,64-95"), and its PCI path from the root bus (see
+    # ``llmgw.hardware.topology.pci_tier``).  None: unknown, never guessed.
+    numa_node: int | None = None
+    cpu_affinity: str | None = None
+    pci_path: tuple[str, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -62,6 +70,12 @@ class GPU:
         }
         if self.processes is not None:
             d["processes"] = [p.to_dict() for p in self.processes]
+        if self.numa_node is not None:
+            d["numa_node"] = self.numa_node
+        if self.cpu_affinity is not None:
+            d["cpu_affinity"] = self.cpu_affinity
+        if self.pci_path is not None:
+            d["pci_path"] = list(self.pci_path)
         return d
 
     @classmethod
@@ -75,6 +89,9 @@ class GPU:
             nvlink_peers=tuple(sorted(int(p) for p in d.get("nvlink_peers", ()))),
             processes=None if d.get("processes") is None
             else tuple(GPUProcess.from_dict(p) for p in d["processes"]),
+            numa_node=None if d.get("numa_node") is None else int(d["numa_node"]),
+            cpu_affinity=d.get("cpu_affinity"),
+            pci_path=None if d.get("pci_path") is None else tuple(str(x) for x in d["pci_path"]),
         )
 
 
@@ -126,17 +143,37 @@ class IBPort:
 class HCA:
     name: str
     ports: tuple[IBPort, ...]
+    # Where the adapter sits and who it is, from sysfs: the PCI device its
+    # class entry links into, that device's path from the root bus and NUMA
+    # node, and node_guid.  None: unknown.
+    pci_bus_id: str | None = None
+    pci_path: tuple[str, ...] | None = None
+    numa_node: int | None = None
+    node_guid: str | None = None
 
     @property
     def active_ports(self) -> tuple[IBPort, ...]:
         return tuple(p for p in self.ports if p.active)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "ports": [p.to_dict() for p in self.ports]}
+        d: dict[str, Any] = {"name": self.name, "ports": [p.to_dict() for p in self.ports]}
+        for key in ("pci_bus_id", "numa_node", "node_guid"):
+            if getattr(self, key) is not None:
+                d[key] = getattr(self, key)
+        if self.pci_path is not None:
+            d["pci_path"] = list(self.pci_path)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "HCA":
-        return cls(name=str(d["name"]), ports=tuple(IBPort.from_dict(p) for p in d.get("ports", ())))
+        return cls(
+            name=str(d["name"]),
+            ports=tuple(IBPort.from_dict(p) for p in d.get("ports", ())),
+            pci_bus_id=d.get("pci_bus_id"),
+            pci_path=None if d.get("pci_path") is None else tuple(str(x) for x in d["pci_path"]),
+            numa_node=None if d.get("numa_node") is None else int(d["numa_node"]),
+            node_guid=d.get("node_guid"),
+        )
 
 
 @dataclass(frozen=True)
@@ -200,6 +237,9 @@ class HardwareInventory:
     # which GPUs it withholds and why (held by a process that is not its own).
     gpu_reason: str | None = None
     nvlink_known: bool = True  # False when topology could not be read
+    # Every GPU pair's tier (NVLink, PCIe, NUMA); None when not discovered
+    # (an older agent, a file that does not say): tiers then unknown.
+    topology: Topology | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def gpu(self, index: int) -> GPU:
@@ -226,6 +266,8 @@ class HardwareInventory:
         }
         if self.gpu_reason is not None:
             d["gpu_reason"] = self.gpu_reason
+        if self.topology is not None:
+            d["topology"] = self.topology.to_dict()
         return d
 
     @classmethod
@@ -239,4 +281,5 @@ class HardwareInventory:
             gpu_source=str(d.get("gpu_source", "simulated")),
             gpu_reason=d.get("gpu_reason"),
             nvlink_known=bool(d.get("nvlink_known", True)),
+            topology=None if d.get("topology") is None else Topology.from_dict(d["topology"]),
         )
