@@ -17,7 +17,8 @@ from llmgw.config import schema_errors
 from llmgw.hardware import discover
 from llmgw.hardware.infiniband import read_hcas
 from llmgw.hardware.nvml import discover_gpus, nvlink_counts, LinkReport
-from llmgw.hardware.topology import cpulist, matrix_text, pci_tier
+from llmgw.hardware.matrix import topo_matrix
+from llmgw.hardware.topology import cpulist, pci_tier
 from llmgw.hardware.types import HardwareInventory
 from tests.unit.test_hardware_nvml import Dev, FakeNvml, bus, hgx_a100
 
@@ -60,11 +61,11 @@ def test_every_pair_gets_the_tier_nvidia_smi_shows():
     assert g[0].numa_node == 0 and g[5].numa_node == 1
     assert g[0].cpu_affinity == "0-15" and g[5].cpu_affinity == "16-31"
     assert g[0].pci_path == ("pci0000:16", "0000:16:02.0", "0000:17:00.0", "0000:18:00.0", "0000:19:00.0")
-    text = matrix_text([x.index for x in found.gpus], topo,
-                       numa={x.index: x.numa_node for x in found.gpus},
-                       cpus={x.index: x.cpu_affinity for x in found.gpus})
+    inv = discover("n1", sysfs_root=PCIE8 / "class" / "infiniband", nvml=pcie8_nvml())
+    text = topo_matrix(inv)
     assert text.splitlines()[1].split() == ["GPU0", "X", "NV4", "NODE", "NODE", "SYS", "SYS", "SYS", "SYS",
-                                            "0-15", "0"]
+                                            "PIX", "NODE", "SYS", "SYS", "0-15", "0"]
+    assert "NIC2: mlx5_2" in text
 
 
 def test_not_supported_pair_stays_unknown_with_nvmls_words():

@@ -162,27 +162,3 @@ def cpulist(words: Iterable[int], bits: int = 64) -> str:
     if start is not None:
         parts.append(f"{start}" if start == prev else f"{start}-{prev}")
     return ",".join(parts)
-
-
-def matrix_text(indices: Sequence[int], topology: Topology | None, nvlink_peers: dict[int, Sequence[int]] | None = None,
-                numa: dict[int, int | None] | None = None, cpus: dict[int, str | None] | None = None) -> str:
-    """The GPU block of ``nvidia-smi topo -m``, for explanations and docs."""
-    links = topology.as_map() if topology is not None else {}
-    head = ["     "] + [f"GPU{i:<4}" for i in indices] + ["CPU Affinity   NUMA Affinity"]
-    rows = ["".join(head).rstrip()]
-    for a in indices:
-        cells = [f"GPU{a:<2} "]
-        for b in indices:
-            if a == b:
-                cells.append(f"{'X':<7}")
-                continue
-            link = links.get((min(a, b), max(a, b)))
-            if link is None and nvlink_peers is not None and b in nvlink_peers.get(a, ()):
-                cells.append(f"{'NV':<7}")
-            else:
-                cells.append(f"{label(link.tier, link.nvlinks) if link else '?':<7}")
-        affinity = (cpus or {}).get(a) or "N/A"
-        node = (numa or {}).get(a)
-        cells.append(f"{affinity:<15}{'N/A' if node is None else node}")
-        rows.append("".join(cells).rstrip())
-    return "\n".join(rows)

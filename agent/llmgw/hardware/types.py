@@ -9,6 +9,7 @@ hardware file and a real node's report are the same thing.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -247,6 +248,16 @@ class HardwareInventory:
             if g.index == index:
                 return g
         raise KeyError(index)
+
+    def without_gpus(self, held: set[int], parts: list[str] | tuple[str, ...]) -> "HardwareInventory":
+        """This inventory less the GPUs ``held`` (and peers pointing at them), ``parts`` added to
+        ``gpu_reason``: what a node advertises when some of its GPUs are not free to give."""
+        reason = "; ".join(parts)
+        if self.gpu_reason:
+            reason = f"{self.gpu_reason}; {reason}"
+        gpus = tuple(dataclasses.replace(g, nvlink_peers=tuple(p for p in g.nvlink_peers if p not in held))
+                     for g in self.gpus if g.index not in held)
+        return dataclasses.replace(self, gpus=gpus, gpu_reason=reason)
 
     def fabric(self, name: str) -> FabricStatus | None:
         for f in self.fabrics:

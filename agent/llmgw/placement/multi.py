@@ -54,8 +54,8 @@ class _Member:
     option: NodeOption
     status: FabricStatus
 
-    def preference(self) -> tuple[bool, int, str]:
-        return (not self.option.nvlink, self.option.stranded, self.option.node_id)
+    def preference(self) -> tuple:
+        return self.option.preference
 
 
 @dataclass(frozen=True)
@@ -103,15 +103,21 @@ def place_multi(request: PlacementRequest, nodes: Sequence[NodeCapacity]) -> Pla
     k = profile.nodes
     gpn = profile.gpus_per_node
     needs = f"{plural(gpn, 'GPU')} on each of {k} nodes on one fabric"
-    need = memory_need(request, share=k)
+    need = memory_need(request)
     answers = [choose_group(node, gpn, need) for node in nodes]
 
+    # Per fabric, each node's group is chosen again near that fabric's
+    # advertised adapters (GPUDirect RDMA is fastest through the same PCIe
+    # switch, slowest across sockets); it differs only where those adapters'
+    # places are known.
     by_fabric: dict[str, list[_Member]] = {}
     for a in answers:
         if isinstance(a, NodeOption):
             for f in a.node.inventory.fabrics:
                 if f.usable:
-                    by_fabric.setdefault(f.name, []).append(_Member(a, f))
+                    near = choose_group(a.node, gpn, need, adapters=f.advertised_hcas)
+                    option = near if isinstance(near, NodeOption) else a
+                    by_fabric.setdefault(f.name, []).append(_Member(option, f))
 
     candidates = [c for name, ms in by_fabric.items() if (c := _best_on_fabric(name, ms, k)) is not None]
     best = min(candidates, key=_Candidate.preference) if candidates else None
@@ -162,7 +168,7 @@ def place_multi(request: PlacementRequest, nodes: Sequence[NodeCapacity]) -> Pla
         for rank, m in enumerate(best.members)
     )
     ranks = "; ".join(f"rank {i}: {m.option.describe(memory=False)}" for i, m in enumerate(best.members))
-    memory = UNKNOWN_NOTE if need is None else f"memory per node: {need.describe()}"
+    memory = UNKNOWN_NOTE if need is None else f"memory: {need.describe()}"
     detail = f"{plural(k, 'node')} on fabric {best.fabric} ({_rate_text(best.rate)}, slowest link): {ranks}; {memory}"
     placement = Placement(
         shards=shards, rule="multi-node", detail=detail, fabric=best.fabric, fabric_rate_gbps=best.rate
@@ -177,7 +183,7 @@ def _fitting_verdict(option: NodeOption, best: _Candidate, usable: list[FabricSt
             return NodeVerdict(
                 option.node_id,
                 True,
-                f"chosen: rank {rank}, {option.describe()}; fabric {best.fabric} via "
+                f"chosen: rank {rank}, {m.option.describe()}; fabric {best.fabric} via "
                 f"{', '.join(m.status.advertised_hcas)} ({_rate_text(m.status.rate_gbps)})",
             )
     fits = f"fits ({option.describe(memory=False)})"
