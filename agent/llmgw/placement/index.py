@@ -43,7 +43,12 @@ class PlacementIndex:
         self._where: dict[str, BucketKey] = {}  # indexed (schedulable) nodes only
         self._buckets: dict[BucketKey, list[str]] = {}  # node ids, sorted
         self._shapes: dict[int, NodeShape] = {}
-        # (n, per-GPU bytes) -> sorted [(preference, key)] of non-empty buckets that can host
+        self._unindexed: set[str] = set()  # nodes not schedulable
+        # Distinct GPU memory sizes among indexed shapes: a per-GPU need is
+        # only ever compared with these, so all needs between two sizes are
+        # one kind of request.
+        self._sizes: list[int] = []
+        # (n, memory class) -> sorted [(preference, key)] of non-empty buckets that can host
         self._orders: dict[tuple[int, int | None], list[tuple[tuple, BucketKey]]] = {}
         for node in nodes:
             self.update(node)
@@ -65,9 +70,15 @@ class PlacementIndex:
         self._unindex(node.node_id)
         self._nodes[node.node_id] = node
         if schedulability(node) is not None:
+            self._unindexed.add(node.node_id)
             return
         shape = shape_of(node.inventory)
-        self._shapes[id(shape)] = shape
+        if id(shape) not in self._shapes:
+            self._shapes[id(shape)] = shape
+            sizes = sorted(set(self._sizes) | set(shape.memory))
+            if sizes != self._sizes:
+                self._sizes = sizes
+                self._orders.clear()  # memory classes changed: orders are rebuilt when asked
         key = (id(shape), shape.mask_of(node.free_gpus))
         bucket = self._buckets.get(key)
         if bucket is None:
@@ -80,6 +91,14 @@ class PlacementIndex:
     def remove(self, node_id: str) -> None:
         self._unindex(node_id)
         self._nodes.pop(node_id, None)
+
+    def _memory_class(self, per_gpu: int | None) -> int | None:
+        """The smallest GPU size in the fleet that holds ``per_gpu`` (a GPU holds
+        the need exactly when it is at least that size); -1 when none does."""
+        if per_gpu is None:
+            return None
+        i = bisect.bisect_left(self._sizes, per_gpu)
+        return self._sizes[i] if i < len(self._sizes) else -1
 
     def take(self, placement: Placement) -> None:
         """Mark a placement's GPUs busy (after a replica is placed with them)."""
@@ -105,7 +124,7 @@ class PlacementIndex:
             return place(request, self.nodes())
         n = request.profile.gpus_total
         need = memory_need(request)
-        per_gpu = need.per_gpu_bytes if need is not None else None
+        per_gpu = self._memory_class(need.per_gpu_bytes if need is not None else None)
         order = self._orders.get((n, per_gpu))
         if order is None:
             order = self._build_order(n, per_gpu)
@@ -127,6 +146,7 @@ class PlacementIndex:
     # --- buckets and orders ----------------------------------------------------
 
     def _unindex(self, node_id: str) -> None:
+        self._unindexed.discard(node_id)
         key = self._where.pop(node_id, None)
         if key is None:
             return
@@ -148,6 +168,8 @@ class PlacementIndex:
                 bisect.insort(order, entry)
 
     def _entry(self, key: BucketKey, n: int, per_gpu: int | None) -> tuple[tuple, BucketKey] | None:
+        if per_gpu == -1:
+            return None
         shape = self._shapes[key[0]]
         mask = key[1]
         choice = shape.best(mask & shape.holding(per_gpu), n)
@@ -171,10 +193,9 @@ class PlacementIndex:
                 counts["too few free GPUs"] += len(bucket)
             else:
                 counts["GPU memory too small"] += len(bucket)
-        for node_id, node in self._nodes.items():
-            if node_id not in self._where:
-                refused = schedulability(node)
-                counts[refused.kind if refused else "not schedulable"] += 1
+        for node_id in self._unindexed:
+            refused = schedulability(self._nodes[node_id])
+            counts[refused.kind if refused else "not schedulable"] += 1
         head = f"no placement for {replica_name(request)} ({plural(n, 'GPU')} on one node)"
         if not counts:
             return PlacementResult(placement=None, reason=f"{head}: no nodes known")
