@@ -175,7 +175,8 @@ def test_multiport_adapter_with_one_active_port_is_usable():
         (2, "DOWN", "Disabled", 10.0),
     ]
     status, _ = check("multiport", FabricDeclaration("ib-old", ("mlx4_0",)))
-    assert status.advertised_hcas == ("mlx4_0",)
+    # Named as NCCL_IB_HCA must name it: the one ACTIVE port, not the whole card.
+    assert status.advertised_hcas == ("mlx4_0:1",)
     assert status.rate_gbps == 56.0  # the down port is not a link of the fabric
     assert status.problems == ()
 
@@ -192,8 +193,9 @@ def test_malformed_files_give_unknown_with_reasons_never_a_crash():
     assert status.advertised_hcas == ("mlx5_1",)
     assert status.rate_gbps is None
     assert status.problems[0].startswith("mlx5_0: no ACTIVE port (port 1: UNKNOWN, phys UNKNOWN [state:")
-    assert "mlx5_1: port 1 is ACTIVE but its rate is unknown [rate: missing]" in status.problems
-    assert "rate unknown, cannot check min_rate_gbps 100" in status.problems
+    assert ("mlx5_1: port 1 is ACTIVE but its rate is unknown [rate: missing]; the fabric's rate is unknown"
+            in status.problems)
+    assert "min_rate_gbps 100 cannot be checked: rate of mlx5_1 port 1 unknown" in status.problems
 
 
 def test_unreadable_files_and_adapters(tmp_path):

@@ -109,6 +109,9 @@ class IBPort:
     # Why a field could not be read or parsed (its value is then "UNKNOWN",
     # 0.0 or ""); None when every file read cleanly.
     reason: str | None = None
+    # RoCE: the GID index NCCL_IB_GID_INDEX must name (RoCE v2, IPv4-mapped
+    # first), from gids/ and gid_attrs/types/; None for InfiniBand or when none.
+    gid_index: int | None = None
 
     @property
     def active(self) -> bool:
@@ -125,6 +128,8 @@ class IBPort:
         }
         if self.reason is not None:
             d["reason"] = self.reason
+        if self.gid_index is not None:
+            d["gid_index"] = self.gid_index
         return d
 
     @classmethod
@@ -137,6 +142,7 @@ class IBPort:
             rate_text=str(d.get("rate_text", "")),
             link_layer=str(d.get("link_layer", "InfiniBand")),
             reason=None if d.get("reason") is None else str(d["reason"]),
+            gid_index=None if d.get("gid_index") is None else int(d["gid_index"]),
         )
 
 
@@ -179,11 +185,23 @@ class HCA:
 
 @dataclass(frozen=True)
 class FabricDeclaration:
-    """A fabric as the operator declared it for one node (agent.yaml)."""
+    """A fabric as the operator declared it for one node (agent.yaml).
+
+    ``hcas`` are adapter names or single ports (``mlx5_0:1``); ``link_layer``
+    fixes the fabric's kind (else the first usable port's); ``identities``
+    are the adapters' node GUID / PCI address as recorded at rollout.
+    """
 
     name: str
     hcas: tuple[str, ...]
     min_rate_gbps: float | None = None
+    link_layer: str | None = None
+    identities: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
+
+    def to_rules(self) -> dict[str, Any]:
+        """The plain dict ``fabric_rules.check_fabric`` takes."""
+        return {"name": self.name, "hcas": list(self.hcas), "min_rate_gbps": self.min_rate_gbps,
+                "link_layer": self.link_layer, "identities": {n: dict(kv) for n, kv in self.identities}}
 
 
 @dataclass(frozen=True)
@@ -196,32 +214,47 @@ class FabricStatus:
 
     name: str
     declared_hcas: tuple[str, ...]
-    advertised_hcas: tuple[str, ...]
-    rate_gbps: float | None  # slowest active link among advertised adapters
+    advertised_hcas: tuple[str, ...]  # as NCCL_IB_HCA names them: mlx5_0, or mlx5_0:1 for one port
+    rate_gbps: float | None  # slowest usable link; None when none, or when any one's rate is unknown
     problems: tuple[str, ...] = ()
+    link_layer: str | None = None  # "InfiniBand" or "Ethernet" (RoCE): one per fabric
+    gid_index: int | None = None  # RoCE: NCCL_IB_GID_INDEX for every advertised port
+    rate_at_most_gbps: float | None = None  # when the rate is unknown: the slowest known link
+
+    def adapter_names(self) -> tuple[str, ...]:
+        """The adapters behind ``advertised_hcas`` (``mlx5_0:1`` -> ``mlx5_0``)."""
+        return tuple(dict.fromkeys(h.split(":", 1)[0] for h in self.advertised_hcas))
 
     @property
     def usable(self) -> bool:
         return bool(self.advertised_hcas)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "name": self.name,
             "declared_hcas": list(self.declared_hcas),
             "advertised_hcas": list(self.advertised_hcas),
             "rate_gbps": self.rate_gbps,
             "problems": list(self.problems),
         }
+        for key in ("link_layer", "gid_index", "rate_at_most_gbps"):
+            if getattr(self, key) is not None:
+                d[key] = getattr(self, key)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "FabricStatus":
         rate = d.get("rate_gbps")
+        at_most = d.get("rate_at_most_gbps")
         return cls(
             name=str(d["name"]),
             declared_hcas=tuple(d.get("declared_hcas", ())),
             advertised_hcas=tuple(d.get("advertised_hcas", ())),
             rate_gbps=None if rate is None else float(rate),
             problems=tuple(d.get("problems", ())),
+            link_layer=d.get("link_layer"),
+            gid_index=None if d.get("gid_index") is None else int(d["gid_index"]),
+            rate_at_most_gbps=None if at_most is None else float(at_most),
         )
 
 

@@ -40,6 +40,15 @@ def nccl_ib_hca(adapters: Sequence[str]) -> str:
     return "=" + ",".join(names)
 
 
+def shard_env(status: FabricStatus) -> dict[str, str]:
+    """What NCCL must be told on this node: exactly the usable ports, and for
+    RoCE the GID index (RoCE v2) each node found for its own ports."""
+    env = {"NCCL_IB_HCA": nccl_ib_hca(status.advertised_hcas)}
+    if status.link_layer == "Ethernet" and status.gid_index is not None:
+        env["NCCL_IB_GID_INDEX"] = str(status.gid_index)
+    return env
+
+
 def _rate_key(rate: float | None) -> float:
     # An unknown rate ranks below every known one.
     return -1.0 if rate is None else rate
@@ -110,16 +119,18 @@ def place_multi(request: PlacementRequest, nodes: Sequence[NodeCapacity]) -> Pla
     # advertised adapters (GPUDirect RDMA is fastest through the same PCIe
     # switch, slowest across sockets); it differs only where those adapters'
     # places are known.
-    by_fabric: dict[str, list[_Member]] = {}
+    # Nodes whose fabric of one name differs in link layer (InfiniBand on
+    # some, RoCE on others) are never grouped: their ports cannot talk.
+    by_fabric: dict[tuple[str, str | None], list[_Member]] = {}
     for a in answers:
         if isinstance(a, NodeOption):
             for f in a.node.inventory.fabrics:
                 if f.usable:
-                    near = choose_group(a.node, gpn, need, adapters=f.advertised_hcas)
+                    near = choose_group(a.node, gpn, need, adapters=f.adapter_names())
                     option = near if isinstance(near, NodeOption) else a
-                    by_fabric.setdefault(f.name, []).append(_Member(option, f))
+                    by_fabric.setdefault((f.name, f.link_layer), []).append(_Member(option, f))
 
-    candidates = [c for name, ms in by_fabric.items() if (c := _best_on_fabric(name, ms, k)) is not None]
+    candidates = [c for (name, _layer), ms in by_fabric.items() if (c := _best_on_fabric(name, ms, k)) is not None]
     best = min(candidates, key=_Candidate.preference) if candidates else None
 
     verdicts: list[NodeVerdict] = []
@@ -141,7 +152,7 @@ def place_multi(request: PlacementRequest, nodes: Sequence[NodeCapacity]) -> Pla
         if best is None:
             parts = []
             for f in usable:
-                c = len(by_fabric[f.name])
+                c = len(by_fabric[(f.name, f.link_layer)])
                 parts.append(
                     f"only {plural(c, 'node')} on fabric {f.name} {'has' if c == 1 else 'have'} "
                     f"{plural(gpn, 'free GPU')}, needs {k}"
@@ -163,7 +174,7 @@ def place_multi(request: PlacementRequest, nodes: Sequence[NodeCapacity]) -> Pla
             node_id=m.option.node_id,
             rank=rank,
             gpu_indices=m.option.gpus,
-            env={"NCCL_IB_HCA": nccl_ib_hca(m.status.advertised_hcas)},
+            env=shard_env(m.status),
         )
         for rank, m in enumerate(best.members)
     )

@@ -269,7 +269,8 @@ def _gpus(gpus: Sequence[int]) -> str:
 def adapter_ranks(shape: NodeShape, inventory: HardwareInventory, adapters: Sequence[str]) -> tuple[int, ...] | None:
     """Each GPU's tier rank to the closest of ``adapters`` (by PCI path and
     NUMA node); None when no adapter's place is known."""
-    hcas = [h for h in inventory.hcas if h.name in adapters and h.pci_path]
+    names = {a.split(":", 1)[0] for a in adapters}
+    hcas = [h for h in inventory.hcas if h.name in names and h.pci_path]
     if not hcas:
         return None
     by_index = {g.index: g for g in inventory.gpus}
