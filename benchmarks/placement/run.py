@@ -14,6 +14,8 @@ and holds a steady, fragmented state rather than only filling an empty fleet.
 
 * ``after``: ``PlacementIndex`` of this tree (``index.place`` + ``index.take``,
   ``index.release`` on stop);
+* ``scan``: ``place()`` of this tree over every node (what ``ctl explain`` runs),
+  to show what the index saves over the new scoring itself;
 * ``before``: ``place()`` of the baseline ref (default ``main``, extracted with
   ``git archive`` and run from there), over the list of every node as the
   reconciler passes it, each decision rebuilding that node's free set.  It is
@@ -196,7 +198,7 @@ def main() -> None:
         base = baseline_tree(args.baseline, Path(tmp))
         for n in args.sizes:
             for r in range(args.runs):
-                for variant, code in (("after", REPO / "agent"), ("before", base)):
+                for variant, code in (("after", REPO / "agent"), ("scan", REPO / "agent"), ("before", base)):
                     row = run_variant(code, variant, n, args.decisions, args.before_seconds, seed=r)
                     row["run"] = r
                     rows.append(row)
@@ -206,7 +208,7 @@ def main() -> None:
     summary = []
     for n in args.sizes:
         entry = {"nodes": n}
-        for variant in ("after", "before"):
+        for variant in ("after", "scan", "before"):
             mine = [x for x in rows if x["nodes"] == n and x["variant"] == variant]
             entry[variant] = {
                 "per_s_cpu_median": statistics.median(x["per_s_cpu"] for x in mine),
@@ -243,7 +245,7 @@ def render(doc: dict) -> str:
         "`benchmarks/placement/run.py` (see its docstring for the workload): one decision is one replica placed or",
         "refused, plus marking its GPUs busy; half HGX H100 boards, half 8-GPU PCIe boxes with bridged pairs over",
         "two sockets; TP 1/2/4/8 with weights that fit; the oldest replicas stop when the fleet is 80% busy or a",
-        "request does not fit. `after` is `PlacementIndex` of this tree, `before` is `place()` of the baseline",
+        "request does not fit. `after` is `PlacementIndex` of this tree, `scan` this tree's `place()`, `before` `place()` of the baseline",
         f"(`{doc['args']['baseline']}`, {doc['baseline'][:12]}) over every node, in the same run. Rates are per CPU",
         "second of the process (from /proc/self/stat; the machine is shared, so CPU time is the steadier figure)",
         f"and per wall second; medians of {doc['args']['runs']} runs, spread min–max. Python {doc['python']},",
@@ -266,21 +268,23 @@ def render(doc: dict) -> str:
         "",
         "## Decisions per second",
         "",
-        "| nodes | after, CPU (spread) | after, wall (spread) | before, CPU (spread) | before, wall (spread) | after / before (CPU) | index build, CPU s |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| nodes | after, CPU (spread) | after, wall (spread) | scan, CPU (spread) | before, CPU (spread) | before, wall (spread) | after / before (CPU) | index build, CPU s |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for e in doc["summary"]:
-        a, b = e["after"], e["before"]
+        a, b, sc = e["after"], e["before"], e["scan"]
         lines.append(
             f"| {e['nodes']:,} | {a['per_s_cpu_median']:,.0f} ({spread(a['per_s_cpu_spread'])}) | "
             f"{a['per_s_wall_median']:,.0f} ({spread(a['per_s_wall_spread'])}) | "
+            f"{sc['per_s_cpu_median']:,.1f} ({sc['per_s_cpu_spread'][0]:,.1f}–{sc['per_s_cpu_spread'][1]:,.1f}) | "
             f"{b['per_s_cpu_median']:,.1f} ({b['per_s_cpu_spread'][0]:,.1f}–{b['per_s_cpu_spread'][1]:,.1f}) | "
             f"{b['per_s_wall_median']:,.1f} ({b['per_s_wall_spread'][0]:,.1f}–{b['per_s_wall_spread'][1]:,.1f}) | "
             f"{e['ratio_cpu']:,.0f}x | {a['build_cpu_s_median']:.2f} |")
     lines += [
         "",
-        "`before` runs for a fixed time, so it makes far fewer decisions (counts in the JSON); its fleet is",
-        "emptier at the end, which favours it. Building the index (and the fleet's inventories) is done once and",
+        "`scan` and `before` run for a fixed time, so they make far fewer decisions (counts in the JSON); their",
+        "fleet is emptier at the end, which favours them. `scan` is this tree's `place()` over every node (what",
+        "`llmgw ctl explain` runs): it explains every node, so it is not meant for the reconciler at scale. Building the index (and the fleet's inventories) is done once and",
         "is not in the rates; the reconciler would keep the index between passes or rebuild it per pass",
         "(the build column).",
         "",
