@@ -191,8 +191,8 @@ def check_fabric(decl, adapters):
             continue
         ports = [p for p in adapter["ports"] if want is None or p["port"] == want]
         if want is not None and not ports:
-            mine.append("%s: no port %d (ports: %s)" % (name, want, ", ".join(str(p["port"]) for p in adapter["ports"])
-                                                          or "none"))
+            listed = ", ".join(str(p["port"]) for p in adapter["ports"]) or "none"
+            mine.append("%s: no port %d (ports: %s)" % (name, want, listed))
             continue
         active = [p for p in ports if p["state"] == "ACTIVE"]
         check["active_ports"] = [p["port"] for p in active]
@@ -209,9 +209,9 @@ def check_fabric(decl, adapters):
                 layer, layer_from = p["link_layer"], "taken from %s port %d" % (name, p["port"])
             if p["link_layer"] != layer:
                 mine.append("%s: port %d is %s, fabric %s is %s (%s): InfiniBand and RoCE ports cannot talk to "
-                            "each other; not advertised" % (name, p["port"], LAYER_WORDS.get(p["link_layer"],
-                                                                                              p["link_layer"]),
-                                                            decl["name"], LAYER_WORDS.get(layer, layer), layer_from))
+                            "each other; not advertised" % (
+                                name, p["port"], LAYER_WORDS.get(p["link_layer"], p["link_layer"]),
+                                decl["name"], LAYER_WORDS.get(layer, layer), layer_from))
                 continue
             good.append(p)
         if not good:

@@ -37,6 +37,7 @@ _ENUM_LINE = re.compile(r"^\s*(\d+)\s*:\s*(\S(?:.*\S)?)\s*$")
 # rate_show: "%d%s Gb/sec (%dX%s)": "2.5 Gb/sec (1X)", "10 Gb/sec (4X)", "200 Gb/sec (4X HDR)".
 _RATE_LINE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*Gb/sec(?:\s*\(([^()]*)\))?\s*$")
 
+
 class SysfsFormatError(ValueError):
     """A sysfs file whose text is not in the kernel's format."""
 
