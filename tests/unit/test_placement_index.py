@@ -51,3 +51,16 @@ def test_refusal_counts_nodes_by_reason():
                         "1 too few free GPUs, 1 unreachable")
     full = place(request(tp=2, weights_gib=70), nodes)
     assert full.placement is None and len(full.verdicts) == 3
+
+
+def test_sync_keeps_one_index_across_passes():
+    a, b, c = (cap(pcie8_two_sockets(n)) for n in "abc")
+    index = PlacementIndex([a, b, c])
+    assert index.sync([a, b, c]) == 0  # nothing changed: nothing re-bucketed
+    taken = cap(a.inventory, free=set(range(2, 8)))
+    gone_b = [taken, c]
+    assert index.sync(gone_b) == 2  # a's GPUs changed, b left the fleet
+    assert [n.node_id for n in index.nodes()] == ["a", "c"]
+    r = index.place(request(tp=8))
+    assert r.placement.nodes == ("c",)
+    assert index.place(request(tp=2)).placement == place(request(tp=2), [taken, c]).placement

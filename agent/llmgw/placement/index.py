@@ -92,6 +92,29 @@ class PlacementIndex:
         self._unindex(node_id)
         self._nodes.pop(node_id, None)
 
+    def sync(self, nodes: Iterable[NodeCapacity]) -> int:
+        """Make the index hold exactly ``nodes``, touching only what changed; returns how many changed.
+
+        For a caller that rebuilds the fleet's capacities every pass (the
+        reconciler's ``capacities()``) but wants to keep one index between
+        passes: a node is re-bucketed only when its inventory object, free
+        GPUs or schedulability differ from what the index holds.
+        """
+        seen: set[str] = set()
+        changed = 0
+        for node in nodes:
+            seen.add(node.node_id)
+            old = self._nodes.get(node.node_id)
+            if (old is not None and old.inventory is node.inventory and old.free_gpus == node.free_gpus
+                    and old.schedulable == node.schedulable and old.reason == node.reason):
+                continue
+            self.update(node)
+            changed += 1
+        for node_id in [n for n in self._nodes if n not in seen]:
+            self.remove(node_id)
+            changed += 1
+        return changed
+
     def _memory_class(self, per_gpu: int | None) -> int | None:
         """The smallest GPU size in the fleet that holds ``per_gpu`` (a GPU holds
         the need exactly when it is at least that size); -1 when none does."""
