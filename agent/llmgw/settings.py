@@ -304,6 +304,9 @@ def _fabric_errors(doc: dict[str, Any]) -> list[ConfigError]:
         if f["name"] in seen:
             errors.append(ConfigError(f"/fabrics/{i}/name", f"duplicate fabric {f['name']!r}"))
         seen.setdefault(f["name"], i)
+    from llmgw.hardware.fabric_rules import declaration_errors
+
+    errors += [ConfigError(pointer, message) for pointer, message in declaration_errors(doc.get("fabrics", ()))]
     return errors
 
 
@@ -342,8 +345,10 @@ def parse_agent_settings(doc: Any, source: str = "agent.yaml") -> AgentSettings:
         gpu_source=disc.get("gpus", "nvml"),
         hardware_file=disc.get("hardware_file"),
         sysfs_root=disc.get("sysfs_root", "/sys/class/infiniband"),
-        fabrics=tuple(FabricDeclaration(f["name"], tuple(f["hcas"]), f.get("min_rate_gbps"))
-                      for f in doc.get("fabrics", ())),
+        fabrics=tuple(FabricDeclaration(
+            f["name"], tuple(f["hcas"]), f.get("min_rate_gbps"), f.get("link_layer"),
+            tuple((name, tuple(sorted(ident.items()))) for name, ident in sorted(f.get("identities", {}).items())))
+            for f in doc.get("fabrics", ())),
         engine_commands={k: tuple(v) for k, v in doc.get("engines", {}).items()},
         fetch=FetchPolicy(**doc.get("fetch", {})),
         raw=doc,

@@ -30,8 +30,22 @@ CASES = [
     case("mixed-rates", "mixed_rates", BOTH, ok=True, rate=100.0),
     case(
         "mixed-rates-below-min", "mixed_rates", [{"name": "ib0", "hcas": ["mlx5_0", "mlx5_1"], "min_rate_gbps": 200}],
-        ok=False, rate=100.0, names=["mlx5_1"], found=["100 Gb/sec (4X EDR)", "below min_rate_gbps 200"],
+        ok=False, rate=100.0, found=["rate 100 Gb/s is below min_rate_gbps 200 (slowest: mlx5_1 port 1, 100 Gb/sec (4X EDR))"],
     ),
+    case("pcie8-four-adapters", "pcie8", [{"name": "ib0", "hcas": ["mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3"]}],
+         ok=True, rate=200.0),
+    case("mixed-link-layer", "mixed_link_layer", BOTH, ok=False, rate=200.0, names=["mlx5_1"],
+         found=["mlx5_1: port 1 is Ethernet (RoCE), fabric ib0 is InfiniBand (taken from mlx5_0 port 1): InfiniBand "
+                "and RoCE ports cannot talk to each other; not advertised"]),
+    case("roce-gid", "roce_gid", [{"name": "roce0", "hcas": ["mlx5_0"]}], ok=True, rate=100.0),
+    case("phys-recovery", "phys_recovery", BOTH, ok=False, rate=200.0, names=["mlx5_1"],
+         found=["mlx5_1: port 1 is ACTIVE but phys LinkErrorRecovery: the physical link is not up; not advertised"]),
+    case("dualport-by-port", "dualport", [{"name": "ib0", "hcas": ["mlx5_0:1", "mlx5_1:1"]},
+                                          {"name": "ib1", "hcas": ["mlx5_1:2"]}], ok=True, rate=200.0),
+    case("swapped-names", "swapped",
+         [{"name": "ib0", "hcas": ["mlx5_0"], "identities": {"mlx5_0": {"node_guid": "b83f:d203:0012:a4e0"}}}],
+         ok=False, rate=None, names=["mlx5_0"], undeclared=["mlx5_1"],
+         found=["not the card recorded at rollout", "the recorded card is now mlx5_1: renamed at boot?"]),
     case("multiport", "multiport", [{"name": "ib0", "hcas": ["mlx4_0"]}], ok=True, rate=56.0),
     case("roce", "roce", [{"name": "roce0", "hcas": ["mlx5_bond_0"]}], ok=True, rate=100.0),
     case("missing-adapter", "missing_adapter", BOTH, ok=False, rate=200.0, names=["mlx5_1"], found=["absent (found: mlx5_0)"]),
@@ -44,7 +58,7 @@ CASES = [
     ),
     case(
         "malformed", "malformed", BOTH, ok=False, rate=None, names=["mlx5_0", "mlx5_1"],
-        found=["state: expected '<number>: <name>', got ''", "rate is unknown [rate: missing]"],
+        found=["state: expected '<number>: <name>', got ''", "rate is unknown [rate: missing]; the fabric's rate is unknown"],
     ),
     case("no-rdma-nothing-declared", "no_such_tree", [], ok=True, rate=None),
     case("no-rdma-adapter-declared", "no_such_tree", BOTH, ok=False, names=["mlx5_0", "mlx5_1"], found=["absent (found: none)"]),
@@ -120,3 +134,11 @@ def test_fabric_status_matches_the_agents_shape(runs):
     assert fabric["slowest_link"] == "mlx5_1 port 1, 100 Gb/sec (4X EDR)"
     roce = _item_results(runs[1])["roce"].res
     assert roce["checks"][0]["ports"][0]["link_layer"] == "Ethernet"
+
+
+def test_roce_gid_index_ports_and_identities_as_the_agent_reports_them(runs):
+    gid = _item_results(runs[1])["roce-gid"].res
+    assert (gid["fabrics"][0]["link_layer"], gid["fabrics"][0]["gid_index"]) == ("Ethernet", 3)
+    dual = _item_results(runs[1])["dualport-by-port"].res
+    assert [f["advertised_hcas"] for f in dual["fabrics"]] == [["mlx5_0:1", "mlx5_1:1"], ["mlx5_1:2"]]
+    assert dual["identities"]["mlx5_0"] == {"node_guid": "b83f:d203:0012:a4e0", "pci_bus_id": "0000:19:00.0"}

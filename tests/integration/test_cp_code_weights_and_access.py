@@ -56,17 +56,17 @@ def test_url_weights_larger_than_gpu_memory_are_not_placed_and_explain_says_why(
         def refused():
             doc = f.try_get("/v1/replicas")
             reasons = [u["reason"] for u in (doc or {}).get("unplaced", [])]
-            return next((r for r in reasons if "group memory too small" in r), None)
+            return next((r for r in reasons if "GPU memory too small" in r), None)
         until(refused, "tiny/sim#0 to be refused for memory", on_timeout=f.dump)
 
         doc = f.get("/v1/explain/tiny")
         (item,) = doc["replicas"]
         assert item["placed"] is False and item["weights"] == {"bytes": SIZE, "source": "measured from URL"}
-        assert "group memory too small: needs 120.0 GiB (weights 100.0 GiB + 20% headroom)" in item["text"]
+        assert "GPU memory too small: needs 120.0 GiB (weights 100.0 GiB + 20% headroom)" in item["text"]
 
         res = f.ctl("explain", "tiny", check=False)
         assert res.returncode == 3, res.stdout + res.stderr
-        assert "group memory too small" in res.stdout
+        assert "GPU memory too small" in res.stdout
         assert "weights: 100.0 GiB (measured from URL)" in res.stdout
 
         catalog = f.get("/v1/catalog")

@@ -92,7 +92,10 @@ def test_gpu_detail_full_lists_every_gpu(tmp_path, docs):
     hv = plain(json.loads(res.stdout))["_meta"]["hostvars"]
     for n in nodes:
         h = hv[n["node_id"]]
-        assert h["llmgw_live_gpus"] == [{k: g[k] for k in ("index", "name", "memory_bytes", "uuid", "shard")} for g in n["gpus"]]
+        where = {g["index"]: g for g in n["hardware"]["gpus"]}
+        assert h["llmgw_live_gpus"] == [
+            {**{k: g[k] for k in ("index", "name", "memory_bytes", "uuid", "shard")},
+             **{k: where[g["index"]].get(k) for k in ("numa_node", "cpu_affinity")}} for g in n["gpus"]]
         assert h["llmgw_live_gpus"][0]["shard"] == "%s/r%d" % (h["llmgw_live_shards"][0]["replica_id"], h["llmgw_live_shards"][0]["rank"])
         assert h["llmgw_live_gpu_names"] and h["llmgw_live_gpus_total"] == len(n["gpus"])
 

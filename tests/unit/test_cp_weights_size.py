@@ -161,7 +161,7 @@ def test_reconciler_checks_memory_against_a_learned_size_and_waits_while_it_is_p
 
     plan = Reconciler().reconcile(cat, nodes, 0.0, Context(restart=restart, weight_sizes={url: BIG}))
     assert not plan.actions
-    assert "group memory too small" in plan.unplaced[("big/sim", 0)]
+    assert "GPU memory too small" in plan.unplaced[("big/sim", 0)]
 
     plan = Reconciler().reconcile(cat, nodes, 0.0, Context(restart=restart, weight_sizes={url: 10 * GIB}))
     (start,) = plan.actions
@@ -229,14 +229,14 @@ def test_control_plane_probes_off_its_loop_then_refuses_and_explains_with_the_me
         Handler.release.set()
         why = await eventually(lambda: "memory" in cp.unplaced.get(("big/sim", 0), "")
                                and cp.unplaced[("big/sim", 0)], "the memory refusal")
-        assert why.startswith("no placement for big/sim") and "group memory too small" in why
+        assert why.startswith("no placement for big/sim") and "GPU memory too small" in why
         return views.explain_view(cp, "big")
 
     out = run_cp(cp, body)
     assert not [m for m in session.sent if m["type"] == "start"], "nothing was launched"
     (item,) = out["replicas"]
     assert item["placed"] is False and item["weights"] == {"bytes": BIG, "source": "measured from URL"}
-    assert "group memory too small: needs 120.0 GiB (weights 100.0 GiB + 20% headroom)" in item["text"]
+    assert "GPU memory too small: needs 120.0 GiB (weights 100.0 GiB + 20% headroom)" in item["text"]
     assert "weights: 100.0 GiB (measured from URL)" in item["text"]
     model = views.catalog_view(cp)["models"][0]
     assert model["weights"] == {"bytes": BIG, "source": "measured from URL"}
@@ -270,7 +270,7 @@ def test_a_failed_probe_is_logged_once_and_an_agents_download_total_fills_in(ser
                                 and cp.unplaced[("big/sim", 0)], "the replacement to be refused")
 
     why = run_cp(cp, body)
-    assert "group memory too small" in why
+    assert "GPU memory too small" in why
     assert len([m for m in session.sent if m["type"] == "start"]) == 1
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "cannot tell the size" in r.getMessage()]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]

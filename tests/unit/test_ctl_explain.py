@@ -81,7 +81,36 @@ def test_undeclared_size_is_read_from_a_local_weights_file(capsys, tmp_path):
     one, four = report
     assert one["weights_bytes"] == four["weights_bytes"] == 200 << 30
     assert not one["placed"]
-    assert "group memory too small" in one["nodes"][0]["reason"]
+    assert "GPU memory too small" in one["nodes"][0]["reason"]
     assert "weights 200.0 GiB" in one["nodes"][0]["reason"]
     assert four["placed"]
     assert "weights 200.0 GiB" in four["placement"]["detail"]
+
+
+def test_topology_box_through_the_command_withholds_listed_processes(tmp_path):
+    """The real command in its own process: the matrix is shown, the TP=4 group takes whole
+    NVLink pairs, and a GPU the file lists a process on is withheld and says so."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    doc = yaml.safe_load((HW / "pcie-8gpu-bridged-2socket.yaml").read_text())
+    doc["gpus"][0]["processes"] = [{"pid": 4242, "used_memory_bytes": 1 << 30}]
+    hw = tmp_path / "box.yaml"
+    hw.write_text(yaml.safe_dump(doc))
+    cfg = tmp_path / "server.yaml"
+    cfg.write_text(
+        "api: {listen: {port: 8443}}\ninsecure_no_tls: true\n"
+        "models: [{name: m, source: org/m, size_bytes: 10000000000}]\n"
+        "profiles: [{name: tp4, engine: vllm, tensor_parallel_size: 4}, {name: tp8, engine: vllm, tensor_parallel_size: 8}]\n"
+        "deployments: [{model: m, profile: tp4, replicas: 1}, {model: m, profile: tp8, replicas: 1}]\n")
+    res = subprocess.run([sys.executable, "-m", "llmgw", "ctl", "explain", "--config", str(cfg), "--hardware", str(hw)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 3, res.stderr
+    out = res.stdout
+    assert "gpu-pcie8-01 topology (nvidia-smi topo -m):" in out
+    assert "GPU0    X       NV4     NODE" in out
+    assert "placed (topology): GPUs 4,5,6,7 on gpu-pcie8-01: 2 NVLink islands (4,5 | 6,7) joined by NODE" in out
+    assert ("3 free GPUs (GPU 0 withheld: the hardware file lists pid 4242 on it (offline, every listed "
+            "process counts as not an llmgw engine)), needs 8") in out

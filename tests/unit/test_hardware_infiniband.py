@@ -157,7 +157,12 @@ def test_min_rate_not_met_is_reported_but_still_advertised():
 
 def test_roce_adapter():
     hcas = read_hcas(root("roce"))
-    assert hcas == (HCA("mlx5_bond_0", (IBPort(1, "ACTIVE", "LinkUp", 100.0, "100 Gb/sec (4X EDR)", "Ethernet"),)),)
+    port = IBPort(1, "ACTIVE", "LinkUp", 100.0, "100 Gb/sec (4X EDR)", "Ethernet")
+    # Where the card sits comes from the class symlink into devices/; the
+    # fixture has no numa_node file, so the NUMA node stays unknown.
+    assert hcas == (HCA("mlx5_bond_0", (port,), pci_bus_id="0000:3b:00.0",
+                        pci_path=("pci0000:3a", "0000:3a:00.0", "0000:3b:00.0"), numa_node=None,
+                        node_guid="0c42:a103:0065:3c20"),)
     status, undeclared = check("roce", FabricDeclaration("roce-a", ("mlx5_bond_0",)))
     assert status.advertised_hcas == ("mlx5_bond_0",) and status.rate_gbps == 100.0
     assert undeclared == ()
@@ -170,7 +175,8 @@ def test_multiport_adapter_with_one_active_port_is_usable():
         (2, "DOWN", "Disabled", 10.0),
     ]
     status, _ = check("multiport", FabricDeclaration("ib-old", ("mlx4_0",)))
-    assert status.advertised_hcas == ("mlx4_0",)
+    # Named as NCCL_IB_HCA must name it: the one ACTIVE port, not the whole card.
+    assert status.advertised_hcas == ("mlx4_0:1",)
     assert status.rate_gbps == 56.0  # the down port is not a link of the fabric
     assert status.problems == ()
 
@@ -187,8 +193,9 @@ def test_malformed_files_give_unknown_with_reasons_never_a_crash():
     assert status.advertised_hcas == ("mlx5_1",)
     assert status.rate_gbps is None
     assert status.problems[0].startswith("mlx5_0: no ACTIVE port (port 1: UNKNOWN, phys UNKNOWN [state:")
-    assert "mlx5_1: port 1 is ACTIVE but its rate is unknown [rate: missing]" in status.problems
-    assert "rate unknown, cannot check min_rate_gbps 100" in status.problems
+    assert ("mlx5_1: port 1 is ACTIVE but its rate is unknown [rate: missing]; the fabric's rate is unknown"
+            in status.problems)
+    assert "min_rate_gbps 100 cannot be checked: rate of mlx5_1 port 1 unknown" in status.problems
 
 
 def test_unreadable_files_and_adapters(tmp_path):

@@ -9,6 +9,7 @@ their subclasses), and return values of the real ctypes structures
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -36,6 +37,8 @@ class Dev:
     # function name -> error code, for a device NVML cannot fully describe
     fail: dict[str, int] = field(default_factory=dict)
     uuid: str = ""
+    numa: int = 0  # nvmlDeviceGetNumaNodeId (-1: the platform does not say)
+    cpus: tuple[int, ...] = (0xFFFF,)  # nvmlDeviceGetCpuAffinity words, lowest CPUs first
 
 
 class Handle:
@@ -47,8 +50,13 @@ class FakeNvml:
     """Module-shaped stand-in for ``pynvml`` over a described machine."""
 
     def __init__(self, devices: list[Dev], *, init_error: int | BaseException | None = None,
-                 old_bindings: bool = False, count_error: int | None = None):
+                 old_bindings: bool = False, count_error: int | None = None,
+                 levels: dict[tuple[int, int], int] | None = None,
+                 default_level: int = pynvml.NVML_TOPOLOGY_HOSTBRIDGE):
         self.devices = devices
+        # (i, j) -> NVML_TOPOLOGY_* level or, when an error code is wanted, -code
+        self.levels = levels or {}
+        self.default_level = default_level
         for i, d in enumerate(devices):
             d.uuid = d.uuid or f"GPU-{i:08x}-1111-2222-3333-444455556666"
         self.init_error = init_error
@@ -141,6 +149,25 @@ class FakeNvml:
         if isinstance(value, int):
             raise pynvml.NVMLError(value)
         return value
+
+    def nvmlDeviceGetTopologyCommonAncestor(self, device1: Handle, device2: Handle) -> int:
+        self._dev(device1, "nvmlDeviceGetTopologyCommonAncestor")
+        self._dev(device2, "nvmlDeviceGetTopologyCommonAncestor")
+        a, b = sorted((device1.index, device2.index))
+        level = self.levels.get((a, b), self.default_level)
+        if level < 0:
+            raise pynvml.NVMLError(-level)
+        return level
+
+    def nvmlDeviceGetNumaNodeId(self, handle: Handle) -> int:
+        return self._dev(handle, "nvmlDeviceGetNumaNodeId").numa
+
+    def nvmlDeviceGetCpuAffinity(self, handle: Handle, cpuSetSize: int) -> Any:
+        d = self._dev(handle, "nvmlDeviceGetCpuAffinity")
+        words = (ctypes.c_ulonglong * cpuSetSize)()
+        for i, w in enumerate(d.cpus[:cpuSetSize]):
+            words[i] = w
+        return words
 
     def nvmlDeviceGetNvLinkState(self, handle: Handle, link: int) -> int:
         return DISABLED if self._link(handle, link, "nvmlDeviceGetNvLinkState") is None else ENABLED

@@ -160,3 +160,23 @@ def test_schema_accepts_what_discovery_of_every_sysfs_tree_produces():
         )
         assert schema_errors(inv.to_dict(), "hardware") == [], tree.name
         assert HardwareInventory.from_dict(inv.to_dict()) == inv
+
+
+def test_topology_errors_name_the_pointer(tmp_path):
+    doc = yaml.safe_load((HARDWARE / "pcie-4gpu-2switch.yaml").read_text())
+    doc["topology"]["links"][0]["tier"] = "NV"  # 0-1, but nvlink_peers do not join them
+    doc["topology"]["links"][1]["gpus"] = [0, 9]
+    doc["topology"]["links"].append({"gpus": [1, 0], "tier": "PIX"})
+    with pytest.raises(ConfigInvalid) as excinfo:
+        load_hardware_file(write(tmp_path, doc))
+    got = pointers(excinfo)
+    assert got["/topology/links/0/tier"] == "NV but neither GPU lists the other in nvlink_peers"
+    assert got["/topology/links/1/gpus"] == "no GPU with index 9 in this file"
+    assert got["/topology/links/6/gpus"] == "duplicate pair [0, 1] (also /topology/links/0)"
+
+
+def test_files_without_topology_stay_valid_and_unknown():
+    inv = load_hardware_file(HARDWARE / "pcie-4gpu-nvlink-pairs.yaml")
+    assert inv.topology is None and all(g.numa_node is None for g in inv.gpus)
+    topo = load_hardware_file(HARDWARE / "pcie-8gpu-bridged-2socket.yaml").topology
+    assert topo.link(0, 1).tier == "NV" and topo.link(0, 2).tier == "NODE" and topo.link(3, 4).tier == "SYS"

@@ -136,3 +136,39 @@ def request(
     m = Model(name=model, source="/models/llama-70b", served_name=model)
     weights = None if weights_gib is None else int(weights_gib * GIB)
     return PlacementRequest(model=m, profile=prof, weights_bytes=weights, memory_headroom=headroom)
+
+
+def with_tiers(inv: HardwareInventory, tier: Callable[[int, int], str | None],
+               nvlinks: Callable[[int, int], int] = lambda a, b: 0) -> HardwareInventory:
+    """``inv`` with a topology matrix: ``tier(a, b)`` for every pair (None: unknown).
+
+    NVLink peers are set from the pairs whose tier is NV, as discovery does.
+    """
+    import dataclasses
+
+    from llmgw.hardware.topology import GPULink, Topology
+
+    idx = [g.index for g in inv.gpus]
+    links = []
+    peers: dict[int, list[int]] = {i: [] for i in idx}
+    for i, a in enumerate(idx):
+        for b in idx[i + 1:]:
+            t = tier(a, b)
+            links.append(GPULink((a, b), t, nvlinks(a, b) if t == "NV" else 0,
+                                 None if t is not None else "NVML_ERROR_NOT_SUPPORTED"))
+            if t == "NV":
+                peers[a].append(b)
+                peers[b].append(a)
+    gpus = tuple(dataclasses.replace(g, nvlink_peers=tuple(sorted(peers[g.index]))) for g in inv.gpus)
+    return dataclasses.replace(inv, gpus=gpus, topology=Topology(tuple(links)), nvlink_known=True)
+
+
+def pcie8_two_sockets(node_id: str) -> HardwareInventory:
+    """8-GPU PCIe box: bridges pair (0,1)(2,3)(4,5)(6,7); pairs NODE within a socket, SYS across."""
+    def tier(a: int, b: int) -> str:
+        if a // 2 == b // 2:
+            return "NV"
+        return "NODE" if a // 4 == b // 4 else "SYS"
+
+    return with_tiers(inventory(node_id, 8, name="NVIDIA RTX A6000", memory_bytes=48 * GIB), tier,
+                      lambda a, b: 4)

@@ -60,7 +60,8 @@ def test_format_placed_result_one_line_then_each_node():
     lines = text.splitlines()
     assert lines[0] == (
         "llama-70b/tp2: placed (nvlink): GPUs 0,1 on gpu-a: fully connected by NVLink; "
-        "memory: needs 151.2 GiB (weights 126.0 GiB + 20% headroom), group of 2 has 160.0 GiB"
+        "memory: each GPU needs 75.6 GiB (1/2 of weights 126.0 GiB = 63.0 GiB + 20% headroom), "
+        "smallest GPU of the group has 80.0 GiB"
     )
     assert lines[1].split(maxsplit=2)[:2] == ["gpu-a", "ok"]
     assert lines[1].endswith("chosen: " + lines[0].split("placed (nvlink): ", 1)[1])

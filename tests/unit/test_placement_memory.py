@@ -1,4 +1,4 @@
-"""The memory check: weights plus headroom must fit the group, before any launch."""
+"""The memory check: each GPU must hold its share of the weights plus headroom, before any launch."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ def test_fitting_group_states_the_numbers():
     assert r.ok
     assert r.placement.detail == (
         "GPUs 0,1 on gpu-a: fully connected by NVLink; "
-        "memory: needs 151.2 GiB (weights 126.0 GiB + 20% headroom), group of 2 has 160.0 GiB"
+        "memory: each GPU needs 75.6 GiB (1/2 of weights 126.0 GiB = 63.0 GiB + 20% headroom), "
+        "smallest GPU of the group has 80.0 GiB"
     )
 
 
@@ -23,15 +24,16 @@ def test_too_small_group_is_refused_with_the_numbers():
     (v,) = r.verdicts
     assert (v.node_id, v.ok) == ("gpu-a", False)
     assert v.reason == (
-        "group memory too small: needs 168.0 GiB (weights 140.0 GiB + 20% headroom), group of 2 has 160.0 GiB"
+        "GPU memory too small: each GPU needs 84.0 GiB (1/2 of weights 140.0 GiB = 70.0 GiB + 20% headroom), "
+        "0 of 8 free GPUs hold it (largest has 80.0 GiB), needs 2"
     )
-    assert r.reason.endswith("1 node: 1 group memory too small")
+    assert r.reason.endswith("1 node: 1 GPU memory too small")
 
 
 def test_exactly_enough_is_enough():
     r = place(request(tp=2, weights_gib=160, headroom=0.0), [cap(nvswitch_h100("gpu-a"))])
     assert r.ok
-    assert "needs 160.0 GiB (weights 160.0 GiB + 0% headroom)" in r.placement.detail
+    assert "each GPU needs 80.0 GiB (1/2 of weights 160.0 GiB = 80.0 GiB + 0% headroom)" in r.placement.detail
     r = place(request(tp=2, weights_gib=160, headroom=0.01), [cap(nvswitch_h100("gpu-a"))])
     assert not r.ok
 
@@ -52,7 +54,8 @@ def test_small_gpus_are_refused_while_large_ones_take_the_replica():
     v = {x.node_id: x for x in r.verdicts}
     assert not v["l4-box"].ok
     assert v["l4-box"].reason == (
-        "group memory too small: needs 84.0 GiB (weights 70.0 GiB + 20% headroom), group of 2 has 48.0 GiB"
+        "GPU memory too small: each GPU needs 42.0 GiB (1/2 of weights 70.0 GiB = 35.0 GiB + 20% headroom), "
+        "0 of 8 free GPUs hold it (largest has 24.0 GiB), needs 2"
     )
 
 
@@ -74,42 +77,53 @@ def test_mixed_board_says_when_nvlink_sets_are_too_small():
     )
     assert r.placement.shards[0].gpu_indices == (2, 3)
     assert r.placement.rule == "lowest-free"
-    assert (
-        "lowest free indices that hold the weights; no NVLink-connected set of 2 among free GPUs 0,1,2,3 holds the weights"
-        in r.placement.detail
+    assert r.placement.detail.startswith(
+        "GPUs 2,3 on mixed: lowest free indices; no NVLink-connected set of 2 among free GPUs 2,3 that hold their share"
     )
 
 
 @pytest.mark.parametrize(
     ("weights", "expected"),
-    [(80, (0, 1)), (125, (0, 2)), (10, (0, 1))],
+    # 80 GiB + 20% over 2 GPUs is 48 GiB each: the 24 GiB cards cannot take part.
+    [(80, (0, 2)), (125, (0, 2)), (140, None), (30, (0, 1))],
 )
-def test_mixed_board_without_nvlink_takes_lowest_indices_that_hold(weights, expected):
+def test_mixed_board_without_nvlink_takes_lowest_indices_that_each_hold(weights, expected):
     r = place(request(tp=2, weights_gib=weights), [cap(_mixed([80, 24, 80, 24]))])
-    assert r.placement.shards[0].gpu_indices == expected
+    assert (r.placement.shards[0].gpu_indices if r.ok else None) == expected
+
+
+def test_each_gpu_must_hold_its_share_not_the_group_total():
+    # A 48 GB and a 24 GB card add up to 72 GiB, but TP=2 puts 30 GiB on each.
+    r = place(request(tp=2, weights_gib=50), [cap(_mixed([48, 24]))])
+    assert not r.ok
+    assert r.verdicts[0].reason == (
+        "GPU memory too small: each GPU needs 30.0 GiB (1/2 of weights 50.0 GiB = 25.0 GiB + 20% headroom), "
+        "1 of 2 free GPUs holds it (largest has 48.0 GiB), needs 2"
+    )
 
 
 def test_mixed_board_refusal_names_the_largest_group():
     r = place(request(tp=2, weights_gib=200), [cap(_mixed([80, 24, 80, 24]))])
     assert r.verdicts[0].reason == (
-        "group memory too small: needs 240.0 GiB (weights 200.0 GiB + 20% headroom), largest group of 2 has 160.0 GiB"
+        "GPU memory too small: each GPU needs 120.0 GiB (1/2 of weights 200.0 GiB = 100.0 GiB + 20% headroom), "
+        "0 of 4 free GPUs hold it (largest has 80.0 GiB), needs 2"
     )
 
 
 def test_multi_node_checks_each_node_for_its_share():
     fabric = (good_fabric(),)
     nodes = [cap(nvswitch_h100("gpu-a", fabric)), cap(nvswitch_h100("gpu-b", fabric))]
-    # 2 nodes x 4 GPUs x 80 GiB: each node holds half of 600 GiB plus 20%.
+    # 2 nodes x 4 GPUs x 80 GiB: each of the 8 GPUs holds 1/8 of 600 GiB plus 20%.
     r = place(request(tp=4, pp=2, nodes=2, weights_gib=600), nodes)
     assert r.placement is None
     assert [v.reason for v in r.verdicts] == [
-        "group memory too small: needs 360.0 GiB (1/2 of weights 600.0 GiB = 300.0 GiB + 20% headroom), "
-        "group of 4 has 320.0 GiB"
+        "GPU memory too small: each GPU needs 90.0 GiB (1/8 of weights 600.0 GiB = 75.0 GiB + 20% headroom), "
+        "0 of 8 free GPUs hold it (largest has 80.0 GiB), needs 4"
     ] * 2
     ok = place(request(tp=4, pp=2, nodes=2, weights_gib=500), nodes)
     assert ok.ok
     assert ok.placement.detail.endswith(
-        "memory per node: needs 300.0 GiB (1/2 of weights 500.0 GiB = 250.0 GiB + 20% headroom)"
+        "memory: each GPU needs 75.0 GiB (1/8 of weights 500.0 GiB = 62.5 GiB + 20% headroom)"
     )
 
 

@@ -7,7 +7,6 @@ from test_placement_builders import cap, inventory, nvswitch_h100, pcie_pairs, r
 
 from llmgw.hardware.types import HardwareInventory
 from llmgw.placement import place
-from llmgw.placement import nvlink
 
 
 def verdicts(result):
@@ -225,53 +224,6 @@ def test_profile_that_cannot_split_is_refused_on_every_node(tp, pp, nodes, expec
     assert [v.node_id for v in r.verdicts] == ["gpu-a", "gpu-b"]
     assert all(not v.ok and v.reason == f"profile bad: {expected}" for v in r.verdicts)
     assert r.reason == f"no placement for llama-70b/bad: profile bad: {expected}"
-
-
-# --- the clique search itself ------------------------------------------------
-
-
-def _multipartite(parts: int, size: int) -> dict[int, list[int]]:
-    """Complete multipartite graph: largest clique is exactly ``parts``."""
-    n = parts * size
-    return {i: [j for j in range(n) if j % parts != i % parts] for i in range(n)}
-
-
-def test_clique_search_is_pruned_when_no_clique_exists():
-    # 16 GPUs, 7 groups: 8-cliques do not exist though there are
-    # thousands of 7-cliques; the colouring bound proves it at once.
-    adj = _multipartite(7, 3)
-    found = nvlink.lowest_clique(range(16), 8, adj)
-    assert found.group is None and not found.exhausted
-    assert found.steps <= 16
-
-
-def test_clique_search_finds_lowest_clique_in_multipartite_graph():
-    adj = _multipartite(4, 4)  # i joins j when i % 4 != j % 4
-    found = nvlink.lowest_clique(range(16), 4, adj)
-    assert found.group == (0, 1, 2, 3)
-    # 0, 4 and 8 share a part; 0 with 5 and 6 is the lowest triangle.
-    assert nvlink.lowest_clique([0, 4, 5, 6, 8, 11], 3, adj).group == (0, 5, 6)
-    assert nvlink.lowest_clique([0, 4, 8, 5, 9], 3, adj).group is None
-
-
-def test_clique_search_respects_accept_and_budget():
-    full = {i: [j for j in range(16) if j != i] for i in range(16)}
-    found = nvlink.lowest_clique(range(16), 2, full, accept=lambda g: g == (3, 9))
-    assert found.group == (3, 9)
-    stopped = nvlink.lowest_clique(range(16), 8, full, accept=lambda g: False, max_steps=50)
-    assert stopped.group is None and stopped.exhausted
-
-
-def test_clique_search_budget_shows_in_detail(monkeypatch):
-    monkeypatch.setattr(nvlink, "DEFAULT_MAX_STEPS", 0)
-    r = place(request(tp=2), [cap(nvswitch_h100("gpu-a"))])
-    assert r.placement.rule == "lowest-free"
-    assert "lowest free indices; NVLink search stopped after 0 steps" in r.placement.detail
-
-
-def test_clique_search_rejects_empty_size():
-    with pytest.raises(ValueError, match="at least 1"):
-        nvlink.lowest_clique(range(4), 0, {})
 
 
 def test_node_with_withheld_gpus_says_why_it_has_fewer():

@@ -347,17 +347,7 @@ def withhold_gpus(inventory: HardwareInventory, survivors: Sequence[UnknownEngin
             by_pid.setdefault(pid, []).append(idx)
     parts = [f"GPU(s) {', '.join(map(str, idxs))} withheld: held by pid {pid}, an unidentified engine "
              f"that survived SIGKILL" for pid, idxs in by_pid.items()]
-    return _without(inventory, set(held), parts)
-
-
-def _without(inventory: HardwareInventory, held: set[int], parts: Sequence[str]) -> HardwareInventory:
-    """``inventory`` less the GPUs ``held`` (and peers pointing at them), ``parts`` added to the reason."""
-    reason = "; ".join(parts)
-    if inventory.gpu_reason:
-        reason = f"{inventory.gpu_reason}; {reason}"
-    gpus = tuple(dataclasses.replace(g, nvlink_peers=tuple(p for p in g.nvlink_peers if p not in held))
-                 for g in inventory.gpus if g.index not in held)
-    return dataclasses.replace(inventory, gpus=gpus, gpu_reason=reason)
+    return inventory.without_gpus(set(held), parts)
 
 
 # --- GPUs held by processes that are not this agent's engines ----------------
@@ -466,5 +456,5 @@ def withhold_foreign_gpus(inventory: HardwareInventory, own: OwnEngines
     for idx, hs in sorted(by_gpu.items()):
         tail = "not an llmgw engine" if len(hs) == 1 else "none of them an llmgw engine"
         parts.append(f"GPU {idx} withheld: in use by {', '.join(h.describe() for h in hs)}, {tail}")
-    return _without(inventory, set(by_gpu), parts), holders
+    return inventory.without_gpus(set(by_gpu), parts), holders
 

@@ -2,7 +2,11 @@
 
 The offline form (``--config server.yaml --hardware FILE...``) runs the same
 pure placement the control plane runs, over hardware files, so an operator
-can check a catalog against a fleet before anything is deployed.
+can check a catalog against a fleet before anything is deployed.  GPUs whose
+``processes`` list a process are withheld, as an agent withholds GPUs held by
+a process that is not one of its engines (offline, every listed process
+counts as not an engine).  The text form shows each node's topology matrix
+(``nvidia-smi topo -m`` style) when the file carries one.
 
 A model without a declared ``size_bytes`` is sized from its weights when they
 can be read from here: a local path that exists on this machine, or, with
@@ -20,6 +24,7 @@ from typing import Any
 
 from llmgw.catalog import measure_sources, weights_bytes
 from llmgw.config import ConfigInvalid
+from llmgw.hardware.types import HardwareInventory
 from llmgw.placement import NodeCapacity, PlacementRequest, format_result, place_many
 from llmgw.settings import ServerSettings, load_server_settings
 
@@ -44,8 +49,26 @@ def declared_requests(settings: ServerSettings, model: str | None = None,
     return out
 
 
+def withhold_listed(inv: HardwareInventory) -> HardwareInventory:
+    """``inv`` less every GPU whose ``processes`` lists a process, as the agent withholds
+    GPUs held by a process that is not one of its engines.
+
+    Offline there is no telling an llmgw engine from anything else (the agent
+    asks the live process for its LLMGW_SHARD_ID), so every listed process
+    counts as not an engine, and the reason says so.  A GPU whose processes
+    are unknown (the key left out) is not withheld, as on the agent.
+    """
+    held = {g.index: g.processes for g in inv.gpus if g.processes}
+    if not held:
+        return inv
+    parts = [f"GPU {i} withheld: the hardware file lists pid {', '.join(str(p.pid) for p in procs)} on it "
+             f"(offline, every listed process counts as not an llmgw engine)" for i, procs in sorted(held.items())]
+    return inv.without_gpus(set(held), parts)
+
+
 def explain_offline(settings: ServerSettings, inventories: list, model: str | None = None,
                     known_sizes: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
+    inventories = [withhold_listed(inv) for inv in inventories]
     nodes = [NodeCapacity(inventory=inv, free_gpus=frozenset(g.index for g in inv.gpus)) for inv in inventories]
     labelled = declared_requests(settings, model, known_sizes)
     results = place_many([r for _, r in labelled], nodes)
@@ -94,6 +117,13 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         json.dump(report, sys.stdout, indent=2)
         print()
     else:
+        from llmgw.hardware.matrix import topo_matrix
+
+        for inv in inventories:
+            if inv.topology is not None:
+                print(f"{inv.node_id} topology (nvidia-smi topo -m):")
+                for line in topo_matrix(inv).splitlines():
+                    print(f"  {line}")
         for item in report:
             print(f"{item['replica']}:")
             for line in item["text"].splitlines():

@@ -57,7 +57,8 @@ def discover(
             raise ValueError("gpu_source 'simulated' needs a hardware_file")
         inv = _simulated(node_id, Path(hardware_file), Path(sysfs_root), fabrics)
     else:
-        found = discover_gpus(nvml)
+        # The class root is <sys>/class/infiniband; GPUs' PCI paths are under <sys>/bus/pci.
+        found = discover_gpus(nvml, sys_root=Path(sysfs_root).parent.parent)
         hcas = read_hcas(sysfs_root)
         statuses, undeclared = validate_fabrics(fabrics, hcas)
         inv = HardwareInventory(
@@ -69,6 +70,7 @@ def discover(
             gpu_source="nvml",
             gpu_reason=found.reason,
             nvlink_known=found.nvlink_known,
+            topology=found.topology,
         )
     log_fabric_problems(inv.fabrics)
     log_undeclared(inv.undeclared_hcas)

@@ -20,12 +20,15 @@ I/O around it and never raises for what it finds on disk.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from llmgw.hardware import fabric_rules
+from llmgw.hardware.fabric_rules import roce_v2_gid_index
 from llmgw.hardware.types import HCA, FabricDeclaration, FabricStatus, IBPort
 
 log = logging.getLogger(__name__)
@@ -151,13 +154,32 @@ def _read_text(path: Path) -> str | OSError | None:
         return e
 
 
+def read_gids(port_dir: Path) -> dict[int, tuple[str, str]]:
+    """``{index: (gid, type)}`` from ``gids/<i>`` and ``gid_attrs/types/<i>``
+    (RoCE ports; the kernel answers EINVAL for a type of an empty entry)."""
+    out: dict[int, tuple[str, str]] = {}
+    try:
+        entries = [e for e in (port_dir / "gids").iterdir() if e.name.isdigit()]
+    except OSError:
+        return out
+    for e in entries:
+        gid = _read_text(e)
+        kind = _read_text(port_dir / "gid_attrs" / "types" / e.name)
+        if isinstance(gid, str) and isinstance(kind, str):
+            out[int(e.name)] = (gid.strip(), kind.strip())
+    return out
+
+
 def read_port(port_dir: Path) -> IBPort:
     texts: dict[str, str | OSError] = {}
     for name in PORT_FILES:
         raw = _read_text(port_dir / name)
         if raw is not None:
             texts[name] = raw
-    return port_from_texts(int(port_dir.name), texts)
+    port = port_from_texts(int(port_dir.name), texts)
+    if port.link_layer == "Ethernet":
+        port = dataclasses.replace(port, gid_index=roce_v2_gid_index(read_gids(port_dir)))
+    return port
 
 
 def natural_key(name: str) -> tuple:
@@ -165,20 +187,64 @@ def natural_key(name: str) -> tuple:
     return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
 
 
+_PCI_ADDRESS = re.compile(r"^[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$")
+
+
+def pci_location(hca_dir: Path) -> tuple[str | None, tuple[str, ...] | None, int | None]:
+    """The adapter's PCI device, its path from the root bus, and its NUMA node.
+
+    ``class/infiniband/<hca>`` links to ``devices/pci0000:16/.../0000:17:00.0/
+    infiniband/<hca>``: the PCI device is the directory above ``infiniband``
+    and the path is every directory from ``pci<domain>:<bus>`` down to it.
+    ``numa_node`` there is the kernel's (-1, or absent, when the platform
+    does not say: unknown).
+    """
+    try:
+        target = hca_dir.resolve(strict=True)
+    except OSError:
+        return None, None, None
+    device = target.parent.parent
+    if target.parent.name != "infiniband" or not _PCI_ADDRESS.match(device.name):
+        return None, None, None
+    parts = device.parts
+    start = next((i for i, p in enumerate(parts) if p.startswith("pci") and ":" in p), None)
+    path = None if start is None else tuple(parts[start:])
+    numa: int | None = None
+    raw = _read_text(device / "numa_node")
+    if isinstance(raw, str):
+        try:
+            numa = int(raw.strip())
+        except ValueError:
+            numa = None
+        if numa is not None and numa < 0:
+            numa = None
+    return device.name, path, numa
+
+
+def read_node_guid(hca_dir: Path) -> str | None:
+    raw = _read_text(hca_dir / "node_guid")
+    if not isinstance(raw, str):
+        return None
+    value = raw.strip().lower()
+    return value if re.fullmatch(r"[0-9a-f]{4}(:[0-9a-f]{4}){3}", value) else None
+
+
 def read_hca(hca_dir: Path) -> HCA:
     """One adapter; its directory is usually a symlink, which is followed."""
+    bus, path, numa = pci_location(hca_dir)
+    where = {"pci_bus_id": bus, "pci_path": path, "numa_node": numa, "node_guid": read_node_guid(hca_dir)}
     ports_dir = hca_dir / "ports"
     try:
         entries = sorted(ports_dir.iterdir(), key=lambda p: natural_key(p.name))
     except OSError as e:
         log.debug("%s: cannot list ports: %s", hca_dir.name, e)
-        return HCA(name=hca_dir.name, ports=())
+        return HCA(name=hca_dir.name, ports=(), **where)
     ports = []
     for entry in entries:
         if not entry.name.isdigit():
             continue
         ports.append(read_port(entry))
-    return HCA(name=hca_dir.name, ports=tuple(ports))
+    return HCA(name=hca_dir.name, ports=tuple(ports), **where)
 
 
 def read_hcas(root: str | Path = DEFAULT_SYSFS_ROOT) -> tuple[HCA, ...]:
@@ -197,87 +263,37 @@ def read_hcas(root: str | Path = DEFAULT_SYSFS_ROOT) -> tuple[HCA, ...]:
 
 # --- declared against discovered ------------------------------------------
 
-_HINTS = {
-    ("INIT", "LinkUp"): "INIT with LinkUp: the cable is up but no subnet manager has activated the port",
-    ("ARMED", "LinkUp"): "ARMED: the subnet manager has not finished activating the port",
-    ("DOWN", "Polling"): "Polling: no link partner; check the cable and the switch port",
-    ("DOWN", "Disabled"): "Disabled: the port is administratively down",
-}
-
 
 def describe_port(p: IBPort) -> str:
     """``"port 1: INIT, phys LinkUp"`` (plus why, if a file was unreadable)."""
-    text = f"port {p.port}: {p.state}, phys {p.phys_state}"
-    if p.reason:
-        text += f" [{p.reason}]"
-    return text
+    return fabric_rules.describe_port(p.to_dict())
 
 
-def _inactive_problem(hca: HCA) -> str:
-    if not hca.ports:
-        return f"{hca.name}: no ACTIVE port (no ports found)"
-    details = "; ".join(describe_port(p) for p in hca.ports)
-    hints = sorted({h for p in hca.ports if (h := _HINTS.get((p.state, p.phys_state)))})
-    text = f"{hca.name}: no ACTIVE port ({details})"
-    if hints:
-        text += "; " + "; ".join(hints)
-    return text
-
-
-def _dedupe(names: Iterable[str]) -> tuple[str, ...]:
-    return tuple(dict.fromkeys(names))
+def _rules_adapter(h: HCA) -> dict:
+    return {"name": h.name, "node_guid": h.node_guid, "pci_bus_id": h.pci_bus_id,
+            "ports": [dict(p.to_dict(), reason=p.reason, gid_index=p.gid_index) for p in h.ports]}
 
 
 def check_fabric(decl: FabricDeclaration, discovered: Sequence[HCA]) -> FabricStatus:
-    """One declared fabric against the adapters the node really has.
+    """One declared fabric against the adapters the node really has (``fabric_rules``).
 
-    Only adapters present with an ACTIVE port are advertised.  The fabric's
-    rate is the slowest ACTIVE port among them: a collective runs at the
-    speed of its slowest link.  A declared ``min_rate_gbps`` that is not met
-    is reported as a problem but does not withdraw the fabric: the links do
-    carry traffic, only slower than planned, and refusing them would turn a
-    performance problem into an outage.
+    Only usable ports (ACTIVE and LinkUp, of the fabric's one link layer, on
+    the card recorded at rollout) are advertised.  The fabric's rate is the
+    slowest of them, unknown when any one's is.  A declared ``min_rate_gbps``
+    that is not met is reported as a problem but does not withdraw the fabric:
+    the links do carry traffic, only slower than planned, and refusing them
+    would turn a performance problem into an outage.
     """
-    by_name = {h.name: h for h in discovered}
-    found = ", ".join(sorted(by_name, key=natural_key)) or "none"
-    declared = _dedupe(decl.hcas)
-    advertised: list[str] = []
-    problems: list[str] = []
-    slowest: tuple[float, str] | None = None  # (rate, "mlx5_1 port 1, 100 Gb/sec (4X EDR)")
-    unknown_rate = False
-    for name in declared:
-        hca = by_name.get(name)
-        if hca is None:
-            problems.append(f"{name}: absent (found: {found})")
-            continue
-        active = hca.active_ports
-        if not active:
-            problems.append(_inactive_problem(hca))
-            continue
-        advertised.append(name)
-        for p in active:
-            if not p.rate_text:  # the rate file could not be read
-                unknown_rate = True
-                problems.append(f"{name}: port {p.port} is ACTIVE but its rate is unknown [{p.reason}]")
-                continue
-            if slowest is None or p.rate_gbps < slowest[0]:
-                slowest = (p.rate_gbps, f"{name} port {p.port}, {p.rate_text}")
-    rate = None if slowest is None else slowest[0]
-    if decl.min_rate_gbps is not None and advertised:
-        if rate is not None and rate < decl.min_rate_gbps:
-            assert slowest is not None
-            problems.append(
-                f"rate {rate:g} Gb/s is below min_rate_gbps {decl.min_rate_gbps:g} "
-                f"(slowest: {slowest[1]})"
-            )
-        elif rate is None and unknown_rate:
-            problems.append(f"rate unknown, cannot check min_rate_gbps {decl.min_rate_gbps:g}")
+    status, _checks = fabric_rules.check_fabric(decl.to_rules(), [_rules_adapter(h) for h in discovered])
     return FabricStatus(
-        name=decl.name,
-        declared_hcas=declared,
-        advertised_hcas=tuple(advertised),
-        rate_gbps=rate,
-        problems=tuple(problems),
+        name=status["name"],
+        declared_hcas=tuple(status["declared_hcas"]),
+        advertised_hcas=tuple(status["advertised_hcas"]),
+        rate_gbps=status["rate_gbps"],
+        problems=tuple(status["problems"]),
+        link_layer=status["link_layer"],
+        gid_index=status["gid_index"],
+        rate_at_most_gbps=status["rate_at_most_gbps"],
     )
 
 
@@ -291,9 +307,8 @@ def validate_fabrics(
     what the operator declared.  Pure; ``log_fabric_problems`` logs.
     """
     statuses = tuple(check_fabric(d, discovered) for d in declared)
-    named = {n for d in declared for n in d.hcas}
-    undeclared = tuple(sorted((h.name for h in discovered if h.name not in named), key=natural_key))
-    return statuses, undeclared
+    adapters = [{"name": h.name} for h in discovered]
+    return statuses, tuple(fabric_rules.undeclared([d.to_rules() for d in declared], adapters))
 
 
 def log_fabric_problems(statuses: Iterable[FabricStatus], logger: logging.Logger = log) -> None:

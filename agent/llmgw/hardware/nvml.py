@@ -50,13 +50,17 @@ still registers, so the operator sees why from the control plane.
 from __future__ import annotations
 
 import logging
+import os
 import re
+import sys
 import threading
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
 
+from llmgw.hardware.topology import NVML_LEVELS, GPULink, Topology, cpulist
 from llmgw.hardware.types import GPU, GPUProcess
 
 log = logging.getLogger(__name__)
@@ -142,6 +146,39 @@ def nvlink_peers(
     return {i: tuple(sorted(p)) for i, p in peers.items()}, known
 
 
+def nvlink_counts(reports: list[LinkReport], unusable_bus_ids: frozenset[str] = frozenset()) -> dict[tuple[int, int], int]:
+    """Active NVLinks per GPU pair, as ``nvidia-smi topo -m`` counts them (``NV4``).
+
+    A direct pair counts the links between them (seen from the lower index:
+    both ends report the same links).  A pair joined through NVSwitches
+    counts, on each side, its links into switches both reach, and takes the
+    smaller side: traffic between them cannot use more.
+    """
+    by_bus = {r.bus_id: r.index for r in reports}
+    direct: dict[tuple[int, int], int] = defaultdict(int)
+    into: dict[int, dict[str, int]] = {r.index: defaultdict(int) for r in reports}
+    for r in reports:
+        for remote in r.remote_bus_ids:
+            if remote is None or remote in unusable_bus_ids:
+                continue
+            other = by_bus.get(remote)
+            if other is None:
+                into[r.index][remote] += 1
+            elif other != r.index:
+                key = (min(r.index, other), max(r.index, other))
+                if r.index == key[0]:
+                    direct[key] += 1
+    counts = dict(direct)
+    indices = sorted(into)
+    for i, a in enumerate(indices):
+        for b in indices[i + 1:]:
+            shared = set(into[a]) & set(into[b])
+            if shared:
+                via = min(sum(into[a][s] for s in shared), sum(into[b][s] for s in shared))
+                counts[(a, b)] = max(counts.get((a, b), 0), via)
+    return counts
+
+
 # --- NVML I/O ---------------------------------------------------------------
 
 
@@ -149,6 +186,7 @@ class NvmlDiscovery(NamedTuple):
     gpus: tuple[GPU, ...]
     reason: str | None  # why there are no GPUs, when there are none
     nvlink_known: bool
+    topology: Topology | None = None  # every pair's tier; None when there are no GPUs
 
 
 _warned: set[str] = set()
@@ -307,13 +345,91 @@ def gpu_processes(nvml: Any, handle: Any, index: int) -> tuple[GPUProcess, ...] 
     return tuple(GPUProcess(pid, used) for pid, used in sorted(found.items()))
 
 
+def error_name(nvml: Any, err: BaseException) -> str:
+    """``"Not Supported (NVML_ERROR_NOT_SUPPORTED)"``: the bindings' text and the constant's name."""
+    code = _code(nvml, err)
+    # The constants live in the bindings' module (the one defining the error class).
+    module = sys.modules.get(type(err).__module__, nvml)
+    names = [n for n in dir(module) if n.startswith("NVML_ERROR_") and getattr(module, n, None) == code]
+    return f"{err} ({names[0]})" if code is not None and names else f"{err} ({type(err).__name__})"
+
+
+def pair_topology(nvml: Any, handles: list[tuple[int, Any]],
+                  nvlinks: dict[tuple[int, int], int], nvlink_known: bool) -> Topology:
+    """Every pair's tier: NVLink when links join them, else the PCIe/NUMA level
+    ``nvmlDeviceGetTopologyCommonAncestor`` gives.  An error (NOT_SUPPORTED on
+    some boards) leaves the pair unknown with NVML's words, never guessed."""
+    links = []
+    for i, (a, ha) in enumerate(handles):
+        for b, hb in handles[i + 1:]:
+            key = (min(a, b), max(a, b))
+            count = nvlinks.get(key, 0)
+            if count:
+                links.append(GPULink(key, "NV", count))
+                continue
+            try:
+                level = int(nvml.nvmlDeviceGetTopologyCommonAncestor(ha, hb))
+            except nvml.NVMLError as e:
+                links.append(GPULink(key, None, reason=f"nvmlDeviceGetTopologyCommonAncestor: {error_name(nvml, e)}"))
+                continue
+            tier = NVML_LEVELS.get(level)
+            if tier is None:
+                links.append(GPULink(key, None, reason=f"nvmlDeviceGetTopologyCommonAncestor: unknown level {level}"))
+                continue
+            if not nvlink_known:
+                # NVLink could not be read: the PCIe tier is true, but a link may be hidden.
+                links.append(GPULink(key, tier, reason="NVLink topology unknown: this is the PCIe tier"))
+                continue
+            links.append(GPULink(key, tier))
+    return Topology(tuple(links))
+
+
+def gpu_locality(nvml: Any, handle: Any, index: int) -> tuple[int | None, str | None]:
+    """The GPU's NUMA node and CPU affinity; None for what NVML cannot say."""
+    numa: int | None = None
+    fn = getattr(nvml, "nvmlDeviceGetNumaNodeId", None)
+    if fn is not None:
+        try:
+            value = int(fn(handle))
+            numa = value if value >= 0 else None
+        except nvml.NVMLError as e:
+            log.info("GPU %d: NUMA node unknown: nvmlDeviceGetNumaNodeId: %s", index, error_name(nvml, e))
+    affinity: str | None = None
+    words = max(1, -(-(os.cpu_count() or 64) // 64))
+    try:
+        affinity = cpulist(nvml.nvmlDeviceGetCpuAffinity(handle, words)) or None
+    except nvml.NVMLError as e:
+        log.info("GPU %d: CPU affinity unknown: nvmlDeviceGetCpuAffinity: %s", index, error_name(nvml, e))
+    return numa, affinity
+
+
+def sysfs_pci_path(bus_id: str, sys_root: str | Path = "/sys") -> tuple[str, ...] | None:
+    """The device's path from its root bus, from ``/sys/bus/pci/devices/<id>``
+    (a symlink into ``/sys/devices``); None when it cannot be resolved."""
+    norm = normalize_bus_id(bus_id)
+    if norm is None:
+        return None
+    domain, rest = norm.split(":", 1)
+    name = f"{int(domain, 16):04x}:{rest.lower()}"
+    link = Path(sys_root) / "bus" / "pci" / "devices" / name
+    try:
+        target = link.resolve(strict=True)
+    except OSError:
+        return None
+    parts = target.parts
+    for i, part in enumerate(parts):
+        if part.startswith("pci") and ":" in part:
+            return tuple(parts[i:])
+    return None
+
+
 def _load_default_nvml() -> ModuleType:
     import pynvml
 
     return pynvml
 
 
-def discover_gpus(nvml: Any = None) -> NvmlDiscovery:
+def discover_gpus(nvml: Any = None, sys_root: str | Path = "/sys") -> NvmlDiscovery:
     """Every GPU NVML sees, with NVLink peers; never raises.
 
     ``nvml`` is the bindings module (default: the real ``pynvml``); anything
@@ -330,7 +446,7 @@ def discover_gpus(nvml: Any = None) -> NvmlDiscovery:
     except Exception as e:  # noqa: BLE001 - any init failure means "no GPUs, and why"
         return _zero(_init_reason(nvml, e))
     try:
-        return _discover_initialised(nvml)
+        return _discover_initialised(nvml, sys_root)
     except Exception as e:  # noqa: BLE001 - a broken driver must not take the agent down
         return _zero(f"NVML query failed: {type(e).__name__}: {e}")
     finally:
@@ -340,7 +456,7 @@ def discover_gpus(nvml: Any = None) -> NvmlDiscovery:
             log.debug("nvmlShutdown: %s", e)
 
 
-def _discover_initialised(nvml: Any) -> NvmlDiscovery:
+def _discover_initialised(nvml: Any, sys_root: str | Path = "/sys") -> NvmlDiscovery:
     count = int(nvml.nvmlDeviceGetCount())
     found: list[tuple[int, str, str, int, str, Any]] = []
     failures: list[str] = []
@@ -377,12 +493,15 @@ def _discover_initialised(nvml: Any) -> NvmlDiscovery:
         known = known and link_known
         reports.append(LinkReport(index=index, bus_id=bus, remote_bus_ids=remotes))
     peers, ids_known = nvlink_peers(reports, frozenset(unusable))
-    gpus = tuple(
-        GPU(index=index, uuid=uuid, name=name, memory_bytes=mem, pci_bus_id=bus,
-            nvlink_peers=peers[index], processes=gpu_processes(nvml, handle, index))
-        for index, uuid, name, mem, bus, handle in found
-    )
-    return NvmlDiscovery(gpus, None, known and ids_known)
+    counts = nvlink_counts(reports, frozenset(unusable))
+    topology = pair_topology(nvml, [(f[0], f[5]) for f in found], counts, known and ids_known)
+    gpus = []
+    for index, uuid, name, mem, bus, handle in found:
+        numa, affinity = gpu_locality(nvml, handle, index)
+        gpus.append(GPU(index=index, uuid=uuid, name=name, memory_bytes=mem, pci_bus_id=bus,
+                        nvlink_peers=peers[index], processes=gpu_processes(nvml, handle, index),
+                        numa_node=numa, cpu_affinity=affinity, pci_path=sysfs_pci_path(bus, sys_root)))
+    return NvmlDiscovery(tuple(gpus), None, known and ids_known, topology)
 
 
 def _zero(reason: str, *, nvlink_known: bool = False) -> NvmlDiscovery:

@@ -42,7 +42,7 @@ SCHEMA = "hardware"
 
 def semantic_errors(doc: Mapping[str, Any]) -> list[ConfigError]:
     """What the schema cannot check, for a document that passed it."""
-    return _gpu_errors(doc) + _hca_errors(doc)
+    return _gpu_errors(doc) + _hca_errors(doc) + _topology_errors(doc)
 
 
 def document_errors(doc: Any) -> list[ConfigError]:
@@ -61,6 +61,38 @@ def document_errors(doc: Any) -> list[ConfigError]:
         errors += _gpu_errors(doc)
     if "hcas" not in bad:
         errors += _hca_errors(doc)
+    if "topology" not in bad and "gpus" not in bad:
+        errors += _topology_errors(doc)
+    return errors
+
+
+def _topology_errors(doc: Mapping[str, Any]) -> list[ConfigError]:
+    """Each pair names two GPUs of the file, once, and agrees with nvlink_peers."""
+    topology = doc.get("topology")
+    if topology is None:
+        return []
+    gpus = doc.get("gpus", ())
+    peers = {g["index"]: set(g.get("nvlink_peers", ())) for g in gpus}
+    errors: list[ConfigError] = []
+    seen: dict[tuple[int, int], int] = {}
+    for j, link in enumerate(topology.get("links", ())):
+        where = f"/topology/links/{j}"
+        a, b = link["gpus"]
+        missing = [x for x in (a, b) if x not in peers]
+        if missing:
+            errors.append(ConfigError(f"{where}/gpus", f"no GPU with index {missing[0]} in this file"))
+            continue
+        key = (min(a, b), max(a, b))
+        if key in seen:
+            errors.append(ConfigError(f"{where}/gpus", f"duplicate pair {list(key)} (also /topology/links/{seen[key]})"))
+            continue
+        seen[key] = j
+        nv = link.get("tier") == "NV"
+        listed = b in peers[a] or a in peers[b]
+        if nv != listed:
+            say = "NV but neither GPU lists the other in nvlink_peers" if nv else (
+                f"{link.get('tier')} but nvlink_peers join GPUs {a} and {b}")
+            errors.append(ConfigError(f"{where}/tier", say))
     return errors
 
 

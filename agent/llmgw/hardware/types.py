@@ -9,8 +9,11 @@ hardware file and a real node's report are the same thing.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
+
+from llmgw.hardware.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,12 @@ class GPU:
     # "unknown" (the query failed, or a hardware file does not say), which is
     # not the same as () "NVML lists none".
     processes: tuple[GPUProcess, ...] | None = None
+    # Where the GPU sits: its NUMA node and the CPUs close to it (kernel list
+    # format, "0-31,64-95"), and its PCI path from the root bus (see
+    # ``llmgw.hardware.topology.pci_tier``).  None: unknown, never guessed.
+    numa_node: int | None = None
+    cpu_affinity: str | None = None
+    pci_path: tuple[str, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -62,6 +71,12 @@ class GPU:
         }
         if self.processes is not None:
             d["processes"] = [p.to_dict() for p in self.processes]
+        if self.numa_node is not None:
+            d["numa_node"] = self.numa_node
+        if self.cpu_affinity is not None:
+            d["cpu_affinity"] = self.cpu_affinity
+        if self.pci_path is not None:
+            d["pci_path"] = list(self.pci_path)
         return d
 
     @classmethod
@@ -75,6 +90,9 @@ class GPU:
             nvlink_peers=tuple(sorted(int(p) for p in d.get("nvlink_peers", ()))),
             processes=None if d.get("processes") is None
             else tuple(GPUProcess.from_dict(p) for p in d["processes"]),
+            numa_node=None if d.get("numa_node") is None else int(d["numa_node"]),
+            cpu_affinity=d.get("cpu_affinity"),
+            pci_path=None if d.get("pci_path") is None else tuple(str(x) for x in d["pci_path"]),
         )
 
 
@@ -91,6 +109,9 @@ class IBPort:
     # Why a field could not be read or parsed (its value is then "UNKNOWN",
     # 0.0 or ""); None when every file read cleanly.
     reason: str | None = None
+    # RoCE: the GID index NCCL_IB_GID_INDEX must name (RoCE v2, IPv4-mapped
+    # first), from gids/ and gid_attrs/types/; None for InfiniBand or when none.
+    gid_index: int | None = None
 
     @property
     def active(self) -> bool:
@@ -107,6 +128,8 @@ class IBPort:
         }
         if self.reason is not None:
             d["reason"] = self.reason
+        if self.gid_index is not None:
+            d["gid_index"] = self.gid_index
         return d
 
     @classmethod
@@ -119,6 +142,7 @@ class IBPort:
             rate_text=str(d.get("rate_text", "")),
             link_layer=str(d.get("link_layer", "InfiniBand")),
             reason=None if d.get("reason") is None else str(d["reason"]),
+            gid_index=None if d.get("gid_index") is None else int(d["gid_index"]),
         )
 
 
@@ -126,26 +150,58 @@ class IBPort:
 class HCA:
     name: str
     ports: tuple[IBPort, ...]
+    # Where the adapter sits and who it is, from sysfs: the PCI device its
+    # class entry links into, that device's path from the root bus and NUMA
+    # node, and node_guid.  None: unknown.
+    pci_bus_id: str | None = None
+    pci_path: tuple[str, ...] | None = None
+    numa_node: int | None = None
+    node_guid: str | None = None
 
     @property
     def active_ports(self) -> tuple[IBPort, ...]:
         return tuple(p for p in self.ports if p.active)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "ports": [p.to_dict() for p in self.ports]}
+        d: dict[str, Any] = {"name": self.name, "ports": [p.to_dict() for p in self.ports]}
+        for key in ("pci_bus_id", "numa_node", "node_guid"):
+            if getattr(self, key) is not None:
+                d[key] = getattr(self, key)
+        if self.pci_path is not None:
+            d["pci_path"] = list(self.pci_path)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "HCA":
-        return cls(name=str(d["name"]), ports=tuple(IBPort.from_dict(p) for p in d.get("ports", ())))
+        return cls(
+            name=str(d["name"]),
+            ports=tuple(IBPort.from_dict(p) for p in d.get("ports", ())),
+            pci_bus_id=d.get("pci_bus_id"),
+            pci_path=None if d.get("pci_path") is None else tuple(str(x) for x in d["pci_path"]),
+            numa_node=None if d.get("numa_node") is None else int(d["numa_node"]),
+            node_guid=d.get("node_guid"),
+        )
 
 
 @dataclass(frozen=True)
 class FabricDeclaration:
-    """A fabric as the operator declared it for one node (agent.yaml)."""
+    """A fabric as the operator declared it for one node (agent.yaml).
+
+    ``hcas`` are adapter names or single ports (``mlx5_0:1``); ``link_layer``
+    fixes the fabric's kind (else the first usable port's); ``identities``
+    are the adapters' node GUID / PCI address as recorded at rollout.
+    """
 
     name: str
     hcas: tuple[str, ...]
     min_rate_gbps: float | None = None
+    link_layer: str | None = None
+    identities: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
+
+    def to_rules(self) -> dict[str, Any]:
+        """The plain dict ``fabric_rules.check_fabric`` takes."""
+        return {"name": self.name, "hcas": list(self.hcas), "min_rate_gbps": self.min_rate_gbps,
+                "link_layer": self.link_layer, "identities": {n: dict(kv) for n, kv in self.identities}}
 
 
 @dataclass(frozen=True)
@@ -158,32 +214,47 @@ class FabricStatus:
 
     name: str
     declared_hcas: tuple[str, ...]
-    advertised_hcas: tuple[str, ...]
-    rate_gbps: float | None  # slowest active link among advertised adapters
+    advertised_hcas: tuple[str, ...]  # as NCCL_IB_HCA names them: mlx5_0, or mlx5_0:1 for one port
+    rate_gbps: float | None  # slowest usable link; None when none, or when any one's rate is unknown
     problems: tuple[str, ...] = ()
+    link_layer: str | None = None  # "InfiniBand" or "Ethernet" (RoCE): one per fabric
+    gid_index: int | None = None  # RoCE: NCCL_IB_GID_INDEX for every advertised port
+    rate_at_most_gbps: float | None = None  # when the rate is unknown: the slowest known link
+
+    def adapter_names(self) -> tuple[str, ...]:
+        """The adapters behind ``advertised_hcas`` (``mlx5_0:1`` -> ``mlx5_0``)."""
+        return tuple(dict.fromkeys(h.split(":", 1)[0] for h in self.advertised_hcas))
 
     @property
     def usable(self) -> bool:
         return bool(self.advertised_hcas)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "name": self.name,
             "declared_hcas": list(self.declared_hcas),
             "advertised_hcas": list(self.advertised_hcas),
             "rate_gbps": self.rate_gbps,
             "problems": list(self.problems),
         }
+        for key in ("link_layer", "gid_index", "rate_at_most_gbps"):
+            if getattr(self, key) is not None:
+                d[key] = getattr(self, key)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "FabricStatus":
         rate = d.get("rate_gbps")
+        at_most = d.get("rate_at_most_gbps")
         return cls(
             name=str(d["name"]),
             declared_hcas=tuple(d.get("declared_hcas", ())),
             advertised_hcas=tuple(d.get("advertised_hcas", ())),
             rate_gbps=None if rate is None else float(rate),
             problems=tuple(d.get("problems", ())),
+            link_layer=d.get("link_layer"),
+            gid_index=None if d.get("gid_index") is None else int(d["gid_index"]),
+            rate_at_most_gbps=None if at_most is None else float(at_most),
         )
 
 
@@ -200,6 +271,9 @@ class HardwareInventory:
     # which GPUs it withholds and why (held by a process that is not its own).
     gpu_reason: str | None = None
     nvlink_known: bool = True  # False when topology could not be read
+    # Every GPU pair's tier (NVLink, PCIe, NUMA); None when not discovered
+    # (an older agent, a file that does not say): tiers then unknown.
+    topology: Topology | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def gpu(self, index: int) -> GPU:
@@ -207,6 +281,16 @@ class HardwareInventory:
             if g.index == index:
                 return g
         raise KeyError(index)
+
+    def without_gpus(self, held: set[int], parts: list[str] | tuple[str, ...]) -> "HardwareInventory":
+        """This inventory less the GPUs ``held`` (and peers pointing at them), ``parts`` added to
+        ``gpu_reason``: what a node advertises when some of its GPUs are not free to give."""
+        reason = "; ".join(parts)
+        if self.gpu_reason:
+            reason = f"{self.gpu_reason}; {reason}"
+        gpus = tuple(dataclasses.replace(g, nvlink_peers=tuple(p for p in g.nvlink_peers if p not in held))
+                     for g in self.gpus if g.index not in held)
+        return dataclasses.replace(self, gpus=gpus, gpu_reason=reason)
 
     def fabric(self, name: str) -> FabricStatus | None:
         for f in self.fabrics:
@@ -226,6 +310,8 @@ class HardwareInventory:
         }
         if self.gpu_reason is not None:
             d["gpu_reason"] = self.gpu_reason
+        if self.topology is not None:
+            d["topology"] = self.topology.to_dict()
         return d
 
     @classmethod
@@ -239,4 +325,5 @@ class HardwareInventory:
             gpu_source=str(d.get("gpu_source", "simulated")),
             gpu_reason=d.get("gpu_reason"),
             nvlink_known=bool(d.get("nvlink_known", True)),
+            topology=None if d.get("topology") is None else Topology.from_dict(d["topology"]),
         )

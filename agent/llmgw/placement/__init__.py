@@ -6,6 +6,7 @@ from the same inputs.
 """
 
 from llmgw.placement.explain import format_result
+from llmgw.placement.index import PlacementIndex
 from llmgw.placement.multi import nccl_ib_hca
 from llmgw.placement.place import place, place_many, profile_problem
 from llmgw.placement.types import (
@@ -21,6 +22,7 @@ __all__ = [
     "NodeCapacity",
     "NodeVerdict",
     "Placement",
+    "PlacementIndex",
     "PlacementRequest",
     "PlacementResult",
     "ShardPlan",

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmgw.placement import nvlink
+from collections.abc import Sequence
+
+from llmgw.hardware.topology import TIERS, UNKNOWN_RANK, label
 from llmgw.placement.memory import UNKNOWN_NOTE, MemoryNeed
+from llmgw.placement.shape import Choice, NodeShape, adapter_ranks, shape_of
 from llmgw.placement.types import NodeCapacity
 
 # Lifecycle states that read as themselves in a verdict; any other reason a
@@ -23,7 +26,7 @@ class Refusal:
     """Why a node cannot take part.  ``kind`` groups refusals in a summary."""
 
     node_id: str
-    kind: str  # "unreachable" | "not schedulable" | "too few free GPUs" | "memory" | ...
+    kind: str  # "unreachable" | "not schedulable" | "too few free GPUs" | "GPU memory too small" | ...
     text: str
 
 
@@ -33,8 +36,8 @@ class NodeOption:
 
     node: NodeCapacity
     gpus: tuple[int, ...]
-    nvlink: bool  # the group is fully connected by NVLink
-    why: str  # "fully connected by NVLink", "lowest free indices; ..."
+    choice: Choice  # its score and fit (see llmgw.placement.shape)
+    why: str  # "fully connected by NVLink (NV4)", "2 NVLink islands (...) joined by NODE (...)"
     free_count: int
     memory_note: str
 
@@ -43,16 +46,30 @@ class NodeOption:
         return self.node.node_id
 
     @property
+    def nvlink(self) -> bool:
+        """The group is fully connected by NVLink (a single GPU counts)."""
+        return self.choice.worst == 0
+
+    @property
     def stranded(self) -> int:
         """Free GPUs the group leaves behind on this node."""
         return self.free_count - len(self.gpus)
 
     @property
+    def preference(self) -> tuple:
+        """Lower is better across nodes: link score, then fit, then fewest GPUs left over."""
+        return (self.choice.score, self.choice.fit, self.stranded, self.node_id)
+
+    @property
     def rule(self) -> str:
-        return "nvlink" if self.nvlink else "lowest-free"
+        if len(self.gpus) == 1:
+            return "best-fit" if self.choice.passed_over is not None else "lowest-free"
+        if self.nvlink:
+            return "nvlink"
+        return "topology" if self.choice.worst < UNKNOWN_RANK else "lowest-free"
 
     def describe(self, memory: bool = True) -> str:
-        """ "GPUs 2,3 on gpu-a: fully connected by NVLink; memory: ..."."""
+        """ "GPUs 2,3 on gpu-a: fully connected by NVLink (NV4); memory: ..."."""
         text = f"{gpu_list(self.gpus)} on {self.node_id}: {self.why}"
         return f"{text}; {self.memory_note}" if memory else text
 
@@ -75,102 +92,74 @@ def schedulability(node: NodeCapacity) -> Refusal | None:
     return Refusal(node.node_id, "not schedulable", f"not schedulable: {reason or 'no reason given'}")
 
 
-def _lowest_feasible(free: list[int], n: int, mem: dict[int, int], required: int | None) -> tuple[int, ...]:
-    """The lowest ``n`` free indices whose memory adds up to ``required``.
-
-    Greedy in index order: take a GPU whenever the GPUs after it can still
-    complete the group.  The caller has checked that the best group is
-    enough, so this always completes; on a node of identical GPUs it is just
-    the first ``n``.
-    """
-    if required is None:
-        return tuple(free[:n])
-    chosen: list[int] = []
-    total = 0
-    for i, g in enumerate(free):
-        need = n - len(chosen)
-        if need == 0:
-            break
-        if len(free) - i < need:
-            break
-        rest = sorted((mem[x] for x in free[i + 1 :]), reverse=True)[: need - 1]
-        if total + mem[g] + sum(rest) >= required:
-            chosen.append(g)
-            total += mem[g]
-    return tuple(chosen)
-
-
-def choose_group(node: NodeCapacity, n: int, need: MemoryNeed | None) -> NodeOption | Refusal:
+def choose_group(node: NodeCapacity, n: int, need: MemoryNeed | None,
+                 adapters: Sequence[str] = ()) -> NodeOption | Refusal:
     """The group of ``n`` free GPUs this node would give, or why it cannot.
 
-    Preference: the lowest fully NVLink-connected set that holds the
-    weights; else the lowest free indices that hold them.
+    Only GPUs that each hold their share of the weights are candidates; among
+    them the best-scored set (``NodeShape.best``), preferring GPUs close to
+    ``adapters`` (a multi-node rank's fabric) when their places are known.
     """
     refused = schedulability(node)
     if refused is not None:
         return refused
     inv = node.inventory
-    mem = {g.index: g.memory_bytes for g in inv.gpus}
-    # A free index the inventory does not list is not a GPU we can hand out.
-    free = sorted(i for i in node.free_gpus if i in mem)
-    if len(free) < n:
-        if not inv.gpus and inv.gpu_reason:
-            text = f"no GPUs ({inv.gpu_reason}), needs {n}"
-        elif inv.gpu_reason:  # some GPUs withheld (e.g. held by a stray process): say why there are fewer
-            text = f"{plural(len(free), 'free GPU')} ({inv.gpu_reason}), needs {n}"
+    shape = shape_of(inv)
+    free_mask = shape.mask_of(node.free_gpus)
+    free_count = free_mask.bit_count()
+    if free_count < n:
+        return Refusal(node.node_id, "too few free GPUs", _too_few(inv, free_count, n))
+    per_gpu = need.per_gpu_bytes if need is not None else None
+    mask = free_mask & shape.holding(per_gpu)
+    if need is not None and mask.bit_count() < n:
+        largest = max((shape.memory[p] for p in range(shape.size) if free_mask >> p & 1), default=0)
+        return Refusal(node.node_id, "GPU memory too small",
+                       need.refusal(n, mask.bit_count(), free_count, largest))
+    near = adapter_ranks(shape, inv, adapters) if adapters else None
+    choice = shape.best(mask, n, near)
+    assert choice is not None  # mask has at least n GPUs
+    return NodeOption(node=node, gpus=choice.gpus, choice=choice, why=_why(shape, choice, mask, need, free_mask, near, inv),
+                      free_count=free_count, memory_note=_memory_note(shape, choice, need))
+
+
+def _too_few(inv, free: int, n: int) -> str:
+    if not inv.gpus and inv.gpu_reason:
+        return f"no GPUs ({inv.gpu_reason}), needs {n}"
+    if inv.gpu_reason:  # some GPUs withheld (e.g. held by a stray process): say why there are fewer
+        return f"{plural(free, 'free GPU')} ({inv.gpu_reason}), needs {n}"
+    return f"{plural(free, 'free GPU')}, needs {n}"
+
+
+def _why(shape: NodeShape, choice: Choice, mask: int, need: MemoryNeed | None, free_mask: int,
+         near: tuple[int, ...] | None, inv) -> str:
+    n = len(choice.gpus)
+    parts = [shape.tiers_text(choice)]
+    if choice.worst >= UNKNOWN_RANK:
+        # Some pair's tier is unknown: say which knowledge was missing.
+        if not inv.nvlink_known:
+            parts.append("NVLink topology unknown")
         else:
-            text = f"{plural(len(free), 'free GPU')}, needs {n}"
-        return Refusal(node.node_id, "too few free GPUs", text)
-
-    required = need.required_bytes if need is not None else None
-    if need is not None:
-        best = sorted((mem[g] for g in free), reverse=True)[:n]
-        if sum(best) < need.required_bytes:
-            uniform = len({mem[g] for g in free}) == 1
-            return Refusal(
-                node.node_id, "group memory too small", need.refusal(n, sum(best), largest=not uniform)
-            )
-
-    def holds(group: tuple[int, ...]) -> bool:
-        return required is None or sum(mem[g] for g in group) >= required
-
-    free_text = ",".join(str(g) for g in free)
-    why_not: str
-    if n == 1:
-        why_not = ""
-    elif not inv.nvlink_known:
-        why_not = "NVLink topology unknown"
+            free = ",".join(str(g) for g in shape.gpus_of(mask))
+            parts.append(f"no NVLink-connected set of {n} among free GPUs {free}"
+                         + (" that hold their share" if mask != free_mask else ""))
+            if not shape.known:
+                parts.append("PCIe/NUMA tiers unknown (not discovered)")
     else:
-        adj = nvlink.peer_graph(inv)
-        found = nvlink.lowest_clique(free, n, adj, accept=holds, max_steps=nvlink.DEFAULT_MAX_STEPS)
-        if found.group is not None:
-            return _option(node, found.group, True, "fully connected by NVLink", len(free), need, mem)
-        if found.exhausted:
-            why_not = f"NVLink search stopped after {found.steps} steps"
-        elif (
-            required is not None
-            and nvlink.lowest_clique(free, n, adj, max_steps=nvlink.DEFAULT_MAX_STEPS).group is not None
-        ):
-            why_not = f"no NVLink-connected set of {n} among free GPUs {free_text} holds the weights"
-        else:
-            why_not = f"no NVLink-connected set of {n} among free GPUs {free_text}"
-    group = _lowest_feasible(free, n, mem, required)
-    why = "lowest free index" if n == 1 else "lowest free indices"
-    if required is not None and group != tuple(free[:n]):
-        why += " that hold the weights"
-    if why_not:
-        why += f"; {why_not}"
-    return _option(node, group, False, why, len(free), need, mem)
+        given = shape.given_up(choice)
+        if given:
+            if mask != free_mask and shape.best(free_mask, n).score < choice.score:
+                given += " that holds its share of the weights"
+            parts.append(given)
+    fit = shape.fit_text(choice)
+    if fit:
+        parts.append(fit)
+    if near is not None:
+        closest = min(near[p] for p in choice.positions)
+        parts.append(f"nearest adapter {label(TIERS[closest]) if closest < UNKNOWN_RANK else 'tier unknown'}")
+    return "; ".join(p for p in parts if p) or "lowest free index"
 
 
-def _option(
-    node: NodeCapacity,
-    group: tuple[int, ...],
-    linked: bool,
-    why: str,
-    free_count: int,
-    need: MemoryNeed | None,
-    mem: dict[int, int],
-) -> NodeOption:
-    note = UNKNOWN_NOTE if need is None else need.note(len(group), sum(mem[g] for g in group))
-    return NodeOption(node=node, gpus=group, nvlink=linked, why=why, free_count=free_count, memory_note=note)
+def _memory_note(shape: NodeShape, choice: Choice, need: MemoryNeed | None) -> str:
+    if need is None:
+        return UNKNOWN_NOTE
+    return need.note(min(shape.memory[p] for p in choice.positions), len(choice.positions))

@@ -1,4 +1,4 @@
-"""Will the weights fit?  Checked before any engine is launched.
+"""Will each GPU hold its share of the weights?  Checked before any engine is launched.
 
 An engine that runs out of memory does so after minutes of loading, and
 says so in a traceback on a node nobody is watching.  Refusing here puts
@@ -23,36 +23,40 @@ def gib(n: int | float) -> str:
 
 @dataclass(frozen=True)
 class MemoryNeed:
-    """What one node's group must hold: its share of the weights plus headroom."""
+    """What each GPU of a replica must hold: its share of the weights plus headroom.
+
+    Tensor and pipeline parallelism split the weights evenly over every GPU
+    of the replica, so each GPU must hold ``1/gpus`` of them: a group total
+    would let a 48 GB and a 24 GB card take a 50 GiB model, and the smaller
+    one would run out of memory after minutes of loading.
+    """
 
     weights_bytes: int  # the whole model
     headroom: float
-    share: int = 1  # this node holds 1/share of the weights (one per node)
+    gpus: int = 1  # GPUs of the whole replica (nodes x GPUs per node)
 
     @property
-    def required_bytes(self) -> int:
-        return math.ceil(self.weights_bytes * (1 + self.headroom) / self.share)
+    def per_gpu_bytes(self) -> int:
+        return math.ceil(self.weights_bytes * (1 + self.headroom) / self.gpus)
 
     def describe(self) -> str:
         pct = f"{self.headroom * 100:g}%"
-        if self.share == 1:
-            weights = f"weights {gib(self.weights_bytes)}"
-        else:
-            weights = (
-                f"1/{self.share} of weights {gib(self.weights_bytes)}"
-                f" = {gib(self.weights_bytes / self.share)}"
-            )
-        return f"needs {gib(self.required_bytes)} ({weights} + {pct} headroom)"
+        if self.gpus == 1:
+            return f"needs {gib(self.per_gpu_bytes)} (weights {gib(self.weights_bytes)} + {pct} headroom)"
+        return (f"each GPU needs {gib(self.per_gpu_bytes)} (1/{self.gpus} of weights {gib(self.weights_bytes)}"
+                f" = {gib(self.weights_bytes / self.gpus)} + {pct} headroom)")
 
-    def refusal(self, group_size: int, group_bytes: int, largest: bool) -> str:
-        which = "largest group" if largest else "group"
-        return f"group memory too small: {self.describe()}, {which} of {group_size} has {gib(group_bytes)}"
+    def refusal(self, n: int, holding: int, free: int, largest: int) -> str:
+        """Why no ``n`` free GPUs hold their share: how many do, and the largest."""
+        return (f"GPU memory too small: {self.describe()}, {holding} of {free} free GPUs "
+                f"{'holds' if holding == 1 else 'hold'} it (largest has {gib(largest)}), needs {n}")
 
-    def note(self, group_size: int, group_bytes: int) -> str:
-        return f"memory: {self.describe()}, group of {group_size} has {gib(group_bytes)}"
+    def note(self, smallest: int, n: int) -> str:
+        which = "GPU has" if n == 1 else "smallest GPU of the group has"
+        return f"memory: {self.describe()}, {which} {gib(smallest)}"
 
 
-def memory_need(request: PlacementRequest, share: int = 1) -> MemoryNeed | None:
+def memory_need(request: PlacementRequest) -> MemoryNeed | None:
     """None when the weights' size is unknown: then nothing is checked."""
     if request.weights_bytes is None:
         return None
@@ -60,4 +64,4 @@ def memory_need(request: PlacementRequest, share: int = 1) -> MemoryNeed | None:
         raise ValueError(f"weights_bytes must not be negative, got {request.weights_bytes}")
     if request.memory_headroom < 0:
         raise ValueError(f"memory_headroom must not be negative, got {request.memory_headroom}")
-    return MemoryNeed(request.weights_bytes, request.memory_headroom, share)
+    return MemoryNeed(request.weights_bytes, request.memory_headroom, max(1, request.profile.gpus_total))

@@ -40,6 +40,15 @@ def nccl_ib_hca(adapters: Sequence[str]) -> str:
     return "=" + ",".join(names)
 
 
+def shard_env(status: FabricStatus) -> dict[str, str]:
+    """What NCCL must be told on this node: exactly the usable ports, and for
+    RoCE the GID index (RoCE v2) each node found for its own ports."""
+    env = {"NCCL_IB_HCA": nccl_ib_hca(status.advertised_hcas)}
+    if status.link_layer == "Ethernet" and status.gid_index is not None:
+        env["NCCL_IB_GID_INDEX"] = str(status.gid_index)
+    return env
+
+
 def _rate_key(rate: float | None) -> float:
     # An unknown rate ranks below every known one.
     return -1.0 if rate is None else rate
@@ -54,8 +63,8 @@ class _Member:
     option: NodeOption
     status: FabricStatus
 
-    def preference(self) -> tuple[bool, int, str]:
-        return (not self.option.nvlink, self.option.stranded, self.option.node_id)
+    def preference(self) -> tuple:
+        return self.option.preference
 
 
 @dataclass(frozen=True)
@@ -103,17 +112,25 @@ def place_multi(request: PlacementRequest, nodes: Sequence[NodeCapacity]) -> Pla
     k = profile.nodes
     gpn = profile.gpus_per_node
     needs = f"{plural(gpn, 'GPU')} on each of {k} nodes on one fabric"
-    need = memory_need(request, share=k)
+    need = memory_need(request)
     answers = [choose_group(node, gpn, need) for node in nodes]
 
-    by_fabric: dict[str, list[_Member]] = {}
+    # Per fabric, each node's group is chosen again near that fabric's
+    # advertised adapters (GPUDirect RDMA is fastest through the same PCIe
+    # switch, slowest across sockets); it differs only where those adapters'
+    # places are known.
+    # Nodes whose fabric of one name differs in link layer (InfiniBand on
+    # some, RoCE on others) are never grouped: their ports cannot talk.
+    by_fabric: dict[tuple[str, str | None], list[_Member]] = {}
     for a in answers:
         if isinstance(a, NodeOption):
             for f in a.node.inventory.fabrics:
                 if f.usable:
-                    by_fabric.setdefault(f.name, []).append(_Member(a, f))
+                    near = choose_group(a.node, gpn, need, adapters=f.adapter_names())
+                    option = near if isinstance(near, NodeOption) else a
+                    by_fabric.setdefault((f.name, f.link_layer), []).append(_Member(option, f))
 
-    candidates = [c for name, ms in by_fabric.items() if (c := _best_on_fabric(name, ms, k)) is not None]
+    candidates = [c for (name, _layer), ms in by_fabric.items() if (c := _best_on_fabric(name, ms, k)) is not None]
     best = min(candidates, key=_Candidate.preference) if candidates else None
 
     verdicts: list[NodeVerdict] = []
@@ -135,7 +152,7 @@ def place_multi(request: PlacementRequest, nodes: Sequence[NodeCapacity]) -> Pla
         if best is None:
             parts = []
             for f in usable:
-                c = len(by_fabric[f.name])
+                c = len(by_fabric[(f.name, f.link_layer)])
                 parts.append(
                     f"only {plural(c, 'node')} on fabric {f.name} {'has' if c == 1 else 'have'} "
                     f"{plural(gpn, 'free GPU')}, needs {k}"
@@ -157,12 +174,12 @@ def place_multi(request: PlacementRequest, nodes: Sequence[NodeCapacity]) -> Pla
             node_id=m.option.node_id,
             rank=rank,
             gpu_indices=m.option.gpus,
-            env={"NCCL_IB_HCA": nccl_ib_hca(m.status.advertised_hcas)},
+            env=shard_env(m.status),
         )
         for rank, m in enumerate(best.members)
     )
     ranks = "; ".join(f"rank {i}: {m.option.describe(memory=False)}" for i, m in enumerate(best.members))
-    memory = UNKNOWN_NOTE if need is None else f"memory per node: {need.describe()}"
+    memory = UNKNOWN_NOTE if need is None else f"memory: {need.describe()}"
     detail = f"{plural(k, 'node')} on fabric {best.fabric} ({_rate_text(best.rate)}, slowest link): {ranks}; {memory}"
     placement = Placement(
         shards=shards, rule="multi-node", detail=detail, fabric=best.fabric, fabric_rate_gbps=best.rate
@@ -177,7 +194,7 @@ def _fitting_verdict(option: NodeOption, best: _Candidate, usable: list[FabricSt
             return NodeVerdict(
                 option.node_id,
                 True,
-                f"chosen: rank {rank}, {option.describe()}; fabric {best.fabric} via "
+                f"chosen: rank {rank}, {m.option.describe()}; fabric {best.fabric} via "
                 f"{', '.join(m.status.advertised_hcas)} ({_rate_text(m.status.rate_gbps)})",
             )
     fits = f"fits ({option.describe(memory=False)})"

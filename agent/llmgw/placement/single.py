@@ -1,9 +1,12 @@
 """Single-node placement: one tensor-parallel group on one node.
 
-Among the nodes that can host the group, prefer one that offers an NVLink
-set (a group straddling PCIe runs several times slower and nothing else
-would say so), then the one the group fills best, so that large free
-blocks stay whole for large groups; node id breaks ties.
+Among the nodes that can host the group, prefer the best-scored set (its
+worst link, then all its links: a group straddling PCIe or sockets runs
+several times slower and nothing else would say so), then best fit (the
+set that splits the fewest free islands, then the node it fills most), so
+that large free blocks stay whole for large groups; node id breaks ties.
+This scans every node and explains each; ``llmgw.placement.index`` reaches
+the same choice without the scan.
 """
 
 from __future__ import annotations
@@ -23,13 +26,17 @@ from llmgw.placement.types import (
 )
 
 
-def _preference(o: NodeOption) -> tuple[bool, int, str]:
-    return (not o.nvlink, o.stranded, o.node_id)
+def _preference(o: NodeOption) -> tuple:
+    return o.preference
 
 
 def _why_not_chosen(o: NodeOption, best: NodeOption) -> str:
     if best.nvlink and not o.nvlink:
         return f"{best.node_id} offers an NVLink-connected set"
+    if best.choice.score != o.choice.score:
+        return f"{best.node_id} offers closer links ({best.why})"
+    if best.choice.fit != o.choice.fit:
+        return f"{best.node_id} fits better (splits fewer free islands)"
     if o.stranded != best.stranded:
         return (
             f"{best.node_id} fits better (leaves {plural(best.stranded, 'free GPU')}, this node {o.stranded})"

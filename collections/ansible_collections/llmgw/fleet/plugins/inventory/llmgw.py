@@ -103,9 +103,13 @@ options:
       - How much of each node's GPUs goes into its host variables.
       - V(summary) sets C(llmgw_live_gpus_total), C(llmgw_live_gpus_free), C(llmgw_live_gpu_names) (the distinct
         GPU names, usually one) and C(llmgw_live_gpu_memory_bytes) (the memory of all the node's GPUs added up).
-        Which GPUs a shard holds is in the shard's C(gpus).
+        Which GPUs a shard holds is in the shard's C(gpus). Also set, always, C(llmgw_live_gpu_topology), every GPU pair's
+        tier as C(nvidia-smi topo -m) shows it (C(gpus), C(tier) NV/PIX/PXB/PHB/NODE/SYS or null when unknown,
+        C(nvlinks), C(reason)), null when the node did not discover it; and C(llmgw_live_adapters), each RDMA
+        adapter's C(name), C(pci_bus_id), C(numa_node) and C(node_guid).
       - V(full) also sets C(llmgw_live_gpus), one entry per GPU (C(index), C(name), C(memory_bytes), C(uuid) and
-        the C(shard) holding it, C(REPLICA/rRANK)). Every GPU adds six values to its host, and C(ansible-inventory
+        the C(shard) holding it, C(REPLICA/rRANK), its C(numa_node) and C(cpu_affinity), null when unknown). Every GPU
+        adds eight values to its host, and C(ansible-inventory
         --list) pays for each; with 4 GPUs a node it takes about 1.5 times as long as with V(summary).
     type: str
     choices: [summary, full]
@@ -410,12 +414,19 @@ def _host_vars(node, shards, gpu_detail):
         "gpu_names": sorted(set(g["name"] for g in gpus if g.get("name"))),
         "gpu_memory_bytes": sum(g.get("memory_bytes") or 0 for g in gpus),
         "nvlink_known": node.get("nvlink_known"),
+        # Every GPU pair's tier as nvidia-smi topo -m shows it; None when the node did not discover it.
+        "gpu_topology": (hardware.get("topology") or {}).get("links"),
+        "adapters": [dict((k, h.get(k)) for k in ("name", "pci_bus_id", "numa_node", "node_guid"))
+                     for h in hardware.get("hcas", [])],
         "fabrics": node.get("fabrics", []),
         "undeclared_hcas": hardware.get("undeclared_hcas", []),
         "shards": sorted(shards, key=lambda s: (s["replica_id"], s.get("rank", 0))),
     }
     if gpu_detail == "full":
-        values["gpus"] = [dict((k, g.get(k)) for k in ("index", "name", "memory_bytes", "uuid", "shard")) for g in gpus]
+        where = dict((g.get("index"), g) for g in hardware.get("gpus", []))
+        values["gpus"] = [dict([(k, g.get(k)) for k in ("index", "name", "memory_bytes", "uuid", "shard")]
+                               + [(k, where.get(g.get("index"), {}).get(k)) for k in ("numa_node", "cpu_affinity")])
+                          for g in gpus]
     return dict((PREFIX + k, v) for k, v in values.items())
 
 

@@ -8,18 +8,20 @@ The kernel's ib_core publishes every RDMA adapter under ``/sys/class/infiniband`
 ``state`` ("4: ACTIVE"), ``phys_state`` ("5: LinkUp"), ``rate``
 ("200 Gb/sec (4X HDR)") and ``link_layer`` ("InfiniBand" or "Ethernet").
 
-This is the deployment-time twin of the agent's own check: modules run on hosts
-where the llmgw runtime may not be installed yet, so the small parse lives here
-rather than being imported. The rules are the agent's: an adapter counts only
-when it is present with an ACTIVE port, and a fabric runs at the speed of its
-slowest ACTIVE link. Parsing is pure (``parse_*`` over file text); the readers
-never raise for what they find on disk.
+This is the deployment-time twin of the agent's own discovery: modules run on
+hosts where the llmgw runtime may not be installed yet, so the small parse
+lives here rather than being imported. The rules, and the words of every
+problem, are the agent's own file (``fabric_rules``, kept identical to
+``llmgw/hardware/fabric_rules.py`` by a unit test). Parsing is pure
+(``parse_*`` over file text); the readers never raise for what they find on disk.
 """
 
 from __future__ import annotations
 
 import os
 import re
+
+from ansible_collections.llmgw.fleet.plugins.module_utils import fabric_rules
 
 DEFAULT_SYSFS_ROOT = "/sys/class/infiniband"
 UNKNOWN = "UNKNOWN"
@@ -30,17 +32,10 @@ PORT_STATES = ("NOP", "DOWN", "INIT", "ARMED", "ACTIVE", "ACTIVE_DEFER")
 LINK_LAYERS = ("InfiniBand", "Ethernet", UNKNOWN_LINK_LAYER)
 PORT_FILES = ("state", "phys_state", "rate", "link_layer")
 
+_PCI_ADDRESS = re.compile(r"^[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$")
 _ENUM_LINE = re.compile(r"^\s*(\d+)\s*:\s*(\S(?:.*\S)?)\s*$")
 # rate_show: "%d%s Gb/sec (%dX%s)": "2.5 Gb/sec (1X)", "10 Gb/sec (4X)", "200 Gb/sec (4X HDR)".
 _RATE_LINE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*Gb/sec(?:\s*\(([^()]*)\))?\s*$")
-
-# What an operator can do about a port in a given (state, phys_state).
-_HINTS = {
-    ("INIT", "LinkUp"): "INIT with LinkUp: the cable is up but no subnet manager has activated the port",
-    ("ARMED", "LinkUp"): "ARMED: the subnet manager has not finished activating the port",
-    ("DOWN", "Polling"): "Polling: no link partner; check the cable and the switch port",
-    ("DOWN", "Disabled"): "Disabled: the port is administratively down",
-}
 
 
 class SysfsFormatError(ValueError):
@@ -141,13 +136,28 @@ def _listdir(path):
         return None
 
 
+def read_gids(port_dir):
+    """``{index: (gid, type)}`` from ``gids/<i>`` and ``gid_attrs/types/<i>`` (RoCE ports)."""
+    out = {}
+    for entry in _listdir(os.path.join(port_dir, "gids")) or ():
+        if not entry.isdigit():
+            continue
+        gid = _read_text(os.path.join(port_dir, "gids", entry))
+        kind = _read_text(os.path.join(port_dir, "gid_attrs", "types", entry))
+        if isinstance(gid, str) and isinstance(kind, str):
+            out[int(entry)] = (gid.strip(), kind.strip())
+    return out
+
+
 def read_port(port_dir):
     texts = {}
     for name in PORT_FILES:
         raw = _read_text(os.path.join(port_dir, name))
         if raw is not None:
             texts[name] = raw
-    return port_from_texts(int(os.path.basename(port_dir)), texts)
+    port = port_from_texts(int(os.path.basename(port_dir)), texts)
+    port["gid_index"] = fabric_rules.roce_v2_gid_index(read_gids(port_dir)) if port["link_layer"] == "Ethernet" else None
+    return port
 
 
 def read_adapter(adapter_dir):
@@ -155,9 +165,12 @@ def read_adapter(adapter_dir):
     ports_dir = os.path.join(adapter_dir, "ports")
     guid = _read_text(os.path.join(adapter_dir, "node_guid"))
     ports = [read_port(os.path.join(ports_dir, entry)) for entry in (_listdir(ports_dir) or ()) if entry.isdigit()]
+    # class/infiniband/<name> links to .../<pci address>/infiniband/<name>: the PCI device is two up.
+    device = os.path.basename(os.path.dirname(os.path.dirname(os.path.realpath(adapter_dir))))
     return {
         "name": os.path.basename(adapter_dir),
         "node_guid": guid.strip() if isinstance(guid, str) and guid.strip() else None,
+        "pci_bus_id": device if _PCI_ADDRESS.match(device) else None,
         "ports": ports,
     }
 
@@ -170,94 +183,25 @@ def read_adapters(root=DEFAULT_SYSFS_ROOT):
     return [read_adapter(os.path.join(root, entry)) for entry in entries if not entry.startswith(".")]
 
 
-def describe_port(port):
-    """``"port 1: INIT, phys LinkUp, 200 Gb/sec (4X HDR)"`` (plus why, if a file was unreadable)."""
-    text = "port %d: %s, phys %s" % (port["port"], port["state"], port["phys_state"])
-    if port["rate_text"]:
-        text += ", " + port["rate_text"]
-    if port["reason"]:
-        text += " [%s]" % port["reason"]
-    return text
-
-
-def _inactive_problem(adapter):
-    if not adapter["ports"]:
-        return "no ACTIVE port (no ports found)"
-    details = "; ".join(describe_port(p) for p in adapter["ports"])
-    hints = sorted(set(_HINTS[key] for key in ((p["state"], p["phys_state"]) for p in adapter["ports"]) if key in _HINTS))
-    text = "no ACTIVE port (%s)" % details
-    if hints:
-        text += "; " + "; ".join(hints)
-    return text
-
-
-def _fmt_rate(rate):
-    return ("%f" % rate).rstrip("0").rstrip(".")
-
-
 def check_fabrics(declared, adapters):
     """Compare declared fabrics (agent.yaml's ``fabrics``) with the adapters found.
 
-    Returns ``(checks, fabrics, undeclared, problems)``: one check per declared
-    adapter, one status per fabric (the agent's FabricStatus shape), the
-    adapters present that no fabric names, and every problem as a sentence
-    naming its fabric and adapter. A declared ``min_rate_gbps`` that is not met
-    is a problem here: at deployment time the operator can still fix it.
+    The rules and their words are the agent's own (``fabric_rules``, the same
+    file the runtime applies on every discovery).  Returns ``(checks, fabrics,
+    undeclared, problems)``: one check per declared entry, one status per
+    fabric (the agent's FabricStatus shape), the adapters present that no
+    fabric names, and every problem as a sentence naming its fabric and
+    adapter.  A declared ``min_rate_gbps`` that is not met is a problem here:
+    at deployment time the operator can still fix it.
     """
     by_name = dict((a["name"], a) for a in adapters)
-    found = ", ".join(sorted(by_name, key=natural_key)) or "none"
-    named = set()
     checks, fabrics, problems = [], [], []
     for fabric in declared:
-        fabric_name = fabric["name"]
-        fabric_problems, advertised = [], []
-        slowest = None  # (rate, "mlx5_1 port 1, 100 Gb/sec (4X EDR)")
-        hcas = list(dict.fromkeys(fabric["hcas"]))
-        named.update(hcas)
-        for hca in hcas:
-            adapter = by_name.get(hca)
-            check = {"fabric": fabric_name, "hca": hca, "present": adapter is not None, "ok": False,
-                     "node_guid": None, "ports": [], "active_ports": [], "rate_gbps": None, "problems": []}
-            checks.append(check)
-            if adapter is None:
-                check["problems"].append("%s: absent (found: %s)" % (hca, found))
-                fabric_problems.extend(check["problems"])
-                continue
-            check["node_guid"] = adapter["node_guid"]
-            check["ports"] = adapter["ports"]
-            active = [p for p in adapter["ports"] if p["state"] == "ACTIVE"]
-            check["active_ports"] = [p["port"] for p in active]
-            if not active:
-                check["problems"].append("%s: %s" % (hca, _inactive_problem(adapter)))
-                fabric_problems.extend(check["problems"])
-                continue
-            advertised.append(hca)
-            rated = [p for p in active if p["rate_text"]]
-            for port in active:
-                if not port["rate_text"]:
-                    check["problems"].append("%s: port %d is ACTIVE but its rate is unknown [%s]" % (hca, port["port"], port["reason"]))
-            if rated:
-                check["rate_gbps"] = min(p["rate_gbps"] for p in rated)
-                for port in rated:
-                    if slowest is None or port["rate_gbps"] < slowest[0]:
-                        slowest = (port["rate_gbps"], "%s port %d, %s" % (hca, port["port"], port["rate_text"]))
-            minimum = fabric.get("min_rate_gbps")
-            if minimum is not None:
-                for port in rated:
-                    if port["rate_gbps"] < minimum:
-                        check["problems"].append("%s: port %d runs at %s, below min_rate_gbps %s" % (hca, port["port"], port["rate_text"], _fmt_rate(minimum)))
-            check["ok"] = not check["problems"]
-            fabric_problems.extend(check["problems"])
-        fabrics.append({
-            "name": fabric_name,
-            "declared_hcas": hcas,
-            "advertised_hcas": advertised,
-            "rate_gbps": None if slowest is None else slowest[0],
-            "slowest_link": None if slowest is None else slowest[1],
-            "problems": fabric_problems,
-        })
-        problems.extend("fabric %s: %s" % (fabric_name, p) for p in fabric_problems)
-    undeclared = [a for a in sorted(by_name, key=natural_key) if a not in named]
+        status, fabric_checks = fabric_rules.check_fabric(fabric, adapters)
+        checks.extend(fabric_checks)
+        fabrics.append(status)
+        problems.extend("fabric %s: %s" % (fabric["name"], p) for p in status["problems"])
+    undeclared = fabric_rules.undeclared(declared, adapters)
     if undeclared and any(not c["present"] for c in checks):
         # An absent adapter next to an undeclared one is usually a rename after a reboot.
         described = ", ".join(
@@ -265,3 +209,9 @@ def check_fabrics(declared, adapters):
         )
         problems.append("present but not declared: %s; was an adapter renamed?" % described)
     return checks, fabrics, undeclared, problems
+
+
+def identities(adapters):
+    """Each adapter's identity, for agent.yaml's ``fabrics[].identities``: recorded at
+    rollout, checked by the agent on every discovery."""
+    return dict((a["name"], dict((k, a[k]) for k in ("node_guid", "pci_bus_id") if a.get(k))) for a in adapters)

@@ -16,8 +16,13 @@ description:
   - Fails, naming the node, the fabric and the adapter, when a declared adapter
     is absent (listing the adapters that are present), when none of its ports
     is C(ACTIVE) (saying which state each port is in, for example C(INIT) with
-    C(LinkUp) when no subnet manager runs), when an ACTIVE port's rate cannot
-    be read, or when a port runs below the fabric's O(fabrics[].min_rate_gbps).
+    C(LinkUp) when no subnet manager runs), when a port is C(ACTIVE) but not
+    C(LinkUp), when a port's link layer differs from the fabric's (InfiniBand
+    and RoCE cannot talk to each other), when a card is not the one recorded in
+    O(fabrics[].identities), when an ACTIVE port's rate cannot be read, or when
+    the fabric runs below its O(fabrics[].min_rate_gbps).
+  - The rules and their words are the agent's own (the same file runs on every
+    discovery), and a port claimed by two fabrics is refused before anything is read.
   - Fabric membership cannot be read from the wire (every subnet has the same
     default prefix), so only what is declared is checked; adapters that are
     present but not declared are reported in RV(undeclared_hcas).
@@ -38,13 +43,25 @@ options:
         type: str
         required: true
       hcas:
-        description: Adapter names under C(/sys/class/infiniband), for example C(mlx5_0).
+        description:
+          - Adapter names under C(/sys/class/infiniband), for example C(mlx5_0) (every port), or single ports in
+            NCCL's spelling, C(mlx5_0:1). A port belongs to one fabric.
         type: list
         elements: str
         required: true
       min_rate_gbps:
         description: Slowest acceptable rate of an ACTIVE port, in Gb/s.
         type: float
+      link_layer:
+        description:
+          - The fabric's kind. Left out, it is taken from the first usable port; ports of the other kind fail.
+        type: str
+        choices: [InfiniBand, Ethernet]
+      identities:
+        description:
+          - Adapter name to its recorded C(node_guid) and C(pci_bus_id) (a previous run's RV(identities)). A card
+            found under a declared name with another identity fails, naming where the recorded card went.
+        type: dict
   sysfs_root:
     description:
       - The directory holding one entry per RDMA adapter. Point it at a fixture tree in tests.
@@ -172,6 +189,13 @@ fabrics:
       rate_gbps: 100.0
       slowest_link: mlx5_1 port 1, 100 Gb/sec (4X EDR)
       problems: []
+identities:
+  description:
+    - Every adapter present, by name, with its C(node_guid) and C(pci_bus_id); record it as
+      C(fabrics[].identities) in C(agent.yaml) so the agent notices a rename.
+  returned: always
+  type: dict
+  sample: {mlx5_0: {node_guid: "b83f:d203:0012:a4e0", pci_bus_id: "0000:17:00.0"}}
 undeclared_hcas:
   description: Adapters present that no declared fabric names; reported, never used.
   returned: always
@@ -191,8 +215,10 @@ import socket
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.llmgw.fleet.plugins.module_utils.infiniband import (
     check_fabrics,
+    identities,
     read_adapters,
 )
+from ansible_collections.llmgw.fleet.plugins.module_utils.fabric_rules import declaration_errors
 
 
 def main():
@@ -206,6 +232,8 @@ def main():
                     name=dict(type="str", required=True),
                     hcas=dict(type="list", elements="str", required=True),
                     min_rate_gbps=dict(type="float"),
+                    link_layer=dict(type="str", choices=["InfiniBand", "Ethernet"]),
+                    identities=dict(type="dict"),
                 ),
             ),
             sysfs_root=dict(type="path", default="/sys/class/infiniband"),
@@ -217,6 +245,9 @@ def main():
     for index, fabric in enumerate(module.params["fabrics"]):
         if not fabric["hcas"]:
             module.fail_json(msg="%s: fabric %s (fabrics[%d]) declares no adapters" % (node_id, fabric["name"], index))
+    clashes = declaration_errors(module.params["fabrics"])
+    if clashes:
+        module.fail_json(msg="%s: %s" % (node_id, "; ".join("%s: %s" % c for c in clashes)))
     adapters = read_adapters(module.params["sysfs_root"])
     checks, fabrics, undeclared, problems = check_fabrics(module.params["fabrics"], adapters)
     rates = [f["rate_gbps"] for f in fabrics if f["rate_gbps"] is not None]
@@ -227,6 +258,7 @@ def main():
         checks=checks,
         fabrics=fabrics,
         undeclared_hcas=undeclared,
+        identities=identities(adapters),
         fabric_rate_gbps=min(rates) if rates else None,
         problems=problems,
     )
