@@ -24,6 +24,7 @@ import dataclasses
 import itertools
 import math
 import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -312,7 +313,7 @@ def _signature(inv: HardwareInventory) -> tuple:
 
 
 _shapes: dict[tuple, NodeShape] = {}
-_by_inventory: dict[int, tuple[HardwareInventory, NodeShape]] = {}
+_by_inventory: dict[int, tuple[weakref.ref[HardwareInventory], NodeShape]] = {}
 _shapes_lock = threading.Lock()
 _MAX_INVENTORIES = 200_000
 
@@ -320,12 +321,13 @@ _MAX_INVENTORIES = 200_000
 def shape_of(inv: HardwareInventory) -> NodeShape:
     """The shared shape of this inventory's GPUs (one per distinct topology and memory).
 
-    Remembered per inventory object (held, so its id is not reused) to spare
-    recomputing the signature on every decision; the table is cleared when it
-    grows past a bound, which only costs recomputation.
+    Remembered per inventory object to spare recomputing the signature on
+    every decision.  The entry goes when the inventory does: a control plane
+    sees a new inventory at every registration, and holding the old ones
+    would keep every storm's worth of them in memory.
     """
     hit = _by_inventory.get(id(inv))
-    if hit is not None and hit[0] is inv:
+    if hit is not None and hit[0]() is inv:
         return hit[1]
     sig = _signature(inv)
     with _shapes_lock:
@@ -337,5 +339,12 @@ def shape_of(inv: HardwareInventory) -> NodeShape:
             _shapes[sig] = shape
         if len(_by_inventory) >= _MAX_INVENTORIES:
             _by_inventory.clear()
-        _by_inventory[id(inv)] = (inv, shape)
+        key = id(inv)
+        _by_inventory[key] = (weakref.ref(inv, lambda _ref, key=key: _forget(key, _ref)), shape)
     return shape
+
+
+def _forget(key: int, ref: weakref.ref) -> None:
+    hit = _by_inventory.get(key)
+    if hit is not None and hit[0] is ref:
+        del _by_inventory[key]
