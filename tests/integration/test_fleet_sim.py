@@ -272,6 +272,26 @@ def test_five_percent_silent_are_lost_and_their_replicas_replaced(fleet: tuple[F
     assert_no_gpu_twice(healed)
 
 
+def test_killed_agents_come_back_and_their_engines_are_adopted(fleet: tuple[Fleet, Sim]) -> None:
+    f, sim = fleet
+    before = placement(fleet_ready(f, sim, "before the kill"))
+    regs = {n["node_id"]: n["registrations"] for n in nodes_doc(f)["nodes"]}
+    hosts = sorted({s["node_id"] for r in f.replicas()["replicas"] for s in r["shards"]})
+    killed = set(sim.command("kill ids=" + ",".join(hosts[:5]) + " 1")["nodes"])
+    assert killed == set(hosts[:5])
+
+    def back() -> bool:
+        doc = nodes_doc(f)
+        return doc is not None and all(n["registrations"] > regs[n["node_id"]] for n in doc["nodes"]
+                                       if n["node_id"] in killed)
+
+    until(back, "the killed agents to register again", WAIT, on_timeout=lambda: dump(f, sim), interval=1.0)
+    after = fleet_ready(f, sim, "after the agents' restart")
+    assert placement(after) == before, "an agent restart restarted or moved a replica"
+    adopted = {s["node_id"] for r in after["replicas"] for s in r["shards"] if s["adopted"]}
+    assert killed <= adopted
+
+
 def test_malformed_messages_close_only_their_senders_stream(fleet: tuple[Fleet, Sim]) -> None:
     f, sim = fleet
     fleet_ready(f, sim, "before the bad messages")
