@@ -154,9 +154,10 @@ class SimNode:
         await self.kill()
         old = self.client
         self.client = self.make_client(self)
-        self.client.registrations = old.registrations
-        self.client.connect_errors = old.connect_errors
+        for counter in ("registrations", "connect_errors", "connections"):  # the node's totals, across lives
+            setattr(self.client, counter, getattr(old, counter))
         self.client.slow_register = old.slow_register
+        self.client.silenced = old.silenced  # a partition outlives the agent process
         self.supervisor.adopt_all()
         self.start()
 
