@@ -72,10 +72,7 @@ class Sim:
         return reply
 
     def status(self) -> dict[str, Any] | None:
-        try:
-            return json.loads(self.status_path.read_text())
-        except (FileNotFoundError, ValueError):
-            return None
+        return _json(self.status_path)
 
     def close(self) -> None:
         self.proc.terminate()
@@ -318,3 +315,41 @@ def test_malformed_messages_close_only_their_senders_stream(fleet: tuple[Fleet, 
     for n in oversized - malformed:
         assert any(f"closed stream of {n} " in line and "exceeds limit" in line for line in log.splitlines())
     fleet_ready(f, sim, "after the bad messages")
+
+
+def test_worker_processes_share_out_the_fleet_and_a_dead_one_stops_the_run(tmp_path: Path) -> None:
+    """--procs 2: agents in two worker processes, one status; a worker that dies ends the simulator (exit 1)."""
+    import os
+    import signal
+
+    with Fleet(tmp_path, nodes={}, replicas=4, lifecycle=LIFECYCLE) as f:
+        f.start(agents=False)
+        sock_dir = Path(tempfile.mkdtemp(prefix="fsim-"))
+        try:
+            argv = [sys.executable, "-m", "llmgw.sim.fleet.cli", "--url", f.stream_url,
+                    "--ca-dir", str(f.pki.ca.directory), "--cert-cache", str(tmp_path / "certs"), "--nodes", "20",
+                    "--procs", "2", "--prefix", f"fw{f.suffix.replace('-', '')}", "--mix", "pcie-4gpu-nvlink-pairs",
+                    "--start-seconds", "0.1", "--status-file", str(tmp_path / "st.json"),
+                    "--control", str(sock_dir / "ctl.sock")]
+            sim = Proc("fleet-sim", argv, tmp_path / "sim.log", tmp_path)
+            f.extra.append(sim.start())
+            st = until(lambda: (s := _json(tmp_path / "st.json")) and s["registered"] == 20 and s,
+                       "20 agents registered", WAIT, on_timeout=sim.output)
+            workers = [p for p in st["procs"] if not p.get("coordinator")]
+            assert len(workers) == 2 and st["nodes"] == 20 and st["procs_total"] == 2
+            assert all(p["pid"] != sim.pid and p["rss_kib"] > 0 for p in workers)
+            f.wait_ready(4)
+            assert len(send_command(str(sock_dir / "ctl.sock"), "silence n=5")["nodes"]) == 5
+            assert until(lambda: (s := _json(tmp_path / "st.json")) and s["silenced"] == 5, "5 silenced", WAIT)
+            os.kill(workers[0]["pid"], signal.SIGKILL)
+            assert sim.proc.wait(WAIT) == 1
+            assert f"worker process {workers[0]['pid']} exited" in sim.output()
+        finally:
+            shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+def _json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
