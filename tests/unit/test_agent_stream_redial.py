@@ -11,13 +11,18 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+
 from llmgw.agent.statedir import StateDir
-from llmgw.agent.stream import StreamClient
+from llmgw.agent.stream import StreamClient, stream_session
 from llmgw.agent.supervisor import Supervisor, SupervisorConfig
 from llmgw.hardware.types import HardwareInventory
 
 
-def test_a_control_plane_that_hangs_up_gets_one_connection_per_attempt(tmp_path: Path):
+@pytest.mark.parametrize("shared", [False, True], ids=["own-session", "shared-session"])
+def test_a_control_plane_that_hangs_up_gets_one_connection_per_attempt(tmp_path: Path, shared: bool):
+    """Also through a session many clients share (``stream_session``, as the fleet simulator's
+    agents use), which the client must leave open for the others."""
     async def main() -> tuple[int, int]:
         connections = 0
 
@@ -38,7 +43,8 @@ def test_a_control_plane_that_hangs_up_gets_one_connection_per_attempt(tmp_path:
         client = StreamClient(url=f"ws://127.0.0.1:{port}/v1/agent/stream", node_id="n1", address="127.0.0.1",
                               ssl_context=None, supervisor=Supervisor(config, StateDir(tmp_path / "s"), lambda m: None),
                               discover=discover, reconnect_initial=0.01, reconnect_max=0.02)
-        task = asyncio.create_task(client.run_forever())
+        session = stream_session() if shared else None
+        task = asyncio.create_task(client.run_forever(session))
         try:
             while client.backoff.attempt < 5:
                 await asyncio.sleep(0.01)
@@ -47,6 +53,9 @@ def test_a_control_plane_that_hangs_up_gets_one_connection_per_attempt(tmp_path:
             await asyncio.gather(task, return_exceptions=True)
             server.close()
             await server.wait_closed()
+            if session is not None:
+                assert not session.closed
+                await session.close()
         return connections, client.backoff.attempt
 
     connections, attempts = asyncio.run(main())

@@ -117,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = p.add_argument_group("real engines")
     e.add_argument("--engines", type=_count, default=0,
                    help="run a real llmgw-engine-sim for rank 0 of this many single-node vLLM replicas (default: 0)")
+    e.add_argument("--engine-models", default="", metavar="NAME,...",
+                   help="only replicas of these catalog models get real engines (default: any)")
     e.add_argument("--engine-command", default=str(Path(sys.executable).parent / "llmgw-engine-sim"),
                    help="the engine simulator to launch (default: %(default)s)")
     e.add_argument("--engine-dir", type=Path, default=None, help="state and logs of real engines (default: a temporary directory)")
@@ -245,7 +247,8 @@ async def _run(args: argparse.Namespace, ca: Any, assignment: list[str]) -> int:
                         timings=timings, reconnect_initial=args.reconnect_initial,
                         reconnect_max=args.reconnect_max, keepalive=args.keepalive,
                         ramp=args.ramp, engines=engines_per_proc[i], engine_command=[args.engine_command],
-                        engine_dir=str(engine_dir) if engine_dir else None, engine_ports=args.engine_ports)
+                        engine_dir=str(engine_dir) if engine_dir else None, engine_ports=args.engine_ports,
+                        engine_models=[m for m in args.engine_models.split(",") if m])
              for i in range(args.procs)]
     handles: list[Any] = ([LocalHandle(specs[0])] if args.procs == 1
                           else [ProcessHandle(s, "DEBUG" if args.log_level == "DEBUG" else "WARNING") for s in specs])

@@ -9,8 +9,8 @@ agent's code.  Faults:
   as a kernel answers TCP while the agent is wedged) but no heartbeat goes
   out; other messages wait and are delivered on heal, as a stalled TCP
   stream would deliver them;
-* kill: the agent's connection ends as a killed process's would, and the
-  node stays down until restarted; its shards (engines) live on and the new
+* kill: the agent's connection drops as a killed process's would (no
+  WebSocket close frame), and the node stays down until restarted; its shards (engines) live on and the new
   agent reports them as adopted;
 * flap: killed and restarted again and again;
 * slow register: the register goes out some seconds after the WebSocket is up;
@@ -90,9 +90,20 @@ class SimStreamClient(StreamClient):
             self.registered = False
 
     async def _sender(self, ws: aiohttp.ClientWebSocketResponse, queue: asyncio.Queue[dict[str, Any]]) -> None:
+        self._ws = ws
         if self.slow_register > 0:
             await asyncio.sleep(self.slow_register)
         await super()._sender(ws, queue)
+
+    _ws: aiohttp.ClientWebSocketResponse | None = None
+
+    def abort(self) -> None:
+        """Drop the connection as a dying process's kernel would: no close frame, no TLS close_notify."""
+        ws, self._ws = self._ws, None
+        conn = getattr(getattr(ws, "_response", None), "connection", None)  # aiohttp has no public handle
+        transport = getattr(conn, "transport", None)
+        if transport is not None:
+            transport.abort()
 
     def _handle_text(self, data: str) -> float | None:
         hb = super()._handle_text(data)
@@ -130,9 +141,10 @@ class SimNode:
                                                                name=f"agent {self.node_id}")
 
     async def kill(self) -> None:
-        """End the agent as SIGKILL would: its connection goes, its engines stay."""
+        """End the agent as SIGKILL would: its connection drops, its engines stay."""
         self.killed = True
         if self.task is not None and not self.task.done():
+            self.client.abort()
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
         self.task = None
@@ -142,9 +154,10 @@ class SimNode:
         await self.kill()
         old = self.client
         self.client = self.make_client(self)
-        self.client.registrations = old.registrations
-        self.client.connect_errors = old.connect_errors
+        for counter in ("registrations", "connect_errors", "connections"):  # the node's totals, across lives
+            setattr(self.client, counter, getattr(old, counter))
         self.client.slow_register = old.slow_register
+        self.client.silenced = old.silenced  # a partition outlives the agent process
         self.supervisor.adopt_all()
         self.start()
 

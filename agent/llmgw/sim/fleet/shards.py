@@ -70,12 +70,14 @@ class Counters:
 
 
 class EngineSample:
-    """Which shards run a real engine: rank 0 of the first ``k`` single-node vLLM replicas seen."""
+    """Which shards run a real engine: rank 0 of the first ``k`` single-node vLLM replicas seen
+    (of ``models`` only, when given, so a model can be served by real engines alone)."""
 
-    def __init__(self, k: int, command: tuple[str, ...], root: Path | None):
+    def __init__(self, k: int, command: tuple[str, ...], root: Path | None, models: tuple[str, ...] = ()):
         self.left = k
         self.command = command
         self.root = root
+        self.models = frozenset(models)
         self.taken: set[str] = set()
 
     def take(self, spec: dict[str, Any]) -> bool:
@@ -83,7 +85,8 @@ class EngineSample:
         if rid in self.taken:
             return True
         if self.left <= 0 or int(spec["rank"]) != 0 or int(spec["nnodes"]) != 1 \
-                or spec["profile"]["engine"] != "vllm":
+                or spec["profile"]["engine"] != "vllm" \
+                or (self.models and spec["model"]["name"] not in self.models):
             return False
         self.left -= 1
         self.taken.add(rid)

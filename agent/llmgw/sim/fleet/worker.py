@@ -54,6 +54,7 @@ class WorkerSpec:
     engines: int = 0
     engine_command: list[str] = field(default_factory=list)
     engine_dir: str | None = None
+    engine_models: list[str] = field(default_factory=list)
     engine_ports: tuple[int, int] = (40000, 49999)
     model_dir: str = "/nonexistent-model-dir"
 
@@ -88,7 +89,7 @@ class Worker:
         self.counters = Counters()
         self.timings = Timings(**spec.timings)
         self.engines = EngineSample(spec.engines, tuple(spec.engine_command),
-                                    Path(spec.engine_dir) if spec.engine_dir else None)
+                                    Path(spec.engine_dir) if spec.engine_dir else None, tuple(spec.engine_models))
         self.session: aiohttp.ClientSession | None = None
         self.contexts: ContextFactory | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
