@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from llmgw.controlplane.lifecycle import NodeState
 from llmgw.hardware.types import HardwareInventory
-from llmgw.placement import NodeCapacity, Placement
+from llmgw.placement import NodeCapacity, Placement, PlacementIndex, PlacementRequest, PlacementResult, place
 
 
 def shape_of(inventory: HardwareInventory) -> str:
@@ -57,13 +57,20 @@ def _reason(state: NodeState, connected: bool) -> str | None:
 
 
 class FleetCapacity:
-    """Free GPUs per node for one pass; ``take`` keeps it true as the pass places."""
+    """Free GPUs per node for one pass; ``take`` keeps it true as the pass places.
+
+    Single-node requests go to a ``PlacementIndex`` (buckets of nodes by what
+    they can offer, in order of preference); a replica spanning nodes is
+    placed by ``place`` over the class representatives.
+    """
 
     def __init__(self, units: Iterable[tuple[NodeCapacity, str]]):
         self._units: dict[str, _Unit] = {}
         self._classes: dict[tuple, list[str]] = {}  # key -> node ids, sorted
+        self.index = PlacementIndex()
         for cap, shape in units:
             self._put(cap, shape)
+            self.index.update(cap)
 
     @classmethod
     def of(cls, claimed: Mapping[str, Iterable[int]] | None, nodes: Mapping[str, object]) -> "FleetCapacity":
@@ -106,8 +113,24 @@ class FleetCapacity:
     def classes(self) -> int:
         return len(self._classes)
 
+    def place(self, request: PlacementRequest) -> PlacementResult:
+        """``place`` over the whole fleet, in time that does not grow with it.
+
+        The answer (node and GPUs) is the one ``place`` gives over every
+        node.  A refusal of a multi-node replica is asked of every node, so
+        it says why each one cannot; a single-node refusal is the index's
+        summary, counted per kind of reason.
+        """
+        if request.profile.nodes == 1:
+            return self.index.place(request)
+        result = place(request, self.candidates(per_class=max(1, request.profile.nodes)))
+        if result.placement is None:
+            result = place(request, self.everyone())
+        return result
+
     def take(self, placement: Placement) -> None:
         """The GPUs of ``placement`` are no longer free."""
+        self.index.take(placement)
         for shard in placement.shards:
             unit = self._drop(shard.node_id)
             cap = unit.capacity

@@ -54,7 +54,7 @@ from llmgw.controlplane.replicas import (
     spec_matcher,
 )
 from llmgw.hardware.types import HardwareInventory
-from llmgw.placement import NodeCapacity, PlacementRequest, PlacementResult, place
+from llmgw.placement import NodeCapacity, PlacementRequest, PlacementResult
 from llmgw.settings import RestartPolicy
 
 # An operator's drain lets in-flight requests finish; after this long the
@@ -153,18 +153,6 @@ def fleet_capacity(book: ReplicaBook, nodes: Mapping[str, NodeView]) -> FleetCap
 def capacities(book: ReplicaBook, nodes: Mapping[str, NodeView]) -> list[NodeCapacity]:
     """Every known node with the GPUs no shard holds, in node-id order."""
     return fleet_capacity(book, nodes).everyone()
-
-
-def place_in(request: PlacementRequest, fleet: FleetCapacity) -> PlacementResult:
-    """``place`` over the fleet, asking one node of each interchangeable class.
-
-    The answer is the one ``place`` gives over every node (see ``capacity``);
-    only a refusal needs every node, to say why each one cannot.
-    """
-    result = place(request, fleet.candidates(per_class=max(1, request.profile.nodes)))
-    if result.placement is None:
-        result = place(request, fleet.everyone())
-    return result
 
 
 def placement_request(catalog: Catalog, dep: Deployment, headroom: float,
@@ -547,7 +535,7 @@ class Reconciler:
                 continue
             if not fleet:
                 fleet.append(fleet_capacity(self.book, nodes))
-            result = place_in(request, fleet[0])
+            result = fleet[0].place(request)
             if result.placement is None:
                 plan.unplaced[key] = refused = result.reason or "no placement"
                 continue
