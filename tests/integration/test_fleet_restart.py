@@ -17,9 +17,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import yaml
 
-from fleet import WAIT, Fleet, Proc, free_port, gpu_owners, llmgw_argv, process_start_time, shard_identities, until
+from fleet import (WAIT, Fleet, gpu_owners, process_start_time, router_endpoints, shard_identities,
+                   standalone_router, until)
 
 pytestmark = pytest.mark.integration
 
@@ -78,26 +78,6 @@ class StreamingLoad:
     def count(self) -> int:
         with self._lock:
             return self.ok
-
-
-def standalone_router(f: Fleet) -> tuple[Proc, int]:
-    """``llmgw router`` fed by the control plane's watch API with the admin certificate."""
-    port = free_port()
-    cfg = {"listen": {"host": "127.0.0.1", "port": port}, "allow_unauthenticated": True,
-           "control_plane": {"url": f.url, "ca": str(f.pki.ca_cert), "cert": str(f.pki.admin[0]),
-                             "key": str(f.pki.admin[1])}}
-    path = f.root / "router.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    proc = Proc("router", llmgw_argv("router", "--config", str(path)), f.root / "router.log", f.root)
-    f.extra.append(proc)
-    return proc.start(), port
-
-
-def router_endpoints(port: int) -> int | None:
-    try:
-        return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).json()["endpoints"]
-    except (httpx.HTTPError, ValueError, KeyError):
-        return None
 
 
 def engine_gpus(pid: int) -> tuple[str, str] | None:
