@@ -296,8 +296,8 @@ def tracebacks(text: str) -> list[str]:
     return [line for line in text.splitlines() if any(m in line for m in marks)]
 
 
-def fuzz_fleet(root: Path, examples: int) -> dict[str, Any]:
-    """A fleet with one real agent and the built-in router, fuzzed; the counts for a results file."""
+def fuzz_fleet(root: Path, examples: int, derandomize: bool = False) -> dict[str, Any]:
+    """A fleet with one real agent and the built-in router, fuzzed; what happened, counted."""
     with Fleet(root, nodes={"a": 1}, replicas=1, router=True,
                lifecycle={"unreachable_after": 30, "lost_after": 60}) as f:
         f.start()
@@ -305,14 +305,15 @@ def fuzz_fleet(root: Path, examples: int) -> dict[str, Any]:
         before = fleet_health(f)
         with RouterLoad(f"http://127.0.0.1:{f.router_port}") as load:
             until(lambda: load.ok >= 3, "router requests before fuzzing")
-            res = run_cases(f, examples)
+            res = run_cases(f, examples, derandomize)
             after = fleet_health(f)
             ok_before_end = load.ok
             until(lambda: load.ok > ok_before_end, "router requests after fuzzing")
         log = f.server.output(10 ** 9)
+        fleet_alive = f.server.alive() and all(a.alive() for a in f.agents.values()) and len(f.wait_ready(1)) == 1
     return {"examples": res.examples, "by_kind": res.by_kind, "not_closed": res.not_closed,
             "bystander_reregistrations": sum(after["registrations"].values())
             - sum(before["registrations"].values()),
             "bystander_connected": after["connected"], "router_ok": load.ok, "router_failed": len(load.failed),
             "router_failures": load.failed[:10], "server_tracebacks": len(tracebacks(log)),
-            "traceback_lines": tracebacks(log)[:10]}
+            "traceback_lines": tracebacks(log)[:10], "fleet_alive": fleet_alive}
