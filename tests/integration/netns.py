@@ -43,6 +43,28 @@ def unavailable() -> str | None:
     return None
 
 
+def netem_unavailable() -> str | None:
+    """Why ``tc ... netem`` cannot impair a link here (None when it can), tried on a throwaway veth pair."""
+    why = unavailable()
+    if why is not None:
+        return why
+    if shutil.which("tc") is None:
+        return "iproute2's `tc` is not installed"
+    veth = f"lgq{os.getpid() % 100000}"
+    try:
+        ip("link", "add", veth, "type", "veth", "peer", "name", veth + "p")
+    except RuntimeError as e:
+        return str(e)
+    try:
+        res = subprocess.run(["tc", "qdisc", "add", "dev", veth, "root", "netem", "delay", "1ms"],
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            return f"tc ... netem: {res.stderr.strip()} (the kernel's sch_netem module is needed)"
+        return None
+    finally:
+        subprocess.run(["ip", "link", "del", veth], capture_output=True)
+
+
 def ip(*args: str, ns: str | None = None) -> None:
     argv = ["ip", *(["netns", "exec", ns, "ip"] if ns else []), *args]
     res = subprocess.run(argv, capture_output=True, text=True)

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from fleet import gpu_owners, process_start_time, until
-from netns import Network, netns_fleet, unavailable
+from netns import Network, netem_unavailable, netns_fleet, unavailable
 
 WHY_NOT = unavailable()
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")]
@@ -115,6 +115,9 @@ def test_sixty_percent_of_nodes_cut_off_is_damped_nothing_lost_nothing_moved_and
 
 
 def test_200ms_latency_and_5_percent_loss_on_every_stream_make_no_node_flap(tmp_path):
+    why = netem_unavailable()
+    if why is not None:
+        pytest.skip(f"cannot impair a link here: {why}")
     names = ["a", "b"]
     with Network(names) as net, netns_fleet(tmp_path, net, {n: 1 for n in names}, replicas=2,
                                            lifecycle=LIFECYCLE) as f:
