@@ -205,10 +205,18 @@ def _describe(err: ValidationError) -> str:
     return err.message
 
 
-def schema_errors(doc: Any, schema_name: str, definition: str | None = None) -> list[ConfigError]:
-    """Every schema violation of ``doc``, de-duplicated, sorted by pointer."""
+def schema_errors(doc: Any, schema_name: str, definition: str | None = None,
+                  limit: int | None = None) -> list[ConfigError]:
+    """Every schema violation of ``doc``, de-duplicated, sorted by pointer.
+
+    ``limit``: stop looking after that many.  For input from the network:
+    a 4 MiB array of a million wrong items would otherwise keep the event
+    loop busy for many seconds collecting errors nobody reads.
+    """
     errors: set[ConfigError] = set()
     for err in validator(schema_name, definition).iter_errors(doc):
+        if limit is not None and len(errors) >= limit:
+            break
         for leaf in _leaf_errors(err):
             pointer = _pointer(leaf)
             if leaf.validator == "additionalProperties":

@@ -26,6 +26,17 @@ measures how long the last of the burst waits behind the others (in the
 proxy, the engine and this generator alike) rather than what one request pays
 for the hop.  Staggering over one request's length spreads arrivals evenly, as
 independent clients do; it belongs inside the warm-up.
+
+``--check-tokens`` (streams against the engine simulator): every answer is
+read whole and checked against what the simulator generates (``tok0 tok1
+...``, exactly ``--max-tokens`` of them): a stream that ends with an in-band
+error after a correct prefix is counted in ``cut_midstream`` (a failure the
+client is told about); one with a token missing, duplicated or reordered, or
+without ``[DONE]``, in ``integrity_errors`` (a wrong answer that looks right).
+``--stop-file F`` ends the run once F exists (for a caller whose load lasts
+as long as something else does); ``--events F`` appends one JSON line per
+failed request (``t`` in epoch seconds, ``kind``, ``detail``) so a caller can
+tell which failures happened when.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ import argparse
 import asyncio
 import gc
 import json
+import os
 import sys
 import time
 from urllib.parse import urlsplit
@@ -45,6 +57,47 @@ import aiohttp
 # a content delta with at least one character (not the role chunk's empty content);
 # matched loosely because proxies that re-serialise chunks order keys differently
 CONTENT = re.compile(rb'"content": ?"[^"]')
+
+
+def check_stream(body: bytes, n_tokens: int) -> tuple[str, str] | None:
+    """None when ``body`` is a whole, correct simulator stream of ``n_tokens``; else (kind, detail).
+
+    kind is ``cut_midstream`` (an in-band error event after a correct prefix: the
+    client was told) or ``integrity`` (anything else that is not the exact answer).
+    """
+    text, done, error = [], False, None
+    for event in body.split(b"\n\n"):
+        for line in event.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                done = True
+                continue
+            if done:
+                return "integrity", "data after [DONE]"
+            try:
+                doc = json.loads(data)
+            except ValueError:
+                return "integrity", f"undecodable event {data[:120]!r}"
+            if "error" in doc:
+                error = doc["error"]
+                continue
+            for choice in doc.get("choices") or ():
+                piece = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
+                if piece:
+                    text.append(piece)
+    got = "".join(text)
+    want = "".join(f"tok{i}" if i == 0 else f" tok{i}" for i in range(n_tokens))
+    if error is not None:
+        if want.startswith(got) and done:
+            return "cut_midstream", f"{len(got.split())} token(s) then error {str(error)[:160]}"
+        return "integrity", f"error event after a wrong prefix {got[-80:]!r}: {str(error)[:120]}"
+    if not done:
+        return "integrity", f"no [DONE] after {len(got.split())} token(s)"
+    if got != want:
+        return "integrity", f"expected tok0..tok{n_tokens - 1}, got {got[:80]!r}...{got[-80:]!r}"
+    return None
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -84,7 +137,18 @@ async def main(args: argparse.Namespace) -> dict:
     lat: list[float] = []
     ttft: list[float] = []
     errors: dict[str, int] = {}
-    counts = {"requests": 0, "ok": 0, "chunks": 0, "tokens": 0, "bytes": 0}
+    counts = {"requests": 0, "ok": 0, "chunks": 0, "tokens": 0, "bytes": 0, "integrity_errors": 0,
+              "cut_midstream": 0}
+    events = open(args.events, "a") if args.events else None
+
+    def failed(kind: str, detail: str = "") -> None:
+        errors[kind] = errors.get(kind, 0) + 1
+        if events is not None:
+            events.write(json.dumps({"t": time.time(), "kind": kind, "detail": detail}) + "\n")
+            events.flush()
+
+    def stopped() -> bool:
+        return args.stop_file is not None and os.path.exists(args.stop_file)
     sent = 0
     loop = asyncio.get_running_loop()
 
@@ -113,7 +177,7 @@ async def main(args: argparse.Namespace) -> dict:
             nonlocal sent
             if args.stagger > 0:
                 await asyncio.sleep(i * args.stagger / args.concurrency)
-            while time.perf_counter() < deadline and sent < args.max_requests:
+            while time.perf_counter() < deadline and sent < args.max_requests and not stopped():
                 sent += 1
                 body = next(gen)
                 t0 = time.perf_counter()
@@ -121,8 +185,10 @@ async def main(args: argparse.Namespace) -> dict:
                 try:
                     async with s.post(url, data=body, headers={"Content-Type": "application/json",
                                                                **auth}) as r:
+                        verdict = None
                         if args.stream:
                             tail = b""
+                            whole = [] if args.check_tokens else None
                             async for data in r.content.iter_any():
                                 counts["bytes"] += len(data)
                                 n = len(CONTENT.findall(data))
@@ -131,8 +197,13 @@ async def main(args: argparse.Namespace) -> dict:
                                 counts["chunks"] += data.count(b"\n\n")
                                 counts["tokens"] += n
                                 tail = (tail + data)[-32:]
+                                if whole is not None:
+                                    whole.append(data)
                             ok = r.status == 200 and tail.rstrip().endswith(b"data: [DONE]") \
                                 and b'"error"' not in tail
+                            if whole is not None and r.status == 200:
+                                verdict = check_stream(b"".join(whole), args.max_tokens)
+                                ok = verdict is None
                         else:
                             data = await r.read()
                             counts["bytes"] += len(data)
@@ -145,14 +216,19 @@ async def main(args: argparse.Namespace) -> dict:
                             lat.append(time.perf_counter() - t0)
                             if first is not None:
                                 ttft.append(first - t0)
+                    elif verdict is not None:
+                        counts["integrity_errors" if verdict[0] == "integrity" else "cut_midstream"] += 1
+                        failed(verdict[0], verdict[1])
                     else:
-                        errors[f"status_{r.status}"] = errors.get(f"status_{r.status}", 0) + 1
+                        failed(f"status_{r.status}")
                 except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                     counts["requests"] += 1
-                    errors[type(e).__name__] = errors.get(type(e).__name__, 0) + 1
+                    failed(type(e).__name__, str(e)[:200])
 
         await asyncio.gather(*(worker(i) for i in range(args.concurrency)))
         elapsed = time.perf_counter() - max(start, measured_from)
+    if events is not None:
+        events.close()
     return {
         "elapsed_s": elapsed,
         "warmup_s": args.warmup,
@@ -190,6 +266,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prefix-words", type=int, default=200)
     p.add_argument("--warm-path", default="/v1/models")
     p.add_argument("--api-key", default="bench")
+    p.add_argument("--check-tokens", action="store_true",
+                   help="check every streamed answer token by token against the engine simulator's output")
+    p.add_argument("--stop-file", help="end the run once this file exists")
+    p.add_argument("--events", help="append one JSON line per failed request to this file")
     return p.parse_args(argv)
 
 

@@ -493,3 +493,23 @@ def log_times(text: str, needle: str) -> list[float]:
                 continue
             out.append(stamp.timestamp())
     return out
+
+
+def standalone_router(f: Fleet) -> tuple[Proc, int]:
+    """``llmgw router`` fed by the control plane's watch API with the admin certificate."""
+    port = free_port()
+    cfg = {"listen": {"host": "127.0.0.1", "port": port}, "allow_unauthenticated": True,
+           "control_plane": {"url": f.url, "ca": str(f.pki.ca_cert), "cert": str(f.pki.admin[0]),
+                             "key": str(f.pki.admin[1])}}
+    path = f.root / "router.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = Proc("router", llmgw_argv("router", "--config", str(path)), f.root / "router.log", f.root)
+    f.extra.append(proc)
+    return proc.start(), port
+
+
+def router_endpoints(port: int) -> int | None:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).json()["endpoints"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return None

@@ -396,9 +396,39 @@ def test_agent_sigkilled_ten_times_adopts_the_untouched_engine_and_a_later_stop_
         assert not procident.is_running(engine), "stop must really kill the adopted engine"
         assert not procident.is_running(worker), "...and the rest of its process group"
         assert agent.statedir().load() == ([], [])
-        log_text = agent.statedir().log_path(shard).read_text()
-        assert log_text.count("adopted engine pid") == 10
+        assert agent.statedir().notes_path(shard).read_text().count("adopted engine pid") == 10
+        assert "llmgw-agent" not in agent.statedir().log_path(shard).read_text(), "notes stay out of the engine's log"
         assert agent.proc.poll() is None
+
+
+def test_an_adopted_engine_that_dies_reports_its_own_last_words_not_the_agents_notes(tmp_path, pki, cleanup):
+    agents, engines = cleanup
+    shard = "tiny.sim.1-lw/r0"
+    with RecordingControlPlane(pki) as cp:
+        agent = AgentProcess(tmp_path, node_name(), cp.url, pki, sim_copy(tmp_path))
+        agents.append(agent)
+        agent.start()
+        cp.wait_register(1, agent)
+        cp.send({"type": "start", "spec": make_spec(shard, env={"LLMGW_SIM_FAULT": "crash-after:4"})})
+        ready = cp.wait_status(shard, "ready", agent=agent)
+        engines.append(ProcessIdentity.from_dict(ready["process"]))
+        for life in range(2, 5):  # every restart adopts the engine and notes it
+            agent.kill()
+            agent.start()
+            (report,) = cp.wait_register(life, agent).msg["shards"]
+            assert report["adopted"] is True
+        last_conn = cp.wait_register(4).conn
+        req = urllib.request.Request(f"http://127.0.0.1:{ready['port']}/v1/completions", method="POST",
+                                     data=json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 8}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with pytest.raises(OSError):  # the engine dies mid-answer
+            urllib.request.urlopen(req, timeout=WAIT).read()
+        failed = cp.wait_status(shard, "failed", conn_after=last_conn - 1, agent=agent)
+        tail = failed["output_tail"]
+        assert "died unexpectedly" in tail.rstrip().splitlines()[-1], tail[-2000:]
+        assert "llmgw-agent" not in tail and "adopted" not in tail, tail[-2000:]
+        assert "Starting vLLM API server" in tail, "the engine's output of this life, from its start"
+        assert agent.statedir().notes_path(shard).read_text().count("adopted engine pid") == 3
 
 
 def test_adopted_engines_keep_their_start_deadline_and_are_watched_by_polling(tmp_path, pki, cleanup):

@@ -112,9 +112,10 @@ def test_start_reaches_ready_through_a_real_completion_and_records_identity(tmp_
         (rec,), _ = h.statedir.load()
         assert rec.spec == make_spec("tiny.sim.1-aa/r0") and rec.state == "ready"
         assert rec.process.to_dict() == ready["process"]
-        # output goes to the state dir's log, and the served name came from the model
-        log = h.statedir.log_path("tiny.sim.1-aa/r0").read_text()
-        assert "--served-model-name tiny-served" in log
+        # output goes to the state dir's log, the agent's launch note (with the argv) beside it,
+        # and the served name came from the model
+        assert "vLLM API server" in h.statedir.log_path("tiny.sim.1-aa/r0").read_text()
+        assert "--served-model-name tiny-served" in h.statedir.notes_path("tiny.sim.1-aa/r0").read_text()
         await sup.stop("tiny.sim.1-aa/r0", "done")
         assert h.states("tiny.sim.1-aa/r0")[-2:] == ["draining", "stopped"]
         assert not procident.is_running(rec.process)
@@ -235,7 +236,7 @@ def test_engine_ignoring_sigterm_is_killed_after_the_grace(tmp_path):
         leader = procident.ProcessIdentity.from_dict(h.last("tiny.sim.1-ii/r0")["process"])
         await sup.stop("tiny.sim.1-ii/r0", "scale down")
         assert not procident.is_running(leader)
-        assert "engine was killed by SIGKILL; shard stopped" in h.statedir.log_path("tiny.sim.1-ii/r0").read_text()
+        assert "engine was killed by SIGKILL; shard stopped" in h.statedir.notes_path("tiny.sim.1-ii/r0").read_text()
         assert h.last("tiny.sim.1-ii/r0")["state"] == "stopped"
     run(tmp_path, body, command=(str(stubborn),), stop_grace=1.0)
 
@@ -254,7 +255,7 @@ def test_stop_during_a_drain_cuts_the_drain_grace_short(tmp_path):
         assert procident.is_running(leader)  # ignores SIGTERM; the drain grace is an hour
         await sup.stop("tiny.sim.1-jj/r0", "drain took too long")
         assert not procident.is_running(leader)
-        assert "engine was killed by SIGKILL; shard stopped" in h.statedir.log_path("tiny.sim.1-jj/r0").read_text()
+        assert "engine was killed by SIGKILL; shard stopped" in h.statedir.notes_path("tiny.sim.1-jj/r0").read_text()
         assert h.states("tiny.sim.1-jj/r0")[-2:] == ["draining", "stopped"]
         await drain
     run(tmp_path, body, command=(str(stubborn),), stop_grace=1.0, drain_grace=3600.0)
@@ -329,7 +330,7 @@ def test_multi_node_rank0_reports_its_rendezvous_port_and_workers_are_ready_by_l
         await h.until(lambda: "ready" in h.states("mn.sim.1-x/r1"), "rank 1 ready")
         worker = h.last("mn.sim.1-x/r1")
         assert worker["port"] is None  # headless: serves no HTTP
-        argv = h.statedir.log_path("mn.sim.1-x/r1").read_text()
+        argv = h.statedir.notes_path("mn.sim.1-x/r1").read_text()
         assert "--headless" in argv and f"--master-port {starting['master_port']}" in argv
-        assert f"--master-addr 127.0.0.1" in h.statedir.log_path("mn.sim.1-x/r0").read_text()
+        assert f"--master-addr 127.0.0.1" in h.statedir.notes_path("mn.sim.1-x/r0").read_text()
     run(tmp_path, body)

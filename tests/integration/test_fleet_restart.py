@@ -15,10 +15,11 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
-import yaml
 
-from fleet import WAIT, Fleet, Proc, free_port, gpu_owners, llmgw_argv, process_start_time, shard_identities, until
+from fleet import (WAIT, Fleet, gpu_owners, process_start_time, router_endpoints, shard_identities,
+                   standalone_router, until)
 
 pytestmark = pytest.mark.integration
 
@@ -77,26 +78,6 @@ class StreamingLoad:
     def count(self) -> int:
         with self._lock:
             return self.ok
-
-
-def standalone_router(f: Fleet) -> tuple[Proc, int]:
-    """``llmgw router`` fed by the control plane's watch API with the admin certificate."""
-    port = free_port()
-    cfg = {"listen": {"host": "127.0.0.1", "port": port}, "allow_unauthenticated": True,
-           "control_plane": {"url": f.url, "ca": str(f.pki.ca_cert), "cert": str(f.pki.admin[0]),
-                             "key": str(f.pki.admin[1])}}
-    path = f.root / "router.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    proc = Proc("router", llmgw_argv("router", "--config", str(path)), f.root / "router.log", f.root)
-    f.extra.append(proc)
-    return proc.start(), port
-
-
-def router_endpoints(port: int) -> int | None:
-    try:
-        return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).json()["endpoints"]
-    except (httpx.HTTPError, ValueError, KeyError):
-        return None
 
 
 def engine_gpus(pid: int) -> tuple[str, str] | None:
@@ -207,3 +188,48 @@ def test_restarted_control_plane_does_not_declare_live_nodes_lost(tmp_path):
         assert "-> lost" not in life2, life2[-4000:]
         assert ": placed (" not in life2, "nothing was placed while live nodes were still to report"
         assert f"not declaring {busy[1]} lost" in life2
+
+
+def test_builtin_router_answers_503_with_retry_after_not_404_until_agents_report_after_a_restart(tmp_path):
+    # OpenAI clients retry a 503 (honouring Retry-After) and give up on a 404: right after a
+    # restart the built-in router's table is empty only because no agent has reported yet.
+    with Fleet(tmp_path, nodes={"a": 1}, replicas=1, router=True, lifecycle={"startup_grace": 30.0}) as f:
+        f.start()
+        f.wait_ready(1)
+        url = f"http://127.0.0.1:{f.router_port}/v1/chat/completions"
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert httpx.post(url, json=body, timeout=60).status_code == 200
+        agent = f.agents["a"]
+        agent.signal(signal.SIGSTOP)  # silent across the restart: the new control plane knows no replica
+        try:
+            f.server.kill()
+            f.server.start()
+            f.wait_healthy()
+            until(lambda: _listening(f.router_port), "the new built-in router to listen")
+            assert f.get("/v1/nodes")["fleet"]["startup_grace_left_s"] > 0, "the check must happen inside the grace"
+            r = httpx.post(url, json=body, timeout=60)
+            assert r.status_code == 503, r.text
+            assert 1 <= int(r.headers["Retry-After"]) <= 30, r.headers
+            err = r.json()["error"]
+            assert err["type"] == "server_error" and err["code"] == "model_not_ready", err
+            got = httpx.get(f"http://127.0.0.1:{f.router_port}/v1/models/tiny", timeout=60)
+            assert got.status_code == 503 and "Retry-After" in got.headers
+            # a model the catalog does not serve is still "does not exist", at once
+            other = httpx.post(url, json={**body, "model": "no-such-model"}, timeout=60)
+            assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
+        finally:
+            agent.signal(signal.SIGCONT)
+        # The official client retries the 503 until the agent has re-registered its engine.
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{f.router_port}/v1", api_key="unused",
+                               max_retries=10, timeout=60)
+        out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                             max_tokens=2)
+        assert out.choices and out.choices[0].message.content
+        assert f.get("/v1/nodes")["fleet"]["startup_grace_left_s"] > 0, "served before the grace ended"
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0

@@ -87,6 +87,7 @@ def test_log_appends_across_lives_and_tail_starts_at_this_life(tmp_path):
     fd = sd.open_log(sid)
     os.write(fd, b"first life output\n")
     os.close(fd)
+    second = sd.log_size(sid)
     sd.log_note(sid, "launch BBB of shard")
     fd = sd.open_log(sid)
     os.write(fd, b"second life: CUDA out of memory\n")
@@ -94,7 +95,34 @@ def test_log_appends_across_lives_and_tail_starts_at_this_life(tmp_path):
     whole = sd.log_path(sid).read_text()
     assert "first life output" in whole and "second life" in whole
     assert stat.S_IMODE(os.stat(sd.log_path(sid)).st_mode) == 0o600
-    tail = sd.log_tail(sid, since_marker="launch BBB")
+    tail = sd.log_tail(sid, since_offset=second)
     assert tail == "second life: CUDA out of memory\n"
     assert sd.log_tail(sid, max_bytes=10).endswith("memory\n")
+
+
+def test_agent_notes_never_enter_the_engines_log(tmp_path):
+    # An engine adopted after every agent restart gets a note each time; its tail must still be its own.
+    sd = StateDir(tmp_path)
+    sid = "m.p.1-x/r0"
+    start = sd.log_size(sid)
+    fd = sd.open_log(sid)
+    os.write(fd, b"engine: serving\n")
+    for i in range(200):
+        sd.log_note(sid, f"adopted engine pid 42 after agent restart {i}")
+    os.write(fd, b"engine: died of X\n")
+    os.close(fd)
+    assert sd.log_tail(sid, max_bytes=64, since_offset=start) == "engine: serving\nengine: died of X\n"
+    notes = sd.notes_path(sid).read_text()
+    assert notes.count("adopted engine pid 42") == 200 and "engine:" not in notes
+    assert stat.S_IMODE(os.stat(sd.notes_path(sid)).st_mode) == 0o600
+
+
+def test_a_truncated_log_is_read_whole_and_old_records_use_the_launch_marker(tmp_path):
+    sd = StateDir(tmp_path)
+    sid = "m.p.1-x/r0"
+    sd.log_path(sid).write_bytes(b"rotated away\n")
+    assert sd.log_tail(sid, since_offset=10_000) == "rotated away\n"
+    # an engine launched by an agent that wrote its launch line into the engine's log
+    sd.log_path(sid).write_bytes(b"old output\n=== llmgw-agent: launch CCC of shard\nthis life\n")
+    assert sd.log_tail(sid, since_marker="launch CCC") == "this life\n"
     assert sd.log_tail("never/r0") == ""

@@ -143,11 +143,32 @@ def test_reloaded_settings_apply_and_scale_down_stops_surplus():
     ('{"type": "shard_status", "shard_id": "a/r0", "state": "done"}', "/state"),
     ("{", "not JSON"),
     ("x" * (4 * 1024 * 1024 + 1), "exceeds"),
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),  # RecursionError, not ValueError, in json
+    # refused before the schema, whose walk over a million items would hold the event loop for seconds
+    ('{"type": "progress", "source": "s", "bytes_done": 1, "shard_ids": [' + ", ".join(['"a/r0"'] * 200_000)
+     + "]}", "/shard_ids: array of 200000 items; agent messages hold at most 1024"),
+    ('{"type": "heartbeat", "seq": 1, "time": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
 ])
 def test_bad_messages_are_refused_with_where_and_why(data, needle):
     with pytest.raises(MessageProblem) as e:
         parse_up(data)
     assert needle in str(e.value)
+
+
+def test_a_register_that_lists_one_shard_twice_is_refused_naming_both():
+    import json
+
+    spec = {"shard_id": "m.p.1-ab/r0", "replica_id": "m.p.1-ab",
+            "model": {"name": "m", "source": "org/m", "served_name": "m"},
+            "profile": {"name": "p", "engine": "vllm", "tensor_parallel_size": 1, "pipeline_parallel_size": 1,
+                        "nodes": 1, "extra_args": [], "env": {}, "start_timeout": 60},
+            "rank": 0, "nnodes": 1, "gpu_indices": [0], "env": {}}
+    report = {"spec": spec, "state": "ready", "process": {"pid": 42, "start_time": 1, "boot_id": "b"}, "port": 8000}
+    other = {**report, "spec": {**spec, "shard_id": "m.p.1-cd/r0", "replica_id": "m.p.1-cd"}}
+    msg = register("n1", [report, other])  # valid as it is
+    msg["shards"].append(report)
+    with pytest.raises(MessageProblem, match=r"/shards/2/spec/shard_id 'm.p.1-ab/r0' repeats /shards/0"):
+        parse_up(json.dumps(msg))
 
 
 def test_register_hardware_must_describe_the_registering_node():

@@ -3,6 +3,7 @@
 import asyncio
 import functools
 import logging
+import socket
 
 import aiohttp
 from aiohttp import web
@@ -148,3 +149,35 @@ def test_endpoint_with_an_unusable_url_is_skipped_with_a_log_line(caplog):
     assert rev == 4 and [e.id for e in eps] == ["e1"]
     assert "bad-port" in caplog.text and "bad-scheme" in caplog.text
     EndpointTable(eps)  # the table takes the rest
+
+
+@run
+async def test_retries_against_a_dead_control_plane_stay_short_and_jittered(monkeypatch, caplog):
+    # A restarted control plane must be seen within seconds: the default backoff never
+    # waits longer than WATCH_BACKOFF_MAX between tries, and the waits are not all equal.
+    from llmgw.router import watch as watch_mod
+
+    caplog.set_level(logging.WARNING, "llmgw.router.watch")
+    with socket.socket() as s:  # a port nobody listens on: every try is refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    waits: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def recording_sleep(delay, *a, **kw):
+        if delay > 0:
+            waits.append(delay)
+        await real_sleep(0)
+
+    monkeypatch.setattr(watch_mod.asyncio, "sleep", recording_sleep)
+    task = asyncio.create_task(watch_endpoints(f"http://127.0.0.1:{port}", None, None, EndpointTable()))
+    while len(waits) < 20:
+        await real_sleep(0.01)
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    assert max(waits) <= 5.0, f"a restarted control plane must be seen within seconds: {waits}"
+    assert len({round(w, 6) for w in waits[-10:]}) > 1, f"capped waits must stay jittered: {waits}"
+    assert "retrying in" in caplog.text

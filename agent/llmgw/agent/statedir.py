@@ -10,7 +10,8 @@ time, boot id) that proves the pid still names the same process.
 Layout::
 
     <state_dir>/shards/<shard>.json   ShardRecord, 0600, written atomically
-    <state_dir>/logs/<shard>.log      engine stdout+stderr, appended across lives
+    <state_dir>/logs/<shard>.log      engine stdout+stderr only, appended across lives
+    <state_dir>/logs/<shard>.agent.log the agent's notes about that engine (launch, adoption, exit)
 
 Records are written to a temp file beside the target, fsynced, renamed over
 it, and the directory fsynced: a crash leaves the old record or the new one,
@@ -136,6 +137,16 @@ class StateDir:
     def log_path(self, shard_id: str) -> Path:
         return self.logs_dir / f"{_file_name(shard_id)}.log"
 
+    def notes_path(self, shard_id: str) -> Path:
+        return self.logs_dir / f"{_file_name(shard_id)}.agent.log"
+
+    def log_size(self, shard_id: str) -> int:
+        """Bytes in the engine's log now: where the output of an engine launched next begins."""
+        try:
+            return self.log_path(shard_id).stat().st_size
+        except FileNotFoundError:
+            return 0
+
     def write(self, record: ShardRecord) -> None:
         data = json.dumps(record.to_dict(), indent=1, sort_keys=True).encode()
         write_atomic(self.record_path(record.shard_id), data, mode=PRIVATE_FILE)
@@ -181,33 +192,44 @@ class StateDir:
         """An O_APPEND fd on the shard's log, for the engine's stdout and stderr.
 
         Append mode matters twice: an adopted engine keeps writing through
-        its own fd while this agent adds its own lines, and a relaunch of the
-        same shard keeps the previous life's output readable above it.
+        its own fd across agent restarts, and a relaunch of the same shard
+        keeps the previous life's output readable above it.
         """
         return os.open(self.log_path(shard_id), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
                        PRIVATE_FILE)
 
     def log_note(self, shard_id: str, line: str) -> None:
-        """Append one agent-authored line (prefixed, so it cannot pass for engine output)."""
-        fd = self.open_log(shard_id)
+        """Append one agent-authored line to the shard's notes, never to the engine's log.
+
+        Notes written while an engine runs (one per adoption, every agent
+        restart) would otherwise land among its output, and the tail sent
+        when it dies would show them instead of the engine's last words.
+        """
+        fd = os.open(self.notes_path(shard_id), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
+                     PRIVATE_FILE)
         try:
             os.write(fd, f"=== llmgw-agent: {line}\n".encode())
         finally:
             os.close(fd)
 
-    def log_tail(self, shard_id: str, max_bytes: int = 16384, since_marker: str | None = None) -> str:
-        """The last ``max_bytes`` of the shard's log, decoded leniently.
+    def log_tail(self, shard_id: str, max_bytes: int = 16384, since_offset: int | None = None,
+                 since_marker: str | None = None) -> str:
+        """The last ``max_bytes`` of the engine's log, decoded leniently.
 
-        With ``since_marker``, only what follows the last line containing it
-        (the launch note of the current life), so a failure report never shows
-        an earlier run's output as if it were this one's.
+        With ``since_offset`` (the log's size when the engine was launched),
+        only this life's output, so a failure report never shows an earlier
+        run's output as if it were this one's; a log shorter than the offset
+        was truncated (rotated) and is read whole.  ``since_marker`` does the
+        same for engines launched by an agent that still wrote its launch line
+        into the engine's log: only what follows the last line containing it.
         """
         path = self.log_path(shard_id)
         try:
             with open(path, "rb") as f:
                 f.seek(0, os.SEEK_END)
                 size = f.tell()
-                f.seek(max(0, size - max_bytes))
+                start = since_offset if since_offset is not None and since_offset <= size else 0
+                f.seek(max(start, size - max_bytes))
                 data = f.read()
         except OSError:
             return ""

@@ -109,6 +109,7 @@ class Shard:
     master_port: int | None = None
     argv: tuple[str, ...] = ()
     launch_marker: str = ""
+    log_offset: int | None = None  # size of the engine's log at launch: this life's output follows
     # Set by whoever decides the engine must end (stop, drain, timeout): the
     # terminal state and reason the watch task reports once it has.
     end_intent: tuple[ShardState, str] | None = None
@@ -282,14 +283,14 @@ class Supervisor:
             master_port=shard.master_port, address=self.config.advertise_address,
             started_at=shard.started_at,
             start_deadline=shard.deadline if shard.state is ShardState.STARTING else None,
-            argv=shard.argv, extra={"launch_marker": shard.launch_marker}))
+            argv=shard.argv, extra={"launch_marker": shard.launch_marker, "log_offset": shard.log_offset}))
 
     def _fail_before_launch(self, shard: Shard, reason: str) -> None:
         self._transition(shard, ShardState.FAILED, reason, output_tail="")
 
     def _tail(self, shard: Shard) -> str:
-        return self.statedir.log_tail(shard.shard_id, self.config.tail_bytes,
-                                      since_marker=shard.launch_marker or None)
+        return self.statedir.log_tail(shard.shard_id, self.config.tail_bytes, since_offset=shard.log_offset,
+                                      since_marker=None if shard.log_offset is not None else shard.launch_marker or None)
 
     # -------------------------------------------------------------------- start
     def start(self, spec: dict[str, Any]) -> Shard:
@@ -437,9 +438,11 @@ class Supervisor:
         env = {**os.environ, **launch.env, ENV_NODE_ID: self.config.node_id,
                ENV_SHARD_ID: shard.shard_id, ENV_REPLICA_ID: str(spec["replica_id"])}
         shard.launch_marker = f"launch {secrets.token_hex(8)}"
-        self.statedir.log_note(shard.shard_id, f"{shard.launch_marker} of shard {shard.shard_id} at "
-                               f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')}: {' '.join(launch.argv)}")
         log_fd = self.statedir.open_log(shard.shard_id)
+        shard.log_offset = os.fstat(log_fd).st_size
+        self.statedir.log_note(shard.shard_id, f"{shard.launch_marker} of shard {shard.shard_id} at "
+                               f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} (engine log from byte {shard.log_offset}): "
+                               f"{' '.join(launch.argv)}")
         try:
             popen = subprocess.Popen(list(launch.argv), env=env, stdin=subprocess.DEVNULL, stdout=log_fd,
                                      stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
@@ -670,7 +673,8 @@ class Supervisor:
         shard = Shard(spec=record.spec, state=state, started_at=record.started_at or time.time(),
                       deadline=deadline, adopted=True, identity=record.process, port=record.port,
                       master_port=record.master_port, argv=record.argv,
-                      launch_marker=str(record.extra.get("launch_marker", "")))
+                      launch_marker=str(record.extra.get("launch_marker", "")),
+                      log_offset=_offset(record.extra.get("log_offset")))
         self.shards[shard.shard_id] = shard
         self.statedir.log_note(shard.shard_id, f"adopted engine pid {record.process.pid} (start time "
                                f"{record.process.start_time}) in state {state.value} after an agent restart")
@@ -698,3 +702,8 @@ class Supervisor:
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
+
+
+def _offset(value: Any) -> int | None:
+    """A recorded log offset, or None (a record from before offsets were kept: the marker is used)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from datetime import datetime, timezone
 from typing import Any
 
 from aiohttp import WSCloseCode, WSMsgType, web
@@ -100,6 +101,20 @@ def request_identity(request: web.Request) -> PeerIdentity:
     return peer_identity(ssl_object)
 
 
+def _close_at_expiry(session: StreamSession, identity: PeerIdentity) -> asyncio.TimerHandle:
+    """Close the stream when the certificate it was opened with expires.
+
+    TLS checks validity only at the handshake, so without this a connection
+    made a minute before expiry would serve for as long as it stays up; the
+    agent's next handshake, with the expired certificate, is refused.
+    """
+    loop = asyncio.get_running_loop()
+    left = (identity.not_after - datetime.now(timezone.utc)).total_seconds()
+    return loop.call_later(max(0.0, left), session.close,
+                           f"its client certificate expired at {identity.not_after:%Y-%m-%d %H:%M:%S} UTC",
+                           logging.WARNING, POLICY_VIOLATION)
+
+
 class AgentService:
     def __init__(self, cp: ControlPlane, require_identity: bool = True):
         self.cp = cp
@@ -154,6 +169,7 @@ class AgentService:
         # thing on the stream, ahead of any start/stop the reconciler queues.
         session.send({"type": "registered", "epoch": epoch,
                       "heartbeat_interval": self.cp.settings.lifecycle.heartbeat_interval})
+        expiry = None if identity is None else _close_at_expiry(session, identity)
         reason = "closed by the agent"
         try:
             async for raw in ws:
@@ -178,6 +194,8 @@ class AgentService:
                 if ws.close_code is not None:
                     reason = f"closed with code {ws.close_code}"
         finally:
+            if expiry is not None:
+                expiry.cancel()
             self.cp.disconnected(node_id, epoch)
             if session.closing is not None:
                 # Let the writer flush the error message and close.

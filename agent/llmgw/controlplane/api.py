@@ -82,6 +82,11 @@ class AdminAuth:
 WATCH_HOLD = 25.0  # seconds a watch poll may wait for the startup grace (routers read for 45 s)
 
 
+def startup_grace_left(cp: ControlPlane) -> float:
+    """Seconds of the startup grace left (0 after it): until then the endpoint set is still filling up."""
+    return max(0.0, cp.settings.lifecycle.startup_grace - (cp.clock() - cp.started_at))
+
+
 def grace_aware_watch(cp: ControlPlane, handler: Handler) -> Handler:
     """The endpoint watch, held back while the control plane is in its startup grace.
 
@@ -94,10 +99,10 @@ def grace_aware_watch(cp: ControlPlane, handler: Handler) -> Handler:
     """
 
     async def held(request: web.Request) -> web.StreamResponse:
-        left = cp.settings.lifecycle.startup_grace - (cp.clock() - cp.started_at)
+        left = startup_grace_left(cp)
         if left > 0:
             await asyncio.sleep(min(left, WATCH_HOLD))
-            left = cp.settings.lifecycle.startup_grace - (cp.clock() - cp.started_at)
+            left = startup_grace_left(cp)
             if left > 0:
                 return web.json_response({"error": f"control plane starting: the endpoint set is not known until "
                                                    f"agents have reported ({left:.0f}s of startup grace left)"},

@@ -25,7 +25,7 @@ from typing import Any
 from aiohttp import web
 
 from llmgw.config import ConfigInvalid
-from llmgw.controlplane.api import build_api
+from llmgw.controlplane.api import build_api, startup_grace_left
 from llmgw.controlplane.state import ControlPlane
 from llmgw.controlplane.tlssite import HandshakeLoggingSite
 from llmgw.eventloop import run_loop, tune_gc
@@ -71,7 +71,7 @@ def tls_context(settings: ServerSettings):
 class RouterHook:
     """The in-process router, when ``llmgw.router`` is available; endpoint updates go to its table."""
 
-    def __init__(self, settings: ServerSettings):
+    def __init__(self, settings: ServerSettings, pending: Callable[[str], float] | None = None):
         self.table: Any = None
         self.app: web.Application | None = None
         self.watch_handler: Any = None
@@ -95,7 +95,7 @@ class RouterHook:
             if self.router_settings.workers > 1:
                 log.warning("router.workers is %d: the in-process router runs one worker; run `llmgw router` "
                             "processes against the watch API to scale out", self.router_settings.workers)
-            self.app = build_app(self.router_settings, self.table)
+            self.app = build_app(self.router_settings, self.table, pending=pending)
 
     def update(self, eps: list[dict[str, Any]]) -> None:
         if self.table is None:
@@ -120,6 +120,21 @@ class RouterHook:
             host, port = sock.getsockname()[:2]
             log.info("router listening on http://%s:%d", host, port)
         return runner
+
+
+def catalog_grace_left(cp: ControlPlane, model: str) -> float:
+    """Startup grace left for a model the catalog serves (0 for one it does not, or after the grace).
+
+    The in-process router starts with an empty table after every restart;
+    until agents have re-registered, a catalog model it cannot route yet is
+    answered 503 with Retry-After (as the watch API answers standalone
+    routers), never 404 "does not exist".  A model the catalog lacks is
+    still 404 at once.
+    """
+    left = startup_grace_left(cp)
+    if left <= 0:
+        return 0.0
+    return left if any(model == m.served_name for m in cp.catalog.models.values()) else 0.0
 
 
 def reloader(cp: ControlPlane, path: str | None) -> Callable[[], tuple[bool, list[str]]]:
@@ -150,7 +165,7 @@ async def serve(settings: ServerSettings, config_path: str | None = None,
     """Run until ``stop`` is set (or SIGTERM/SIGINT)."""
     ssl_ctx = tls_context(settings)
     cp = ControlPlane(settings, config_path)
-    router = RouterHook(settings)
+    router = RouterHook(settings, pending=lambda model: catalog_grace_left(cp, model))
     cp.on_endpoints(router.update)
     reload = reloader(cp, config_path)
     app = build_api(cp, require_identity=ssl_ctx is not None, reload=reload, watch_handler=router.watch_handler)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from aiohttp import web
 
@@ -29,16 +29,20 @@ RUNNER_KWARGS = {"access_log": None, "handler_cancellation": True}
 PROXY_KEY: web.AppKey[Proxy] = web.AppKey("llmgw_router_proxy", Proxy)
 
 
-def build_app(cfg: RouterSettings, table: EndpointTable, metrics: RouterMetrics | None = None) -> web.Application:
+def build_app(cfg: RouterSettings, table: EndpointTable, metrics: RouterMetrics | None = None,
+              pending: Callable[[str], float] | None = None) -> web.Application:
     """An application routing by ``model`` to the endpoints in ``table``.
 
     ``table`` is read on every request (one integer comparison when it did
     not change), so callers just ``table.replace(...)`` when replicas change.
+    ``pending(model)``: seconds until the table can be trusted to list
+    ``model`` (0 once it can); while positive, a request for a model the
+    table lacks gets 503 with Retry-After instead of 404.
     """
     metrics = metrics or RouterMetrics()
     scorer = make_scorer(cfg.balancing.scorer, cfg.balancing.prefix_tokens, cfg.balancing.load_bound)
     routing = Routing(table, cfg, metrics, scorer)
-    proxy = Proxy(cfg, routing, metrics)
+    proxy = Proxy(cfg, routing, metrics, pending)
     app = web.Application(client_max_size=cfg.limits.max_body_bytes)
     app[PROXY_KEY] = proxy
     for path in OPENAI_POST_PATHS:

@@ -131,10 +131,13 @@ class _Watchdog:
 
 
 class Proxy:
-    def __init__(self, settings: RouterSettings, routing: Routing, metrics: RouterMetrics) -> None:
+    def __init__(self, settings: RouterSettings, routing: Routing, metrics: RouterMetrics,
+                 pending: Callable[[str], float] | None = None) -> None:
         self.s = settings
         self.routing = routing
         self.metrics = metrics
+        # seconds until the table can be trusted to list ``model`` (0: it can now); see build_app
+        self.pending = pending
         self.keys = KeyRing(settings.api_keys, settings.allow_unauthenticated)
         r = settings.retries
         self.budget = RetryBudget(r.budget_ratio, r.budget_min, r.budget_window)
@@ -241,7 +244,7 @@ class Proxy:
         # an unknown model and one the key may not use get the same answer: a restricted key
         # must not learn which models exist
         if group is None or not principal.allows(parsed.model):
-            raise _model_not_found(parsed.model)
+            raise self._unknown_model(parsed.model, principal.allows(parsed.model))
         ctx.model_label = parsed.model
         return await self._forward(request, ctx, group, body, parsed.stream, parsed.payload)
 
@@ -681,7 +684,24 @@ class Proxy:
         ctx.model = name
         if name in self.routing.models() and principal.allows(name):
             return web.json_response(self._model_card(name))
-        raise _model_not_found(name)
+        raise self._unknown_model(name, principal.allows(name))
+
+    def _unknown_model(self, model: str, allowed: bool) -> RouterError:
+        """404 for a model the table lacks, unless the table is still filling up.
+
+        A control plane that has just started learns its replicas from agents
+        re-registering; until then "this model does not exist" would be a lie
+        that OpenAI clients do not retry, so such a model is "not available
+        yet": 503 with Retry-After.  A key that may not use the model always
+        gets the 404, so the answer never depends on what exists.
+        """
+        left = self.pending(model) if allowed and self.pending is not None else 0.0
+        if left > 0:
+            return RouterError(503, f"model `{model}` is not available yet: the control plane has just started and "
+                                    f"its engines are still reporting; retry in a few seconds",
+                               SERVER, "model_not_ready", klass="unavailable",
+                               retry_after=min(int(left) + 1, PENDING_RETRY_AFTER))
+        return _model_not_found(model)
 
     async def _fallback(self, request: web.Request, ctx: "_Ctx") -> web.Response:
         if request.path in OPENAI_POST_PATHS or request.path.startswith("/v1/models"):
@@ -721,6 +741,11 @@ def _request_id(request: web.Request) -> str:
     if rid is None or not _REQUEST_ID.match(rid):
         rid = os.urandom(12).hex()
     return rid
+
+
+# Agents re-register within seconds of a control-plane restart; the grace is only the bound on
+# how long that may take, so clients are told to come back soon rather than when it ends.
+PENDING_RETRY_AFTER = 2
 
 
 def _model_not_found(model: str) -> RouterError:

@@ -29,6 +29,11 @@ log = logging.getLogger("llmgw.router.watch")
 
 WATCH_PATH = "/v1/router/endpoints"
 WATCH_WAIT_S = 30.0
+# Retry cap while the control plane is unreachable.  A restart takes seconds and the router
+# keeps serving from what it knows meanwhile; the cost of a long cap is that the new control
+# plane (and every replica it places) is seen that much later.  One GET every 1-2 s per router
+# is nothing to a control plane, and the jitter still spreads routers apart.
+WATCH_BACKOFF_MAX = 2.0
 
 def endpoints_watch_handler(table: EndpointTable, wait_s: float = WATCH_WAIT_S):
     """aiohttp handler for ``GET /v1/router/endpoints?after=REV[&epoch=E]``.
@@ -95,7 +100,7 @@ async def watch_endpoints(
     table: EndpointTable,
     *,
     backoff_initial: float = 0.5,
-    backoff_max: float = 30.0,
+    backoff_max: float = WATCH_BACKOFF_MAX,
 ) -> None:
     """Keep ``table`` equal to the control plane's endpoint set, forever.
 
