@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: quickstart fleet-down test unit integration ansible molecule venv clean
+.PHONY: quickstart fleet-down test unit integration ansible molecule venv clean engines
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,13 +29,22 @@ quickstart: $(STAMP)
 fleet-down:
 	-pkill -TERM -f '$(CURDIR)/[.]local/fleet/'
 
-## The whole test suite: unit, then integration (real processes), then the Ansible
-## collection, then the collection's molecule scenarios on podman test hosts.
-test: $(STAMP)
+## The whole test suite: the real engines first (built or fetched once into a cache outside
+## the checkout), unit, then integration (real processes), then the Ansible collection, then
+## the collection's molecule scenarios on podman test hosts.
+test: $(STAMP) engines
 	$(PY) -m pytest tests/unit -q
 	$(PY) -m pytest tests/integration -q
 	$(MAKE) --no-print-directory ansible
 	$(MAKE) --no-print-directory molecule
+
+## What the real-engine tests and the flag drift checks read, at the versions pinned in
+## tests/engines/versions: llama-server built from source (minutes, once per version) and the
+## vLLM and SGLang sources. Without them those tests skip, saying so.
+engines: $(STAMP)
+	PYTHON=$(abspath $(PY)) tests/engines/build-llama-server
+	$(PY) tests/engines/fetch-engine-source vllm
+	$(PY) tests/engines/fetch-engine-source sglang
 
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit -q
