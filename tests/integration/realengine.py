@@ -66,3 +66,27 @@ def exe(pid: int) -> str:
 
 def cmdline(pid: int) -> list[str]:
     return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+
+
+def start_llama_server(model: Path, served_name: str, log_dir: Path, extra_args: tuple[str, ...] = ()):
+    """A bare ``llama-server`` (no fleet) launched from the adapter's argv, healthy when returned."""
+    import subprocess
+
+    from llmgw.catalog import Model, Profile
+    from llmgw.engines import LaunchContext, build_launch
+    from simproc import SimProcess, free_port
+
+    port = free_port()
+    spec = build_launch(Model(served_name, str(model), served_name), Profile("cpu", "llamacpp", extra_args=extra_args),
+                        LaunchContext(host="127.0.0.1", port=port, model_path=str(model), command=(str(LLAMA),)))
+    log_path = log_dir / f"llama-server-{port}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, **spec.env})
+    server = SimProcess(proc=proc, port=port, log_path=log_path)
+    try:
+        server.wait_healthy(60)
+    except Exception:
+        server.stop()
+        raise
+    return server
