@@ -281,6 +281,20 @@ async def stream_tokens(
     return written
 
 
+async def stream_choices(request: web.Request, resp: web.StreamResponse, state: SimState, gen: Generation,
+                         lead: str, indices: range, opening: str, closing: str, mid_extra: str = "") -> int:
+    """Stream ``gen`` as the choices ``indices``: each chunk is ``lead`` + the choice's ``opening``,
+    the token text, ``closing`` and the finish fields. A fault ends it with vLLM's error event.
+    Returns the token steps written."""
+    prefixes = [f'data: {lead},"choices":[{{"index":{i},{opening}"'.encode() for i in indices]
+    mid = f'{closing},"logprobs":null,"finish_reason":null{mid_extra}}}]}}\n\n'.encode()
+    last = f'{closing},"logprobs":null,{gen.finish()}}}]}}\n\n'.encode()
+    steps = await stream_tokens(request, resp, state, gen, prefixes, mid, last)
+    if gen.faulted:
+        await sse_error(resp)
+    return steps
+
+
 async def sse_error(resp: web.StreamResponse) -> None:
     await resp.write(b"data: " + _dumps(error_json(ENGINE_DEAD, 500)).encode() + b"\n\n")
     await resp.write(DONE)
@@ -331,14 +345,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 if call is not None:
                     written = await stream_tool_call(resp, lead, choices, call)
                 else:
-                    prefixes = [f'data: {lead},"choices":[{{"index":{i},"delta":{{"content":"'.encode()
-                                for i in range(choices)]
-                    mid = b'"},"logprobs":null,"finish_reason":null}]}\n\n'
-                    last = f'"}},"logprobs":null,{gen.finish()}}}]}}\n\n'.encode()
-                    steps = await stream_tokens(request, resp, state, gen, prefixes, mid, last)
+                    steps = await stream_choices(request, resp, state, gen, lead, range(choices),
+                                                 '"delta":{"content":', '"}')
                     if gen.faulted:
                         written = steps * choices
-                        await sse_error(resp)
                         return resp
                     written = gen.tokens * choices
                 if include_usage:
@@ -440,14 +450,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
                 head = {"id": rid, "object": "text_completion", "created": created, "model": model}
                 lead = _dumps(head)[:-1]
                 for p, gen in enumerate(gens):
-                    prefixes = [f'data: {lead},"choices":[{{"index":{p * choices + j},"text":"'.encode()
-                                for j in range(choices)]
-                    mid = b'","logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'
-                    last = f'","logprobs":null,{gen.finish()}}}]}}\n\n'.encode()
-                    steps = await stream_tokens(request, resp, state, gen, prefixes, mid, last)
+                    steps = await stream_choices(request, resp, state, gen, lead,
+                                                 range(p * choices, (p + 1) * choices), '"text":', '"',
+                                                 ',"stop_reason":null')
                     if gen.faulted:
                         written += steps * choices
-                        await sse_error(resp)
                         return resp
                     written += gen.tokens * choices
                 if include_usage:
