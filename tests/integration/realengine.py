@@ -80,9 +80,11 @@ def start_llama_server(model: Path, served_name: str, log_dir: Path, extra_args:
     spec = build_launch(Model(served_name, str(model), served_name), Profile("cpu", "llamacpp", extra_args=extra_args),
                         LaunchContext(host="127.0.0.1", port=port, model_path=str(model), command=(str(LLAMA),)))
     log_path = log_dir / f"llama-server-{port}.log"
+    # An agent starting anywhere on this host kills a `llama-server` no record of its own
+    # describes (adoption.engine_evidence), unless the process names another node.
+    env = {**os.environ, **spec.env, "LLMGW_NODE_ID": f"bare-llama-server-{os.getpid()}-{port}"}
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**os.environ, **spec.env})
+        proc = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     server = SimProcess(proc=proc, port=port, log_path=log_path)
     try:
         server.wait_healthy(60)
