@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: quickstart fleet-down test unit integration ansible molecule venv clean
+.PHONY: quickstart llamacpp-vars fleet-down test unit integration ansible molecule venv clean engines
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,24 +18,49 @@ venv: $(STAMP)
 ## where each replica goes, then roll it out with site.yml on this machine (control plane,
 ## router, one agent with simulated GPUs, engines played by the simulator). The play ends
 ## only when every replica is Ready and a chat completion came back through the router.
+##
+## `make quickstart ENGINE=llamacpp` adds one real llama.cpp replica (CPU) beside them: it
+## builds llama-server once (tests/engines/build-llama-server, several minutes), generates a
+## tiny GGUF model under .local/models/ and passes both to the same site.yml.
+ENGINE ?= sim
+LLAMA_VARS := .local/llamacpp.yml
 quickstart: $(STAMP)
+	@case "$(ENGINE)" in sim|llamacpp) ;; *) echo "ENGINE=$(ENGINE): use sim or llamacpp" >&2; exit 2;; esac
 	$(VENV)/bin/llmgw config validate inventory/local/files/server.yaml inventory/local/files/agent.yaml inventory/local/files/hardware/*.yaml
 	$(VENV)/bin/llmgw ctl explain --config inventory/local/files/server.yaml --hardware inventory/local/files/hardware/*.yaml
-	$(VENV)/bin/ansible-playbook playbooks/site.yml -i inventory/local/hosts.yml
+	$(if $(filter llamacpp,$(ENGINE)),$(MAKE) --no-print-directory llamacpp-vars)
+	$(VENV)/bin/ansible-playbook playbooks/site.yml -i inventory/local/hosts.yml $(if $(filter llamacpp,$(ENGINE)),-e @$(LLAMA_VARS))
 	LLMGW_URL=https://127.0.0.1:8443 LLMGW_CA=.local/pki/ca.crt LLMGW_CERT=.local/pki/admin.crt \
 	  LLMGW_KEY=.local/pki/admin.key $(VENV)/bin/llmgw ctl replicas
 
+# The built llama-server and a freshly generated model (with its digest), as inventory variables.
+llamacpp-vars: $(STAMP)
+	mkdir -p .local/models
+	bin=$$(PYTHON=$(abspath $(PY)) tests/engines/build-llama-server | tail -n 1) && \
+	sha=$$($(PY) tests/engines/tinymodel.py $(CURDIR)/.local/models/tiny-llama.gguf) && \
+	printf 'llmgw_local_llamacpp:\n  binary: %s\n  model: %s\n  sha256: %s\n' \
+	  "$$bin" "$(CURDIR)/.local/models/tiny-llama.gguf" "$$sha" > $(LLAMA_VARS)
+
 ## Stop the local fleet that `make quickstart` started (control plane, agent, engines).
 fleet-down:
-	-pkill -TERM -f '$(CURDIR)/[.]local/fleet/'
+	-pkill -TERM -f '$(CURDIR)/[.]local/(fleet|models)/'
 
-## The whole test suite: unit, then integration (real processes), then the Ansible
-## collection, then the collection's molecule scenarios on podman test hosts.
-test: $(STAMP)
+## The whole test suite: the real engines first (built or fetched once into a cache outside
+## the checkout), unit, then integration (real processes), then the Ansible collection, then
+## the collection's molecule scenarios on podman test hosts.
+test: $(STAMP) engines
 	$(PY) -m pytest tests/unit -q
 	$(PY) -m pytest tests/integration -q
 	$(MAKE) --no-print-directory ansible
 	$(MAKE) --no-print-directory molecule
+
+## What the real-engine tests and the flag drift checks read, at the versions pinned in
+## tests/engines/versions: llama-server built from source (minutes, once per version) and the
+## vLLM and SGLang sources. Without them those tests skip, saying so.
+engines: $(STAMP)
+	PYTHON=$(abspath $(PY)) tests/engines/build-llama-server
+	$(PY) tests/engines/fetch-engine-source vllm
+	$(PY) tests/engines/fetch-engine-source sglang
 
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit -q

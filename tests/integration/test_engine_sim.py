@@ -421,3 +421,54 @@ def test_adapter_built_launch_serves_through_the_simulator(engine, dialect, mode
         assert [m.id for m in client(s).models.list().data] == [model.served_name]
     finally:
         assert s.stop() == 0
+
+
+# ------------------------------------------- n, stop, forced tool calls (as vLLM answers them)
+
+def test_n_returns_that_many_choices_streamed_interleaved_and_counted_in_usage(sim):
+    c = client(sim)
+    r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=3, n=3)
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    assert {ch.message.content for ch in r.choices} == {expected_text(3)} and r.usage.completion_tokens == 9
+    chunks = list(c.completions.create(model="m", prompt="hi", max_tokens=2, n=2, stream=True,
+                                       stream_options={"include_usage": True}))
+    by_index: dict[int, str] = {}
+    for ch in chunks:
+        for choice in ch.choices:
+            by_index[choice.index] = by_index.get(choice.index, "") + choice.text
+    assert by_index == {0: expected_text(2), 1: expected_text(2)} and chunks[-1].usage.completion_tokens == 4
+
+
+def test_stop_cuts_the_text_before_the_stop_string_streamed_or_not(sim):
+    c = client(sim)
+    r = c.completions.create(model="m", prompt="hi", max_tokens=10, stop=[" tok4"])
+    (ch,) = r.choices
+    assert (ch.text, ch.finish_reason, r.usage.completion_tokens) == (expected_text(4), "stop", 5)
+    assert ch.model_extra["stop_reason"] == " tok4"
+    chunks = list(c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=10, stop="k2", stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "tok0 tok1 to"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+WEATHER = [{"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def test_forced_tool_calls_come_back_in_the_tool_call_shape_and_auto_is_refused(sim):
+    c = client(sim)
+    msgs = [{"role": "user", "content": "weather in Paris?"}]
+    r = c.chat.completions.create(model="m", messages=msgs, tools=WEATHER, tool_choice="required")
+    (ch,) = r.choices
+    (call,) = ch.message.tool_calls
+    assert ch.finish_reason == "tool_calls" and ch.message.content == ""
+    assert call.type == "function" and call.function.name == "weather"
+    assert json.loads(call.function.arguments) == {"city": "tok0"}
+    named = {"type": "function", "function": {"name": "weather"}}
+    chunks = list(c.chat.completions.create(model="m", messages=msgs, tools=WEATHER, tool_choice=named, stream=True))
+    calls = [tc for ch in chunks for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert calls[0].id and calls[0].function.name == "weather"
+    assert json.loads("".join(tc.function.arguments or "" for tc in calls)) == {"city": "tok0"}
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError, match="enable-auto-tool-choice"):
+        c.chat.completions.create(model="m", messages=msgs, tools=WEATHER)

@@ -30,6 +30,7 @@ from aiohttp import web
 from llmgw.sim.sim_args import SimConfig
 from llmgw.sim.sim_knobs import Knobs
 from llmgw.sim.sim_metrics import CONTENT_TYPE, SimMetrics
+from llmgw.sim.sim_output import BadRequest, ToolCall, choices_count, generate, stop_strings, tool_call
 from llmgw.sim.sim_prefix import PrefixCache
 from llmgw.sim.sim_tokens import (
     PromptError,
@@ -131,8 +132,8 @@ def check_model(state: SimState, body: dict[str, Any]) -> None:
         raise Rejected(404, f"The model `{model}` does not exist.", "model")
 
 
-def check_common(body: dict[str, Any]) -> tuple[bool, bool]:
-    """(stream, include_usage), with vLLM's checks on the combination."""
+def check_common(body: dict[str, Any]) -> tuple[bool, bool, int, tuple[str, ...]]:
+    """(stream, include_usage, n, stop strings), with vLLM's checks on the combination."""
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise Rejected(400, "stream must be a boolean", "stream")
@@ -140,10 +141,10 @@ def check_common(body: dict[str, Any]) -> tuple[bool, bool]:
     if opts is not None and not stream:
         raise Rejected(400, "Stream options can only be defined when `stream=True`.", "stream_options")
     include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
-    n = body.get("n", 1)
-    if n not in (None, 1):
-        raise Rejected(400, "the engine simulator serves n=1 only", "n")
-    return stream, include_usage
+    try:
+        return stream, include_usage, choices_count(body), stop_strings(body)
+    except BadRequest as e:
+        raise Rejected(400, str(e), e.param) from None
 
 
 def budget(state: SimState, body: dict[str, Any], prompt_len: int, chat: bool) -> tuple[int, str]:
@@ -196,13 +197,32 @@ def request_id() -> str:
 # ------------------------------------------------------------------------ generation
 
 class Generation:
-    """One request's output: how many tokens, and where an injected fault cuts it."""
+    """One choice's output (its chunks, tokens, finish) and where an injected fault cuts it.
 
-    def __init__(self, state: SimState, n: int) -> None:
-        self.n = n
+    Without stop strings the chunks are the pre-encoded token texts (the benchmarks'
+    hot path); with them, ``sim_output.generate`` cuts the text as vLLM does.
+    """
+
+    def __init__(self, state: SimState, n: int, reason: str, stops: tuple[str, ...] = ()) -> None:
+        if stops:
+            out = generate(n, reason, stops)
+            self.pieces = [p.encode() for p in out.pieces]
+            self.tokens, self.reason, self.stop_reason = out.tokens, out.finish_reason, out.stop_reason
+        else:
+            self.pieces = state.tokens.first(n)
+            self.tokens, self.reason, self.stop_reason = n, reason, None
+        self.n = len(self.pieces)
         fault = state.knobs.fault
         self.fault = fault.kind
-        self.cut = fault.after if fault.kind in ("crash-after", "error-chunk-after") and fault.after < n else n
+        self.cut = fault.after if fault.kind in ("crash-after", "error-chunk-after") and fault.after < self.n else self.n
+
+    @property
+    def text(self) -> str:
+        return b"".join(self.pieces).decode()
+
+    def finish(self) -> str:
+        """The JSON tail fields of the choice's last chunk."""
+        return f'"finish_reason":"{self.reason}","stop_reason":{_dumps(self.stop_reason)}'
 
     @property
     def faulted(self) -> bool:
@@ -234,12 +254,13 @@ async def stream_tokens(
     resp: web.StreamResponse,
     state: SimState,
     gen: Generation,
-    prefix: bytes,
+    prefixes: list[bytes],
     mid: bytes,
     last: bytes,
 ) -> int:
-    """Write the request's token chunks; returns how many were written."""
-    toks = state.tokens.first(gen.n)
+    """Write the chunks of ``len(prefixes)`` identical choices, interleaved token by token
+    as vLLM streams n > 1; returns how many token steps were written."""
+    toks = gen.pieces
     latency = state.knobs.token_latency
     final = gen.n - 1
     written = 0
@@ -251,11 +272,27 @@ async def stream_tokens(
         if latency:
             delay = start + (i + 1) * latency - clock()
             await asyncio.sleep(delay if delay > 0 else 0)
-        await resp.write(prefix + toks[i] + (last if i == final else mid))
+        end = last if i == final else mid
+        for prefix in prefixes:
+            await resp.write(prefix + toks[i] + end)
         written += 1
     if gen.faulted and gen.fault == "crash-after":
         await crash(request)
     return written
+
+
+async def stream_choices(request: web.Request, resp: web.StreamResponse, state: SimState, gen: Generation,
+                         lead: str, indices: range, opening: str, closing: str, mid_extra: str = "") -> int:
+    """Stream ``gen`` as the choices ``indices``: each chunk is ``lead`` + the choice's ``opening``,
+    the token text, ``closing`` and the finish fields. A fault ends it with vLLM's error event.
+    Returns the token steps written."""
+    prefixes = [f'data: {lead},"choices":[{{"index":{i},{opening}"'.encode() for i in indices]
+    mid = f'{closing},"logprobs":null,"finish_reason":null{mid_extra}}}]}}\n\n'.encode()
+    last = f'{closing},"logprobs":null,{gen.finish()}}}]}}\n\n'.encode()
+    steps = await stream_tokens(request, resp, state, gen, prefixes, mid, last)
+    if gen.faulted:
+        await sse_error(resp)
+    return steps
 
 
 async def sse_error(resp: web.StreamResponse) -> None:
@@ -272,18 +309,21 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         check_model(state, body)
         if state.knobs.fault.kind == "http-500":
             raise Rejected(500, ENGINE_DEAD)
-        stream, include_usage = check_common(body)
+        stream, include_usage, choices, stops = check_common(body)
         try:
             prompt = chat_prompt_tokens(body.get("messages"))
+            call = tool_call(body)
         except PromptError as e:
             raise Rejected(400, str(e), "messages") from None
+        except BadRequest as e:
+            raise Rejected(400, str(e), e.param) from None
         n, reason = budget(state, body, len(prompt), chat=True)
     except Rejected as r:
         return r.response
 
     details = state.cfg.enable_prompt_tokens_details
     rid, created, model = f"chatcmpl-{request_id()}", int(time.time()), state.model_name
-    gen = Generation(state, n)
+    gen = Generation(state, n, reason, stops)
     written = 0
     finished = "abort"
     resp: web.StreamResponse | None = None
@@ -297,44 +337,53 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                     await hang_forever()
                 head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
                 lead = _dumps(head)[:-1]
-                await resp.write(
-                    f'data: {lead},"choices":[{{"index":0,"delta":{{"role":"assistant","content":""}},'
-                    f'"logprobs":null,"finish_reason":null}}]}}\n\n'.encode()
-                )
-                prefix = f'data: {lead},"choices":[{{"index":0,"delta":{{"content":"'.encode()
-                mid = b'"},"logprobs":null,"finish_reason":null}]}\n\n'
-                last = f'"}},"logprobs":null,"finish_reason":"{reason}","stop_reason":null}}]}}\n\n'.encode()
-                written = await stream_tokens(request, resp, state, gen, prefix, mid, last)
-                if gen.faulted:
-                    await sse_error(resp)
-                    return resp
+                for index in range(choices):
+                    await resp.write(
+                        f'data: {lead},"choices":[{{"index":{index},"delta":{{"role":"assistant","content":""}},'
+                        f'"logprobs":null,"finish_reason":null}}]}}\n\n'.encode()
+                    )
+                if call is not None:
+                    written = await stream_tool_call(resp, lead, choices, call)
+                else:
+                    steps = await stream_choices(request, resp, state, gen, lead, range(choices),
+                                                 '"delta":{"content":', '"}')
+                    if gen.faulted:
+                        written = steps * choices
+                        return resp
+                    written = gen.tokens * choices
                 if include_usage:
                     await resp.write(usage_chunk(lead, len(prompt), written, cached, details))
                 await resp.write(DONE)
                 await resp.write_eof()
-                finished = reason
+                finished = call.finish_reason if call else gen.reason
                 return resp
             if state.knobs.fault.kind == "hang":
                 await hang_forever()
-            written = gen.cut
+            written = gen.cut * choices
             if state.knobs.token_latency:
-                await asyncio.sleep(state.knobs.token_latency * written)
+                await asyncio.sleep(state.knobs.token_latency * gen.cut)
             if gen.faulted:
                 if gen.fault == "crash-after":
                     await crash(request)
                 return error_response(500, ENGINE_DEAD)
-            text = b"".join(state.tokens.first(n)).decode()
-            finished = reason
+            if call is not None:
+                written = call_tokens(call) * choices
+                message = lambda: {"role": "assistant", "content": "", "refusal": None,  # noqa: E731
+                                   "tool_calls": [call.message_entry()], "reasoning_content": None}
+                finish, stop_reason = call.finish_reason, None
+            else:
+                written = gen.tokens * choices
+                text = gen.text
+                message = lambda: {"role": "assistant", "content": text, "refusal": None,  # noqa: E731
+                                   "tool_calls": [], "reasoning_content": None}
+                finish, stop_reason = gen.reason, gen.stop_reason
+            finished = finish
             return web.Response(
                 text=_dumps({
                     "id": rid, "object": "chat.completion", "created": created, "model": model,
-                    "choices": [{
-                        "index": 0,
-                        "message": {"role": "assistant", "content": text, "refusal": None,
-                                    "tool_calls": [], "reasoning_content": None},
-                        "logprobs": None, "finish_reason": reason, "stop_reason": None,
-                    }],
-                    "usage": usage(len(prompt), n, cached, details),
+                    "choices": [{"index": i, "message": message(), "logprobs": None, "finish_reason": finish,
+                                 "stop_reason": stop_reason} for i in range(choices)],
+                    "usage": usage(len(prompt), written, cached, details),
                     "prompt_logprobs": None,
                 }),
                 content_type="application/json",
@@ -350,6 +399,24 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             state.metrics.finished(finished)
 
 
+def call_tokens(call: ToolCall) -> int:
+    """Tokens a forced tool call costs: one per word of its arguments (the simulator's tokenizer)."""
+    return max(1, len(call.arguments.split()))
+
+
+async def stream_tool_call(resp: web.StreamResponse, lead: str, choices: int, call: ToolCall) -> int:
+    """vLLM's streamed tool call: the call's id and name, its arguments, then the finish."""
+    for index in range(choices):
+        entry = call.message_entry()
+        opening = {"index": 0, "id": entry["id"], "type": "function",
+                   "function": {"name": call.name, "arguments": ""}}
+        for delta in ({"tool_calls": [opening]}, {"tool_calls": [{"index": 0, "function": {"arguments": call.arguments}}]}):
+            await resp.write(f'data: {lead},"choices":[{_dumps({"index": index, "delta": delta, "logprobs": None, "finish_reason": None})}]}}\n\n'.encode())
+        final = {"index": index, "delta": {}, "logprobs": None, "finish_reason": call.finish_reason, "stop_reason": None}
+        await resp.write(f'data: {lead},"choices":[{_dumps(final)}]}}\n\n'.encode())
+    return call_tokens(call) * choices
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     state: SimState = request.app["state"]
     try:
@@ -357,12 +424,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
         check_model(state, body)
         if state.knobs.fault.kind == "http-500":
             raise Rejected(500, ENGINE_DEAD)
-        stream, include_usage = check_common(body)
+        stream, include_usage, choices, stops = check_common(body)
         try:
             prompts = completion_prompts(body.get("prompt"))
         except PromptError as e:
             raise Rejected(400, str(e), "prompt") from None
-        plans = [budget(state, body, len(p), chat=False) for p in prompts]
+        gens = [Generation(state, *budget(state, body, len(p), chat=False), stops) for p in prompts]
     except Rejected as r:
         return r.response
 
@@ -382,43 +449,40 @@ async def completions(request: web.Request) -> web.StreamResponse:
                     await hang_forever()
                 head = {"id": rid, "object": "text_completion", "created": created, "model": model}
                 lead = _dumps(head)[:-1]
-                for index, (n, reason) in enumerate(plans):
-                    gen = Generation(state, n)
-                    prefix = f'data: {lead},"choices":[{{"index":{index},"text":"'.encode()
-                    mid = b'","logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'
-                    last = f'","logprobs":null,"finish_reason":"{reason}","stop_reason":null}}]}}\n\n'.encode()
-                    written += await stream_tokens(request, resp, state, gen, prefix, mid, last)
+                for p, gen in enumerate(gens):
+                    steps = await stream_choices(request, resp, state, gen, lead,
+                                                 range(p * choices, (p + 1) * choices), '"text":', '"',
+                                                 ',"stop_reason":null')
                     if gen.faulted:
-                        await sse_error(resp)
+                        written += steps * choices
                         return resp
+                    written += gen.tokens * choices
                 if include_usage:
                     await resp.write(usage_chunk(lead, total_prompt, written, cached, details))
                 await resp.write(DONE)
                 await resp.write_eof()
-                finished = plans[-1][1]
+                finished = gens[-1].reason
                 return resp
             if state.knobs.fault.kind == "hang":
                 await hang_forever()
-            choices = []
-            for index, (n, reason) in enumerate(plans):
-                gen = Generation(state, n)
+            out = []
+            for p, gen in enumerate(gens):
                 if state.knobs.token_latency:
                     await asyncio.sleep(state.knobs.token_latency * gen.cut)
-                written += gen.cut
                 if gen.faulted:
+                    written += gen.cut * choices
                     if gen.fault == "crash-after":
                         await crash(request)
                     return error_response(500, ENGINE_DEAD)
-                choices.append({
-                    "index": index, "text": b"".join(state.tokens.first(n)).decode(),
-                    "logprobs": None, "finish_reason": reason, "stop_reason": None,
-                    "prompt_logprobs": None,
-                })
-            finished = plans[-1][1]
+                written += gen.tokens * choices
+                text = gen.text
+                out += [{"index": p * choices + j, "text": text, "logprobs": None, "finish_reason": gen.reason,
+                         "stop_reason": gen.stop_reason, "prompt_logprobs": None} for j in range(choices)]
+            finished = gens[-1].reason
             return web.Response(
                 text=_dumps({
                     "id": rid, "object": "text_completion", "created": created, "model": model,
-                    "choices": choices,
+                    "choices": out,
                     "usage": usage(total_prompt, written, cached, details),
                 }),
                 content_type="application/json",

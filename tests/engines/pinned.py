@@ -1,0 +1,39 @@
+"""The engine versions pinned in tests/engines/versions, and where their builds are cached.
+
+Read by the real-engine tests, the flag drift checks and (the same file) by the shell
+scripts next to it, so a version is written down exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+VERSIONS = Path(__file__).resolve().parent / "versions"
+
+
+def version(key: str) -> str:
+    for line in VERSIONS.read_text().splitlines():
+        name, sep, value = line.partition("=")
+        if sep and name.strip() == key:
+            return value.strip()
+    raise KeyError(f"{VERSIONS}: no {key}=")
+
+
+def cache_root() -> Path:
+    """``$LLMGW_ENGINE_CACHE``, else ``${XDG_CACHE_HOME:-~/.cache}/llmgw`` (what the scripts use)."""
+    if os.environ.get("LLMGW_ENGINE_CACHE"):
+        return Path(os.environ["LLMGW_ENGINE_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmgw"
+
+
+def llama_server() -> Path | None:
+    """The built ``llama-server`` of the pinned version, or None when it has not been built."""
+    path = cache_root() / "llama.cpp" / version("LLAMA_CPP_PYTHON") / "bin" / "llama-server"
+    return path if os.access(path, os.X_OK) else None
+
+
+def engine_source(name: str) -> Path | None:
+    """The unpacked Python source of the pinned ``name`` release, or None when not fetched."""
+    path = cache_root() / "engine-source" / name / version(name.upper())
+    return path if path.is_dir() else None

@@ -1,0 +1,94 @@
+"""A fleet whose engines are a real ``llama-server`` (this module holds no tests).
+
+The agents launch the binary ``tests/engines/build-llama-server`` built, through the
+llama.cpp adapter's argv (the agent's ``engines:`` maps ``llamacpp`` to it), serving
+the tiny GGUF model ``tinymodel.write_model`` generates. Tests using it skip, naming
+the command that builds the binary, when it is not there; ``make test`` builds it
+first, so CI never skips them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from llmgw.agent.statedir import StateDir
+from fleet import Fleet, edit_agent_config
+from pinned import llama_server, version
+
+LLAMA = llama_server()
+needs_llama_server = pytest.mark.skipif(
+    LLAMA is None,
+    reason=f"llama-server {version('LLAMA_CPP_PYTHON')} is not built: run tests/engines/build-llama-server "
+           "(make test does)")
+
+
+def llama_fleet(root: Path, models: list[dict[str, Any]], deployments: list[dict[str, Any]],
+                profiles: list[dict[str, Any]] | None = None, gpus: int = 2, agent: dict[str, Any] | None = None,
+                **fleet_kw: Any) -> Fleet:
+    """A one-node fleet with a router whose ``llamacpp`` engine is the built ``llama-server``."""
+    assert LLAMA is not None
+    f = Fleet(root, nodes={"a": gpus}, router=True, **fleet_kw)
+    f.config["models"] = models
+    f.config["profiles"] = profiles or [{"name": "cpu", "engine": "llamacpp", "start_timeout": 120}]
+    f.config["deployments"] = deployments
+    f.write_config()
+    edit_agent_config(f.agents["a"], lambda d: d.update(
+        engines={"llamacpp": [str(LLAMA)]}, model_dir=str(root / "models"), **(agent or {})))
+    return f
+
+
+def client(f: Fleet, **kw: Any) -> openai.OpenAI:
+    """The official OpenAI client, pointed at the fleet's router."""
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{f.router_port}/v1", api_key="unused", max_retries=0,
+                         timeout=60, **kw)
+
+
+def shard_of(f: Fleet, model: str) -> dict[str, Any]:
+    (r,) = [r for r in f.replicas()["replicas"] if r["model"] == model and r["state"] == "ready"]
+    (s,) = r["shards"]
+    return s
+
+
+def engine_log(f: Fleet, shard_id: str) -> str:
+    """The engine's own output, as the agent keeps it in its state dir."""
+    path = StateDir(f.root / "a" / "state").log_path(shard_id)
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def exe(pid: int) -> str:
+    return os.readlink(f"/proc/{pid}/exe")
+
+
+def cmdline(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+
+
+def start_llama_server(model: Path, served_name: str, log_dir: Path, extra_args: tuple[str, ...] = ()):
+    """A bare ``llama-server`` (no fleet) launched from the adapter's argv, healthy when returned."""
+    import subprocess
+
+    from llmgw.catalog import Model, Profile
+    from llmgw.engines import LaunchContext, build_launch
+    from simproc import SimProcess, free_port
+
+    port = free_port()
+    spec = build_launch(Model(served_name, str(model), served_name), Profile("cpu", "llamacpp", extra_args=extra_args),
+                        LaunchContext(host="127.0.0.1", port=port, model_path=str(model), command=(str(LLAMA),)))
+    log_path = log_dir / f"llama-server-{port}.log"
+    # An agent starting anywhere on this host kills a `llama-server` no record of its own
+    # describes (adoption.engine_evidence), unless the process names another node.
+    env = {**os.environ, **spec.env, "LLMGW_NODE_ID": f"bare-llama-server-{os.getpid()}-{port}"}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    server = SimProcess(proc=proc, port=port, log_path=log_path)
+    try:
+        server.wait_healthy(60)
+    except Exception:
+        server.stop()
+        raise
+    return server
