@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # What the virtualenv gets: the runtime, the controller's tools and the tests'.
 EXTRAS ?= controller,test
 
-.PHONY: quickstart fleet-down test unit integration ansible molecule pythons venv clean
+.PHONY: quickstart fleet-down test unit integration ansible molecule pythons prometheus venv clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -49,9 +49,15 @@ integration: $(STAMP)
 
 ## The llmgw.fleet collection: real ansible-playbook runs (site.yml on this machine,
 ## every module and role), then ansible-lint and ansible-test sanity.
-ansible: $(STAMP)
+ansible: $(STAMP) prometheus
 	$(PY) -m pytest tests/ansible tests/inventory -q -p no:cacheprovider
 	VENV=$(abspath $(VENV)) bash tests/ansible/lint.sh lint sanity
+
+## Debian's Prometheus, which the monitoring role's test runs (on loopback, from the
+## test itself) against a local fleet. Installed only when missing.
+prometheus:
+	@command -v prometheus >/dev/null || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
 
 ## Multi-host rollouts on podman containers booting systemd (needs root): builds the
 ## test-host image once (tests/hosts/build-image), then runs every scenario.
