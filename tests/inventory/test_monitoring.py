@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from fleet import WAIT, free_port, until
-from livefleet import BIN, REPO, LiveFleet, run
+from livefleet import BIN, REPO, LiveFleet, run, running
 
 pytestmark = pytest.mark.integration
 
@@ -31,13 +31,8 @@ PROMETHEUS = shutil.which("prometheus")
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
-    lf = LiveFleet(tmp_path_factory.mktemp("monitoring"), {"a": 2}, replicas=1, router=True)
-    lf.fleet.start()
-    try:
-        lf.fleet.wait_ready(1)
+    with running(tmp_path_factory.mktemp("monitoring"), {"a": 2}, replicas=1, router=True) as lf:
         yield lf
-    finally:
-        lf.fleet.close()
 
 
 def monitoring(lf: LiveFleet, targets: Path, *extra: str) -> subprocess.CompletedProcess:
