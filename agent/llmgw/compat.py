@@ -60,18 +60,6 @@ else:  # Python 3.10
             except asyncio.TimeoutError as expired:
                 raise TimeoutError() from expired
 
-        def expired(self) -> bool:
-            return self._cm.expired
-
-        def when(self) -> float | None:
-            return self._cm.deadline
-
-        def reschedule(self, when: float | None) -> None:
-            if when is None:
-                self._cm.reject()
-            else:
-                self._cm.update(when)
-
     def pause_reading_at_accept(transport: asyncio.Transport) -> None:
         """Pause a transport from its protocol's ``connection_made``: the bytes wait in the socket.
 
