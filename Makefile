@@ -3,13 +3,15 @@ PYTHON ?= $(shell command -v python3.11 2>/dev/null || echo python3)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# What the virtualenv gets: the runtime, the controller's tools and the tests'.
+EXTRAS ?= controller,test
 
-.PHONY: quickstart llamacpp-vars fleet-down test unit integration ansible molecule venv clean engines
+.PHONY: quickstart llamacpp-vars fleet-down test unit integration ansible molecule pythons prometheus venv clean engines
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q -e '.[controller,test]'
+	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -47,11 +49,13 @@ fleet-down:
 
 ## The whole test suite: the real engines first (built or fetched once into a cache outside
 ## the checkout), unit, then integration (real processes), then the Ansible collection, then
-## the collection's molecule scenarios on podman test hosts.
+## the oldest and newest Python (`pythons`), then the collection's molecule scenarios on
+## podman test hosts.
 test: $(STAMP) engines
 	$(PY) -m pytest tests/unit -q
 	$(PY) -m pytest tests/integration -q
 	$(MAKE) --no-print-directory ansible
+	$(MAKE) --no-print-directory pythons
 	$(MAKE) --no-print-directory molecule
 
 ## What the real-engine tests and the flag drift checks read, at the versions pinned in
@@ -70,14 +74,39 @@ integration: $(STAMP)
 
 ## The llmgw.fleet collection: real ansible-playbook runs (site.yml on this machine,
 ## every module and role), then ansible-lint and ansible-test sanity.
-ansible: $(STAMP)
+ansible: $(STAMP) prometheus
 	$(PY) -m pytest tests/ansible tests/inventory -q -p no:cacheprovider
 	VENV=$(abspath $(VENV)) bash tests/ansible/lint.sh lint sanity
+
+## Debian's Prometheus, which the monitoring role's test runs (on loopback, from the
+## test itself) against a local fleet. Installed only when missing.
+prometheus:
+	@command -v prometheus >/dev/null || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
 
 ## Multi-host rollouts on podman containers booting systemd (needs root): builds the
 ## test-host image once (tests/hosts/build-image), then runs every scenario.
 molecule: $(STAMP)
 	VENV=$(abspath $(VENV)) tests/hosts/molecule
 
+## The runtime on the oldest and the newest Python it supports, beside the full suite
+## on 3.11: on 3.10 (runtime only: ansible-core needs 3.11) the unit tests and a
+## control plane + agent + routers smoke through real processes; on 3.13 (runtime and
+## controller) the unit tests and the quickstart. Interpreters come from pyenv.
+PYENV_VERSIONS ?= $(shell pyenv root 2>/dev/null)/versions
+OLDEST_PYTHON  ?= 3.10
+NEWEST_PYTHON  ?= 3.13
+pythons:
+	PY=$$(ls -d $(PYENV_VERSIONS)/$(OLDEST_PYTHON).*/bin/python 2>/dev/null | sort -V | tail -1); \
+	  test -n "$$PY" || { echo "no Python $(OLDEST_PYTHON) under $(PYENV_VERSIONS)"; exit 1; }; \
+	  $(MAKE) --no-print-directory PYTHON=$$PY VENV=$(VENV)-$(OLDEST_PYTHON) EXTRAS=test unit
+	$(VENV)-$(OLDEST_PYTHON)/bin/python -m pytest tests/integration/test_runtime_smoke.py -q
+	PY=$$(ls -d $(PYENV_VERSIONS)/$(NEWEST_PYTHON).*/bin/python 2>/dev/null | sort -V | tail -1); \
+	  test -n "$$PY" || { echo "no Python $(NEWEST_PYTHON) under $(PYENV_VERSIONS)"; exit 1; }; \
+	  $(MAKE) --no-print-directory PYTHON=$$PY VENV=$(VENV)-$(NEWEST_PYTHON) unit
+	$(MAKE) --no-print-directory VENV=$(VENV)-$(NEWEST_PYTHON) fleet-down
+	$(MAKE) --no-print-directory VENV=$(VENV)-$(NEWEST_PYTHON) quickstart; rc=$$?; \
+	  $(MAKE) --no-print-directory VENV=$(VENV)-$(NEWEST_PYTHON) fleet-down; exit $$rc
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VENV)-*/ build *.egg-info .pytest_cache .hypothesis

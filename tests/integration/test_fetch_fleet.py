@@ -8,6 +8,7 @@ import re
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from fleet import Fleet, until
 from test_fetch_support import WeightsServer
@@ -15,6 +16,14 @@ from test_fetch_support import WeightsServer
 pytestmark = pytest.mark.integration
 
 MIB = 1 << 20
+
+
+def shards_fetching(f: Fleet) -> float:
+    """``llmgw_node_shards_fetching`` summed over the nodes, from the control plane's /metrics."""
+    with f.client() as c:
+        text = c.get("/metrics").raise_for_status().text
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == "llmgw_node_shards_fetching")
 
 
 def test_progress_shows_under_the_replica_then_clears_and_a_bad_digest_fails_with_both_digests(tmp_path):
@@ -36,6 +45,9 @@ def test_progress_shows_under_the_replica_then_clears_and_a_bad_digest_fails_wit
         agent_yaml.write_text(yaml.safe_dump(cfg))
         f.start()
 
+        # what a dashboard shows as downloads in progress: the shard fetching its weights
+        until(lambda: shards_fetching(f) == 1, "llmgw_node_shards_fetching to count the download",
+              on_timeout=f.dump)
         line = re.compile(r"^ {6}downloading model\.safetensors  \d+\.\d (KiB|MiB) / 4\.0 MiB  \d+%  \d+(\.\d)? "
                           r"(KiB|MiB)/s  ETA \d+(s|m\d\ds)$", re.M)
         shown = until(lambda: line.search(f.ctl("replicas").stdout), "a progress line under the fetching replica",
@@ -48,6 +60,7 @@ def test_progress_shows_under_the_replica_then_clears_and_a_bad_digest_fails_wit
         assert ready["model"] == "tiny" and ready["shards"][0]["progress"] is None
         assert "downloading" not in f.ctl("replicas").stdout  # a serving shard never shows a stale 99%
         assert srv.files["org/tiny/model.safetensors"].gets == 1
+        until(lambda: shards_fetching(f) == 0, "llmgw_node_shards_fetching back to 0", on_timeout=f.dump)
 
         reason = until(lambda: next((s.get("reason") for r in f.replicas()["replicas"] if r["model"] == "bad"
                                      for s in r["shards"] if s["state"] == "failed"), None),

@@ -12,6 +12,7 @@ operator does.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -19,6 +20,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import yaml
@@ -171,3 +173,15 @@ class LiveFleet:
         argv = [str(BIN / "ansible-playbook"), str(REPO / "playbooks" / "drift.yml"),
                 "-i", str(path), "-i", str(self.plugin_config), *extra]
         return run(argv, self.root)
+
+
+@contextlib.contextmanager
+def running(root: Path, nodes: dict[str, int], replicas: int, **fleet_kwargs: Any) -> Iterator[LiveFleet]:
+    """A started ``LiveFleet`` with all its replicas Ready, closed on the way out."""
+    lf = LiveFleet(root, nodes, replicas=replicas, **fleet_kwargs)
+    lf.fleet.start()
+    try:
+        lf.fleet.wait_ready(replicas)
+        yield lf
+    finally:
+        lf.fleet.close()

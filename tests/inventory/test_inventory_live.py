@@ -17,7 +17,7 @@ import ansible_runner
 import pytest
 
 from fleet import ADMIN_TOKEN, until
-from livefleet import BIN, FABRICS, REPO, LiveFleet, ansible_env, plain, run
+from livefleet import BIN, FABRICS, REPO, LiveFleet, ansible_env, plain, run, running
 
 pytestmark = pytest.mark.integration
 
@@ -27,13 +27,8 @@ LIFECYCLE = {"unreachable_after": 4.0, "lost_after": 600.0}
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
-    lf = LiveFleet(tmp_path_factory.mktemp("live"), {"a": 1, "b": 1}, replicas=2, lifecycle=LIFECYCLE)
-    lf.fleet.start()
-    try:
-        lf.fleet.wait_ready(2)
+    with running(tmp_path_factory.mktemp("live"), {"a": 1, "b": 1}, replicas=2, lifecycle=LIFECYCLE) as lf:
         yield lf
-    finally:
-        lf.fleet.close()
 
 
 def differences(res) -> list[str]:

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from llmgw.agent.shardstate import ShardState
 from llmgw.controlplane.lifecycle import NodeState
 from llmgw.controlplane.replicas import ReplicaState
 from llmgw.controlplane.state import ControlPlane
@@ -36,6 +37,8 @@ class FleetCollector(Collector):
         known = GaugeMetricFamily("llmgw_node_nvlink_known", "1 when the node could read its NVLink topology", labels=["node"])
         peers = GaugeMetricFamily("llmgw_gpu_nvlink_peers", "GPUs of the same node this GPU reaches over NVLink",
                                   labels=["node", "gpu"])
+        fetching = GaugeMetricFamily("llmgw_node_shards_fetching",
+                                     "Shards on the node downloading their weights", labels=["node"])
         for node_id in sorted(cp.nodes):
             rec = cp.nodes[node_id]
             for st in NodeState:
@@ -47,7 +50,9 @@ class FleetCollector(Collector):
             known.add_metric([node_id], 1.0 if rec.inventory.nvlink_known else 0.0)
             for g in rec.inventory.gpus:
                 peers.add_metric([node_id, str(g.index)], len(g.nvlink_peers))
-        yield from (node_state, connected, gpus, free, known, peers)
+            fetching.add_metric([node_id], sum(1 for s in book.shards_on(node_id)
+                                               if s.state == ShardState.FETCHING and not s.released))
+        yield from (node_state, connected, gpus, free, known, peers, fetching)
 
         rstate = GaugeMetricFamily("llmgw_replica_state", "1 for the replica's current state",
                                    labels=["replica", "model", "profile", "state"])

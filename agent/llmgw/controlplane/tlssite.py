@@ -22,6 +22,8 @@ from typing import Any, Callable, cast
 
 from aiohttp import web
 
+from llmgw import compat
+
 log = logging.getLogger("llmgw.controlplane.tls")
 
 HANDSHAKE_TIMEOUT = 30.0
@@ -74,7 +76,7 @@ class _Upgrade(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, but have its methods
         transport = cast(asyncio.Transport, transport)
-        transport.pause_reading()  # the ClientHello waits in the socket for start_tls
+        compat.pause_reading_at_accept(transport)  # the ClientHello waits in the socket for start_tls
         self._transport = transport
         self._task = asyncio.get_running_loop().create_task(self._handshake(transport))
 

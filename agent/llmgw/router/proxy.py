@@ -28,6 +28,8 @@ from typing import Callable
 import aiohttp
 from aiohttp import web
 
+from llmgw import compat
+
 from .auth import AuthFailure, KeyRing
 from .budget import RetryBudget
 from .errors import (AUTHENTICATION, INVALID_REQUEST, RATE_LIMIT, SERVER, RouterError, sse_error_events)
@@ -316,7 +318,7 @@ class Proxy:
         conn: Connection | None = None
         deadline = min(try_deadline, total_deadline)
         try:
-            async with asyncio.timeout_at(deadline):
+            async with compat.timeout_at(deadline):
                 conn = await rt.get_pool().request(target, headers, body)
                 data = await conn.read_all()
         except asyncio.CancelledError:
@@ -349,7 +351,7 @@ class Proxy:
         held: list[bytes] = []
         pre_deadline = min(try_deadline, total_deadline)
         try:
-            async with asyncio.timeout_at(pre_deadline):
+            async with compat.timeout_at(pre_deadline):
                 conn = await rt.get_pool().send(target, headers, body)
                 await conn.response()
                 resp = conn
@@ -458,7 +460,7 @@ class Proxy:
         outcome, failure = "cancelled", False
         head_seen = conn.head is not None
         try:
-            async with asyncio.timeout_at(deadline):
+            async with compat.timeout_at(deadline):
                 head = await conn.response()
                 head_seen = True
                 if head.status != 200 or not head.headers.get("content-type", "").startswith("text/event-stream"):

@@ -30,6 +30,8 @@ import time
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
+from llmgw import compat
+
 from .http1 import CHUNKED, LENGTH, MAX_HEAD, NO_BODY, UNTIL_CLOSE, ChunkedDecoder, Head, ProtocolError, parse_head
 
 
@@ -389,7 +391,7 @@ class Pool:
     async def _connect(self) -> Connection:
         loop = asyncio.get_running_loop()
         try:
-            async with asyncio.timeout(self.connect_timeout):
+            async with compat.timeout(self.connect_timeout):
                 transport, conn = await loop.create_connection(
                     lambda: Connection(self, loop), self.host, self.port, ssl=self._ssl,
                     server_hostname=self.host if self._ssl else None)

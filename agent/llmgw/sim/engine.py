@@ -26,6 +26,7 @@ from typing import Sequence
 
 from aiohttp import web
 
+from llmgw import compat
 from llmgw.sim.sim_args import ArgvError, SimConfig, parse_argv
 from llmgw.sim.sim_http import SIM_VERSION, SimState, build_app
 from llmgw.sim.sim_knobs import KnobError, Knobs, knobs_from_env
@@ -192,8 +193,7 @@ def _run(cfg: SimConfig, knobs: Knobs) -> int:
         factory = uvloop.new_event_loop
     except ImportError:
         factory = None
-    with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(serve(cfg, knobs))
+    return compat.run(serve(cfg, knobs), loop_factory=factory)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,135 @@
+"""The runtime end to end on whatever interpreter runs the tests, and what it exports.
+
+A control plane, a node agent and its engine, the control plane's own router and a
+standalone ``llmgw router`` following the watch API, each its own process over
+mutual TLS; the official ``openai`` client streams a completion through both
+routers. This is what `make pythons` runs on the oldest Python the runtime supports,
+where Ansible, hence the quickstart, cannot run. It is also what the collection's
+Grafana dashboard is checked against: every series a panel queries must be declared
+by one of these processes' live ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from fleet import Fleet, until
+from test_fleet_restart import router_endpoints, standalone_router
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+DASHBOARD = REPO / "collections/ansible_collections/llmgw/fleet/roles/monitoring/files/llmgw-dashboard.json"
+MSG = [{"role": "user", "content": "hello"}]
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    with Fleet(tmp_path_factory.mktemp("smoke"), nodes={"a": 2}, replicas=1, router=True) as f:
+        f.start()
+        [replica] = f.wait_ready(1)
+        router, port = standalone_router(f)
+        until(lambda: router_endpoints(port) == 1, "the standalone router to learn the replica",
+              on_timeout=router.output)
+        yield f, port, replica
+
+
+def stream_text(base_url: str) -> str:
+    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60) as c:
+        return "".join(ev.choices[0].delta.content or "" for ev in
+                       c.chat.completions.create(model="tiny", messages=MSG, stream=True) if ev.choices)
+
+
+def test_both_routers_stream_a_completion_from_the_agents_engine(live):
+    f, port, _ = live
+    for base in (f"http://127.0.0.1:{port}/v1", f"http://127.0.0.1:{f.router_port}/v1"):
+        assert stream_text(base).startswith("tok0")
+    nodes = f.nodes()
+    assert [n["state"] for n in nodes.values()] == ["ready"]
+
+
+_SERIES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
+           "summary": ("_sum", "_count", "_created"), "gauge": ("",), "untyped": ("",)}
+
+
+def scrape(url: str, client: httpx.Client | None = None) -> set[str]:
+    """The series names one ``/metrics`` scrape declares: those with samples, and those a
+    process declares (``# TYPE``) before any sample, e.g. an error counter with no error yet."""
+    text = (client.get(url) if client else httpx.get(url, timeout=30)).raise_for_status().text
+    names = set()
+    for fam in text_string_to_metric_families(text):
+        names.update(s.name for s in fam.samples)
+        names.update(fam.name + suffix for suffix in _SERIES.get(fam.type, ("",)))
+    return names
+
+
+# PromQL: an identifier followed by a label matcher, a range or a closing
+# paren/operator, that is not a function, keyword or label name.
+_IDENT = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+_NOT_METRICS = {
+    "sum", "rate", "irate", "increase", "histogram_quantile", "by", "without", "max", "min", "avg",
+    "count", "topk", "bottomk", "le", "on", "ignoring", "group_left", "group_right", "and", "or",
+    "unless", "clamp_min", "clamp_max", "abs", "time", "vector", "label_replace", "sort", "sort_desc",
+    "delta", "deriv", "offset", "bool",
+}
+
+
+def promql_metrics(expr: str) -> set[str]:
+    """Metric names in a PromQL expression: identifiers outside ``{...}`` and ``[...]`` that are
+    neither functions, aggregation keywords nor the labels after ``by``/``without``."""
+    expr = re.sub(r"\{[^}]*\}", "", expr)      # label matchers
+    expr = re.sub(r"\[[^\]]*\]", "", expr)     # ranges
+    expr = re.sub(r"\b(by|without|on|ignoring)\s*\([^)]*\)", "", expr)  # grouping labels
+    expr = re.sub(r'"[^"]*"', "", expr)         # string arguments
+    names = set()
+    for m in _IDENT.finditer(expr):
+        word = m.group(0)
+        if word in _NOT_METRICS or re.fullmatch(r"\d.*", word):
+            continue
+        if expr[m.end():].lstrip().startswith("("):  # a function call
+            continue
+        names.add(word)
+    return names
+
+
+def dashboard_metrics() -> dict[str, set[str]]:
+    """Each metric the dashboard queries, with the titles of the panels that query it."""
+    doc = json.loads(DASHBOARD.read_text())
+    found: dict[str, set[str]] = {}
+    for panel in doc["panels"]:
+        for target in panel.get("targets", []):
+            for name in promql_metrics(target["expr"]):
+                found.setdefault(name, set()).add(panel["title"])
+    for var in doc.get("templating", {}).get("list", []):
+        if var.get("type") == "query":
+            m = re.fullmatch(r"label_values\((\w+),\s*\w+\)", var["definition"])
+            assert m, f"template variable {var['name']}: {var['definition']!r} is not label_values(METRIC, LABEL)"
+            found.setdefault(m.group(1), set()).add(f"${var['name']}")
+    return found
+
+
+def test_promql_names_are_parsed_as_prometheus_sees_them():
+    expr = ('histogram_quantile(0.99, sum by (le, model) (rate(llmgw_router_ttft_seconds_bucket{job="x"}[5m])))'
+            ' / ignoring(state) sum without (node) (llmgw_node_gpus) + vllm:num_requests_running')
+    assert promql_metrics(expr) == {"llmgw_router_ttft_seconds_bucket", "llmgw_node_gpus",
+                                    "vllm:num_requests_running"}
+
+
+def test_every_metric_the_dashboard_queries_is_exported(live):
+    f, port, replica = live
+    stream_text(f"http://127.0.0.1:{port}/v1")  # a stream: TTFT and inter-token samples exist
+    with f.client() as c:
+        exported = scrape(f.url + "/metrics", c)
+    exported |= scrape(f"http://127.0.0.1:{port}/metrics")
+    exported |= scrape(replica["endpoint"] + "/metrics")
+    wanted = dashboard_metrics()
+    assert len(wanted) >= 10
+    missing = {name: sorted(panels) for name, panels in wanted.items() if name not in exported}
+    assert missing == {}, f"dashboard queries metrics no process exports: {missing}"
