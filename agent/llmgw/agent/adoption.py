@@ -57,7 +57,6 @@ environment cannot be read (another user's: we could not signal them either).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import signal

@@ -30,7 +30,7 @@ from typing import Any
 from urllib.parse import quote, unquote
 
 from llmgw.agent.procident import ProcessIdentity
-from llmgw.tls.files import fsync_dir, write_atomic
+from llmgw.durable import fsync_dir, write_atomic
 
 log = logging.getLogger(__name__)
 

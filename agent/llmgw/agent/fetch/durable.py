@@ -17,7 +17,7 @@ from pathlib import Path
 
 from llmgw.agent.fetch import naming
 from llmgw.agent.fetch.resume import Meta
-from llmgw.tls.files import fsync_dir
+from llmgw.durable import fsync_dir
 
 HASH_BLOCK = 8 << 20
 

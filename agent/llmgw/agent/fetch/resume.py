@@ -26,7 +26,7 @@ import json
 import re
 from dataclasses import asdict, dataclass
 from enum import Enum
-from typing import Any, Mapping
+from typing import Mapping
 
 _CONTENT_RANGE = re.compile(r"^\s*bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$", re.IGNORECASE)
 RETRYABLE_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})

@@ -32,7 +32,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 
 from llmgw.tls.ca import CertificateAuthority, generate_key, key_to_pem, utcnow
 from llmgw.tls.context import client_context
-from llmgw.tls.files import PRIVATE_MODE, PUBLIC_MODE, write_atomic
+from llmgw.durable import PRIVATE_MODE, PUBLIC_MODE, write_atomic
 from llmgw.tls.issue import build_leaf, node_request
 
 KEY_TYPE = "ec-p256"

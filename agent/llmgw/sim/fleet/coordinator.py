@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 from llmgw.sim.fleet.control import USAGE, Command, CommandError, parse_command, select
 from llmgw.sim.fleet.worker import Worker, WorkerSpec
-from llmgw.tls.files import PUBLIC_MODE, write_atomic
+from llmgw.durable import PUBLIC_MODE, write_atomic
 
 log = logging.getLogger(__name__)
 
