@@ -1,9 +1,9 @@
 """Running an llmgw daemon's event loop: uvloop, and a garbage collector kept out of the way.
 
-Shared by the router (thousands of requests a second) and the control plane
-(thousands of agent streams): both hold many long-lived objects and create
-many short-lived ones, which is what the defaults of neither asyncio's loop
-nor the cyclic collector are tuned for.
+The router runs on uvloop (thousands of requests a second); the control plane
+stays on asyncio's loop (its TLS site pauses transports at accept, which
+uvloop does not honour, see ``controlplane.server``) but holds thousands of
+long-lived stream objects, so both tune the cyclic collector the same way.
 """
 
 from __future__ import annotations

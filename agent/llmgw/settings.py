@@ -9,6 +9,8 @@ error; every error is reported at once.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -35,6 +37,22 @@ class Lifecycle:
     startup_grace: float = 120.0
     max_unreachable_share: float = 0.55
     replacements_per_minute: int = 10
+    max_heartbeats_per_second: float = 500.0
+
+    def for_fleet(self, nodes: int) -> "Lifecycle":
+        """The timings in force for a fleet of ``nodes``: heartbeats capped fleet-wide.
+
+        Like Nomad's server-side cap: past ``heartbeat_interval x
+        max_heartbeats_per_second`` nodes the interval grows with the fleet,
+        and the silences that make a node unreachable or lost grow by the
+        same amount, so a node still misses as many heartbeats before either.
+        """
+        interval = max(self.heartbeat_interval, nodes / self.max_heartbeats_per_second)
+        grown = interval - self.heartbeat_interval
+        if grown <= 0:
+            return self
+        return dataclasses.replace(self, heartbeat_interval=interval, unreachable_after=self.unreachable_after + grown,
+                                   lost_after=self.lost_after + grown)
 
 
 @dataclass(frozen=True)

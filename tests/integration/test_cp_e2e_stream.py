@@ -201,3 +201,29 @@ def test_each_refused_client_certificate_is_logged_with_its_reason(tmp_path):
             if not re.search(reason, logged, re.I):
                 missing[what] = logged[-1500:]
         assert not missing, f"refusal reason not in the server log for: {sorted(missing)}\n{missing}"
+
+
+def test_a_fleet_past_the_heartbeat_cap_is_told_a_longer_interval(tmp_path):
+    # A quarter of a heartbeat a second for the whole fleet: the second node is told 8 s, not 0.5 s,
+    # and the silences before unreachable and lost grow by as much.
+    with Fleet(tmp_path, nodes={}, replicas=0, lifecycle={"max_heartbeats_per_second": 0.25}) as f:
+        f.start()
+        url = f.url.replace("https", "wss") + STREAM
+        told = []
+
+        async def scenario() -> None:
+            async with aiohttp.ClientSession() as s:
+                for i in range(2):
+                    node = f"node-hb{i}-{f.suffix}"
+                    ctx = client_context(f.pki.ca_cert, *f.pki.node(node))
+                    ws = await s.ws_connect(url, ssl=ctx)
+                    await ws.send_str(json.dumps(register_message(node)))
+                    told.append((await next_json(ws, "registered"))["heartbeat_interval"])
+                with f.client() as c:
+                    told.append(c.get("/v1/summary").json()["fleet"])
+
+        asyncio.run(scenario())
+        assert told[:2] == [4.0, 8.0]
+        lc = told[2]
+        assert lc["heartbeat_interval_s"] == 8.0
+        assert lc["unreachable_after_s"] == 3.0 + 7.5 and lc["lost_after_s"] == 6.0 + 7.5

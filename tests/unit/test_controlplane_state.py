@@ -193,3 +193,22 @@ def test_server_without_tls_is_refused_unless_insecure_is_explicit(caplog):
     object.__setattr__(s, "insecure_no_tls", False)
     with pytest.raises(StartupRefused, match="require mutual TLS"):
         tls_context(s)
+
+
+def test_a_large_fleet_is_told_a_longer_heartbeat_and_given_the_same_slack():
+    clock = Clock()
+    # 2 heartbeats a second for the whole fleet, 1 s configured: from the third node on, the interval grows
+    cp = ControlPlane(settings(replicas=0, max_heartbeats_per_second=2), clock=clock)
+    assert cp.lifecycle().heartbeat_interval == 1
+    for i in range(6):
+        cp.register(register(f"n{i}"), FakeSession())
+    lc = cp.lifecycle()
+    assert (lc.heartbeat_interval, lc.unreachable_after, lc.lost_after) == (3.0, 5.0, 8.0)
+    # silent for longer than the configured unreachable_after (3 s) but within the stretched 5 s: still ready
+    clock.t += 4.5
+    cp.tick()
+    assert {rec.clock.state.value for rec in cp.nodes.values()} == {"ready"}
+    clock.t += 1.0
+    cp.tick()
+    assert {rec.clock.state.value for rec in cp.nodes.values()} == {"unreachable"}
+

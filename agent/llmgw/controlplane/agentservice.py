@@ -168,7 +168,7 @@ class AgentService:
         # No await between register and this send: "registered" is the first
         # thing on the stream, ahead of any start/stop the reconciler queues.
         session.send({"type": "registered", "epoch": epoch,
-                      "heartbeat_interval": self.cp.settings.lifecycle.heartbeat_interval})
+                      "heartbeat_interval": self.cp.lifecycle().heartbeat_interval})
         expiry = None if identity is None else _close_at_expiry(session, identity)
         reason = "closed by the agent"
         try:

@@ -28,7 +28,7 @@ from llmgw.config import ConfigInvalid
 from llmgw.controlplane.api import build_api, startup_grace_left
 from llmgw.controlplane.state import ControlPlane
 from llmgw.controlplane.tlssite import HandshakeLoggingSite
-from llmgw.eventloop import run_loop, tune_gc
+from llmgw.eventloop import tune_gc
 from llmgw.settings import ServerSettings, load_server_settings
 
 log = logging.getLogger("llmgw.controlplane")
@@ -212,7 +212,11 @@ async def serve(settings: ServerSettings, config_path: str | None = None,
 def run_server(settings: ServerSettings, config_path: str | None = None) -> int:
     """Blocking entry point; returns the process exit status."""
     try:
-        run_loop(serve(settings, config_path))
+        # asyncio's own loop, not uvloop: the stream's TLS handshakes run through
+        # loop.start_tls on a transport paused at accept (tlssite), and uvloop starts
+        # reading after connection_made whatever the protocol asked, so a ClientHello
+        # that arrived at once was read and lost and its handshake hung for 30 s.
+        asyncio.run(serve(settings, config_path))
     except StartupRefused as e:
         log.error("refusing to start: %s", e)
         return 2

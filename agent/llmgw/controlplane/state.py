@@ -26,7 +26,7 @@ from llmgw.controlplane.capacity import shape_of
 from llmgw.controlplane.lifecycle import Evaluation, NodeClock, NodeState, ReplacementLimiter, evaluate, observe
 from llmgw.controlplane.reconciler import Context, NodeView, Plan, Reconciler, endpoints
 from llmgw.hardware.types import HardwareInventory
-from llmgw.settings import ServerSettings
+from llmgw.settings import Lifecycle, ServerSettings
 
 log = logging.getLogger("llmgw.controlplane")
 
@@ -146,6 +146,7 @@ class ControlPlane:
         self._dirty = True  # something may have changed since the last whole-fleet pass
         self._settled = False  # the last pass left nothing to do
         self._last_full = float("-inf")
+        self._fleet_size = 0  # the most nodes known at once: sizes the heartbeat interval
 
     # ------------------------------------------------------------------ access
     @property
@@ -168,6 +169,26 @@ class ControlPlane:
         """Something was observed: the next tick reconciles the whole fleet."""
         self._dirty = True
         self._kick.set()
+
+    def lifecycle(self) -> Lifecycle:
+        """The lifecycle timings in force: the configured ones, stretched for a large fleet.
+
+        Sized by the most nodes this control plane has known at once (nodes
+        are never forgotten while it runs), so a timing never shrinks below
+        what a node was told when it registered.
+        """
+        return self.settings.lifecycle.for_fleet(self._fleet_size)
+
+    def _grown_to(self, nodes: int) -> None:
+        if nodes <= self._fleet_size:
+            return
+        before = self.lifecycle()
+        self._fleet_size = nodes
+        after = self.lifecycle()
+        if after.heartbeat_interval != before.heartbeat_interval:
+            log.info("%d nodes: heartbeat every %.1fs (max_heartbeats_per_second %g); unreachable after %.1fs, "
+                     "lost after %.1fs", nodes, after.heartbeat_interval,
+                     after.max_heartbeats_per_second, after.unreachable_after, after.lost_after)
 
     def is_current(self, node_id: str, epoch: int) -> bool:
         rec = self.nodes.get(node_id)
@@ -205,6 +226,7 @@ class ControlPlane:
         rec.agent_version, rec.boot_id = msg["agent_version"], msg["boot_id"]
         rec.registered_at, rec.peer, rec.certificate = time.time(), peer, certificate
         rec.registrations += 1
+        self._grown_to(len(self.nodes))
         log.info("node %s registered (epoch %d, agent %s, %d GPUs, %d shard(s) reported)",
                  node_id, epoch, rec.agent_version, len(inventory.gpus), len(msg["shards"]))
         for line in self.reconciler.observe_register(node_id, msg["shards"], now):
@@ -348,7 +370,7 @@ class ControlPlane:
         reconcile of every replica.
         """
         now = self.clock()
-        lc = self.settings.lifecycle
+        lc = self.lifecycle()
         clocks = {n: rec.clock for n, rec in self.nodes.items()}
         prev = self.evaluation
         ev = evaluate(clocks, now, self.started_at, lc, prev.last_damped)

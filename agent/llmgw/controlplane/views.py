@@ -57,6 +57,7 @@ def nodes_view(cp: ControlPlane) -> dict[str, Any]:
         "unreachable_share": round(ev.unreachable_share, 4),
         "damped": ev.damped,
         "hold_reason": ev.hold_reason,
+        **timings(cp),
     }}
 
 
@@ -89,8 +90,15 @@ def summary_view(cp: ControlPlane) -> dict[str, Any]:
         "gpus": {"total": gpus, "claimed": claimed, "claimed_twice": len(book.double_claims())},
         "stopping_unrecognised": len(book.strays),
         "fleet": {"unreachable_share": round(ev.unreachable_share, 4), "damped": ev.damped,
-                  "in_grace": ev.in_grace, "hold_reason": ev.hold_reason},
+                  "in_grace": ev.in_grace, "hold_reason": ev.hold_reason, **timings(cp)},
     }
+
+
+def timings(cp: ControlPlane) -> dict[str, float]:
+    """The lifecycle timings in force (stretched for a large fleet), as the nodes were told."""
+    lc = cp.lifecycle()
+    return {"heartbeat_interval_s": round(lc.heartbeat_interval, 3), "unreachable_after_s": round(lc.unreachable_after, 3),
+            "lost_after_s": round(lc.lost_after, 3)}
 
 
 def shard_view(s: Shard, now: float) -> dict[str, Any]:
