@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 from urllib.parse import quote
 
 import httpx
@@ -57,8 +58,10 @@ def test_two_node_replica_rank0_by_completion_rank1_by_liveness_and_losing_rank1
         assert "ib-a" in (r["placement"] or ""), r["placement"]
 
         def engine_log(shard: dict) -> str:
+            # the engine's own output, and beside it the agent's notes on it (its launch argv among them)
             agent = next(a for n, a in f.agents.items() if f.node_ids[n] == shard["node_id"])
-            return (agent.cwd / "state" / "logs" / f"{quote(shard['shard_id'], safe='')}.log").read_text(errors="replace")
+            base = agent.cwd / "state" / "logs" / quote(shard["shard_id"], safe="")
+            return "".join(Path(f"{base}{ext}").read_text(errors="replace") for ext in (".agent.log", ".log"))
 
         logs = {s["rank"]: engine_log(s) for s in (r0, r1)}
         # Nothing but the agent's readiness probe talks to this engine (no router in this
