@@ -18,6 +18,7 @@ later slots will: the pass only ever takes GPUs).
 from __future__ import annotations
 
 import bisect
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -37,7 +38,7 @@ def shape_of(inventory: HardwareInventory) -> str:
     for g in d.get("gpus", ()):
         g.pop("uuid", None)
         g.pop("pci_bus_id", None)
-    return repr(d)
+    return sys.intern(repr(d))  # one string per distinct shape, not one per node
 
 
 @dataclass(frozen=True)
