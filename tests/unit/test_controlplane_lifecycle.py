@@ -102,12 +102,19 @@ def test_share_at_threshold_is_not_damped():
     assert c["a"].state is NodeState.LOST
 
 
-def test_replacement_limiter_refills_per_minute():
+def test_replacement_limiter_allows_per_minute_in_any_minute():
     lim = ReplacementLimiter(per_minute=2)
     assert lim.take(0.0) and lim.take(0.0)
     assert not lim.take(1.0)
-    assert not lim.available(29.0)
-    assert lim.take(31.0)  # one token back after 30 s
-    assert not lim.take(31.0)
+    assert not lim.available(59.9)  # a bucket refilled smoothly would have let one more go at 30 s
+    assert lim.take(60.0)  # the first of the two is a minute old
+    assert lim.take(60.0) and not lim.take(60.0)
     lim.retune(1, 200.0)
     assert lim.take(200.0) and not lim.take(200.0)
+
+
+def test_replacement_limiter_never_lets_more_than_per_minute_through_a_sliding_minute():
+    lim = ReplacementLimiter(per_minute=10)
+    made = [t / 10 for t in range(0, 3000) if lim.take(t / 10)]  # asked ten times a second for five minutes
+    assert max(sum(1 for u in made if t <= u < t + 60) for t in made) == 10
+    assert len(made) == 50

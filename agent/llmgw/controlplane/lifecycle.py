@@ -24,6 +24,7 @@ changed, so the rules below are tested without clocks or sockets.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -150,34 +151,33 @@ def evaluate(
 
 @dataclass
 class ReplacementLimiter:
-    """Token bucket: at most ``per_minute`` replacements in any minute, smoothly refilled."""
+    """At most ``per_minute`` replacements in any 60 seconds (a sliding window).
+
+    A token bucket refilled at ``per_minute`` a minute lets a full bucket go
+    at once and as much again within the same minute: twice the bound the
+    operator set.  The window remembers when each recent replacement was
+    made instead.
+    """
 
     per_minute: int
-    tokens: float = -1.0
-    updated: float = 0.0
+    made: deque = field(default_factory=deque)  # when the replacements of the last 60 s were made
 
-    def _refill(self, now: float) -> None:
-        if self.tokens < 0:
-            self.tokens, self.updated = float(self.per_minute), now
-            return
-        elapsed = max(0.0, now - self.updated)
-        self.tokens = min(float(self.per_minute), self.tokens + elapsed * self.per_minute / 60.0)
-        self.updated = now
+    def _forget(self, now: float) -> None:
+        while self.made and now - self.made[0] >= 60.0:
+            self.made.popleft()
 
     def available(self, now: float) -> bool:
-        self._refill(now)
-        return self.tokens >= 1.0
+        self._forget(now)
+        return len(self.made) < self.per_minute
 
     def take(self, now: float) -> bool:
         """Spend one replacement if allowed now."""
-        self._refill(now)
-        if self.tokens >= 1.0:
-            self.tokens -= 1.0
-            return True
-        return False
+        if not self.available(now):
+            return False
+        self.made.append(now)
+        return True
 
     def retune(self, per_minute: int, now: float) -> None:
         """Apply a reloaded rate without forgetting what was spent."""
-        self._refill(now)
+        self._forget(now)
         self.per_minute = per_minute
-        self.tokens = min(self.tokens, float(per_minute))
