@@ -85,6 +85,7 @@ class AgentSettings:
     advertise_address: str
     engine_bind_host: str
     engine_ports: tuple[int, int]
+    allow_keyless_engines: bool
     gpu_source: str
     hardware_file: str | None
     sysfs_root: str
@@ -338,6 +339,7 @@ def parse_agent_settings(doc: Any, source: str = "agent.yaml") -> AgentSettings:
         model_dir=doc.get("model_dir", str(Path(state_dir) / "models")),
         advertise_address=doc.get("advertise_address", "127.0.0.1"),
         engine_bind_host=doc.get("engine_bind_host", "0.0.0.0"),
+        allow_keyless_engines=bool(doc.get("allow_keyless_engines", False)),
         engine_ports=(ports["first"], ports["last"]),
         gpu_source=disc.get("gpus", "nvml"),
         hardware_file=disc.get("hardware_file"),

@@ -11,6 +11,11 @@ Layout::
 
     <state_dir>/shards/<shard>.json   ShardRecord, 0600, written atomically
     <state_dir>/logs/<shard>.log      engine stdout+stderr, appended across lives
+    <state_dir>/secrets/<shard>/      0700: files holding the engine key (SGLang's --config)
+
+A record holds the shard spec, engine key included: it is how the key
+survives an agent restart (adoption reports it back), so records stay 0600
+in a 0700 directory.
 
 Records are written to a temp file beside the target, fsynced, renamed over
 it, and the directory fsynced: a crash leaves the old record or the new one,
@@ -126,7 +131,8 @@ class StateDir:
         self.root = Path(root)
         self.shards_dir = self.root / "shards"
         self.logs_dir = self.root / "logs"
-        for d in (self.root, self.shards_dir, self.logs_dir):
+        self.secrets_dir = self.root / "secrets"
+        for d in (self.root, self.shards_dir, self.logs_dir, self.secrets_dir):
             d.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
             os.chmod(d, PRIVATE_DIR)
 
@@ -135,6 +141,21 @@ class StateDir:
 
     def log_path(self, shard_id: str) -> Path:
         return self.logs_dir / f"{_file_name(shard_id)}.log"
+
+    def secret_dir(self, shard_id: str) -> Path:
+        """The shard's private directory for key files, created 0700."""
+        d = self.secrets_dir / _file_name(shard_id)
+        d.mkdir(mode=PRIVATE_DIR, exist_ok=True)
+        os.chmod(d, PRIVATE_DIR)
+        return d
+
+    def remove_secrets(self, shard_id: str) -> None:
+        d = self.secrets_dir / _file_name(shard_id)
+        if not d.is_dir():
+            return
+        for f in d.iterdir():
+            f.unlink(missing_ok=True)
+        d.rmdir()
 
     def write(self, record: ShardRecord) -> None:
         data = json.dumps(record.to_dict(), indent=1, sort_keys=True).encode()

@@ -29,11 +29,17 @@ log = logging.getLogger("llmgw.router.watch")
 
 WATCH_PATH = "/v1/router/endpoints"
 WATCH_WAIT_S = 30.0
+# Request key the API's authentication sets when the caller is a router identity:
+# only then does the answer carry the engines' keys.
+REVEAL_KEYS = "llmgw_reveal_engine_keys"
 
 def endpoints_watch_handler(table: EndpointTable, wait_s: float = WATCH_WAIT_S):
     """aiohttp handler for ``GET /v1/router/endpoints?after=REV[&epoch=E]``.
 
-    Mount it on an authenticated API: the answer names every engine URL.
+    Mount it on an authenticated API: the answer names every engine URL, and
+    carries each engine's key only when the API marked the request
+    ``REVEAL_KEYS`` (a router certificate): an operator can read the set,
+    not use the engines behind the router's back.
     """
 
     async def handler(request: web.Request) -> web.Response:
@@ -48,7 +54,9 @@ def endpoints_watch_handler(table: EndpointTable, wait_s: float = WATCH_WAIT_S):
             rev, eps = table.snapshot()
         else:
             rev, eps = await table.wait_changed(after, wait_s)
-        return web.json_response({"revision": rev, "epoch": epoch, "endpoints": [e.to_dict() for e in eps]})
+        with_key = request.get(REVEAL_KEYS) is True
+        return web.json_response({"revision": rev, "epoch": epoch,
+                                  "endpoints": [e.to_dict(with_key) for e in eps]})
 
     return handler
 
