@@ -42,7 +42,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from llmgw.hardware.types import GPU, HardwareInventory
-from llmgw.tls import init_ca, issue_admin, issue_node, issue_server
+from llmgw.tls import init_ca, issue_admin, issue_node, issue_router, issue_server
 from llmgw.tls.ca import key_to_pem
 from llmgw.tls.context import client_context
 from llmgw.tls.files import write_pair
@@ -105,6 +105,7 @@ class Pki:
     ca: Any
     server: tuple[Path, Path]
     admin: tuple[Path, Path]
+    router: tuple[Path, Path]  # a standalone router's: serves clients, reads the watch with engine keys
 
     @property
     def ca_cert(self) -> Path:
@@ -121,7 +122,8 @@ def make_pki(root: Path, hosts: tuple[str, ...] = ("localhost",), ips: tuple[str
     ca = init_ca(root / "ca")
     server = write_pair(root / "server", *issue_server(ca, list(hosts), list(ips)))
     admin = write_pair(root / "admin", *issue_admin(ca, "operator"))
-    return Pki(root, ca, server, admin)
+    router = write_pair(root / "router", *issue_router(ca, list(hosts), list(ips)))
+    return Pki(root, ca, server, admin, router)
 
 
 # ------------------------------------------------------------------ processes

@@ -80,11 +80,11 @@ class StreamingLoad:
 
 
 def standalone_router(f: Fleet) -> tuple[Proc, int]:
-    """``llmgw router`` fed by the control plane's watch API with the admin certificate."""
+    """``llmgw router`` fed by the control plane's watch API with a router certificate (engine keys)."""
     port = free_port()
     cfg = {"listen": {"host": "127.0.0.1", "port": port}, "allow_unauthenticated": True,
-           "control_plane": {"url": f.url, "ca": str(f.pki.ca_cert), "cert": str(f.pki.admin[0]),
-                             "key": str(f.pki.admin[1])}}
+           "control_plane": {"url": f.url, "ca": str(f.pki.ca_cert), "cert": str(f.pki.router[0]),
+                             "key": str(f.pki.router[1])}}
     path = f.root / "router.yaml"
     path.write_text(yaml.safe_dump(cfg))
     proc = Proc("router", llmgw_argv("router", "--config", str(path)), f.root / "router.log", f.root)

@@ -31,7 +31,9 @@ WATCH_PATH = "/v1/router/endpoints"
 WATCH_WAIT_S = 30.0
 # Request key the API's authentication sets when the caller is a router identity:
 # only then does the answer carry the engines' keys.
-REVEAL_KEYS = "llmgw_reveal_engine_keys"
+# (a typed RequestKey where aiohttp has them, 3.13 on; a plain string before)
+REVEAL_KEYS = web.RequestKey("llmgw_reveal_engine_keys", bool) if hasattr(web, "RequestKey") \
+    else "llmgw_reveal_engine_keys"
 
 def endpoints_watch_handler(table: EndpointTable, wait_s: float = WATCH_WAIT_S):
     """aiohttp handler for ``GET /v1/router/endpoints?after=REV[&epoch=E]``.
