@@ -224,6 +224,15 @@ def _profile_errors(i: int) -> Check:
     return check
 
 
+def _router_errors(doc: dict[str, Any]) -> list[ConfigError]:
+    """The in-process router's own rules (TLS or insecure_http, keys), pointed into /router."""
+    if "router" not in doc:
+        return []
+    from llmgw.router.settings import semantic_errors
+
+    return [ConfigError(f"/router{e.pointer}", e.message) for e in semantic_errors(doc["router"])]
+
+
 def _server_semantic_errors(doc: Any, schema: Sequence[ConfigError] = ()) -> list[ConfigError]:
     checks: list[tuple[tuple[str, ...], Check]] = [
         (("/lifecycle",), _lifecycle_errors),
@@ -233,6 +242,7 @@ def _server_semantic_errors(doc: Any, schema: Sequence[ConfigError] = ()) -> lis
         (("/profiles",), _duplicate_names("profiles")),
         (("/models",), _served_name_errors),
         (("/models", "/profiles", "/deployments"), _reference_errors),
+        (("/router",), _router_errors),
     ]
     profiles = doc.get("profiles") if isinstance(doc, dict) else None
     if isinstance(profiles, list):

@@ -242,8 +242,10 @@ class Fleet:
             "deployments": [{"model": "tiny", "profile": "sim", "replicas": replicas}],
         }
         if router:
+            # HTTPS with the fleet CA's router certificate, as the collection deploys it
             self.config["router"] = {"listen": {"host": "127.0.0.1", "port": self.router_port},
-                                     "allow_unauthenticated": True}
+                                     "allow_unauthenticated": True,
+                                     "tls": {"cert": str(self.pki.router[0]), "key": str(self.pki.router[1])}}
         self.config_path = root / "server.yaml"
         self.write_config()
         self.server = Proc("server", llmgw_argv("server", "--config", str(self.config_path)),
@@ -252,6 +254,14 @@ class Fleet:
         for name, gpus in nodes.items():
             self.agents[name] = self._agent(name, gpus)
         self.extra: list[Proc] = []
+
+    @property
+    def router_url(self) -> str:
+        """The in-process router; verify it with ``router_verify()``."""
+        return f"https://127.0.0.1:{self.router_port}"
+
+    def router_verify(self) -> ssl.SSLContext:
+        return ssl.create_default_context(cafile=str(self.pki.ca_cert))
 
     # -- setup ---------------------------------------------------------------
     def write_config(self, doc: dict[str, Any] | None = None) -> None:

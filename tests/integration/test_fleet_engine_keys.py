@@ -11,10 +11,12 @@ reports it back), and only a router certificate is given it by the watch.
 from __future__ import annotations
 
 import json
+import ssl
 import stat
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 import yaml
 
@@ -43,10 +45,12 @@ def watch(f: Fleet, cert: tuple[Path, Path]) -> list[dict]:
 
 
 def standalone_router(f: Fleet) -> tuple[Proc, int]:
+    """``llmgw router`` with its own role's certificate: HTTPS to clients, the watch with engine keys."""
     port = free_port()
+    cert, key = (str(p) for p in f.pki.router)
     cfg = {"listen": {"host": "127.0.0.1", "port": port}, "allow_unauthenticated": True,
-           "control_plane": {"url": f.url, "ca": str(f.pki.ca_cert), "cert": str(f.pki.router[0]),
-                             "key": str(f.pki.router[1])}}
+           "tls": {"cert": cert, "key": key},
+           "control_plane": {"url": f.url, "ca": str(f.pki.ca_cert), "cert": cert, "key": key}}
     path = f.root / "router.yaml"
     path.write_text(yaml.safe_dump(cfg))
     proc = Proc("router", llmgw_argv("router", "--config", str(path)), f.root / "router.log", f.root)
@@ -54,12 +58,20 @@ def standalone_router(f: Fleet) -> tuple[Proc, int]:
     return proc.start(), port
 
 
-def served(url: str) -> bool:
+def served(url: str, ca: Path | None = None) -> bool:
+    verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(ca)) if ca else True
     try:
-        r = httpx.post(f"{url}/v1/completions", json=BODY, timeout=30)
+        r = httpx.post(f"{url}/v1/completions", json=BODY, timeout=30, verify=verify)
     except httpx.HTTPError:
         return False
     return r.status_code == 200 and bool(r.json()["choices"])
+
+
+def openai_over_https(f: Fleet, port: int) -> openai.OpenAI:
+    """The official client trusting the fleet CA, and nothing else, for the router's certificate."""
+    http = httpx.Client(verify=ssl.create_default_context(cafile=str(f.pki.ca_cert)), timeout=60)
+    return openai.OpenAI(base_url=f"https://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
+                         http_client=http)
 
 
 def test_engine_refuses_direct_requests_and_serves_through_routers_across_restarts(tmp_path):
@@ -87,15 +99,21 @@ def test_engine_refuses_direct_requests_and_serves_through_routers_across_restar
         assert json.loads(records[0].read_text())["spec"]["api_key"] == key
 
         # Through the in-process router and a standalone one fed by the watch: served.
-        assert served(f"http://127.0.0.1:{f.router_port}")
+        assert served(f.router_url, f.pki.ca_cert)
         router, rport = standalone_router(f)
-        until(lambda: served(f"http://127.0.0.1:{rport}"), "the standalone router to serve",
+        until(lambda: served(f"https://127.0.0.1:{rport}", f.pki.ca_cert), "the standalone router to serve",
               on_timeout=router.output)
+        out = openai_over_https(f, rport).completions.create(model="tiny", prompt="hi", max_tokens=2)
+        assert out.choices and out.choices[0].text
+        with pytest.raises(httpx.HTTPError):  # plain HTTP is not served on an https router
+            httpx.post(f"http://127.0.0.1:{rport}/v1/completions", json=BODY, timeout=10).raise_for_status()
         # Only a router identity is given the key by the watch.
         assert [e.get("api_key") for e in watch(f, f.pki.router)] == [key]
         assert all("api_key" not in e for e in watch(f, f.pki.admin))
         with f.client(cert=f.pki.node(f.node_ids["a"])) as c:
             assert c.get("/v1/router/endpoints").status_code == 403
+        with f.client(cert=f.pki.router) as c:  # the router role opens the watch and nothing else
+            assert c.get("/v1/nodes").status_code == 403
 
         # Agent restart: the engine is adopted with its key, and still refuses requests without it.
         f.agents["a"].kill()
@@ -109,8 +127,8 @@ def test_engine_refuses_direct_requests_and_serves_through_routers_across_restar
         until(lambda: [e.get("api_key") for e in watch(f, f.pki.router)] == [key],
               "the restarted control plane to recover the engine key", on_timeout=f.server.output)
         assert rank0(f)["process"]["pid"] == pid, "no engine was restarted"
-        until(lambda: served(f"http://127.0.0.1:{f.router_port}"), "the new in-process router to serve",
+        until(lambda: served(f.router_url, f.pki.ca_cert), "the new in-process router to serve",
               on_timeout=f.server.output)
-        until(lambda: served(f"http://127.0.0.1:{rport}"), "the standalone router to serve after the restart",
-              on_timeout=router.output)
+        until(lambda: served(f"https://127.0.0.1:{rport}", f.pki.ca_cert),
+              "the standalone router to serve after the restart", on_timeout=router.output)
         assert httpx.post(f"{engine}/v1/completions", json=BODY, timeout=30).status_code == 401

@@ -82,7 +82,7 @@ class StreamingLoad:
 def standalone_router(f: Fleet) -> tuple[Proc, int]:
     """``llmgw router`` fed by the control plane's watch API with a router certificate (engine keys)."""
     port = free_port()
-    cfg = {"listen": {"host": "127.0.0.1", "port": port}, "allow_unauthenticated": True,
+    cfg = {"listen": {"host": "127.0.0.1", "port": port}, "allow_unauthenticated": True, "insecure_http": True,
            "control_plane": {"url": f.url, "ca": str(f.pki.ca_cert), "cert": str(f.pki.router[0]),
                              "key": str(f.pki.router[1])}}
     path = f.root / "router.yaml"
@@ -162,7 +162,7 @@ def test_control_plane_sigkilled_under_streaming_load_restarts_no_engine(tmp_pat
         assert ": placed (" not in life2 and "stopping" not in life2, life2[-5000:]
         assert "rebuilt from" in life2
         # The in-process router of the new control plane serves too.
-        r = httpx.post(f"http://127.0.0.1:{f.router_port}/v1/completions",
+        r = httpx.post(f"{f.router_url}/v1/completions", verify=f.router_verify(),
                        json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, timeout=60)
         assert r.status_code == 200 and r.json()["choices"]
 

@@ -101,7 +101,7 @@ def status(code, text='{"error":{"message":"nope","type":"x","param":null,"code"
     return b
 
 
-BASE = {"allow_unauthenticated": True, "access_log": False,
+BASE = {"allow_unauthenticated": True, "insecure_http": True, "access_log": False,
         "outlier": {"consecutive_errors": 1000}}
 
 
@@ -494,13 +494,14 @@ def keyed(key):
 async def test_each_endpoints_engine_key_is_sent_in_place_of_the_clients_key():
     a, b = await Engine(keyed("key-a")).start(), await Engine(keyed("key-b")).start()
     endpoints = [Endpoint(id="a", model="m", url=a.url, api_key="key-a"),
-                 Endpoint(id="b", model="m", url=b.url, api_key="key-b")]
+                 Endpoint(id="b", model="m2", url=b.url, api_key="key-b")]
     async with Router(endpoints, {"api_keys": [{"name": "k", "sha256": hash_key("sk-1")}],
                                   "allow_unauthenticated": False}) as r:
-        for stream in (False, True, False, True):
-            st, _, _ = await r.post(body={"model": "m", "messages": [], "stream": stream},
-                                    headers={"Authorization": "Bearer sk-1"})
-            assert st == 200
+        for model in ("m", "m2"):
+            for stream in (False, True):
+                st, _, _ = await r.post(body={"model": model, "messages": [], "stream": stream},
+                                        headers={"Authorization": "Bearer sk-1"})
+                assert st == 200
     assert a.requests and b.requests
     assert {h["Authorization"] for h, _ in a.requests} == {"Bearer key-a"}
     assert {h["Authorization"] for h, _ in b.requests} == {"Bearer key-b"}

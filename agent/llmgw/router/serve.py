@@ -30,7 +30,7 @@ from typing import Any, Callable
 from aiohttp import web
 
 from llmgw.config import ConfigError, ConfigInvalid
-from llmgw.tls.context import client_context
+from llmgw.tls.context import TLSConfigError, client_context, public_server_context
 from llmgw.tls.files import private_mode_problem
 
 from .app import RUNNER_KWARGS, build_app
@@ -53,9 +53,42 @@ def configure_logging(level: str = "info") -> None:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 
+def tls_errors(settings: RouterSettings, where: str = "") -> list[ConfigError]:
+    """The listener's certificate and key: present, the key private, the pair loadable.
+
+    ``where`` prefixes the pointers (``/router`` inside server.yaml).
+    """
+    tls = settings.tls
+    if tls is None:
+        return []
+    errors = []
+    for field in ("cert", "key"):
+        path = getattr(tls, field)
+        if not os.path.isfile(path):
+            errors.append(ConfigError(f"{where}/tls/{field}", f"no such file: {path}"))
+    if os.path.isfile(tls.key):
+        problem = private_mode_problem(tls.key)
+        if problem:
+            errors.append(ConfigError(f"{where}/tls/key", problem))
+    if not errors:
+        try:
+            public_server_context(tls.cert, tls.key)
+        except TLSConfigError as e:
+            errors.append(ConfigError(f"{where}/tls", str(e)))
+    return errors
+
+
+def listener_ssl_context(settings: RouterSettings) -> ssl.SSLContext | None:
+    """HTTPS for clients, or None where insecure_http was chosen (the settings allow nothing else)."""
+    if settings.tls is None:
+        log.warning("insecure_http: serving plain HTTP; API keys and prompts cross the network readable")
+        return None
+    return public_server_context(settings.tls.cert, settings.tls.key)
+
+
 def standalone_errors(settings: RouterSettings) -> list[ConfigError]:
     """What a router without an in-process control plane additionally needs."""
-    errors = []
+    errors = tls_errors(settings)
     if settings.static_endpoints is None and settings.control_plane is None:
         errors.append(ConfigError("", "a standalone router needs static_endpoints or control_plane"))
     cp = settings.control_plane
@@ -136,7 +169,7 @@ async def serve_worker(settings: RouterSettings, sock: socket.socket, on_ready: 
     app = build_app(settings, table)
     runner = web.AppRunner(app, shutdown_timeout=settings.timeouts.shutdown_grace, **RUNNER_KWARGS)
     await runner.setup()
-    site = web.SockSite(runner, sock, backlog=settings.backlog)
+    site = web.SockSite(runner, sock, backlog=settings.backlog, ssl_context=listener_ssl_context(settings))
     await site.start()
     tune_gc()
     on_ready()
@@ -149,8 +182,9 @@ async def serve_worker(settings: RouterSettings, sock: socket.socket, on_ready: 
     await runner.cleanup()
 
 
-def _announce(host: str, port: int, workers: int) -> None:
-    line = f"llmgw router listening on http://{host}:{port} ({workers} worker{'s' if workers > 1 else ''})"
+def _announce(host: str, port: int, workers: int, https: bool) -> None:
+    scheme = "https" if https else "http"
+    line = f"llmgw router listening on {scheme}://{host}:{port} ({workers} worker{'s' if workers > 1 else ''})"
     log.info(line)
     print(line, flush=True)
 
@@ -180,7 +214,7 @@ def serve(settings: RouterSettings, doc: Any, source: str, workers: int | None =
     if n == 1:
         sock = listen_socket(settings.host, settings.port, settings.backlog)
         port = sock.getsockname()[1]
-        run_loop(serve_worker(settings, sock, lambda: _announce(settings.host, port, 1)))
+        run_loop(serve_worker(settings, sock, lambda: _announce(settings.host, port, 1, settings.tls is not None)))
         return 0
     return _Supervisor(settings, doc, source, n, log_level).run()
 
@@ -226,7 +260,7 @@ class _Supervisor:
             if reserve is not None:
                 reserve.close()
                 reserve = None
-            _announce(self.s.host, self.port, self.n)
+            _announce(self.s.host, self.port, self.n, self.s.tls is not None)
             self._supervise()
             self._stop_all()
             return 0
