@@ -26,7 +26,6 @@ from llmgw.tls.issue import (
     IssueError,
     issue_admin,
     issue_node,
-    issue_router,
     issue_server,
     sign_csr,
 )
@@ -77,21 +76,20 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 @_guarded
-def cmd_server(args: argparse.Namespace) -> int:
+def cmd_hosts(args: argparse.Namespace) -> int:
+    """``server`` and ``router``: certificates naming the hosts and addresses they are dialed at."""
     ca = load_ca(args.dir)
-    cert_pem, key_pem = issue_server(ca, args.host, args.ip, args.days, key_type=args.key_type)
-    crt, key = write_pair(args.out or Path(args.dir) / "server", cert_pem, key_pem)
+    cert_pem, key_pem = issue_server(ca, args.host, args.ip, args.days, key_type=args.key_type, role=args.role)
+    crt, key = write_pair(args.out or Path(args.dir) / args.role, cert_pem, key_pem)
     _print_issued(crt, key, cert_pem)
     return 0
 
 
-@_guarded
-def cmd_router(args: argparse.Namespace) -> int:
-    ca = load_ca(args.dir)
-    cert_pem, key_pem = issue_router(ca, args.host, args.ip, args.days, key_type=args.key_type)
-    crt, key = write_pair(args.out or Path(args.dir) / "router", cert_pem, key_pem)
-    _print_issued(crt, key, cert_pem)
-    return 0
+def _host_args(p: argparse.ArgumentParser, who: str) -> None:
+    p.add_argument("--host", action="extend", nargs="+", default=[], metavar="NAME",
+                   help=f"DNS name {who} dial (repeatable)")
+    p.add_argument("--ip", action="extend", nargs="+", default=[], metavar="ADDR",
+                   help=f"IP address {who} dial (repeatable)")
 
 
 @_guarded
@@ -252,21 +250,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
     p = sub.add_parser("server", help="issue the control plane's server certificate")
     _common(p, "server")
-    p.add_argument("--host", action="extend", nargs="+", default=[], metavar="NAME",
-                   help="DNS name agents dial (repeatable)")
-    p.add_argument("--ip", action="extend", nargs="+", default=[], metavar="ADDR",
-                   help="IP address agents dial (repeatable)")
+    _host_args(p, "agents")
     _out(p, "DIR/server")
-    p.set_defaults(func=cmd_server)
+    p.set_defaults(func=cmd_hosts, role="server")
 
     p = sub.add_parser("router", help="issue a standalone router's certificate (serves clients, reads the watch)")
     _common(p, "router")
-    p.add_argument("--host", action="extend", nargs="+", default=[], metavar="NAME",
-                   help="DNS name clients dial (repeatable)")
-    p.add_argument("--ip", action="extend", nargs="+", default=[], metavar="ADDR",
-                   help="IP address clients dial (repeatable)")
+    _host_args(p, "clients")
     _out(p, "DIR/router")
-    p.set_defaults(func=cmd_router)
+    p.set_defaults(func=cmd_hosts, role="router")
 
     p = sub.add_parser("node", help="issue a node's client certificate (CN = node id)")
     p.add_argument("node_id", metavar="NODE_ID")

@@ -41,6 +41,10 @@ from .watch import watch_endpoints
 log = logging.getLogger("llmgw.router")
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"
+# How long a router fed by the watch waits for its first endpoint set before it
+# serves anyway: a restarted router that answered at once would refuse every
+# model ("not found") until the watch answered, while a router beside it serves.
+FIRST_ENDPOINTS_WAIT = 30.0
 
 
 def configure_logging(level: str = "info") -> None:
@@ -61,20 +65,26 @@ def tls_errors(settings: RouterSettings, where: str = "") -> list[ConfigError]:
     tls = settings.tls
     if tls is None:
         return []
-    errors = []
-    for field in ("cert", "key"):
-        path = getattr(tls, field)
-        if not os.path.isfile(path):
-            errors.append(ConfigError(f"{where}/tls/{field}", f"no such file: {path}"))
-    if os.path.isfile(tls.key):
-        problem = private_mode_problem(tls.key)
-        if problem:
-            errors.append(ConfigError(f"{where}/tls/key", problem))
+    errors = file_errors(tls, ("cert", "key"), f"{where}/tls")
     if not errors:
         try:
             public_server_context(tls.cert, tls.key)
         except TLSConfigError as e:
             errors.append(ConfigError(f"{where}/tls", str(e)))
+    return errors
+
+
+def file_errors(section: object, fields: tuple[str, ...], where: str) -> list[ConfigError]:
+    """Each of ``section``'s file fields present, and its ``key`` private, at ``where/field``."""
+    errors = []
+    for field in fields:
+        path = getattr(section, field)
+        if not os.path.isfile(path):
+            errors.append(ConfigError(f"{where}/{field}", f"no such file: {path}"))
+        elif field == "key":
+            problem = private_mode_problem(path)
+            if problem:
+                errors.append(ConfigError(f"{where}/key", problem))
     return errors
 
 
@@ -91,16 +101,8 @@ def standalone_errors(settings: RouterSettings) -> list[ConfigError]:
     errors = tls_errors(settings)
     if settings.static_endpoints is None and settings.control_plane is None:
         errors.append(ConfigError("", "a standalone router needs static_endpoints or control_plane"))
-    cp = settings.control_plane
-    if cp is not None:
-        for field in ("ca", "cert", "key"):
-            path = getattr(cp, field)
-            if not os.path.isfile(path):
-                errors.append(ConfigError(f"/control_plane/{field}", f"no such file: {path}"))
-        if os.path.isfile(cp.key):
-            problem = private_mode_problem(cp.key)
-            if problem:
-                errors.append(ConfigError("/control_plane/key", problem))
+    if settings.control_plane is not None:
+        errors += file_errors(settings.control_plane, ("ca", "cert", "key"), "/control_plane")
     return errors
 
 
@@ -166,6 +168,11 @@ async def serve_worker(settings: RouterSettings, sock: socket.socket, on_ready: 
         ctx = control_plane_ssl_context(settings.control_plane)
         watch_task = asyncio.create_task(watch_endpoints(settings.control_plane.url, ctx, None, table),
                                          name="llmgw-endpoint-watch")
+        # Connections meanwhile wait in the listen backlog; they are not refused.
+        rev, _ = await table.wait_changed(table.revision, FIRST_ENDPOINTS_WAIT)
+        if rev == 0:
+            log.warning("no endpoint set from the control plane after %gs; serving with none until it answers",
+                        FIRST_ENDPOINTS_WAIT)
     app = build_app(settings, table)
     runner = web.AppRunner(app, shutdown_timeout=settings.timeouts.shutdown_grace, **RUNNER_KWARGS)
     await runner.setup()

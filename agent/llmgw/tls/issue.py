@@ -288,22 +288,19 @@ def issue_server(
     *,
     key_type: str = DEFAULT_KEY_TYPE,
     now: dt.datetime | None = None,
+    role: str = "server",
 ) -> tuple[bytes, bytes]:
-    """(cert_pem, key_pem) for the control plane, valid for every host and IP given."""
-    return _issue(ca, server_request(hosts, ips), days, key_type, now)
+    """(cert_pem, key_pem) for the control plane (or, ``role="router"``, a router), valid for
+    every host and IP given."""
+    if role not in HOST_ROLES:
+        raise IssueError(f"role {role!r} names no hosts; host roles are {', '.join(HOST_ROLES)}")
+    return _issue(ca, server_request(hosts, ips, role=role), days, key_type, now)
 
 
-def issue_router(
-    ca: CertificateAuthority,
-    hosts: Sequence[str],
-    ips: Sequence[str] = (),
-    days: int | None = None,
-    *,
-    key_type: str = DEFAULT_KEY_TYPE,
-    now: dt.datetime | None = None,
-) -> tuple[bytes, bytes]:
-    """(cert_pem, key_pem) for a standalone router: serves the hosts/IPs given, reads the watch."""
-    return _issue(ca, server_request(hosts, ips, role="router"), days, key_type, now)
+def issue_router(ca: CertificateAuthority, hosts: Sequence[str], ips: Sequence[str] = (),
+                 days: int | None = None, **kw) -> tuple[bytes, bytes]:
+    """(cert_pem, key_pem) for a router: serves clients at the hosts/IPs given, reads the watch."""
+    return issue_server(ca, hosts, ips, days, role="router", **kw)
 
 
 def issue_node(
