@@ -6,8 +6,9 @@ as good only if it streamed at least one token and ended with a finish_reason:
 a stream cut short, an error event, an HTTP error or no router taking the
 connection is a failure. With several --base-url (one per router) the client
 does what a client of redundant routers does: it spreads requests over them and,
-when one refuses the connection (restarting), sends that request to the next;
-nothing else is retried. Writes a JSON report when the stop file appears.
+when one does not take the request (connection or TLS handshake failed, or closed
+before any answer: a restarting router), sends that request to the next; nothing
+else is retried, and a request any router took and failed is a failure. Writes a JSON report when the stop file appears.
 """
 
 from __future__ import annotations
@@ -62,13 +63,14 @@ def _stream(client: openai.OpenAI, model: str) -> tuple[str | None, bool]:
 
 
 def _refused(exc: BaseException) -> bool:
-    """The router did not take the request: the connection was refused (not listening), or a
-    kept-alive connection was closed before any answer (a router shutting down closes its idle
-    connections; a request it had accepted it would finish). Another router may take it."""
+    """The router did not take the request, so another router may: the connection or its TLS
+    handshake failed (httpx.ConnectError: nothing was sent; a router that is stopping refuses
+    connections, and resets those still queued when it closes its socket), or a kept-alive
+    connection was closed before any answer (a stopping router closes its idle connections;
+    a request it had accepted it would finish)."""
     while exc is not None:
-        text = str(exc)
-        if (isinstance(exc, ConnectionRefusedError) or "Connection refused" in text
-                or "Server disconnected without sending a response" in text):
+        if isinstance(exc, (httpx.ConnectError, ConnectionRefusedError)) or (
+                isinstance(exc, httpx.RemoteProtocolError) and "without sending a response" in str(exc)):
             return True
         exc = exc.__cause__ or exc.__context__
     return False
