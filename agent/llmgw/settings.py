@@ -103,6 +103,7 @@ class AgentSettings:
     advertise_address: str
     engine_bind_host: str
     engine_ports: tuple[int, int]
+    allow_keyless_engines: bool
     gpu_source: str
     hardware_file: str | None
     sysfs_root: str
@@ -241,6 +242,15 @@ def _profile_errors(i: int) -> Check:
     return check
 
 
+def _router_errors(doc: dict[str, Any]) -> list[ConfigError]:
+    """The in-process router's own rules (TLS or insecure_http, keys), pointed into /router."""
+    if "router" not in doc:
+        return []
+    from llmgw.router.settings import semantic_errors
+
+    return [ConfigError(f"/router{e.pointer}", e.message) for e in semantic_errors(doc["router"])]
+
+
 def _server_semantic_errors(doc: Any, schema: Sequence[ConfigError] = ()) -> list[ConfigError]:
     checks: list[tuple[tuple[str, ...], Check]] = [
         (("/lifecycle",), _lifecycle_errors),
@@ -250,6 +260,7 @@ def _server_semantic_errors(doc: Any, schema: Sequence[ConfigError] = ()) -> lis
         (("/profiles",), _duplicate_names("profiles")),
         (("/models",), _served_name_errors),
         (("/models", "/profiles", "/deployments"), _reference_errors),
+        (("/router",), _router_errors),
     ]
     profiles = doc.get("profiles") if isinstance(doc, dict) else None
     if isinstance(profiles, list):
@@ -359,6 +370,7 @@ def parse_agent_settings(doc: Any, source: str = "agent.yaml") -> AgentSettings:
         model_dir=doc.get("model_dir", str(Path(state_dir) / "models")),
         advertise_address=doc.get("advertise_address", "127.0.0.1"),
         engine_bind_host=doc.get("engine_bind_host", "0.0.0.0"),
+        allow_keyless_engines=bool(doc.get("allow_keyless_engines", False)),
         engine_ports=(ports["first"], ports["last"]),
         gpu_source=disc.get("gpus", "nvml"),
         hardware_file=disc.get("hardware_file"),

@@ -319,7 +319,8 @@ def start_llmgw(name: str, endpoints: list[dict], workers: int, workdir: Path, c
                 extra: dict | None = None) -> Target:
     port = free_port()
     cfg = workdir / f"{name}.yaml"
-    doc = {"listen": {"host": HOST, "port": port}, "allow_unauthenticated": True, "access_log": False,
+    doc = {"listen": {"host": HOST, "port": port}, "allow_unauthenticated": True, "insecure_http": True,
+           "access_log": False,
            "static_endpoints": endpoints, **(extra or {})}
     cfg.write_text(json.dumps(doc))
     p = spawn(name, [PY, "-m", "llmgw.router", "--config", str(cfg), "--workers", str(workers)], workdir, cpus=cpus)

@@ -1,5 +1,6 @@
 """The pki role through ansible-playbook: a CA on the controller, certificates for a
-control plane and two nodes (all on this machine, as separate inventory hosts).
+control plane, two nodes and a standalone router (all on this machine, as separate
+inventory hosts).
 
 Proves: check/apply/check/apply converges (changed, changed, unchanged,
 unchanged) and a re-run re-issues nothing; a corrupted certificate, a changed
@@ -33,6 +34,7 @@ from llmgw.tls.identity import certificate_role, check_node_identity, peer_ident
 
 PKI = PLAYBOOKS / "pki.yml"
 AGENTS = ("gpu-a1", "gpu-a2")
+ROUTER = "edge-r1"
 USER = getpass.getuser()
 GROUP = grp.getgrgid(os.getgid()).gr_name
 
@@ -55,6 +57,7 @@ def write_inventory(root: Path, *, extra_names=("cp.fleet.test", "localhost"), a
             "children": {
                 "llmgw_control_plane": {"hosts": {"cp": None}},
                 "llmgw_agents": {"hosts": {a: None for a in agents}},
+                "llmgw_routers": {"hosts": {ROUTER: {"llmgw_router_address": "127.0.0.1"}}},
             },
         }
     }
@@ -75,7 +78,7 @@ def serials_or_none(root: Path) -> dict[str, int | None]:
     """Like serials(), with None for a certificate that cannot be read."""
     out: dict[str, int | None] = {}
     for key, path in [("cp", tls(root, "cp") / "server.crt"), *[(a, tls(root, a) / "node.crt") for a in AGENTS],
-                      ("admin", root / "ca" / "admin.crt")]:
+                      (ROUTER, tls(root, ROUTER) / "router.crt"), ("admin", root / "ca" / "admin.crt")]:
         try:
             out[key] = x509.load_pem_x509_certificate(path.read_bytes()).serial_number
         except ValueError:
@@ -86,6 +89,7 @@ def serials_or_none(root: Path) -> dict[str, int | None]:
 def serials(root: Path) -> dict[str, int]:
     out = {"cp": cert(root, "cp", "server").serial_number}
     out.update({a: cert(root, a, "node").serial_number for a in AGENTS})
+    out[ROUTER] = cert(root, ROUTER, "router").serial_number
     out["admin"] = x509.load_pem_x509_certificate((root / "ca" / "admin.crt").read_bytes()).serial_number
     return out
 
@@ -135,14 +139,14 @@ def test_a_plain_rerun_reissues_nothing(pristine):
 
 def test_keys_are_private_and_owned_by_the_service_user(pristine):
     root = pristine[0]
-    keys = [tls(root, "cp") / "server.key"] + [tls(root, a) / "node.key" for a in AGENTS]
+    keys = [tls(root, "cp") / "server.key", tls(root, ROUTER) / "router.key"] + [tls(root, a) / "node.key" for a in AGENTS]
     keys += [root / "ca" / "ca.key", root / "ca" / "admin.key"]
     for key in keys:
         st = key.stat()
         assert stat.S_IMODE(st.st_mode) == 0o600, key
         assert st.st_uid == os.getuid(), key
     assert stat.S_IMODE((root / "ca").stat().st_mode) == 0o700
-    for host in ("cp", *AGENTS):
+    for host in ("cp", ROUTER, *AGENTS):
         assert stat.S_IMODE(tls(root, host).stat().st_mode) == 0o750
     # The CA key stays on the controller: no host directory holds it.
     assert not list((root / "hosts").rglob("ca.key"))
@@ -166,6 +170,15 @@ def test_certificates_carry_the_roles_the_runtime_reads(pristine):
         assert uris.get_values_for_type(x509.UniformResourceIdentifier) == [f"urn:llmgw:node:{agent}"]
         bc = node.extensions.get_extension_for_class(x509.BasicConstraints)
         assert bc.critical and not bc.value.ca
+    router = cert(root, ROUTER, "router")
+    assert certificate_role(router) == "router"
+    assert router.subject.rfc4514_string() == f"CN={ROUTER},OU=router,O=llmgw"
+    assert set(router.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value) == {
+        ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}
+    san = router.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.DNSName) == [ROUTER]
+    assert [str(ip) for ip in san.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
+    assert not (tls(root, "cp") / "router.crt").exists(), "no in-process router declared: no router certificate"
     admin = x509.load_pem_x509_certificate((root / "ca" / "admin.crt").read_bytes())
     assert certificate_role(admin) == "admin"
     ca = x509.load_pem_x509_certificate((root / "ca" / "ca.crt").read_bytes())
@@ -278,3 +291,36 @@ def test_a_request_that_does_not_match_the_inventory_is_refused(tmp_path):
     assert "names URI:urn:llmgw:node:gpu-a1, DNS:evil.example are not URI:urn:llmgw:node:gpu-a1" in messages[2]
     assert "extended key usage TLS Web Server Authentication is not clientAuth" in messages[3]
     assert "basic constraints CA:TRUE are not CA:FALSE" in messages[4]
+
+
+def test_the_router_certificate_serves_clients_and_reads_the_watch(pristine):
+    """HTTPS to a client trusting the fleet CA, dialed by address; and a client certificate
+    the control plane's server context accepts, whose identity is the router role."""
+    from llmgw.tls.context import public_server_context
+    from llmgw.tls.identity import check_router_identity
+
+    root = pristine[0]
+    cp, r = tls(root, "cp"), tls(root, ROUTER)
+    cases = [(public_server_context(r / "router.crt", r / "router.key"), client_context(r / "ca.crt"), "router"),
+             (server_context(cp / "ca.crt", cp / "server.crt", cp / "server.key"),
+              client_context(r / "ca.crt", r / "router.crt", r / "router.key"), "server")]
+    for server_ctx, client_ctx, server_role in cases:
+        listener = socket.create_server(("127.0.0.1", 0))
+        seen = {}
+
+        def serve(server_ctx=server_ctx, listener=listener, seen=seen):
+            conn, _ = listener.accept()
+            with server_ctx.wrap_socket(conn, server_side=True) as s:
+                seen["client"] = peer_identity(s) if s.getpeercert(binary_form=True) else None
+                s.sendall(b"ok")
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        with socket.create_connection(listener.getsockname(), timeout=30) as raw:
+            with client_ctx.wrap_socket(raw, server_hostname="127.0.0.1") as s:
+                assert peer_identity(s).role == server_role
+                assert s.recv(2) == b"ok"
+        thread.join(30)
+        listener.close()
+        if server_role == "server":
+            check_router_identity(seen["client"])

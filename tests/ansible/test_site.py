@@ -148,9 +148,10 @@ def agent_pid(root: Path) -> int:
 class Clients(threading.Thread):
     """Sends chat completions through the router, one after another, until stopped."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, ca: Path) -> None:
         super().__init__(daemon=True)
-        self.url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        self.url = f"https://127.0.0.1:{port}/v1/chat/completions"  # the fleet router certificate
+        self.context = ssl.create_default_context(cafile=str(ca))
         self.stopping = threading.Event()
         self.answered = 0
         self.failures: list[str] = []
@@ -161,7 +162,7 @@ class Clients(threading.Thread):
         while not self.stopping.is_set():
             request = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(request, timeout=30) as response:
+                with urllib.request.urlopen(request, timeout=30, context=self.context) as response:
                     if json.load(response).get("choices"):
                         self.answered += 1
                     else:
@@ -177,7 +178,7 @@ def upgrade_while_serving(root: Path, router: int, extravars: dict) -> dict:
     engines, agent, server = engine_pids(root), agent_pid(root), server_pid(root)
     for wheel in (root / "fleet" / "local-gpu0" / "opt" / "llmgw" / "wheels").glob("*.whl"):
         wheel.write_bytes(b"an older build")
-    clients = Clients(router)
+    clients = Clients(router, root / "pki" / "ca.crt")
     clients.start()
     try:
         run = run_playbook(UPGRADE, root / "runs", inventory=INVENTORY, extravars=extravars)
@@ -292,8 +293,9 @@ def test_site_converges_and_the_fleet_serves(site):
     states = [(r["model"], r["profile"], r["state"]) for r in ready.res["json"]["replicas"]]
     assert states.count(("qwen2.5-0.5b-instruct", "vllm-tp1", "ready")) == 2, states
     assert states.count(("qwen2.5-7b-instruct", "vllm-tp2", "ready")) == 1, states
-    (completion,) = run.task("Send one chat completion through the router")
+    (completion,) = run.task("Send one chat completion through each router")
     assert completion.status == "ok" and completion.res["json"]["choices"], completion.res
+    assert completion.res["url"].startswith("https://127.0.0.1:"), "HTTPS with the fleet router certificate"
 
 
 def test_a_second_run_changes_nothing(site):
@@ -402,5 +404,5 @@ def test_a_deployment_that_cannot_start_fails_the_last_play_naming_it_and_why(si
     assert "the fleet did not reach its declared replicas in time" in message, message
     assert "Short: missing-weights/vllm-tp1: 0 of 1 Ready." in message, message  # that deployment alone ...
     assert f"{MISSING_WEIGHTS} does not exist" in message, message  # ... and why (the shard's reason)
-    assert not run.task("Send one chat completion through the router")
+    assert not run.task("Send one chat completion through each router")
     assert change["seconds"] < 180, change["seconds"]

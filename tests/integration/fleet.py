@@ -42,7 +42,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from llmgw.hardware.types import GPU, HardwareInventory
-from llmgw.tls import init_ca, issue_admin, issue_node, issue_server
+from llmgw.tls import init_ca, issue_admin, issue_node, issue_router, issue_server
 from llmgw.tls.ca import key_to_pem
 from llmgw.tls.context import client_context
 from llmgw.tls.files import write_pair
@@ -105,6 +105,7 @@ class Pki:
     ca: Any
     server: tuple[Path, Path]
     admin: tuple[Path, Path]
+    router: tuple[Path, Path]  # a standalone router's: serves clients, reads the watch with engine keys
 
     @property
     def ca_cert(self) -> Path:
@@ -121,7 +122,8 @@ def make_pki(root: Path, hosts: tuple[str, ...] = ("localhost",), ips: tuple[str
     ca = init_ca(root / "ca")
     server = write_pair(root / "server", *issue_server(ca, list(hosts), list(ips)))
     admin = write_pair(root / "admin", *issue_admin(ca, "operator"))
-    return Pki(root, ca, server, admin)
+    router = write_pair(root / "router", *issue_router(ca, list(hosts), list(ips)))
+    return Pki(root, ca, server, admin, router)
 
 
 # ------------------------------------------------------------------ processes
@@ -240,8 +242,10 @@ class Fleet:
             "deployments": [{"model": "tiny", "profile": "sim", "replicas": replicas}],
         }
         if router:
+            # HTTPS with the fleet CA's router certificate, as the collection deploys it
             self.config["router"] = {"listen": {"host": "127.0.0.1", "port": self.router_port},
-                                     "allow_unauthenticated": True}
+                                     "allow_unauthenticated": True,
+                                     "tls": {"cert": str(self.pki.router[0]), "key": str(self.pki.router[1])}}
         self.config_path = root / "server.yaml"
         self.write_config()
         self.server = Proc("server", llmgw_argv("server", "--config", str(self.config_path)),
@@ -250,6 +254,14 @@ class Fleet:
         for name, gpus in nodes.items():
             self.agents[name] = self._agent(name, gpus)
         self.extra: list[Proc] = []
+
+    @property
+    def router_url(self) -> str:
+        """The in-process router; verify it with ``router_verify()``."""
+        return f"https://127.0.0.1:{self.router_port}"
+
+    def router_verify(self) -> ssl.SSLContext:
+        return ssl.create_default_context(cafile=str(self.pki.ca_cert))
 
     # -- setup ---------------------------------------------------------------
     def write_config(self, doc: dict[str, Any] | None = None) -> None:
@@ -496,11 +508,11 @@ def log_times(text: str, needle: str) -> list[float]:
 
 
 def standalone_router(f: Fleet) -> tuple[Proc, int]:
-    """``llmgw router`` fed by the control plane's watch API with the admin certificate."""
+    """``llmgw router`` fed by the control plane's watch API with a router certificate (engine keys)."""
     port = free_port()
-    cfg = {"listen": {"host": "127.0.0.1", "port": port}, "allow_unauthenticated": True,
-           "control_plane": {"url": f.url, "ca": str(f.pki.ca_cert), "cert": str(f.pki.admin[0]),
-                             "key": str(f.pki.admin[1])}}
+    cfg = {"listen": {"host": "127.0.0.1", "port": port}, "allow_unauthenticated": True, "insecure_http": True,
+           "control_plane": {"url": f.url, "ca": str(f.pki.ca_cert), "cert": str(f.pki.router[0]),
+                             "key": str(f.pki.router[1])}}
     path = f.root / "router.yaml"
     path.write_text(yaml.safe_dump(cfg))
     proc = Proc("router", llmgw_argv("router", "--config", str(path)), f.root / "router.log", f.root)

@@ -31,8 +31,8 @@ SIM = (sys.executable, "-m", "llmgw.sim.engine")
 
 
 def make_spec(shard_id: str, *, timeout: float = 120, env: dict | None = None, gpus=(0,),
-              source: str = "org/tiny", extra_args=()) -> dict:
-    return {
+              source: str = "org/tiny", extra_args=(), api_key: str | None = None) -> dict:
+    return {"api_key": api_key,
         "shard_id": shard_id, "replica_id": shard_id.split("/")[0],
         "model": {"name": "tiny", "source": source, "served_name": "tiny-served"},
         "profile": {"name": "sim", "engine": "vllm", "tensor_parallel_size": len(gpus), "pipeline_parallel_size": 1,
@@ -42,11 +42,12 @@ def make_spec(shard_id: str, *, timeout: float = 120, env: dict | None = None, g
 
 
 class Harness:
-    def __init__(self, tmp_path: Path, command=SIM, stop_grace: float = 15.0, drain_grace: float = 120.0):
+    def __init__(self, tmp_path: Path, command=SIM, stop_grace: float = 15.0, drain_grace: float = 120.0,
+                 bind_host: str = "127.0.0.1"):
         self.statedir = StateDir(tmp_path / "state")
         first = random.randrange(30000, 60000, 200)
         self.config = SupervisorConfig(
-            node_id=f"n-{os.getpid()}", advertise_address="127.0.0.1", engine_bind_host="127.0.0.1",
+            node_id=f"n-{os.getpid()}", advertise_address="127.0.0.1", engine_bind_host=bind_host,
             engine_ports=(first, first + 199), engine_commands={"vllm": tuple(command)},
             model_dir=str(tmp_path / "models"), stop_grace=stop_grace, drain_grace=drain_grace,
             probe_interval=0.2)
@@ -275,6 +276,34 @@ def test_refusals_before_launch(tmp_path):
         assert h.last("b.sim.1-x/r0")["reason"].startswith("fetching https://example.invalid/weights/: URL names no file")
         assert "--port" in h.last("c.sim.1-x/r0")["reason"]
     run(tmp_path, body)
+
+
+KEY = "engine-key-" + "k" * 32
+
+
+def test_engine_key_reaches_the_engine_by_environment_and_the_probe_uses_it(tmp_path):
+    async def body(h, sup):
+        sid = "k.sim.1-x/r0"
+        sup.start(make_spec(sid, api_key=KEY))
+        await h.until(lambda: "ready" in h.states(sid), "ready with the key")  # the probe got in with it
+        pid = h.last(sid)["process"]["pid"]
+        assert procident.read_environ(pid)["VLLM_API_KEY"] == KEY
+        assert KEY not in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        assert KEY not in h.statedir.log_path(sid).read_text(), "the launch note and the engine's log"
+        record = h.statedir.record_path(sid)
+        assert stat.S_IMODE(record.stat().st_mode) == 0o600 and KEY in record.read_text()
+        await sup.stop(sid, "test")
+        assert not record.exists()
+    run(tmp_path, body)
+
+
+def test_no_key_on_a_non_loopback_bind_is_refused_before_launch(tmp_path):
+    async def body(h, sup):
+        sup.start(make_spec("nokey.sim.1-x/r0"))
+        last = await h.terminal("nokey.sim.1-x/r0")
+        assert h.states("nokey.sim.1-x/r0") == ["pending", "failed"] and "process" not in last
+        assert "no engine key" in last["reason"] and "0.0.0.0" in last["reason"]
+    run(tmp_path, body, bind_host="0.0.0.0")
 
 
 def test_gpu_held_by_a_live_shard_is_not_handed_out_twice(tmp_path):

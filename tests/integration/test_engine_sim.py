@@ -184,6 +184,22 @@ def test_api_key_is_required_on_v1_only(tmp_path):
         assert "s3cret" not in s.output()  # the start-up log redacts keys
 
 
+def test_key_from_vllm_api_key_is_enforced_as_vllm_does(tmp_path):
+    key = "engine-key-" + "x" * 32
+    with start_sim(env={"VLLM_API_KEY": key}, log_dir=tmp_path) as s:
+        body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 1}).encode()
+        assert post_raw(s, "/v1/completions", body) == (401, {"error": "Unauthorized"})
+        assert post_raw(s, "/v1/completions", body, {"Authorization": f"Basic {key}"})[0] == 401
+        assert post_raw(s, "/v1/completions", body, {"Authorization": f"Bearer {key}x"})[0] == 401
+        assert post_raw(s, "/v1/completions", body, {"Authorization": f"bearer {key}"})[0] == 200
+        assert client(s, api_key=key).completions.create(model="m", prompt="hi", max_tokens=1).choices
+        with pytest.raises(openai.AuthenticationError):
+            client(s, api_key="wrong").models.list()
+        for path in ("/health", "/metrics", "/version"):  # vLLM's public paths
+            assert httpx.get(f"{s.url}{path}", timeout=10).status_code == 200, path
+        assert key not in s.output()
+
+
 # ------------------------------------------------------------------------ prefix cache, metrics
 
 def test_prefix_cache_counters_rise_on_a_repeated_prompt(sim):

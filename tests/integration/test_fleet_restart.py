@@ -143,7 +143,7 @@ def test_control_plane_sigkilled_under_streaming_load_restarts_no_engine(tmp_pat
         assert ": placed (" not in life2 and "stopping" not in life2, life2[-5000:]
         assert "rebuilt from" in life2
         # The in-process router of the new control plane serves too.
-        r = httpx.post(f"http://127.0.0.1:{f.router_port}/v1/completions",
+        r = httpx.post(f"{f.router_url}/v1/completions", verify=f.router_verify(),
                        json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, timeout=60)
         assert r.status_code == 200 and r.json()["choices"]
 

@@ -136,3 +136,21 @@ def test_watch_mode_refuses_a_world_readable_key(tmp_path):
         assert "/control_plane/key" in out.stderr and "chmod 600" in out.stderr
     finally:
         cp.close()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_router_fed_by_the_watch_serves_its_first_request(tmp_path, workers):
+    """A (re)started router listens only once it has the endpoint set, so a client sent to it
+    while another router restarts is never told the model does not exist."""
+    [sim] = start_sims(1, env={"LLMGW_SIM_OUTPUT_TOKENS": "2"})
+    cp = ControlPlane(tmp_path)
+    try:
+        cp.table.replace([Endpoint("a", "m", sim.url)])
+        with RouterProcess(router_doc(control_plane=cp.router_config()), workers=workers, tmp=tmp_path) as r:
+            c = openai_client(r)
+            for _ in range(2 * workers):  # new connections: each worker must have the set
+                assert c.chat.completions.create(model="m", messages=MSG).choices[0].message.content == "tok0 tok1"
+                c = openai_client(r)
+    finally:
+        cp.close()
+        sim.stop()

@@ -171,3 +171,29 @@ def test_two_workers_share_the_port_and_metrics_and_drain_on_sigterm(tmp_path):
             r.stop()
     finally:
         sim.stop()
+
+
+def test_https_with_the_operators_own_certificate(sims, tmp_path):
+    """TLS from files the operator brings (here: another CA's certificate), verified by the official client."""
+    import ssl
+
+    import httpx
+
+    from llmgw.tls import init_ca, issue_server
+    from llmgw.tls.files import write_pair
+
+    own_ca = init_ca(tmp_path / "own-ca")
+    cert, key = write_pair(tmp_path / "router", *issue_server(own_ca, ["localhost"], ["127.0.0.1"]))
+    doc = router_doc([{"id": f"sim{i}", "model": "m", "url": s.url} for i, s in enumerate(sims)],
+                     tls={"cert": str(cert), "key": str(key)})
+    with RouterProcess(doc, tmp=tmp_path, ca=str(own_ca.cert_path)) as r:
+        assert r.url.startswith("https://")
+        c = openai_client(r)
+        assert c.chat.completions.create(model="m", messages=MSG, max_tokens=3).choices[0].message.content
+        assert "".join(e.choices[0].text for e in c.completions.create(model="m", prompt="x", max_tokens=3,
+                                                                       stream=True)) == "tok0 tok1 tok2"
+        # a client that does not trust the issuing CA refuses the router
+        stranger = openai.OpenAI(base_url=r.base_url, api_key="unused", max_retries=0,
+                                 http_client=httpx.Client(verify=ssl.create_default_context(), timeout=30))
+        with pytest.raises(openai.APIConnectionError):
+            stranger.models.list()

@@ -32,7 +32,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 HOST = "127.0.0.1"
-_LISTENING = re.compile(r"llmgw router listening on http://([^:]+):(\d+)")
+_LISTENING = re.compile(r"llmgw router listening on (https?)://([^:]+):(\d+)")
 
 
 def wait_for(pred: Callable[[], Any], timeout: float = 60.0, what: str = "condition", interval: float = 0.05):
@@ -54,7 +54,12 @@ def closed_port() -> int:
 
 class RouterProcess:
     def __init__(self, config: dict, workers: int | None = None, tmp: Path | None = None,
-                 env: dict | None = None) -> None:
+                 env: dict | None = None, ca: str | None = None) -> None:
+        # ca: the CA file clients verify an https router against
+        self.ssl = None
+        if ca is not None:
+            import ssl
+            self.ssl = ssl.create_default_context(cafile=ca)
         self.dir = Path(tmp or tempfile.mkdtemp(prefix="llmgw-router-test-"))
         self.config_path = self.dir / "router.yaml"
         cfg = {"listen": {"host": HOST, "port": 0}, **config}
@@ -74,7 +79,7 @@ class RouterProcess:
         except AssertionError:
             self.stop()
             raise AssertionError(f"router did not start:\n{self.output()}") from None
-        self.port = int(m.group(2))
+        self.scheme, self.port = m.group(1), int(m.group(3))
 
     def _listening(self):
         if self.proc.poll() is not None:
@@ -89,14 +94,14 @@ class RouterProcess:
 
     @property
     def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
+        return f"{self.scheme}://{HOST}:{self.port}"
 
     @property
     def base_url(self) -> str:
         return f"{self.url}/v1"
 
     def get(self, path: str, timeout: float = 30.0) -> bytes:
-        with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+        with urllib.request.urlopen(self.url + path, timeout=timeout, context=self.ssl) as r:
             return r.read()
 
     def metrics(self) -> list:
@@ -350,8 +355,10 @@ class ControlPlane:
 
 
 def router_doc(endpoints: list[dict] | None = None, **overrides: Any) -> dict:
-    """A router config for tests: open (no keys) unless overridden, quiet access log off."""
+    """A router config for tests: open (no keys) and plain HTTP unless overridden (``tls=...``)."""
     doc: dict[str, Any] = {"allow_unauthenticated": True, "access_log": True}
+    if "tls" not in overrides:
+        doc["insecure_http"] = True
     if endpoints is not None:
         doc["static_endpoints"] = endpoints
     for k, v in overrides.items():
@@ -360,9 +367,11 @@ def router_doc(endpoints: list[dict] | None = None, **overrides: Any) -> dict:
 
 
 def openai_client(router: RouterProcess, key: str = "unused", timeout: float = 120.0):
+    import httpx
     import openai
     # max_retries=0: the SDK's own retries would hide what the router did
-    return openai.OpenAI(base_url=router.base_url, api_key=key, max_retries=0, timeout=timeout)
+    http = httpx.Client(verify=router.ssl, timeout=timeout) if router.ssl is not None else None
+    return openai.OpenAI(base_url=router.base_url, api_key=key, max_retries=0, timeout=timeout, http_client=http)
 
 
 def start_sims(n: int, model: str = "m", env: dict | None = None, envs: list[dict] | None = None):

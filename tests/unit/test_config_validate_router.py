@@ -28,6 +28,7 @@ def test_semantic_errors_fail_validate_with_their_pointers(tmp_path, capsys):
 
 def test_a_valid_router_file_passes(tmp_path, capsys):
     path = write(tmp_path, {"listen": {"host": "127.0.0.1", "port": 9000}, "allow_unauthenticated": True,
+                            "insecure_http": True,
                             "static_endpoints": [{"id": "e", "model": "m", "url": "http://127.0.0.1:1"}]})
     assert main(["config", "validate", str(path)]) == 0
     assert f"{path}: valid" in capsys.readouterr().out

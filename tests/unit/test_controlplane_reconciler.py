@@ -441,3 +441,57 @@ def test_adopted_multi_node_waits_for_its_other_rank_only_during_grace():
     assert f.step(cat, 5.0).actions == []
     (r,) = f.rec.book.live()
     assert r.state is ReplicaState.READY
+
+
+def test_each_replica_gets_its_own_engine_key_and_its_endpoint_carries_it():
+    f = Fleet("a", "b", gpus=1)
+    cat = catalog(replicas=2)
+    plan = f.step(cat, 0.0)
+    keys = [s.spec["api_key"] for s in starts(plan)]
+    assert len(keys) == 2 and len(set(keys)) == 2, "one key per replica, never shared"
+    assert all(len(k) >= 32 for k in keys)
+    for s in starts(plan):
+        assert schema_errors(s.message(), "stream") == []
+    make_ready(f, 1.0)
+    f.step(cat, 2.0)
+    eps = endpoints(f.rec.book, f.nodes)
+    assert sorted(e["api_key"] for e in eps) == sorted(keys)
+    by_replica = {s.spec["replica_id"]: s.spec["api_key"] for s in starts(plan)}
+    assert all(e["api_key"] == by_replica[e["replica_id"]] for e in eps)
+
+
+def test_every_rank_of_a_multi_node_replica_carries_the_same_key():
+    f = Fleet("a", "b", gpus=2, fabric="ib0")
+    cat = catalog(replicas=1, profile={"name": "big", "engine": "vllm", "tensor_parallel_size": 2, "nodes": 2})
+    (r0,) = starts(f.step(cat, 0.0))
+    f.rec.observe_status(r0.node_id, {"type": "shard_status", "shard_id": r0.spec["shard_id"], "state": "starting",
+                                      "port": 20001, "master_port": 29500,
+                                      "process": {"pid": 1, "start_time": 1, "boot_id": "b"}}, 1.0)
+    (r1,) = starts(f.step(cat, 1.0))
+    assert r1.spec["rank"] == 1 and r1.spec["api_key"] == r0.spec["api_key"]
+
+
+def test_a_restarted_control_plane_recovers_each_key_from_the_agents_reports():
+    f = Fleet("a", "b", gpus=1)
+    cat = catalog(replicas=2)
+    plan = f.step(cat, 0.0)
+    specs = {s.node_id: s.spec for s in starts(plan)}
+    # A new control plane: an empty book, rebuilt from registrations alone.
+    g = Fleet("a", "b", gpus=1)
+    for node, spec in specs.items():
+        g.register(node, [report(spec)], 10.0)
+    assert starts(g.step(cat, 10.0)) == [], "adopted, not re-placed"
+    eps = endpoints(g.rec.book, g.nodes)
+    assert sorted(e["api_key"] for e in eps) == sorted(s["api_key"] for s in specs.values())
+
+
+def test_a_replica_started_before_engine_keys_is_adopted_without_one():
+    f = Fleet("a", gpus=1)
+    cat = catalog(replicas=1)
+    (start,) = starts(f.step(cat, 0.0))
+    old = {k: v for k, v in start.spec.items() if k != "api_key"}
+    g = Fleet("a", gpus=1)
+    g.register("a", [report(old)], 5.0)
+    assert starts(g.step(cat, 5.0)) == [] and stops(g.step(cat, 6.0)) == []
+    (ep,) = endpoints(g.rec.book, g.nodes)
+    assert ep["api_key"] is None

@@ -101,7 +101,7 @@ def status(code, text='{"error":{"message":"nope","type":"x","param":null,"code"
     return b
 
 
-BASE = {"allow_unauthenticated": True, "access_log": False,
+BASE = {"allow_unauthenticated": True, "insecure_http": True, "access_log": False,
         "outlier": {"consecutive_errors": 1000}}
 
 
@@ -477,6 +477,56 @@ async def test_original_body_bytes_are_forwarded_and_client_key_is_not():
         assert body == raw
         assert "Authorization" not in headers
     await a.stop()
+
+
+def keyed(key):
+    """An engine that enforces ``key`` the way vLLM does."""
+    ok = healthy()
+
+    async def b(request, body):
+        if request.headers.get("Authorization") != f"Bearer {key}":
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await ok(request, body)
+    return b
+
+
+@run
+async def test_each_endpoints_engine_key_is_sent_in_place_of_the_clients_key():
+    a, b = await Engine(keyed("key-a")).start(), await Engine(keyed("key-b")).start()
+    endpoints = [Endpoint(id="a", model="m", url=a.url, api_key="key-a"),
+                 Endpoint(id="b", model="m2", url=b.url, api_key="key-b")]
+    async with Router(endpoints, {"api_keys": [{"name": "k", "sha256": hash_key("sk-1")}],
+                                  "allow_unauthenticated": False}) as r:
+        for model in ("m", "m2"):
+            for stream in (False, True):
+                st, _, _ = await r.post(body={"model": model, "messages": [], "stream": stream},
+                                        headers={"Authorization": "Bearer sk-1"})
+                assert st == 200
+    assert a.requests and b.requests
+    assert {h["Authorization"] for h, _ in a.requests} == {"Bearer key-a"}
+    assert {h["Authorization"] for h, _ in b.requests} == {"Bearer key-b"}
+    await a.stop(); await b.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@run
+async def test_an_engine_refusing_the_key_is_that_endpoints_fault_not_the_clients(stream):
+    stale, good = await Engine(keyed("new")).start(), await Engine(keyed("k2")).start()
+    body = {"model": "m", "messages": [], "stream": stream}
+    async with Router([Endpoint(id="stale", model="m", url=stale.url, api_key="old"),
+                       Endpoint(id="good", model="m", url=good.url, api_key="k2")],
+                      {"retries": {"budget_min": 100}}) as r:
+        for _ in range(20):
+            st, _, _ = await r.post(body=body)
+            assert st == 200, "retried on the other replica, never a 401 to the client"
+        assert stale.requests, "the stale endpoint was tried"
+        assert await r.metric("llmgw_router_upstream_attempts_total", endpoint="stale", outcome="engine_auth") >= 1
+    async with Router([Endpoint(id="stale", model="m", url=stale.url, api_key="old")],
+                      {"retries": {"max_attempts": 1}}) as r:
+        st, _, raw = await r.post(body=body)
+        err = json.loads(raw)["error"]
+        assert st == 502 and err["code"] == "upstream_error" and "engine key" in err["message"]
+    await stale.stop(); await good.stop()
 
 
 # ------------------------------------------------------- errors of the API

@@ -12,8 +12,9 @@ def pointers(exc):
 
 
 def test_defaults():
-    s = RouterSettings.from_config({"allow_unauthenticated": True})
+    s = RouterSettings.from_config({"allow_unauthenticated": True, "insecure_http": True})
     assert (s.host, s.port, s.workers) == ("127.0.0.1", 8080, 1)
+    assert s.tls is None and s.insecure_http
     assert s.retries.max_attempts == 3 and s.retries.budget_ratio == 0.2 and s.retries.budget_min == 3
     assert s.balancing.scorer == "least-outstanding" and s.balancing.load_bound == 1.25
     assert s.static_endpoints is None and s.control_plane is None and s.access_log
@@ -22,6 +23,7 @@ def test_defaults():
 def test_full_document():
     s = RouterSettings.from_config({
         "listen": {"host": "0.0.0.0", "port": 9000},
+        "tls": {"cert": "/etc/llmgw/router.crt", "key": "/etc/llmgw/router.key"},
         "workers": 2,
         "api_keys": [KEY, {"name": "ops", "sha256": hash_key("sk-o")}],
         "static_endpoints": [{"model": "m", "url": "http://127.0.0.1:8000", "max_concurrency": 8},
@@ -38,11 +40,12 @@ def test_full_document():
     assert s.static_endpoints[1].draining and s.static_endpoints[0].max_concurrency == 8
     assert s.timeouts.first_token == 3 and s.limits.max_body_bytes == 2048
     assert s.balancing.scorer == "prefix-affinity" and s.outlier.max_ejection_share == 1
+    assert s.tls.cert == "/etc/llmgw/router.crt" and not s.insecure_http
 
 
 def test_no_keys_needs_explicit_open_mode():
     with pytest.raises(ConfigInvalid) as ei:
-        RouterSettings.from_config({})
+        RouterSettings.from_config({"insecure_http": True})
     assert pointers(ei.value) == ["/api_keys"]
     assert "allow_unauthenticated" in str(ei.value)
 
@@ -58,7 +61,7 @@ def test_no_keys_needs_explicit_open_mode():
     ({"colour": "blue"}, "/colour"),
 ])
 def test_schema_errors_name_the_key(doc, pointer):
-    doc = {"allow_unauthenticated": True, **doc}
+    doc = {"allow_unauthenticated": True, "insecure_http": True, **doc}
     with pytest.raises(ConfigInvalid) as ei:
         RouterSettings.from_config(doc)
     assert pointer in pointers(ei.value)
@@ -73,6 +76,7 @@ def test_cross_field_errors_are_all_reported():
             "control_plane": {"url": "https://cp:8443", "ca": "a", "cert": "b", "key": "c"},
             "timeouts": {"per_try": 100, "total": 10, "first_token": 5},
             "outlier": {"base_ejection": 50, "max_ejection": 10},
+            "insecure_http": True,
         })
     assert set(pointers(ei.value)) == {
         "/api_keys/1/name", "/api_keys/2/sha256", "/control_plane", "/static_endpoints/1/id",
@@ -80,7 +84,7 @@ def test_cross_field_errors_are_all_reported():
 
 
 def test_static_endpoint_with_an_invalid_port_is_a_config_error_with_its_pointer(tmp_path):
-    doc = {"allow_unauthenticated": True,
+    doc = {"allow_unauthenticated": True, "insecure_http": True,
            "static_endpoints": [{"id": "ok", "model": "m", "url": "http://h:1"},
                                 {"id": "x", "model": "m", "url": "http://127.0.0.1:99999"}]}
     with pytest.raises(ConfigInvalid) as ei:
@@ -98,3 +102,26 @@ def test_static_endpoint_with_an_invalid_port_is_a_config_error_with_its_pointer
 def test_server_schema_embeds_router_schema():
     errs = schema_errors({"router": {"retries": {"max_attempts": 9}}}, "server")
     assert any(e.pointer == "/router/retries/max_attempts" for e in errs)
+
+
+def test_plain_http_must_be_chosen_and_never_alongside_tls():
+    with pytest.raises(ConfigInvalid) as ei:
+        RouterSettings.from_config({"allow_unauthenticated": True})
+    assert pointers(ei.value) == ["/tls"]
+    assert "insecure_http: true" in str(ei.value) and "llmgw ctl cert router" in str(ei.value)
+    with pytest.raises(ConfigInvalid) as ei:
+        RouterSettings.from_config({"allow_unauthenticated": True, "insecure_http": True,
+                                    "tls": {"cert": "c", "key": "k"}})
+    assert pointers(ei.value) == ["/insecure_http"]
+    with pytest.raises(ConfigInvalid) as ei:
+        RouterSettings.from_config({"allow_unauthenticated": True, "tls": {"cert": "c"}})
+    assert pointers(ei.value) == ["/tls"]  # the schema: 'key' is a required property
+
+
+def test_server_yaml_reports_the_routers_rules_inside_router():
+    from llmgw.settings import parse_server_settings
+    doc = {"api": {"listen": {"port": 8443}}, "insecure_no_tls": True, "models": [], "profiles": [],
+           "deployments": [], "router": {"allow_unauthenticated": True}}
+    with pytest.raises(ConfigInvalid) as ei:
+        parse_server_settings(doc)
+    assert pointers(ei.value) == ["/router/tls"]

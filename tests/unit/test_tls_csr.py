@@ -172,3 +172,17 @@ def test_weak_keys_refused(ca):
 def test_garbage_refused(ca):
     with pytest.raises(IssueError, match="not a PEM certificate signing request"):
         sign_csr(ca, b"hello", "node", "gpu-a1")
+
+
+def test_router_csr_gets_both_usages_and_its_hosts(ca, key):
+    pem = sign_csr(ca, make_csr(key, cn("router-1.example")), "router", hosts=["router-1.example"], ips=["10.0.0.9"])
+    cert = x509.load_pem_x509_certificate(pem)
+    assert certificate_role(cert) == "router"
+    eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert set(eku) == {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}
+    with pytest.raises(IssueError, match="a router certificate needs at least one DNS name"):
+        sign_csr(ca, make_csr(key, cn("router-1.example")), "router")
+    server_only = make_csr(key, cn("router-1.example"),
+                           [(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), False)])
+    with pytest.raises(IssueError, match="does not match the router role"):
+        sign_csr(ca, server_only, "router", hosts=["router-1.example"])

@@ -184,3 +184,16 @@ def test_standalone_entry(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert (d / "ca.key").exists()
+
+
+def test_router(ca_dir, capsys):
+    assert run(["cert", "router", "--dir", str(ca_dir), "--host", "router-1.example", "--ip", "10.0.0.9"]) == 0
+    crt, key = ca_dir / "router.crt", ca_dir / "router.key"
+    assert mode(key) == 0o600
+    c = load(crt)
+    assert certificate_role(c) == "router"
+    san = c.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.DNSName) == ["router-1.example"]
+    assert "role:       router" in capsys.readouterr().out
+    assert run(["cert", "router", "--dir", str(ca_dir)]) == 1
+    assert "a router certificate needs at least one DNS name" in capsys.readouterr().err

@@ -15,9 +15,10 @@ from llmgw.tls.identity import (
     certificate_role,
     check_admin_identity,
     check_node_identity,
+    check_router_identity,
     peer_identity,
 )
-from llmgw.tls.issue import issue_admin, issue_node, issue_server
+from llmgw.tls.issue import issue_admin, issue_node, issue_router, issue_server
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +79,8 @@ def test_admin_and_server_roles(ca):
         ([(OU, "node"), (OU, "admin"), (CN, "gpu-a1")], [CLIENT]),  # ambiguous OU
         ([(OU, "Node"), (CN, "gpu-a1")], [CLIENT]),  # OU spelled differently
         ([(OU, "server"), (CN, "cp")], [CLIENT]),  # server OU without serverAuth
+        ([(OU, "router"), (CN, "r1")], [CLIENT]),  # a router also serves: both usages or no role
+        ([(OU, "router"), (CN, "r1")], [SERVER]),
     ],
 )
 def test_ou_and_eku_must_agree_for_a_role(ca, attrs, usages):
@@ -85,6 +88,22 @@ def test_ou_and_eku_must_agree_for_a_role(ca, attrs, usages):
     assert certificate_role(cert) is None
     with pytest.raises(IdentityError, match="carries no role"):
         check_node_identity(peer_identity(cert), "gpu-a1")
+
+
+def test_router_role_needs_both_usages_and_is_the_only_one_given_engine_keys(ca):
+    ident = peer_identity(der(issue_router(ca, ["router-1.example"], ["10.0.0.9"])[0]))
+    assert ident.role == "router" and ident.name == "router-1.example"
+    assert set(ident.usages) == {"serverAuth", "clientAuth"}
+    check_router_identity(ident)
+    for other in (issue_admin(ca, "alice")[0], issue_node(ca, "gpu-a1")[0], issue_server(ca, ["cp"], [])[0]):
+        with pytest.raises(IdentityError, match="cannot read engine keys"):
+            check_router_identity(peer_identity(der(other)))
+    with pytest.raises(IdentityError, match="needs OU=router with serverAuth and clientAuth"):
+        check_router_identity(peer_identity(custom(ca, [(OU, "router"), (CN, "r1")], [CLIENT])))
+    with pytest.raises(IdentityError, match="cannot act as an admin"):
+        check_admin_identity(ident)
+    with pytest.raises(IdentityError, match="cannot register as a node"):
+        check_node_identity(ident, "router-1.example")
 
 
 def test_node_ou_with_both_usages_is_a_node(ca):

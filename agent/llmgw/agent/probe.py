@@ -12,6 +12,7 @@ by liveness (their process is running).
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 from dataclasses import dataclass
 
@@ -33,16 +34,31 @@ def probe_host(bind_host: str) -> str:
     return bind_host
 
 
+def is_loopback(bind_host: str) -> bool:
+    """Whether an engine bound to ``bind_host`` is reachable from this node only."""
+    if bind_host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(bind_host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def base_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 async def completion_probe(session: aiohttp.ClientSession, url: str, served_name: str,
-                           timeout: float) -> ProbeResult:
-    """One attempt: does the engine at ``url`` complete one token for ``served_name``?"""
+                           timeout: float, api_key: str | None = None) -> ProbeResult:
+    """One attempt: does the engine at ``url`` complete one token for ``served_name``?
+
+    With the replica's engine key, as the router sends it: a probe that got
+    in without it would prove nothing about the path traffic takes.
+    """
     body = {"model": served_name, "prompt": "ping", "max_tokens": 1}
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     try:
-        async with session.post(f"{url}/v1/completions", json=body,
+        async with session.post(f"{url}/v1/completions", json=body, headers=headers,
                                 timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             text = await resp.text(errors="replace")
             if resp.status != 200:

@@ -12,6 +12,11 @@ Layout::
     <state_dir>/shards/<shard>.json   ShardRecord, 0600, written atomically
     <state_dir>/logs/<shard>.log      engine stdout+stderr only, appended across lives
     <state_dir>/logs/<shard>.agent.log the agent's notes about that engine (launch, adoption, exit)
+    <state_dir>/secrets/<shard>/      0700: files holding the engine key (SGLang's --config)
+
+A record holds the shard spec, engine key included: it is how the key
+survives an agent restart (adoption reports it back), so records stay 0600
+in a 0700 directory.
 
 Records are written to a temp file beside the target, fsynced, renamed over
 it, and the directory fsynced: a crash leaves the old record or the new one,
@@ -127,7 +132,8 @@ class StateDir:
         self.root = Path(root)
         self.shards_dir = self.root / "shards"
         self.logs_dir = self.root / "logs"
-        for d in (self.root, self.shards_dir, self.logs_dir):
+        self.secrets_dir = self.root / "secrets"
+        for d in (self.root, self.shards_dir, self.logs_dir, self.secrets_dir):
             d.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
             os.chmod(d, PRIVATE_DIR)
 
@@ -146,6 +152,21 @@ class StateDir:
             return self.log_path(shard_id).stat().st_size
         except FileNotFoundError:
             return 0
+
+    def secret_dir(self, shard_id: str) -> Path:
+        """The shard's private directory for key files, created 0700."""
+        d = self.secrets_dir / _file_name(shard_id)
+        d.mkdir(mode=PRIVATE_DIR, exist_ok=True)
+        os.chmod(d, PRIVATE_DIR)
+        return d
+
+    def remove_secrets(self, shard_id: str) -> None:
+        d = self.secrets_dir / _file_name(shard_id)
+        if not d.is_dir():
+            return
+        for f in d.iterdir():
+            f.unlink(missing_ok=True)
+        d.rmdir()
 
     def write(self, record: ShardRecord) -> None:
         data = json.dumps(record.to_dict(), indent=1, sort_keys=True).encode()

@@ -39,12 +39,13 @@ import aiohttp
 
 from llmgw.agent import procident
 from llmgw.agent.ports import choose_port
-from llmgw.agent.probe import base_url, completion_probe, probe_host
+from llmgw.agent.probe import base_url, completion_probe, is_loopback, probe_host
 from llmgw.agent.procident import ProcessIdentity
 from llmgw.agent.shardstate import ShardState, check_transition, exit_outcome
 from llmgw.agent.statedir import ShardRecord, StateDir
 from llmgw.catalog import Model, Profile, SourceKind, source_kind
 from llmgw.settings import FetchPolicy
+from llmgw.tls.files import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class SupervisorConfig:
     engine_ports: tuple[int, int]
     engine_commands: dict[str, tuple[str, ...]]
     model_dir: str
+    allow_keyless_engines: bool = False  # agent.yaml: launch without an engine key on a non-loopback bind
     stop_grace: float = 15.0  # SIGTERM -> SIGKILL on stop
     drain_grace: float = 120.0  # SIGTERM -> SIGKILL on drain: in-flight requests finish
     poll_interval: float = 0.5  # adopted-engine liveness, group-empty checks
@@ -89,6 +91,7 @@ class SupervisorConfig:
             engine_ports=tuple(settings.engine_ports),
             engine_commands=dict(settings.engine_commands),
             model_dir=settings.model_dir,
+            allow_keyless_engines=settings.allow_keyless_engines,
             fetch=settings.fetch,
             **overrides,
         )
@@ -271,6 +274,7 @@ class Supervisor:
         old, shard.state = shard.state, new
         if new.terminal:
             self.statedir.remove(shard.shard_id)
+            self.statedir.remove_secrets(shard.shard_id)
         elif shard.launched:
             self._persist(shard)
         log_fn = log.warning if new is ShardState.FAILED else log.info
@@ -289,8 +293,12 @@ class Supervisor:
         self._transition(shard, ShardState.FAILED, reason, output_tail="")
 
     def _tail(self, shard: Shard) -> str:
-        return self.statedir.log_tail(shard.shard_id, self.config.tail_bytes, since_offset=shard.log_offset,
+        tail = self.statedir.log_tail(shard.shard_id, self.config.tail_bytes, since_offset=shard.log_offset,
                                       since_marker=None if shard.log_offset is not None else shard.launch_marker or None)
+        # Some engines print their arguments at startup (SGLang's server_args); the
+        # tail travels to the control plane and operators, the key must not.
+        key = shard.spec.get("api_key")
+        return tail.replace(key, "<engine key>") if key else tail
 
     # -------------------------------------------------------------------- start
     def start(self, spec: dict[str, Any]) -> Shard:
@@ -336,6 +344,11 @@ class Supervisor:
             validate(model, profile)
         except ProfileError as e:
             return str(e)
+        if (shard.rank == 0 and not shard.spec.get("api_key") and not self.config.allow_keyless_engines
+                and not is_loopback(self.config.engine_bind_host)):
+            return (f"no engine key in the start for {shard.shard_id}: an engine bound to "
+                    f"{self.config.engine_bind_host} without one serves anyone who can reach the node; "
+                    "upgrade the control plane, bind engines to loopback, or set allow_keyless_engines")
         held = self.gpus_held(exclude=shard.shard_id)
         clash = sorted(int(g) for g in shard.spec.get("gpu_indices", ()) if int(g) in held)
         if clash:
@@ -430,11 +443,15 @@ class Supervisor:
                 nnodes=nnodes, master_addr=master_addr, master_port=master_port,
                 gpu_indices=tuple(int(g) for g in spec.get("gpu_indices", ())),
                 extra_env=dict(spec.get("env", {})),
-                command=self.config.engine_commands.get(profile.engine)))
+                command=self.config.engine_commands.get(profile.engine),
+                api_key=spec.get("api_key") or None,
+                secret_dir=str(self.statedir.secret_dir(shard.shard_id))))
         except (ProfileError, LaunchContextError) as e:
             self._fail_before_launch(shard, str(e))
             return False
 
+        for f in launch.files:
+            write_atomic(f.path, f.data.encode(), mode=0o600)
         env = {**os.environ, **launch.env, ENV_NODE_ID: self.config.node_id,
                ENV_SHARD_ID: shard.shard_id, ENV_REPLICA_ID: str(spec["replica_id"])}
         shard.launch_marker = f"launch {secrets.token_hex(8)}"
@@ -483,7 +500,8 @@ class Supervisor:
                 self._end(shard, ShardState.FAILED, why, self.config.stop_grace)
                 return
             if shard.port:
-                res = await completion_probe(self._http(), url, served, min(self.config.probe_timeout, remaining))
+                res = await completion_probe(self._http(), url, served, min(self.config.probe_timeout, remaining),
+                                             shard.spec.get("api_key"))
                 ok, shard.last_probe = res.ok, res.detail
             else:  # ranks > 0 serve no HTTP: liveness is all there is to check
                 ok = shard.identity is not None and procident.is_running(shard.identity)

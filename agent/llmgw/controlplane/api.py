@@ -9,6 +9,11 @@ Without TLS (``insecure_no_tls``) there are no client certificates, so a
 token is the only way in; with no ``api.admin_tokens`` configured every
 admin request (``/metrics`` and the router watch included) is refused with
 401 and told so, never let through.
+
+The router watch (``/v1/router/endpoints``) also admits a router
+certificate, and only a router certificate is answered with the engines'
+keys: an operator may look at the endpoint set, but the keys go to the one
+role that needs them to route.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from llmgw.controlplane import views
 from llmgw.controlplane.agentservice import STREAM_PATH, AgentService, request_identity
 from llmgw.controlplane.metrics import CONTENT_TYPE, registry_for, render
 from llmgw.controlplane.state import ControlPlane
-from llmgw.tls import IdentityError, check_admin_identity
+from llmgw.router.watch import REVEAL_KEYS, WATCH_PATH
+from llmgw.tls import IdentityError, check_admin_identity, check_router_identity
 
 log = logging.getLogger("llmgw.controlplane.api")
 
@@ -47,6 +53,17 @@ class AdminAuth:
     def __init__(self, cp: ControlPlane, require_identity: bool):
         self.cp = cp
         self.require_identity = require_identity
+
+    def router(self, request: web.Request) -> str | None:
+        """Who, when the request carries a router certificate (the watch's own caller); else None."""
+        if not self.require_identity:
+            return None
+        try:
+            identity = request_identity(request)
+            check_router_identity(identity)
+        except IdentityError:
+            return None
+        return f"router certificate {identity.name!r}"
 
     def check(self, request: web.Request) -> tuple[int, str]:
         """(0, who) when allowed, else (HTTP status, reason)."""
@@ -129,6 +146,9 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
     async def admin_only(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path in OPEN_PATHS or request.path == STREAM_PATH:
             return await handler(request)  # the stream checks node identity itself
+        if request.path == WATCH_PATH and auth.router(request):
+            request[REVEAL_KEYS] = True
+            return await handler(request)
         status, who = auth.check(request)
         if status:
             log.warning("refused %s %s from %s: %s", request.method, request.path, request.remote, who)
@@ -195,5 +215,5 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
     app.router.add_post("/v1/reload", do_reload)
     app.router.add_get("/metrics", metrics)
     if watch_handler is not None:
-        app.router.add_get("/v1/router/endpoints", grace_aware_watch(cp, watch_handler))
+        app.router.add_get(WATCH_PATH, grace_aware_watch(cp, watch_handler))
     return app

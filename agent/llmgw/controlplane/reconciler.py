@@ -47,6 +47,7 @@ from llmgw.controlplane.replicas import (
     ReplicaState,
     Shard,
     model_to_dict,
+    new_engine_key,
     new_replica_id,
     profile_to_dict,
     shard_id,
@@ -553,6 +554,7 @@ class Reconciler:
             rid = new_replica_id(dep.model, dep.profile, slot, None)
         model, profile = catalog.models[dep.model], catalog.profiles[dep.profile]
         nnodes = len(result.placement.shards)
+        key = new_engine_key()  # one per replica: every rank carries it, rank 0's engine enforces it
         r = Replica(replica_id=rid, model=dep.model, profile=dep.profile, nnodes=nnodes, slot=slot, shards={},
                     created_at=now, placement_detail=result.placement.detail, restarts=restarts)
         for plan_shard in result.placement.shards:
@@ -560,7 +562,7 @@ class Reconciler:
             spec = {"shard_id": sid, "replica_id": rid, "model": model_to_dict(model),
                     "profile": profile_to_dict(profile), "rank": plan_shard.rank, "nnodes": nnodes,
                     "gpu_indices": list(plan_shard.gpu_indices), "env": dict(plan_shard.env),
-                    "master_addr": None, "master_port": None}
+                    "master_addr": None, "master_port": None, "api_key": key}
             r.shards[plan_shard.rank] = Shard(shard_id=sid, replica_id=rid, rank=plan_shard.rank,
                                               node_id=plan_shard.node_id, gpu_indices=tuple(plan_shard.gpu_indices),
                                               spec=spec, state=WAITING, state_since=now)
@@ -597,5 +599,5 @@ def endpoints(book: ReplicaBook, nodes: Mapping[str, NodeView]) -> list[dict[str
         profile = r0.spec.get("profile", {})
         out.append({"id": r.replica_id, "model": model.get("served_name") or r.model,
                     "url": f"http://{host}:{r0.port}", "replica_id": r.replica_id, "draining": draining,
-                    "max_concurrency": profile.get("max_concurrency")})
+                    "max_concurrency": profile.get("max_concurrency"), "api_key": r0.spec.get("api_key")})
     return out

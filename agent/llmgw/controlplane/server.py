@@ -92,6 +92,11 @@ class RouterHook:
         self.watch_handler = endpoints_watch_handler(self.table)
         if settings.router is not None:
             self.router_settings = RouterSettings.from_config(settings.router, source="server.yaml /router")
+            from llmgw.router.serve import tls_errors
+
+            problems = tls_errors(self.router_settings, "/router")
+            if problems:
+                raise StartupRefused("; ".join(str(p) for p in problems))
             if self.router_settings.workers > 1:
                 log.warning("router.workers is %d: the in-process router runs one worker; run `llmgw router` "
                             "processes against the watch API to scale out", self.router_settings.workers)
@@ -114,11 +119,14 @@ class RouterHook:
         rs = self.router_settings
         runner = web.AppRunner(self.app, shutdown_timeout=rs.timeouts.shutdown_grace, **self._runner_kwargs)
         await runner.setup()
-        site = web.TCPSite(runner, rs.host, rs.port, backlog=rs.backlog, reuse_address=True)
+        from llmgw.router.serve import listener_ssl_context
+
+        ssl_ctx = listener_ssl_context(rs)
+        site = web.TCPSite(runner, rs.host, rs.port, backlog=rs.backlog, reuse_address=True, ssl_context=ssl_ctx)
         await site.start()
         for sock in getattr(site._server, "sockets", None) or ():  # port 0: say which one we got
             host, port = sock.getsockname()[:2]
-            log.info("router listening on http://%s:%d", host, port)
+            log.info("router listening on %s://%s:%d", "https" if ssl_ctx else "http", host, port)
         return runner
 
 

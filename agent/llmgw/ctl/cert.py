@@ -20,7 +20,15 @@ from cryptography.hazmat.primitives import hashes
 from llmgw.tls.ca import DEFAULT_KEY_TYPE, KEY_TYPE_ALIASES, KEY_TYPES, CAError, init_ca, load_ca
 from llmgw.tls.files import write_pair, write_public
 from llmgw.tls.identity import certificate_role, certificate_usages
-from llmgw.tls.issue import DEFAULT_DAYS, ROLES, IssueError, issue_admin, issue_node, issue_server, sign_csr
+from llmgw.tls.issue import (
+    DEFAULT_DAYS,
+    ROLES,
+    IssueError,
+    issue_admin,
+    issue_node,
+    issue_server,
+    sign_csr,
+)
 
 KEY_TYPE_CHOICES = sorted([*KEY_TYPES, *KEY_TYPE_ALIASES])
 
@@ -68,12 +76,20 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 @_guarded
-def cmd_server(args: argparse.Namespace) -> int:
+def cmd_hosts(args: argparse.Namespace) -> int:
+    """``server`` and ``router``: certificates naming the hosts and addresses they are dialed at."""
     ca = load_ca(args.dir)
-    cert_pem, key_pem = issue_server(ca, args.host, args.ip, args.days, key_type=args.key_type)
-    crt, key = write_pair(args.out or Path(args.dir) / "server", cert_pem, key_pem)
+    cert_pem, key_pem = issue_server(ca, args.host, args.ip, args.days, key_type=args.key_type, role=args.role)
+    crt, key = write_pair(args.out or Path(args.dir) / args.role, cert_pem, key_pem)
     _print_issued(crt, key, cert_pem)
     return 0
+
+
+def _host_args(p: argparse.ArgumentParser, who: str) -> None:
+    p.add_argument("--host", action="extend", nargs="+", default=[], metavar="NAME",
+                   help=f"DNS name {who} dial (repeatable)")
+    p.add_argument("--ip", action="extend", nargs="+", default=[], metavar="ADDR",
+                   help=f"IP address {who} dial (repeatable)")
 
 
 @_guarded
@@ -234,12 +250,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
     p = sub.add_parser("server", help="issue the control plane's server certificate")
     _common(p, "server")
-    p.add_argument("--host", action="extend", nargs="+", default=[], metavar="NAME",
-                   help="DNS name agents dial (repeatable)")
-    p.add_argument("--ip", action="extend", nargs="+", default=[], metavar="ADDR",
-                   help="IP address agents dial (repeatable)")
+    _host_args(p, "agents")
     _out(p, "DIR/server")
-    p.set_defaults(func=cmd_server)
+    p.set_defaults(func=cmd_hosts, role="server")
+
+    p = sub.add_parser("router", help="issue a standalone router's certificate (serves clients, reads the watch)")
+    _common(p, "router")
+    _host_args(p, "clients")
+    _out(p, "DIR/router")
+    p.set_defaults(func=cmd_hosts, role="router")
 
     p = sub.add_parser("node", help="issue a node's client certificate (CN = node id)")
     p.add_argument("node_id", metavar="NODE_ID")
@@ -257,7 +276,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("csr", metavar="CSR", help="PEM certificate signing request")
     _common(p, None)
     p.add_argument("--days", type=_days, default=None,
-                   help="validity in days (default: server/node %d, admin %d)" % (DEFAULT_DAYS["node"], DEFAULT_DAYS["admin"]))
+                   help="validity in days (default: server/router/node %d, admin %d)" % (DEFAULT_DAYS["node"], DEFAULT_DAYS["admin"]))
     p.add_argument("--role", choices=ROLES, required=True)
     p.add_argument("--name", default=None, help="expected CN (node id or operator name)")
     p.add_argument("--host", action="extend", nargs="+", default=[], metavar="NAME")

@@ -75,6 +75,18 @@ class LaunchContext:
     gpu_indices: tuple[int, ...] = ()
     extra_env: dict[str, str] = field(default_factory=dict)  # from placement (NCCL_IB_HCA ...)
     command: tuple[str, ...] | None = None  # override the engine binary (e.g. the simulator)
+    # The replica's engine key (None: none issued).  Never put on the command
+    # line where the engine can read it from its environment or a file.
+    api_key: str | None = field(default=None, repr=False)
+    secret_dir: str | None = None  # a 0700 directory of this shard's, for key files
+
+
+@dataclass(frozen=True)
+class SecretFile:
+    """A file the agent writes (mode 0600) before launch, e.g. a config holding the engine key."""
+
+    path: str
+    data: str = field(repr=False)
 
 
 @dataclass(frozen=True)
@@ -83,3 +95,4 @@ class LaunchSpec:
     env: dict[str, str]
     serves_http: bool  # rank 0 serves HTTP; worker ranks are checked by liveness
     port: int | None
+    files: tuple[SecretFile, ...] = ()

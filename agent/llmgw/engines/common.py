@@ -29,6 +29,7 @@ from llmgw.engines.base import (
     LaunchSpec,
     Problem,
     ProfileError,
+    SecretFile,
     SourceError,
     pointer_token,
 )
@@ -48,6 +49,8 @@ USE_MAX_LEN = "set the model's max_model_len instead"
 USE_GPUS = "placement picks the shard's GPUs and the adapter sets CUDA_VISIBLE_DEVICES from them"
 USE_LISTED = "list the flags in extra_args instead, so they can be checked"
 USE_TCP = "the router reaches every engine over TCP at the agent-assigned host:port"
+USE_KEY = ("the control plane issues each replica its own engine key, which only the router and the agent's "
+           "probe use")
 
 
 @dataclass(frozen=True)
@@ -300,6 +303,11 @@ class Adapter:
     default_command: tuple[str, ...] = ()
     syntax: FlagSyntax = FlagSyntax()
     forbidden_env: Mapping[str, str] = {}
+    # How the engine is given its key: every spelling that sets it is owned,
+    # and ``key_env`` (when the engine reads one) carries it, so it never
+    # shows in ``ps``.  Adapters without a key variable override ``key_launch``.
+    key_flags: tuple[OwnedFlag, ...] = ()
+    key_env: str | None = None
 
     # -- what subclasses describe -------------------------------------------------
     def owned_flags(self, profile: Profile) -> tuple[OwnedFlag, ...]:
@@ -322,6 +330,17 @@ class Adapter:
     def serves_http(self, ctx: LaunchContext) -> bool:
         return ctx.rank == 0
 
+    def key_launch(self, ctx: LaunchContext) -> tuple[list[str], dict[str, str], tuple[SecretFile, ...]]:
+        """(argv, env, files) that hand the engine its key; nothing for ranks serving no HTTP."""
+        if not ctx.api_key or not self.serves_http(ctx):
+            return [], {}, ()
+        if self.key_env is None:
+            raise LaunchContextError(f"the {self.name} adapter has no way to pass an engine key")
+        return [], {self.key_env: ctx.api_key}, ()
+
+    def key_env_owned(self) -> dict[str, str]:
+        return {self.key_env: USE_KEY} if self.key_env else {}
+
     # -- shared -----------------------------------------------------------------
     def profile_problems(self, profile: Profile) -> list[str]:
         problems: list[str] = []
@@ -332,8 +351,9 @@ class Adapter:
         if not shape:
             problems += self.engine_problems(profile)
         problems += args_type_problems(profile)
-        problems += owned_problems(self.name, profile.extra_args, self.owned_flags(profile), self.syntax)
-        problems += env_problems(profile, self.forbidden_env)
+        problems += owned_problems(self.name, profile.extra_args, self.owned_flags(profile) + self.key_flags,
+                                   self.syntax)
+        problems += env_problems(profile, {**self.forbidden_env, **self.key_env_owned()})
         return problems
 
     def validate_profile(self, profile: Profile) -> None:
@@ -357,11 +377,13 @@ class Adapter:
         """The exact process for one shard; ``ctx.model_path`` is taken as resolved."""
         self.validate(model, profile)
         check_context(profile, ctx)
-        argv = (*self.command(ctx), *self.engine_args(model, profile, ctx), *profile.extra_args)
+        key_args, key_env, files = self.key_launch(ctx)
+        argv = (*self.command(ctx), *self.engine_args(model, profile, ctx), *key_args, *profile.extra_args)
         serves = self.serves_http(ctx)
         return LaunchSpec(
             argv=tuple(argv),
-            env=build_env(profile, ctx),
+            env={**build_env(profile, ctx), **key_env},
             serves_http=serves,
             port=ctx.port if serves else None,
+            files=files,
         )

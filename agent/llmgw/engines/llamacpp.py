@@ -15,6 +15,10 @@ here: llama.cpp's ``--rpc`` backend is not something the agent can supervise.
 
 llama.cpp also reads ``LLAMA_ARG_*`` environment variables for most flags, so
 the env names of owned flags are refused in a profile's env as well.
+
+The engine key goes in ``LLAMA_ARG_API_KEY`` (``--api-key``'s environment
+variable in common/arg.cpp), never on the command line; ``--api-key`` and
+``--api-key-file`` are owned.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from llmgw.engines.base import LaunchContext, LaunchContextError, Problem
 from llmgw.engines.common import (
     USE_GPUS,
     USE_HOST,
+    USE_KEY,
     USE_MAX_LEN,
     USE_PORT,
     USE_SERVED,
@@ -86,6 +91,8 @@ class LlamaCppAdapter(Adapter):
     default_command = ("llama-server",)
     syntax = FlagSyntax()  # llama.cpp's own parser: exact spellings only
     forbidden_env = _FORBIDDEN_ENV
+    key_flags = (OwnedFlag(("--api-key",), USE_KEY), OwnedFlag(("--api-key-file",), USE_KEY))
+    key_env = "LLAMA_ARG_API_KEY"
 
     def owned_flags(self, profile: Profile) -> tuple[OwnedFlag, ...]:
         return _OWNED

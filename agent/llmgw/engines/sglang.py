@@ -11,16 +11,26 @@ nodes.  Only rank 0 serves HTTP (SGLang's other ranks run schedulers only),
 so worker ranks are checked by liveness.  ``--base-gpu-id``/``--gpu-id-step``
 are owned because they index into CUDA_VISIBLE_DEVICES, which the adapter sets
 from the shard's GPUs.
+
+The engine key: SGLang reads ``--api-key`` from its arguments only (no
+environment variable in server_args.py), but it merges a YAML ``--config``
+file into them inside the process (server_args_config_parser.py).  So the
+adapter writes ``api-key: <key>`` to a 0600 file in the shard's private
+directory and passes ``--config <file>``: the key never shows in ``ps``.
+``--config`` was already owned, so a profile cannot bring its own.
 """
 
 from __future__ import annotations
 
+import os
+
 from llmgw.catalog import Model, Profile
-from llmgw.engines.base import LaunchContext, LaunchContextError
+from llmgw.engines.base import LaunchContext, LaunchContextError, SecretFile
 from llmgw.engines.common import (
     ARGPARSE,
     USE_GPUS,
     USE_HOST,
+    USE_KEY,
     USE_LISTED,
     USE_MAX_LEN,
     USE_NODES,
@@ -57,6 +67,16 @@ class SGLangAdapter(Adapter):
     name = "sglang"
     default_command = ("python", "-m", "sglang.launch_server")
     syntax = ARGPARSE
+    key_flags = (OwnedFlag(("--api-key",), USE_KEY),)
+
+    def key_launch(self, ctx: LaunchContext) -> tuple[list[str], dict[str, str], tuple[SecretFile, ...]]:
+        if not ctx.api_key or not self.serves_http(ctx):
+            return [], {}, ()
+        if not ctx.secret_dir:
+            raise LaunchContextError("SGLang takes its engine key from a --config file: secret_dir is required")
+        path = os.path.join(ctx.secret_dir, "sglang-config.yaml")
+        # the key is URL-safe base64 (no YAML specials), quoted anyway
+        return ["--config", path], {}, (SecretFile(path, f'api-key: "{ctx.api_key}"\n'),)
 
     def owned_flags(self, profile: Profile) -> tuple[OwnedFlag, ...]:
         return _OWNED

@@ -12,6 +12,13 @@ first, which is what lets the agent start every shard the same way.
 
 Worker ranks get no ``--host``/``--port``: a headless node binds nothing, and
 passing them would suggest an endpoint that does not exist.
+
+The engine key goes in ``VLLM_API_KEY``, which vLLM reads when ``--api-key``
+is not given (vllm/entrypoints/openai/api_server.py, ``args.api_key or
+envs.VLLM_API_KEY``): an argument would show in ``ps`` and in vLLM's own
+"non-default args" log line.  vLLM then answers 401 ``{"error":
+"Unauthorized"}`` on /v1 paths without ``Authorization: Bearer <key>`` and
+leaves /health, /metrics and /version open.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from llmgw.catalog import Model, Profile
 from llmgw.engines.base import LaunchContext
 from llmgw.engines.common import (
     USE_HOST,
+    USE_KEY,
     USE_LISTED,
     USE_MAX_LEN,
     USE_NODES,
@@ -84,6 +92,8 @@ class VLLMAdapter(Adapter):
     default_command = ("vllm",)
     # FlexibleArgumentParser: underscores become dashes; argparse abbreviations.
     syntax = FlagSyntax(underscores=True, abbreviations=True, attached_short=True)
+    key_flags = (OwnedFlag(("--api-key",), USE_KEY),)
+    key_env = "VLLM_API_KEY"
 
     def owned_flags(self, profile: Profile) -> tuple[OwnedFlag, ...]:
         return _OWNED + (_MULTI_NODE_OWNED if profile.nodes > 1 else ())

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
 from urllib.parse import urlsplit
@@ -35,6 +35,9 @@ class Endpoint:
     replica_id: str = ""
     draining: bool = False  # receives nothing new, finishes what it has
     max_concurrency: int | None = None  # None: the router's default limit
+    # The replica's engine key, sent upstream as "Authorization: Bearer"; never
+    # printed (repr) and only in the watch answer given to a router identity.
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -61,8 +64,9 @@ class Endpoint:
     def base_url(self) -> str:
         return self.url.rstrip("/")
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
+    def to_dict(self, with_key: bool = False) -> dict[str, Any]:
+        """The JSON form; the engine key only with ``with_key`` (a router identity asked)."""
+        d: dict[str, Any] = {
             "id": self.id,
             "model": self.model,
             "url": self.url,
@@ -70,13 +74,16 @@ class Endpoint:
             "draining": self.draining,
             "max_concurrency": self.max_concurrency,
         }
+        if with_key and self.api_key:
+            d["api_key"] = self.api_key
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "endpoint") -> "Endpoint":
         """Build from a JSON object (watch API, static config); errors name ``where``."""
         if not isinstance(d, Mapping):
             raise EndpointError(f"{where}: expected an object, got {type(d).__name__}")
-        unknown = set(d) - {"id", "model", "url", "replica_id", "draining", "max_concurrency"}
+        unknown = set(d) - {"id", "model", "url", "replica_id", "draining", "max_concurrency", "api_key"}
         if unknown:
             raise EndpointError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
         for key in ("model", "url"):
@@ -85,6 +92,10 @@ class Endpoint:
         for key in ("id", "replica_id"):
             if key in d and not isinstance(d[key], str):
                 raise EndpointError(f"{where}/{key}: must be a string")
+        api_key = d.get("api_key")
+        if api_key is not None and (not isinstance(api_key, str) or not api_key or not api_key.isascii()
+                                    or not api_key.isprintable() or " " in api_key):
+            raise EndpointError(f"{where}/api_key: must be a non-empty string of printable ASCII without spaces")
         if "draining" in d and not isinstance(d["draining"], bool):
             raise EndpointError(f"{where}/draining: must be a boolean")
         mc = d.get("max_concurrency")
@@ -98,6 +109,7 @@ class Endpoint:
                 replica_id=d.get("replica_id", ""),
                 draining=d.get("draining", False),
                 max_concurrency=mc,
+                api_key=api_key,
             )
         except EndpointError as e:
             raise type(e)(f"{where}: {e}") from None

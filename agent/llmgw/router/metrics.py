@@ -46,7 +46,7 @@ class RouterMetrics:
             ["model", "class"], registry=r)
         self.attempts = Counter(
             "llmgw_router_upstream_attempts", "Requests sent to engines, by outcome (ok, client_error, "
-            "status_5xx, rate_limited, connect, timeout, first_token_timeout, inter_token_timeout, "
+            "status_5xx, engine_auth, rate_limited, connect, timeout, first_token_timeout, inter_token_timeout, "
             "inband_error, broken, cancelled, error).",
             ["model", "endpoint", "outcome"], registry=r)
         self.retries = Counter(

@@ -334,7 +334,7 @@ class Proxy:
         conn.release()
         status = head.status
         ctype = head.headers.get("content-type", "application/json")
-        if status >= 500 or status == 429:
+        if _endpoint_fault(status):
             failed = _status_failure(status, data, ctype, rt, ctx, head.headers.get("retry-after"))
             self.routing.record(rt, group, failed.outcome, failure=failed.counts)
             return failed
@@ -361,7 +361,7 @@ class Proxy:
                 if status != 200 or not ctype.startswith("text/event-stream"):
                     data = await resp.read_all(_ERROR_BODY_LIMIT if status >= 400 else None)
                     resp.release()
-                    if status >= 500 or status == 429:
+                    if _endpoint_fault(status):
                         failed = _status_failure(status, data, ctype, rt, ctx, head.headers.get("retry-after"))
                         self.routing.record(rt, group, failed.outcome, failure=failed.counts)
                         return failed
@@ -776,6 +776,17 @@ def _classify_exception(e: BaseException, rt: EndpointRuntime, ctx: _Ctx, timeou
     raise e
 
 
+def _endpoint_fault(status: int) -> bool:
+    """An answer that says something about the endpoint, not the client's request.
+
+    401/403 from an engine means it refused the router's engine key (a key
+    rotated by a replacement the router has not heard of yet): the client did
+    nothing wrong, another replica can serve it, and passing "Unauthorized"
+    through would make the client doubt its own router key.
+    """
+    return status >= 500 or status in (401, 403, 429)
+
+
 def _status_failure(status: int, data: bytes, ctype: str, rt: EndpointRuntime, ctx: _Ctx,
                     retry_after: str | None) -> Failed:
     if status == 429:
@@ -791,6 +802,10 @@ def _status_failure(status: int, data: bytes, ctype: str, rt: EndpointRuntime, c
         else:
             upstream = err.response(ctx.rid)
         return Failed("rate_limited", err, counts=False, upstream=upstream)
+    if status in (401, 403):
+        return Failed("engine_auth", RouterError(
+            502, f"endpoint {rt.id} refused the router's engine key (HTTP {status})", SERVER,
+            "upstream_error", klass="upstream_error"))
     return Failed("status_5xx", RouterError(
         502, f"endpoint {rt.id} answered HTTP {status}: {error_message(data)}", SERVER,
         "upstream_error", klass="upstream_error"))

@@ -32,7 +32,7 @@ class EndpointRuntime:
 
     def __init__(self, ep: Endpoint, settings: RouterSettings, metrics: RouterMetrics) -> None:
         self.id = ep.id
-        self.key = (ep.id, ep.url, ep.model)
+        self.key = (ep.id, ep.url, ep.model, ep.api_key)
         self.endpoint = ep
         self.outstanding = 0
         self.limit = ep.max_concurrency or settings.limits.max_concurrency_per_endpoint
@@ -50,7 +50,8 @@ class EndpointRuntime:
         pool = self.pool
         if pool is None or pool.closed:
             s = self._settings
-            pool = self.pool = Pool(self.endpoint.url, s.timeouts.connect, s.limits.upstream_keepalive)
+            pool = self.pool = Pool(self.endpoint.url, s.timeouts.connect, s.limits.upstream_keepalive,
+                                    self.endpoint.api_key)
         return pool
 
     async def close(self) -> None:
@@ -79,7 +80,8 @@ class Routing:
         self.policy = OutlierPolicy(settings.outlier)
         self._rev = -1
         self._groups: dict[str, ModelGroup] = {}
-        self._runtimes: dict[tuple[str, str, str], EndpointRuntime] = {}
+        # keyed by (id, url, model, engine key): a changed key is a new pool, never a mixed one
+        self._runtimes: dict[tuple[str, str, str, str | None], EndpointRuntime] = {}
         self._retired: list[EndpointRuntime] = []
         self.sync()
 
@@ -88,10 +90,10 @@ class Routing:
         if self.table.revision == self._rev:
             return
         rev, eps = self.table.snapshot()
-        runtimes: dict[tuple[str, str, str], EndpointRuntime] = {}
+        runtimes: dict[tuple[str, str, str, str | None], EndpointRuntime] = {}
         groups: dict[str, list[EndpointRuntime]] = {}
         for ep in eps:
-            key = (ep.id, ep.url, ep.model)
+            key = (ep.id, ep.url, ep.model, ep.api_key)
             rt = self._runtimes.get(key)
             if rt is None:
                 rt = EndpointRuntime(ep, self.settings, self.metrics)

@@ -30,7 +30,7 @@ from aiohttp import web
 
 from llmgw.config import ConfigError, ConfigInvalid
 from llmgw.eventloop import run_loop, tune_gc
-from llmgw.tls.context import client_context
+from llmgw.tls.context import TLSConfigError, client_context, public_server_context
 from llmgw.tls.files import private_mode_problem
 
 from .app import RUNNER_KWARGS, build_app
@@ -41,6 +41,10 @@ from .watch import watch_endpoints
 log = logging.getLogger("llmgw.router")
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"
+# How long a router fed by the watch waits for its first endpoint set before it
+# serves anyway: a restarted router that answered at once would refuse every
+# model ("not found") until the watch answered, while a router beside it serves.
+FIRST_ENDPOINTS_WAIT = 30.0
 
 
 def configure_logging(level: str = "info") -> None:
@@ -53,21 +57,52 @@ def configure_logging(level: str = "info") -> None:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 
+def tls_errors(settings: RouterSettings, where: str = "") -> list[ConfigError]:
+    """The listener's certificate and key: present, the key private, the pair loadable.
+
+    ``where`` prefixes the pointers (``/router`` inside server.yaml).
+    """
+    tls = settings.tls
+    if tls is None:
+        return []
+    errors = file_errors(tls, ("cert", "key"), f"{where}/tls")
+    if not errors:
+        try:
+            public_server_context(tls.cert, tls.key)
+        except TLSConfigError as e:
+            errors.append(ConfigError(f"{where}/tls", str(e)))
+    return errors
+
+
+def file_errors(section: object, fields: tuple[str, ...], where: str) -> list[ConfigError]:
+    """Each of ``section``'s file fields present, and its ``key`` private, at ``where/field``."""
+    errors = []
+    for field in fields:
+        path = getattr(section, field)
+        if not os.path.isfile(path):
+            errors.append(ConfigError(f"{where}/{field}", f"no such file: {path}"))
+        elif field == "key":
+            problem = private_mode_problem(path)
+            if problem:
+                errors.append(ConfigError(f"{where}/key", problem))
+    return errors
+
+
+def listener_ssl_context(settings: RouterSettings) -> ssl.SSLContext | None:
+    """HTTPS for clients, or None where insecure_http was chosen (the settings allow nothing else)."""
+    if settings.tls is None:
+        log.warning("insecure_http: serving plain HTTP; API keys and prompts cross the network readable")
+        return None
+    return public_server_context(settings.tls.cert, settings.tls.key)
+
+
 def standalone_errors(settings: RouterSettings) -> list[ConfigError]:
     """What a router without an in-process control plane additionally needs."""
-    errors = []
+    errors = tls_errors(settings)
     if settings.static_endpoints is None and settings.control_plane is None:
         errors.append(ConfigError("", "a standalone router needs static_endpoints or control_plane"))
-    cp = settings.control_plane
-    if cp is not None:
-        for field in ("ca", "cert", "key"):
-            path = getattr(cp, field)
-            if not os.path.isfile(path):
-                errors.append(ConfigError(f"/control_plane/{field}", f"no such file: {path}"))
-        if os.path.isfile(cp.key):
-            problem = private_mode_problem(cp.key)
-            if problem:
-                errors.append(ConfigError("/control_plane/key", problem))
+    if settings.control_plane is not None:
+        errors += file_errors(settings.control_plane, ("ca", "cert", "key"), "/control_plane")
     return errors
 
 
@@ -106,10 +141,15 @@ async def serve_worker(settings: RouterSettings, sock: socket.socket, on_ready: 
         ctx = control_plane_ssl_context(settings.control_plane)
         watch_task = asyncio.create_task(watch_endpoints(settings.control_plane.url, ctx, None, table),
                                          name="llmgw-endpoint-watch")
+        # Connections meanwhile wait in the listen backlog; they are not refused.
+        rev, _ = await table.wait_changed(table.revision, FIRST_ENDPOINTS_WAIT)
+        if rev == 0:
+            log.warning("no endpoint set from the control plane after %gs; serving with none until it answers",
+                        FIRST_ENDPOINTS_WAIT)
     app = build_app(settings, table)
     runner = web.AppRunner(app, shutdown_timeout=settings.timeouts.shutdown_grace, **RUNNER_KWARGS)
     await runner.setup()
-    site = web.SockSite(runner, sock, backlog=settings.backlog)
+    site = web.SockSite(runner, sock, backlog=settings.backlog, ssl_context=listener_ssl_context(settings))
     await site.start()
     tune_gc()
     on_ready()
@@ -122,8 +162,9 @@ async def serve_worker(settings: RouterSettings, sock: socket.socket, on_ready: 
     await runner.cleanup()
 
 
-def _announce(host: str, port: int, workers: int) -> None:
-    line = f"llmgw router listening on http://{host}:{port} ({workers} worker{'s' if workers > 1 else ''})"
+def _announce(host: str, port: int, workers: int, https: bool) -> None:
+    scheme = "https" if https else "http"
+    line = f"llmgw router listening on {scheme}://{host}:{port} ({workers} worker{'s' if workers > 1 else ''})"
     log.info(line)
     print(line, flush=True)
 
@@ -153,7 +194,7 @@ def serve(settings: RouterSettings, doc: Any, source: str, workers: int | None =
     if n == 1:
         sock = listen_socket(settings.host, settings.port, settings.backlog)
         port = sock.getsockname()[1]
-        run_loop(serve_worker(settings, sock, lambda: _announce(settings.host, port, 1)))
+        run_loop(serve_worker(settings, sock, lambda: _announce(settings.host, port, 1, settings.tls is not None)))
         return 0
     return _Supervisor(settings, doc, source, n, log_level).run()
 
@@ -199,7 +240,7 @@ class _Supervisor:
             if reserve is not None:
                 reserve.close()
                 reserve = None
-            _announce(self.s.host, self.port, self.n)
+            _announce(self.s.host, self.port, self.n, self.s.tls is not None)
             self._supervise()
             self._stop_all()
             return 0

@@ -31,6 +31,12 @@ class ControlPlane:
 
 
 @dataclass(frozen=True)
+class TLS:
+    cert: str
+    key: str
+
+
+@dataclass(frozen=True)
 class Timeouts:
     connect: float = 2.0
     per_try: float = 600.0  # a non-streaming answer arrives whole: this bounds the longest generation
@@ -76,6 +82,8 @@ class RouterSettings:
     port: int = 8080
     backlog: int = 1024
     workers: int = 1
+    tls: TLS | None = None  # None: plain HTTP, only with insecure_http
+    insecure_http: bool = False
     api_keys: tuple[ApiKey, ...] = ()
     allow_unauthenticated: bool = False
     static_endpoints: tuple[Endpoint, ...] | None = None  # None: not configured
@@ -111,6 +119,14 @@ def _section(doc: Mapping[str, Any], key: str) -> Mapping[str, Any]:
 def semantic_errors(doc: Mapping[str, Any]) -> list[ConfigError]:
     """Cross-field rules; ``doc`` already passed the schema."""
     errors: list[ConfigError] = []
+    if "tls" not in doc and not doc.get("insecure_http", False):
+        errors.append(ConfigError(
+            "/tls",
+            "no tls section: the router serves HTTPS; give it a certificate and key (fleet CA: "
+            "llmgw ctl cert router) or set insecure_http: true to serve plain HTTP",
+        ))
+    if "tls" in doc and doc.get("insecure_http", False):
+        errors.append(ConfigError("/insecure_http", "true while a tls section is set; remove one of them"))
     keys = doc.get("api_keys") or []
     if not keys and not doc.get("allow_unauthenticated", False):
         errors.append(ConfigError(
@@ -175,11 +191,14 @@ def _build(doc: Mapping[str, Any]) -> RouterSettings:
             for i, raw in enumerate(doc["static_endpoints"])
         )
     cp = doc.get("control_plane")
+    tls = doc.get("tls")
     return RouterSettings(
         host=listen.get("host", RouterSettings.host),
         port=listen.get("port", RouterSettings.port),
         backlog=listen.get("backlog", RouterSettings.backlog),
         workers=doc.get("workers", 1),
+        tls=TLS(tls["cert"], tls["key"]) if tls else None,
+        insecure_http=doc.get("insecure_http", False),
         api_keys=keys,
         allow_unauthenticated=doc.get("allow_unauthenticated", False),
         static_endpoints=static,

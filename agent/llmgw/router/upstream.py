@@ -322,8 +322,11 @@ class Pool:
     size limit here: the router's per-endpoint concurrency gate bounds it.
     """
 
-    def __init__(self, url: str, connect_timeout: float, keepalive: float) -> None:
+    def __init__(self, url: str, connect_timeout: float, keepalive: float, api_key: str | None = None) -> None:
         self.url = url
+        # The engine's key rides on every request this pool sends; a client's own
+        # Authorization header (its router key) never reaches an engine.
+        self.auth = b"Authorization: Bearer %s\r\n" % api_key.encode("ascii") if api_key else b""
         parts = urlsplit(url)
         self.scheme = parts.scheme
         self.host = parts.hostname or ""
@@ -355,8 +358,8 @@ class Pool:
         conn = self._get()
         if conn is None:
             conn = await self._connect()
-        head = (b"POST %s%s HTTP/1.1\r\nHost: %s\r\n%sContent-Length: %d\r\n\r\n"
-                % (self.prefix, target, self.host_header, headers, len(body)))
+        head = (b"POST %s%s HTTP/1.1\r\nHost: %s\r\n%s%sContent-Length: %d\r\n\r\n"
+                % (self.prefix, target, self.host_header, self.auth, headers, len(body)))
         try:
             conn.send(head, body)
         except BaseException:

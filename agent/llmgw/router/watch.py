@@ -35,10 +35,19 @@ WATCH_WAIT_S = 30.0
 # is nothing to a control plane, and the jitter still spreads routers apart.
 WATCH_BACKOFF_MAX = 2.0
 
+# Request key the API's authentication sets when the caller is a router identity:
+# only then does the answer carry the engines' keys.
+# (a typed RequestKey where aiohttp has them, 3.13 on; a plain string before)
+REVEAL_KEYS = web.RequestKey("llmgw_reveal_engine_keys", bool) if hasattr(web, "RequestKey") \
+    else "llmgw_reveal_engine_keys"
+
 def endpoints_watch_handler(table: EndpointTable, wait_s: float = WATCH_WAIT_S):
     """aiohttp handler for ``GET /v1/router/endpoints?after=REV[&epoch=E]``.
 
-    Mount it on an authenticated API: the answer names every engine URL.
+    Mount it on an authenticated API: the answer names every engine URL, and
+    carries each engine's key only when the API marked the request
+    ``REVEAL_KEYS`` (a router certificate): an operator can read the set,
+    not use the engines behind the router's back.
     """
 
     async def handler(request: web.Request) -> web.Response:
@@ -53,7 +62,9 @@ def endpoints_watch_handler(table: EndpointTable, wait_s: float = WATCH_WAIT_S):
             rev, eps = table.snapshot()
         else:
             rev, eps = await table.wait_changed(after, wait_s)
-        return web.json_response({"revision": rev, "epoch": epoch, "endpoints": [e.to_dict() for e in eps]})
+        with_key = request.get(REVEAL_KEYS) is True
+        return web.json_response({"revision": rev, "epoch": epoch,
+                                  "endpoints": [e.to_dict(with_key) for e in eps]})
 
     return handler
 

@@ -19,10 +19,13 @@ than ignored, so a flag the real engine would reject never passes here.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Sequence
+
+import yaml
 
 DIALECTS = ("serve", "sglang", "llama-server")
 
@@ -199,7 +202,8 @@ def parse_vllm(args: Sequence[str], prog: str = "vllm serve") -> SimConfig:
     world = ns.tensor_parallel_size * ns.pipeline_parallel_size
     if world % ns.nnodes:
         raise ArgvError(f"world size {world} (tp x pp) is not divisible by nnodes={ns.nnodes}")
-    keys = tuple(ns.api_key or ())
+    # vLLM: ``args.api_key or [envs.VLLM_API_KEY]``, empty keys dropped
+    keys = tuple(k for k in (ns.api_key or [os.environ.get("VLLM_API_KEY", "")]) if k)
     return SimConfig(
         dialect="vllm",
         model=ns.model_tag,
@@ -261,9 +265,35 @@ def _sglang_parser(prog: str) -> argparse.ArgumentParser:
     return p
 
 
+def _sglang_config(args: Sequence[str]) -> list[str]:
+    """SGLang's ``--config FILE``: the YAML's ``key: value`` pairs become ``--key value`` flags
+    placed before the command line's own (which win), inside the process."""
+    args = list(args)
+    for i, tok in enumerate(args):
+        if tok == "--config" and i + 1 < len(args):
+            path, rest = args[i + 1], args[:i] + args[i + 2:]
+        elif tok.startswith("--config="):
+            path, rest = tok.split("=", 1)[1], args[:i] + args[i + 1:]
+        else:
+            continue
+        with open(path) as f:
+            doc = yaml.safe_load(f) or {}
+        if not isinstance(doc, dict):
+            raise ArgvError(f"config file {path} must contain a mapping")
+        flags: list[str] = []
+        for key, value in doc.items():
+            name = "--" + str(key).replace("_", "-")
+            if value is True:
+                flags.append(name)
+            elif value not in (False, None):
+                flags += [name, str(value)]
+        return flags + rest
+    return args
+
+
 def parse_sglang(args: Sequence[str], prog: str = "sglang.launch_server") -> SimConfig:
     parser = _sglang_parser(prog)
-    ns = parser.parse_args(list(args))
+    ns = parser.parse_args(_sglang_config(args))
     if not 0 <= ns.node_rank < ns.nnodes:
         raise ArgvError(f"node_rank {ns.node_rank} out of range for nnodes={ns.nnodes}")
     if ns.nnodes > 1 and not ns.dist_init_addr:
@@ -323,7 +353,8 @@ def _llama_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("-ub", "--ubatch-size", type=int, default=512)
     p.add_argument("-fa", "--flash-attn", choices=["on", "off", "auto"], default="auto")
     p.add_argument("-s", "--seed", type=int, default=-1)
-    p.add_argument("--api-key", type=str, default=None)
+    p.add_argument("--api-key", type=str, default=os.environ.get("LLAMA_ARG_API_KEY"))
+    p.add_argument("--api-key-file", type=str, default=None)
     p.add_argument("--embedding", "--embeddings", action="store_true")
     p.add_argument("--metrics", action="store_true")
     p.add_argument("--jinja", action="store_true")
@@ -343,6 +374,9 @@ def parse_llamacpp(args: Sequence[str], prog: str = "llama-server") -> SimConfig
         parser.error("a model is required (-m, --model FNAME)")
     split = [s for s in (ns.tensor_split or "").split(",") if s]
     keys = tuple(k for k in (ns.api_key or "").split(",") if k)
+    if ns.api_key_file:  # one key per line, as llama-server reads it
+        with open(ns.api_key_file) as f:
+            keys += tuple(line.strip() for line in f if line.strip())
     defaults = vars(parser.parse_args(["-m", ns.model]))
     return SimConfig(
         dialect="llamacpp",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import hmac
 import json
 import math
 import os
@@ -589,13 +590,42 @@ async def not_found(request: web.Request) -> web.Response:
     return web.json_response({"detail": "Not Found"}, status=404)
 
 
+# vLLM's AuthenticationMiddleware (vllm/entrypoints/openai/server_utils.py): with a key,
+# every route but these public ones needs it; /v1, /v2, /inference and /cohere always do.
+_PUBLIC_PATHS = ("/health", "/ping", "/load", "/version", "/metrics")
+_GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
+
+
+def _is_public(path: str) -> bool:
+    return any(path == p or path.startswith(p + "/") for p in _PUBLIC_PATHS)
+
+
 def auth_middleware(keys: tuple[str, ...]):
-    allowed = {f"Bearer {k}" for k in keys}
+    """401 ``{"error": "Unauthorized"}`` unless ``Authorization: Bearer <key>``, as vLLM answers.
+
+    The scheme is matched case-insensitively and the key by comparing SHA-256
+    digests in constant time, like vLLM; OPTIONS (CORS preflight) and the
+    public paths pass without a key.
+    """
+    digests = [hashlib.sha256(k.encode()).digest() for k in keys]
+
+    def verified(header: str | None) -> bool:
+        if not header:
+            return False
+        scheme, _, param = header.partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        got = hashlib.sha256(param.encode()).digest()
+        match = False
+        for d in digests:
+            match |= hmac.compare_digest(got, d)
+        return match
 
     @web.middleware
     async def auth(request: web.Request, handler):
-        if (request.method != "OPTIONS" and request.path.startswith("/v1")
-                and request.headers.get("Authorization") not in allowed):
+        path = request.path
+        if (request.method != "OPTIONS" and path.startswith(_GUARDED_PREFIXES) and not _is_public(path)
+                and not verified(request.headers.get("Authorization"))):
             return web.json_response({"error": "Unauthorized"}, status=401)
         return await handler(request)
 

@@ -13,6 +13,7 @@ from .identity import (
     certificate_role,
     check_admin_identity,
     check_node_identity,
+    check_router_identity,
     peer_identity,
 )
 from .issue import (
@@ -21,6 +22,7 @@ from .issue import (
     IssueError,
     issue_admin,
     issue_node,
+    issue_router,
     issue_server,
     sign_csr,
     validate_node_id,
@@ -39,10 +41,12 @@ __all__ = [
     "certificate_role",
     "check_admin_identity",
     "check_node_identity",
+    "check_router_identity",
     "client_context",
     "init_ca",
     "issue_admin",
     "issue_node",
+    "issue_router",
     "issue_server",
     "load_ca",
     "peer_identity",

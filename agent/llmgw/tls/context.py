@@ -74,6 +74,23 @@ def server_context(
     return ctx
 
 
+def public_server_context(cert_file: PathLike, key_file: PathLike) -> ssl.SSLContext:
+    """A server context for the router's client-facing listener: no client certificates.
+
+    Clients of the OpenAI API are not fleet members: they authenticate with
+    API keys and verify the router against whatever CA they were given (the
+    fleet CA, or the operator's own PKI for an operator-supplied
+    certificate).  TLS 1.2 is the floor rather than 1.3 because these
+    clients are not ours; compression stays off.
+    """
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.options |= ssl.OP_NO_COMPRESSION
+    ctx.verify_mode = ssl.CERT_NONE
+    _load_pair(ctx, cert_file, key_file)
+    return ctx
+
+
 def client_context(
     ca_file: PathLike,
     cert_file: PathLike | None = None,

@@ -9,7 +9,8 @@ form carries the extended key usage.
 
 A role needs both halves: ``OU=node`` *and* the clientAuth usage for a node,
 ``OU=admin`` *and* clientAuth for an operator, ``OU=server`` *and* serverAuth
-for the control plane. An OU alone, or a usage alone, is no role at all.
+for the control plane, ``OU=router`` *and* both usages for a standalone
+router. An OU alone, or a usage alone, is no role at all.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class IdentityError(Exception):
 class PeerIdentity:
     """The parts of a verified peer certificate that authorisation looks at."""
 
-    role: str | None  # "node", "admin", "server", or None when the certificate carries no role
+    role: str | None  # "node", "admin", "server", "router", or None when the certificate carries no role
     name: str  # the subject common name
     serial: int
     not_after: dt.datetime  # timezone-aware UTC
@@ -94,6 +95,8 @@ def certificate_role(cert: x509.Certificate) -> str | None:
         return ou
     if ou == "server" and "serverAuth" in usages:
         return "server"
+    if ou == "router" and "serverAuth" in usages and "clientAuth" in usages:
+        return "router"
     return None
 
 
@@ -143,7 +146,8 @@ def _role_refusal(identity: PeerIdentity, wanted: str, action: str) -> IdentityE
     usages = ", ".join(identity.usages) or "none"
     return IdentityError(
         f"certificate {identity.name!r} carries no role (OU {identity.organizational_unit!r}, "
-        f"extended key usage {usages}); {action} needs OU={wanted} with clientAuth"
+        f"extended key usage {usages}); {action} needs OU={wanted} with "
+        f"{'serverAuth and clientAuth' if wanted == 'router' else 'clientAuth'}"
     )
 
 
@@ -161,6 +165,12 @@ def check_node_identity(identity: PeerIdentity, claimed_node_id: str) -> None:
         raise IdentityError(
             f"certificate CN {identity.name!r} does not match claimed node id {claimed_node_id!r}"
         )
+
+
+def check_router_identity(identity: PeerIdentity) -> None:
+    """Refuse unless the peer holds a router certificate (the only role given engine keys)."""
+    if identity.role != "router":
+        raise _role_refusal(identity, "router", "read engine keys as a router")
 
 
 def check_admin_identity(identity: PeerIdentity) -> None:

@@ -1,4 +1,4 @@
-"""Issuing leaf certificates for the three roles of the fleet.
+"""Issuing leaf certificates for the four roles of the fleet.
 
 - ``server``: the control plane. EKU serverAuth only. Hostname verification
   reads subject alternative names and ignores the common name, so the SANs
@@ -7,6 +7,11 @@
 - ``node``: one per GPU node. EKU clientAuth only. CN is the node id, which
   the control plane compares to the id the agent registers as.
 - ``admin``: an operator. EKU clientAuth, OU=admin, CN is the operator's name.
+- ``router``: a standalone router. EKU serverAuth (it serves clients over
+  HTTPS, so SANs as for ``server``) and clientAuth (it reads the control
+  plane's endpoint watch, the one caller given the engines' keys). A role of
+  its own so that neither a node nor an operator certificate can obtain
+  engine keys, and a router certificate can do nothing else.
 
 Subjects are always ``O=llmgw, OU=<role>, CN=<name>``; the role is read back
 from OU together with the EKU (see ``identity.py``).
@@ -35,8 +40,10 @@ from .ca import (
     utcnow,
 )
 
-ROLES = ("server", "node", "admin")
-DEFAULT_DAYS = {"server": 90, "node": 90, "admin": 30}
+ROLES = ("server", "node", "admin", "router")
+DEFAULT_DAYS = {"server": 90, "node": 90, "admin": 30, "router": 90}
+# Roles whose certificates name hosts (SANs) rather than a node or a person.
+HOST_ROLES = ("server", "router")
 CLOCK_SKEW = dt.timedelta(minutes=5)
 NODE_URI_PREFIX = "urn:llmgw:node:"
 
@@ -44,6 +51,7 @@ ROLE_EKU: dict[str, tuple[x509.ObjectIdentifier, ...]] = {
     "server": (ExtendedKeyUsageOID.SERVER_AUTH,),
     "node": (ExtendedKeyUsageOID.CLIENT_AUTH,),
     "admin": (ExtendedKeyUsageOID.CLIENT_AUTH,),
+    "router": (ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH),
 }
 
 # A node id is a lowercase DNS name: dot-separated labels of [a-z0-9_-], each
@@ -164,8 +172,8 @@ def _dedupe(items: Iterable) -> tuple:
     return tuple(dict.fromkeys(items))
 
 
-def server_request(hosts: Sequence[str], ips: Sequence[str] = ()) -> LeafRequest:
-    """Validate server SANs. An IP literal given as a host is filed as an IP SAN,
+def server_request(hosts: Sequence[str], ips: Sequence[str] = (), role: str = "server") -> LeafRequest:
+    """Validate server (or router) SANs. An IP literal given as a host is filed as an IP SAN,
     because a DNS SAN holding an address never matches an address being dialed."""
     if isinstance(hosts, str) or isinstance(ips, str):
         raise IssueError("hosts and ips must be lists of strings, not a single string")
@@ -180,11 +188,11 @@ def server_request(hosts: Sequence[str], ips: Sequence[str] = ()) -> LeafRequest
     dns_t, ip_t = _dedupe(dns), _dedupe(addrs)
     if not dns_t and not ip_t:
         raise IssueError(
-            "a server certificate needs at least one DNS name or IP address: hostname verification "
+            f"a {role} certificate needs at least one DNS name or IP address: hostname verification "
             "ignores the common name, so clients would reject a certificate without SANs"
         )
     name = dns_t[0] if dns_t else str(ip_t[0])
-    return LeafRequest(role="server", name=name, dns_names=dns_t, ips=ip_t)
+    return LeafRequest(role=role, name=name, dns_names=dns_t, ips=ip_t)
 
 
 def node_request(node_id: str) -> LeafRequest:
@@ -280,9 +288,19 @@ def issue_server(
     *,
     key_type: str = DEFAULT_KEY_TYPE,
     now: dt.datetime | None = None,
+    role: str = "server",
 ) -> tuple[bytes, bytes]:
-    """(cert_pem, key_pem) for the control plane, valid for every host and IP given."""
-    return _issue(ca, server_request(hosts, ips), days, key_type, now)
+    """(cert_pem, key_pem) for the control plane (or, ``role="router"``, a router), valid for
+    every host and IP given."""
+    if role not in HOST_ROLES:
+        raise IssueError(f"role {role!r} names no hosts; host roles are {', '.join(HOST_ROLES)}")
+    return _issue(ca, server_request(hosts, ips, role=role), days, key_type, now)
+
+
+def issue_router(ca: CertificateAuthority, hosts: Sequence[str], ips: Sequence[str] = (),
+                 days: int | None = None, **kw) -> tuple[bytes, bytes]:
+    """(cert_pem, key_pem) for a router: serves clients at the hosts/IPs given, reads the watch."""
+    return issue_server(ca, hosts, ips, days, role="router", **kw)
 
 
 def issue_node(
@@ -396,16 +414,16 @@ def sign_csr(
     the CSR; the CSR is only checked against it. Any disagreement (another
     CN, extra subject attributes, different SANs, a CA or a different EKU
     requested, an unknown extension, a bad signature) refuses to sign.
-    For ``server`` the expectation is ``hosts``/``ips`` (``expected_name``,
+    For ``server`` and ``router`` the expectation is ``hosts``/``ips`` (``expected_name``,
     if given, must be the first DNS name or IP); for ``node`` and ``admin``
     it is ``expected_name``.
     """
     if role not in ROLES:
         raise IssueError(f"unknown role {role!r}; roles are {', '.join(ROLES)}")
-    if role == "server":
-        req = server_request(hosts, ips)
+    if role in HOST_ROLES:
+        req = server_request(hosts, ips, role=role)
         if expected_name is not None and expected_name != req.name:
-            raise IssueError(f"expected server name {expected_name!r} is not the first host/IP {req.name!r}")
+            raise IssueError(f"expected {role} name {expected_name!r} is not the first host/IP {req.name!r}")
     elif hosts or ips:
         raise IssueError(f"{role} certificates carry no host or IP SANs")
     elif expected_name is None:

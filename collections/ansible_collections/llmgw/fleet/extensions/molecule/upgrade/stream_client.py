@@ -1,10 +1,14 @@
-"""Stream chat completions through the router until told to stop, and count every failure.
+"""Stream chat completions through the routers until told to stop, and count every failure.
 
 Run by the upgrade scenario on the controller while playbooks/upgrade.yml
-restarts the fleet's services. A request counts as good only if it streamed
-at least one token and ended with a finish_reason: a stream cut short, an
-error event, a connection refused or an HTTP error is a failure. Writes a
-JSON report when the stop file appears.
+restarts the fleet's services and the control plane is killed. A request counts
+as good only if it streamed at least one token and ended with a finish_reason:
+a stream cut short, an error event, an HTTP error or no router taking the
+connection is a failure. With several --base-url (one per router) the client
+does what a client of redundant routers does: it spreads requests over them and,
+when one does not take the request (connection or TLS handshake failed, or closed
+before any answer: a restarting router), sends that request to the next; nothing
+else is retried, and a request any router took and failed is a failure. Writes a JSON report when the stop file appears.
 """
 
 from __future__ import annotations
@@ -12,14 +16,31 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import ssl
 import threading
 import time
 
+import httpx
 import openai
 
 
-def one(client: openai.OpenAI, model: str) -> str | None:
-    """One streamed completion; None when it was good, else what went wrong."""
+def one(clients: list[openai.OpenAI], start: int, model: str) -> tuple[str | None, int]:
+    """One streamed completion, failing over between routers only on a refused connection.
+
+    Returns (None when it was good else what went wrong, how many routers refused it first).
+    """
+    refused = 0
+    for i in range(len(clients)):
+        client = clients[(start + i) % len(clients)]
+        err, connected = _stream(client, model)
+        if connected or i == len(clients) - 1:
+            return err, refused
+        refused += 1
+    return "no router", refused
+
+
+def _stream(client: openai.OpenAI, model: str) -> tuple[str | None, bool]:
+    """(what went wrong or None, whether the router took the connection)."""
     tokens, finish = 0, None
     try:
         stream = client.chat.completions.create(
@@ -30,16 +51,35 @@ def one(client: openai.OpenAI, model: str) -> str | None:
                 if choice.delta and choice.delta.content:
                     tokens += 1
                 finish = choice.finish_reason or finish
+    except openai.APIConnectionError as e:
+        if tokens == 0 and _refused(e):
+            return f"{type(e).__name__}: {e}", False
+        return f"{type(e).__name__}: {e}", True
     except Exception as e:  # noqa: BLE001 - every failure is counted, with its kind
-        return f"{type(e).__name__}: {e}"
+        return f"{type(e).__name__}: {e}", True
     if not tokens or finish is None:
-        return f"stream ended without tokens or finish_reason (tokens={tokens}, finish={finish})"
-    return None
+        return f"stream ended without tokens or finish_reason (tokens={tokens}, finish={finish})", True
+    return None, True
+
+
+def _refused(exc: BaseException) -> bool:
+    """The router did not take the request, so another router may: the connection or its TLS
+    handshake failed (httpx.ConnectError: nothing was sent; a router that is stopping refuses
+    connections, and resets those still queued when it closes its socket), or a kept-alive
+    connection was closed before any answer (a stopping router closes its idle connections;
+    a request it had accepted it would finish)."""
+    while exc is not None:
+        if isinstance(exc, (httpx.ConnectError, ConnectionRefusedError)) or (
+                isinstance(exc, httpx.RemoteProtocolError) and "without sending a response" in str(exc)):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--base-url", required=True)
+    ap.add_argument("--base-url", required=True, action="append", help="a router's /v1 URL (repeatable)")
+    ap.add_argument("--ca", help="CA file the routers' certificates are verified against")
     ap.add_argument("--api-key", required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--stop-file", required=True)
@@ -47,21 +87,26 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=4)
     args = ap.parse_args()
 
-    client = openai.OpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=0, timeout=60)
+    verify = ssl.create_default_context(cafile=args.ca) if args.ca else True
+    clients = [openai.OpenAI(base_url=url, api_key=args.api_key, max_retries=0, timeout=60,
+                             http_client=httpx.Client(verify=verify, timeout=60))
+               for url in args.base_url]
     lock = threading.Lock()
-    counts = {"ok": 0, "failed": 0}
+    counts = {"ok": 0, "failed": 0, "failed_over": 0}
     errors: list[str] = []
 
-    def worker() -> None:
+    def worker(n: int) -> None:
         while not os.path.exists(args.stop_file):
-            err = one(client, args.model)
+            err, refused = one(clients, n, args.model)
+            n += 1
             with lock:
                 counts["failed" if err else "ok"] += 1
+                counts["failed_over"] += refused
                 if err and len(errors) < 20:
                     errors.append(err)
 
     started = time.time()
-    threads = [threading.Thread(target=worker) for _i in range(args.concurrency)]
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(args.concurrency)]
     for t in threads:
         t.start()
     for t in threads:
