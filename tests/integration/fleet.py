@@ -214,7 +214,7 @@ def llmgw_argv(*args: str) -> list[str]:
 class Fleet:
     def __init__(self, root: Path, nodes: dict[str, int], replicas: int = 1, *,
                  lifecycle: dict[str, float] | None = None, restart: dict[str, float] | None = None,
-                 profile: dict[str, Any] | None = None, router: bool = False,
+                 profile: dict[str, Any] | None = None, router: bool = False, router_http: bool = False,
                  pki: Pki | None = None, api_host: str = "127.0.0.1", stream_host: str = "127.0.0.1",
                  agent_keepalive: float | None = None):
         self.root = root
@@ -241,11 +241,14 @@ class Fleet:
             "profiles": [{"name": "sim", "engine": "vllm", "start_timeout": 60, **(profile or {})}],
             "deployments": [{"model": "tiny", "profile": "sim", "replicas": replicas}],
         }
+        self.router_http = router_http
         if router:
-            # HTTPS with the fleet CA's router certificate, as the collection deploys it
+            # HTTPS with the fleet CA's router certificate, as the collection deploys it; plain
+            # HTTP (router_http) only as an operator may set it explicitly, for tests about other things
+            tls = {"insecure_http": True} if router_http else {
+                "tls": {"cert": str(self.pki.router[0]), "key": str(self.pki.router[1])}}
             self.config["router"] = {"listen": {"host": "127.0.0.1", "port": self.router_port},
-                                     "allow_unauthenticated": True,
-                                     "tls": {"cert": str(self.pki.router[0]), "key": str(self.pki.router[1])}}
+                                     "allow_unauthenticated": True, **tls}
         self.config_path = root / "server.yaml"
         self.write_config()
         self.server = Proc("server", llmgw_argv("server", "--config", str(self.config_path)),
@@ -258,7 +261,7 @@ class Fleet:
     @property
     def router_url(self) -> str:
         """The in-process router; verify it with ``router_verify()``."""
-        return f"https://127.0.0.1:{self.router_port}"
+        return f"{'http' if self.router_http else 'https'}://127.0.0.1:{self.router_port}"
 
     def router_verify(self) -> ssl.SSLContext:
         return ssl.create_default_context(cafile=str(self.pki.ca_cert))

@@ -32,7 +32,7 @@ def llama_fleet(root: Path, models: list[dict[str, Any]], deployments: list[dict
                 **fleet_kw: Any) -> Fleet:
     """A one-node fleet with a router whose ``llamacpp`` engine is the built ``llama-server``."""
     assert LLAMA is not None
-    f = Fleet(root, nodes={"a": gpus}, router=True, **fleet_kw)
+    f = Fleet(root, nodes={"a": gpus}, router=True, router_http=True, **fleet_kw)
     f.config["models"] = models
     f.config["profiles"] = profiles or [{"name": "cpu", "engine": "llamacpp", "start_timeout": 120}]
     f.config["deployments"] = deployments

@@ -298,7 +298,7 @@ def tracebacks(text: str) -> list[str]:
 
 def fuzz_fleet(root: Path, examples: int, derandomize: bool = False) -> dict[str, Any]:
     """A fleet with one real agent and the built-in router, fuzzed; what happened, counted."""
-    with Fleet(root, nodes={"a": 1}, replicas=1, router=True,
+    with Fleet(root, nodes={"a": 1}, replicas=1, router=True, router_http=True,
                lifecycle={"unreachable_after": 30, "lost_after": 60}) as f:
         f.start()
         f.wait_ready(1)

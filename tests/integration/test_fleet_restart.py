@@ -193,7 +193,8 @@ def test_restarted_control_plane_does_not_declare_live_nodes_lost(tmp_path):
 def test_builtin_router_answers_503_with_retry_after_not_404_until_agents_report_after_a_restart(tmp_path):
     # OpenAI clients retry a 503 (honouring Retry-After) and give up on a 404: right after a
     # restart the built-in router's table is empty only because no agent has reported yet.
-    with Fleet(tmp_path, nodes={"a": 1}, replicas=1, router=True, lifecycle={"startup_grace": 30.0}) as f:
+    with Fleet(tmp_path, nodes={"a": 1}, replicas=1, router=True, router_http=True,
+               lifecycle={"startup_grace": 30.0}) as f:
         f.start()
         f.wait_ready(1)
         url = f"http://127.0.0.1:{f.router_port}/v1/chat/completions"

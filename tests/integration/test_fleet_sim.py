@@ -82,7 +82,7 @@ class Sim:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Fleet, Sim]]:
     root = tmp_path_factory.mktemp("fleetsim")
-    f = Fleet(root, nodes={}, lifecycle=LIFECYCLE, router=True)
+    f = Fleet(root, nodes={}, lifecycle=LIFECYCLE, router=True, router_http=True)
     f.config["profiles"] = PROFILES
     f.config["models"].append({"name": "real", "source": "org/real"})
     f.config["deployments"] = [{"model": "tiny", "profile": p, "replicas": n} for p, n in DEPLOYMENTS.items()]

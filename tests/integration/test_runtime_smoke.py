@@ -21,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleet import Fleet, until
-from test_fleet_restart import router_endpoints, standalone_router
+from fleet import router_endpoints, standalone_router
 
 pytestmark = pytest.mark.integration
 
@@ -32,7 +32,7 @@ MSG = [{"role": "user", "content": "hello"}]
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
-    with Fleet(tmp_path_factory.mktemp("smoke"), nodes={"a": 2}, replicas=1, router=True) as f:
+    with Fleet(tmp_path_factory.mktemp("smoke"), nodes={"a": 2}, replicas=1, router=True, router_http=True) as f:
         f.start()
         [replica] = f.wait_ready(1)
         router, port = standalone_router(f)

@@ -31,7 +31,7 @@ PROMETHEUS = shutil.which("prometheus")
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
-    with running(tmp_path_factory.mktemp("monitoring"), {"a": 2}, replicas=1, router=True) as lf:
+    with running(tmp_path_factory.mktemp("monitoring"), {"a": 2}, replicas=1, router=True, router_http=True) as lf:
         yield lf
 
 
