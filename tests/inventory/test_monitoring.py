@@ -31,14 +31,14 @@ PROMETHEUS = shutil.which("prometheus")
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
-    with running(tmp_path_factory.mktemp("monitoring"), {"a": 2}, replicas=1, router=True, router_http=True) as lf:
+    with running(tmp_path_factory.mktemp("monitoring"), {"a": 2}, replicas=1, router=True) as lf:
         yield lf
 
 
 def monitoring(lf: LiveFleet, targets: Path, *extra: str) -> subprocess.CompletedProcess:
     pki = lf.fleet.pki
     params = {"monitoring_targets_dir": str(targets),
-              "monitoring_routers": [f"http://127.0.0.1:{lf.fleet.router_port}"],
+              "monitoring_routers": [lf.fleet.router_url],  # HTTPS, the fleet CA's router certificate
               "monitoring_ca_file": str(pki.ca_cert),
               "monitoring_cert_file": str(pki.admin[0]), "monitoring_key_file": str(pki.admin[1])}
     params_file = targets.parent / "monitoring-vars.json"
@@ -128,8 +128,8 @@ def test_prometheus_scrapes_the_fleet_from_the_generated_targets(live, tmp_path)
         [PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}", f"--web.listen-address=127.0.0.1:{port}",
          f"--storage.tsdb.path={tmp_path / 'tsdb'}"], stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
     try:
-        with httpx.Client(timeout=30) as c:  # a request through the router, for its series
-            c.post(f"http://127.0.0.1:{live.fleet.router_port}/v1/completions",
+        with httpx.Client(timeout=30, verify=live.fleet.router_verify()) as c:  # through the router, for its series
+            c.post(f"{live.fleet.router_url}/v1/completions",
                    json={"model": "tiny", "prompt": "hi", "max_tokens": 2}).raise_for_status()
 
         def all_up():
