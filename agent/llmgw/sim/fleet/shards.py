@@ -129,6 +129,14 @@ class SimStateDir:
         if shard_id in self.real:
             self.dir.log_note(shard_id, line)
 
+    def secret_dir(self, shard_id: str) -> Path:
+        """Key files are written for real engines only (SGLang's --config)."""
+        return self.dir.secret_dir(shard_id)
+
+    def remove_secrets(self, shard_id: str) -> None:
+        if shard_id in self.real:
+            self.dir.remove_secrets(shard_id)
+
     def open_log(self, shard_id: str) -> int:
         return self.dir.open_log(shard_id)
 
