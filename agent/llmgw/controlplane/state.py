@@ -422,7 +422,7 @@ class ControlPlane:
         for (key, why), slots in grouped.items():
             if self._last_unplaced_logged.get((key, why)) != slots:
                 shown = ", ".join(f"#{n}" for n in slots[:5]) + (f" and {len(slots) - 5} more" if len(slots) > 5 else "")
-                log.warning("%s: %d replica(s) not placed (%s): %s", key, len(slots), shown, why)
+                log.warning("%s: %d replica(s) not placed, slot(s) %s: %s", key, len(slots), shown, why)
         self._last_unplaced_logged = grouped
 
     def _publish_endpoints(self, views: dict[str, NodeView]) -> None:
