@@ -68,10 +68,9 @@ class FleetCapacity:
     def __init__(self, units: Iterable[tuple[NodeCapacity, str]]):
         self._units: dict[str, _Unit] = {}
         self._classes: dict[tuple, list[str]] = {}  # key -> node ids, sorted
-        self.index = PlacementIndex()
+        self._index: PlacementIndex | None = None  # built on the first single-node request
         for cap, shape in units:
             self._put(cap, shape)
-            self.index.update(cap)
 
     @classmethod
     def of(cls, claimed: Mapping[str, Iterable[int]] | None, nodes: Mapping[str, object]) -> "FleetCapacity":
@@ -123,7 +122,9 @@ class FleetCapacity:
         summary, counted per kind of reason.
         """
         if request.profile.nodes == 1:
-            return self.index.place(request)
+            if self._index is None:  # capacities() and multi-node passes never need it
+                self._index = PlacementIndex(self.everyone())
+            return self._index.place(request)
         result = place(request, self.candidates(per_class=max(1, request.profile.nodes)))
         if result.placement is None:
             result = place(request, self.everyone())
@@ -131,7 +132,8 @@ class FleetCapacity:
 
     def take(self, placement: Placement) -> None:
         """The GPUs of ``placement`` are no longer free."""
-        self.index.take(placement)
+        if self._index is not None:
+            self._index.take(placement)
         for shard in placement.shards:
             unit = self._drop(shard.node_id)
             cap = unit.capacity
