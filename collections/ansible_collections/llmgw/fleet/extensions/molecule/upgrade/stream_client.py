@@ -46,15 +46,18 @@ def _stream(client: openai.OpenAI, model: str) -> tuple[str | None, bool]:
         stream = client.chat.completions.create(
             model=model, stream=True, max_tokens=32,
             messages=[{"role": "user", "content": "Count slowly to ten."}])
+    except openai.APIConnectionError as e:
+        # No response head came back: refused, or a kept-alive connection the router
+        # closed (or reset) as it stopped, before it read the request.
+        return f"{type(e).__name__}: {e}", not _refused(e)
+    except Exception as e:  # noqa: BLE001 - every failure is counted, with its kind
+        return f"{type(e).__name__}: {e}", True
+    try:
         for chunk in stream:
             for choice in chunk.choices:
                 if choice.delta and choice.delta.content:
                     tokens += 1
                 finish = choice.finish_reason or finish
-    except openai.APIConnectionError as e:
-        if tokens == 0 and _refused(e):
-            return f"{type(e).__name__}: {e}", False
-        return f"{type(e).__name__}: {e}", True
     except Exception as e:  # noqa: BLE001 - every failure is counted, with its kind
         return f"{type(e).__name__}: {e}", True
     if not tokens or finish is None:
@@ -67,10 +70,16 @@ def _refused(exc: BaseException) -> bool:
     handshake failed (httpx.ConnectError: nothing was sent; a router that is stopping refuses
     connections, and resets those still queued when it closes its socket), or a kept-alive
     connection was closed before any answer (a stopping router closes its idle connections;
-    a request it had accepted it would finish)."""
+    a request it had accepted it would finish). A request written onto such a connection just
+    as it closes is answered by the kernel with a reset instead of the close (the router never
+    read it), so a reset before the response head counts as not taken too; the caller asks only
+    when no response head arrived."""
     while exc is not None:
-        if isinstance(exc, (httpx.ConnectError, ConnectionRefusedError)) or (
-                isinstance(exc, httpx.RemoteProtocolError) and "without sending a response" in str(exc)):
+        if isinstance(exc, (httpx.ConnectError, ConnectionRefusedError, ConnectionResetError,
+                            BrokenPipeError)) or (
+                isinstance(exc, httpx.RemoteProtocolError) and "without sending a response" in str(exc)) or (
+                isinstance(exc, (httpx.ReadError, httpx.WriteError))
+                and any(w in str(exc) for w in ("Connection reset", "Broken pipe", "EOF occurred"))):
             return True
         exc = exc.__cause__ or exc.__context__
     return False
