@@ -20,6 +20,8 @@ def test_reads_model_and_stream_only():
     (b'{"model": 3}', "model", "invalid_model"),
     (b'{"model": ""}', "model", "invalid_model"),
     (b'{"model": "m", "stream": "yes"}', "stream", "invalid_type"),
+    (b'{"a":' * 100_000, None, "invalid_json"),  # nested past the decoder's recursion limit
+    (b'[' * 100_000, None, "invalid_json"),
 ])
 def test_bad_bodies_are_400_naming_the_field(body, param, code):
     with pytest.raises(RouterError) as ei:

@@ -40,6 +40,10 @@ def parse_body(body: bytes) -> ParsedRequest:
             f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
             code="invalid_json",
         ) from None
+    except RecursionError:
+        # Python's decoder recurses once per level: a body of 16 MB of '[' or '{"a":' would
+        # otherwise escape as an exception and a 500 of the router's own.
+        raise bad_request("request body is nested too deeply", code="invalid_json") from None
     if not isinstance(payload, dict):
         raise bad_request(f"request body must be a JSON object, got {_json_type(payload)}", code="invalid_json")
     model = payload.get("model")
