@@ -263,6 +263,18 @@ async def hang_forever() -> None:
     await asyncio.Event().wait()
 
 
+async def generate_steps(state: SimState, steps: int, width: int) -> None:
+    """A non-streamed generation's engine steps: one per token, paced like a stream, each counted."""
+    latency = state.knobs.token_latency
+    clock = asyncio.get_running_loop().time
+    start = clock()
+    for i in range(steps):
+        if latency:
+            delay = start + (i + 1) * latency - clock()
+            await asyncio.sleep(delay if delay > 0 else 0)
+        state.metrics.iteration_tokens.observe(width)
+
+
 async def stream_tokens(
     request: web.Request,
     resp: web.StreamResponse,
@@ -377,8 +389,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             if hung:
                 await hang_forever()
             written = gen.cut * choices
-            if state.knobs.token_latency:
-                await asyncio.sleep(state.knobs.token_latency * gen.cut)
+            await generate_steps(state, gen.cut, choices)
             if gen.faulted:
                 if gen.fault == "crash-after":
                     await crash(request)
@@ -485,8 +496,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                 await hang_forever()
             out = []
             for p, gen in enumerate(gens):
-                if state.knobs.token_latency:
-                    await asyncio.sleep(state.knobs.token_latency * gen.cut)
+                await generate_steps(state, gen.cut, choices)
                 if gen.faulted:
                     written += gen.cut * choices
                     if gen.fault == "crash-after":
