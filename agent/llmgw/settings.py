@@ -112,6 +112,7 @@ class AgentSettings:
     engine_commands: dict[str, tuple[str, ...]]
     fetch: FetchPolicy = field(default_factory=FetchPolicy)
     health: LivenessPolicy = field(default_factory=LivenessPolicy)
+    rediscover_interval: float = 60.0  # discovery.interval: 0 = only when (re)connecting
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
 
 
@@ -389,6 +390,7 @@ def parse_agent_settings(doc: Any, source: str = "agent.yaml") -> AgentSettings:
         engine_commands={k: tuple(v) for k, v in doc.get("engines", {}).items()},
         fetch=FetchPolicy(**doc.get("fetch", {})),
         health=LivenessPolicy(**{k: float(v) for k, v in doc.get("health", {}).items()}),
+        rediscover_interval=float(disc.get("interval", 60)),
         raw=doc,
     )
 

@@ -256,6 +256,12 @@ class ControlPlane:
         elif kind == "progress":
             self.reconciler.observe_progress(node_id, msg, now)
             self._learn_reported_size(node_id, msg)
+        elif kind == "hardware":
+            inventory = HardwareInventory.from_dict(msg["hardware"])
+            log.warning("node %s: hardware changed while connected: %d GPU(s) advertised%s", node_id,
+                        len(inventory.gpus), f" ({inventory.gpu_reason})" if inventory.gpu_reason else "")
+            rec.inventory, rec.shape = inventory, shape_of(inventory)
+            self.kick()
         return True
 
     def _learn_reported_size(self, node_id: str, msg: dict[str, Any]) -> None:
