@@ -38,6 +38,24 @@ def write_hardware(path: Path, node_id: str, gpus: int) -> None:
     path.write_text(yaml.safe_dump(doc))
 
 
+def changeable_hardware(f: Fleet, tmp_path: Path, gpus: int, interval: float) -> tuple[Path, Path]:
+    """No deployments; agent ``a`` reads a copy of the sysfs fixture (fabric ``ib-a`` on mlx5_0 and
+    mlx5_1) and a hardware file of ``gpus`` GPUs, rediscovering every ``interval`` s: (sysfs, hardware file)."""
+    f.config["deployments"] = []
+    f.write_config()
+    sysfs = tmp_path / "sysfs"
+    shutil.copytree(SYSFS, sysfs, symlinks=True)
+    agent_yaml = tmp_path / "a" / "agent.yaml"
+    doc = yaml.safe_load(agent_yaml.read_text())
+    doc["discovery"]["sysfs_root"] = str(sysfs / "class" / "infiniband")
+    doc["discovery"]["interval"] = interval
+    doc["fabrics"] = [{"name": "ib-a", "hcas": ["mlx5_0", "mlx5_1"]}]
+    agent_yaml.write_text(yaml.safe_dump(doc))
+    hw = Path(doc["discovery"]["hardware_file"])
+    write_hardware(hw, f.node_ids["a"], gpus)
+    return sysfs, hw
+
+
 def hca_states(n: dict) -> dict[str, str]:
     return {h["name"]: h["ports"][0]["state"] for h in n["hardware"]["hcas"]}
 
@@ -45,18 +63,7 @@ def hca_states(n: dict) -> dict[str, str]:
 def test_hardware_changed_between_connections_reaches_the_control_plane_on_reconnect(tmp_path):
     with Fleet(tmp_path, nodes={"a": 4}, replicas=0, agent_keepalive=1.0,
                lifecycle={"unreachable_after": 60, "lost_after": 120}) as f:
-        f.config["deployments"] = []
-        f.write_config()
-        sysfs = tmp_path / "sysfs"
-        shutil.copytree(SYSFS, sysfs, symlinks=True)
-        agent_yaml = tmp_path / "a" / "agent.yaml"
-        doc = yaml.safe_load(agent_yaml.read_text())
-        doc["discovery"]["sysfs_root"] = str(sysfs / "class" / "infiniband")
-        doc["discovery"]["interval"] = 0  # only connections rediscover: the subject of this test
-        doc["fabrics"] = [{"name": "ib-a", "hcas": ["mlx5_0", "mlx5_1"]}]
-        agent_yaml.write_text(yaml.safe_dump(doc))
-        hw = Path(doc["discovery"]["hardware_file"])
-        write_hardware(hw, f.node_ids["a"], 4)
+        sysfs, hw = changeable_hardware(f, tmp_path, gpus=4, interval=0)  # only connections rediscover
         f.start()
         agent = f.agents["a"]
 
@@ -99,18 +106,7 @@ def test_hardware_changed_while_connected_reaches_the_control_plane_without_a_re
     """discovery.interval: a GPU gone and an adapter port fallen to INIT stop being advertised while the
     stream stays up; both come back the same way."""
     with Fleet(tmp_path, nodes={"a": 2}, replicas=0) as f:
-        f.config["deployments"] = []
-        f.write_config()
-        sysfs = tmp_path / "sysfs"
-        shutil.copytree(SYSFS, sysfs, symlinks=True)
-        agent_yaml = tmp_path / "a" / "agent.yaml"
-        doc = yaml.safe_load(agent_yaml.read_text())
-        doc["discovery"]["sysfs_root"] = str(sysfs / "class" / "infiniband")
-        doc["discovery"]["interval"] = 0.3
-        doc["fabrics"] = [{"name": "ib-a", "hcas": ["mlx5_0", "mlx5_1"]}]
-        agent_yaml.write_text(yaml.safe_dump(doc))
-        hw = Path(doc["discovery"]["hardware_file"])
-        write_hardware(hw, f.node_ids["a"], 2)
+        sysfs, hw = changeable_hardware(f, tmp_path, gpus=2, interval=0.3)
         f.start()
         first = until(lambda: (n := f.try_node("a")) and n["connected"] and n, "the node registered", on_timeout=f.dump)
         regs = first["registrations"]

@@ -9,6 +9,14 @@ from llmgw.controlplane.replicas import ReplicaState
 from test_controlplane_reconciler import Fleet, catalog, make_ready, no_double_claims, starts
 
 
+def placed_and_ready(f: Fleet, cat) -> list:
+    """One pass that places, every shard Ready, and the pass that sees it: the starts of the first."""
+    first = starts(f.step(cat, 0.0))
+    make_ready(f, 1.0)
+    f.step(cat, 1.0)
+    return first
+
+
 def serving(f: Fleet) -> dict[str, str]:
     """Replica id -> node of every live replica."""
     return {r.replica_id: ",".join(sorted(r.nodes())) for r in f.rec.book.live()}
@@ -27,9 +35,7 @@ def test_nothing_new_is_placed_on_a_cordoned_node():
 def test_cordon_keeps_what_runs():
     f = Fleet("a", "b", gpus=1)
     cat = catalog(replicas=1)
-    (s,) = starts(f.step(cat, 0.0))
-    make_ready(f, 1.0)
-    f.step(cat, 1.0)
+    (s,) = placed_and_ready(f, cat)
     f.set(s.node_id, cordon="cordoned")
     plan = f.step(cat, 2.0)
     assert plan.actions == [] and serving(f) == {s.spec["replica_id"]: s.node_id}
@@ -39,10 +45,8 @@ def test_drain_is_make_before_break_one_replica_at_a_time():
     f = Fleet("a", "b", gpus=2)
     cat = catalog(replicas=2)
     f.set("b", cordon="cordoned")  # both replicas land on a
-    first = starts(f.step(cat, 0.0))
+    first = placed_and_ready(f, cat)
     assert [s.node_id for s in first] == ["a", "a"]
-    make_ready(f, 1.0)
-    f.step(cat, 1.0)
     f.set("b", cordon=None)
     f.set("a", cordon="draining")
     old = sorted(s.spec["replica_id"] for s in first)
@@ -92,9 +96,7 @@ def test_a_replica_not_serving_is_retired_at_once_and_refilled_elsewhere():
 def test_a_drain_with_nowhere_to_go_waits_and_says_why():
     f = Fleet("a", "b", gpus=1)
     cat = catalog(replicas=2)
-    f.step(cat, 0.0)
-    make_ready(f, 1.0)
-    f.step(cat, 1.0)
+    placed_and_ready(f, cat)
     f.set("a", cordon="draining")
     plan = f.step(cat, 2.0)
     assert starts(plan) == [] and [a for a in plan.actions if isinstance(a, (Stop, Drain))] == []
@@ -107,9 +109,7 @@ def test_a_twin_that_fails_backs_off_and_the_old_replica_keeps_serving():
     f = Fleet("a", "b", gpus=1)
     cat = catalog(replicas=1)
     f.set("b", cordon="cordoned")
-    (s,) = starts(f.step(cat, 0.0))
-    make_ready(f, 1.0)
-    f.step(cat, 1.0)
+    (s,) = placed_and_ready(f, cat)
     f.set("b", cordon=None)
     f.set("a", cordon="draining")
     (twin,) = starts(f.step(cat, 2.0))
