@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from llmgw.agent.liveness import LivenessPolicy, policy_errors
 from llmgw.catalog import Catalog
 from llmgw.config import ConfigError, ConfigInvalid, read_yaml, schema_errors
 from llmgw.engines import ProfileError, validate_profile
@@ -110,6 +111,8 @@ class AgentSettings:
     fabrics: tuple[FabricDeclaration, ...]
     engine_commands: dict[str, tuple[str, ...]]
     fetch: FetchPolicy = field(default_factory=FetchPolicy)
+    health: LivenessPolicy = field(default_factory=LivenessPolicy)
+    rediscover_interval: float = 60.0  # discovery.interval: 0 = only when (re)connecting
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
 
 
@@ -319,6 +322,10 @@ def _fetch_errors(doc: dict[str, Any]) -> list[ConfigError]:
     return []
 
 
+def _health_errors(doc: dict[str, Any]) -> list[ConfigError]:
+    return [ConfigError(pointer, message) for pointer, message in policy_errors(doc.get("health", {}))]
+
+
 def _engine_ports_errors(doc: dict[str, Any]) -> list[ConfigError]:
     ports = doc.get("engine_ports")
     if ports and ports["last"] < ports["first"]:
@@ -345,6 +352,7 @@ def _agent_semantic_errors(doc: Any, schema: Sequence[ConfigError] = ()) -> list
         (("/insecure_no_tls", "/control_plane/url"), _agent_url_errors),
         (("/control_plane/reconnect_initial", "/control_plane/reconnect_max"), _reconnect_errors),
         (("/fetch",), _fetch_errors),
+        (("/health",), _health_errors),
         (("/engine_ports",), _engine_ports_errors),
         (("/fabrics",), _fabric_errors),
     ])
@@ -381,6 +389,8 @@ def parse_agent_settings(doc: Any, source: str = "agent.yaml") -> AgentSettings:
             for f in doc.get("fabrics", ())),
         engine_commands={k: tuple(v) for k, v in doc.get("engines", {}).items()},
         fetch=FetchPolicy(**doc.get("fetch", {})),
+        health=LivenessPolicy(**{k: float(v) for k, v in doc.get("health", {}).items()}),
+        rediscover_interval=float(disc.get("interval", 60)),
         raw=doc,
     )
 

@@ -1,4 +1,4 @@
-"""The agent rediscovers its hardware on every (re)connection, through real processes.
+"""The agent rediscovers its hardware on every (re)connection and every discovery.interval, through real processes.
 
 One ``llmgw agent`` process lives through the whole test with a simulated
 hardware file and a copy of a sysfs fixture declaring fabric ``ib-a`` on
@@ -38,6 +38,24 @@ def write_hardware(path: Path, node_id: str, gpus: int) -> None:
     path.write_text(yaml.safe_dump(doc))
 
 
+def changeable_hardware(f: Fleet, tmp_path: Path, gpus: int, interval: float) -> tuple[Path, Path]:
+    """No deployments; agent ``a`` reads a copy of the sysfs fixture (fabric ``ib-a`` on mlx5_0 and
+    mlx5_1) and a hardware file of ``gpus`` GPUs, rediscovering every ``interval`` s: (sysfs, hardware file)."""
+    f.config["deployments"] = []
+    f.write_config()
+    sysfs = tmp_path / "sysfs"
+    shutil.copytree(SYSFS, sysfs, symlinks=True)
+    agent_yaml = tmp_path / "a" / "agent.yaml"
+    doc = yaml.safe_load(agent_yaml.read_text())
+    doc["discovery"]["sysfs_root"] = str(sysfs / "class" / "infiniband")
+    doc["discovery"]["interval"] = interval
+    doc["fabrics"] = [{"name": "ib-a", "hcas": ["mlx5_0", "mlx5_1"]}]
+    agent_yaml.write_text(yaml.safe_dump(doc))
+    hw = Path(doc["discovery"]["hardware_file"])
+    write_hardware(hw, f.node_ids["a"], gpus)
+    return sysfs, hw
+
+
 def hca_states(n: dict) -> dict[str, str]:
     return {h["name"]: h["ports"][0]["state"] for h in n["hardware"]["hcas"]}
 
@@ -45,17 +63,7 @@ def hca_states(n: dict) -> dict[str, str]:
 def test_hardware_changed_between_connections_reaches_the_control_plane_on_reconnect(tmp_path):
     with Fleet(tmp_path, nodes={"a": 4}, replicas=0, agent_keepalive=1.0,
                lifecycle={"unreachable_after": 60, "lost_after": 120}) as f:
-        f.config["deployments"] = []
-        f.write_config()
-        sysfs = tmp_path / "sysfs"
-        shutil.copytree(SYSFS, sysfs, symlinks=True)
-        agent_yaml = tmp_path / "a" / "agent.yaml"
-        doc = yaml.safe_load(agent_yaml.read_text())
-        doc["discovery"]["sysfs_root"] = str(sysfs / "class" / "infiniband")
-        doc["fabrics"] = [{"name": "ib-a", "hcas": ["mlx5_0", "mlx5_1"]}]
-        agent_yaml.write_text(yaml.safe_dump(doc))
-        hw = Path(doc["discovery"]["hardware_file"])
-        write_hardware(hw, f.node_ids["a"], 4)
+        sysfs, hw = changeable_hardware(f, tmp_path, gpus=4, interval=0)  # only connections rediscover
         f.start()
         agent = f.agents["a"]
 
@@ -92,3 +100,30 @@ def test_hardware_changed_between_connections_reaches_the_control_plane_on_recon
         assert hca_states(back) == {"mlx5_0": "ACTIVE", "mlx5_1": "ACTIVE"}
         assert back["fabrics"][0]["advertised_hcas"] == ["mlx5_0", "mlx5_1"]
         assert agent.alive() and agent.lives == 1
+
+
+def test_hardware_changed_while_connected_reaches_the_control_plane_without_a_reconnection(tmp_path):
+    """discovery.interval: a GPU gone and an adapter port fallen to INIT stop being advertised while the
+    stream stays up; both come back the same way."""
+    with Fleet(tmp_path, nodes={"a": 2}, replicas=0) as f:
+        sysfs, hw = changeable_hardware(f, tmp_path, gpus=2, interval=0.3)
+        f.start()
+        first = until(lambda: (n := f.try_node("a")) and n["connected"] and n, "the node registered", on_timeout=f.dump)
+        regs = first["registrations"]
+        assert first["gpus_total"] == 2 and first["fabrics"][0]["advertised_hcas"] == ["mlx5_0", "mlx5_1"]
+
+        write_hardware(hw, f.node_ids["a"], 1)
+        port_state(sysfs, "mlx5_1").write_text("2: INIT\n")
+        changed = until(lambda: (n := f.try_node("a")) and n["gpus_total"] == 1
+                        and n["fabrics"][0]["advertised_hcas"] == ["mlx5_0"] and n,
+                        "the change to reach the control plane", on_timeout=f.dump)
+        assert changed["registrations"] == regs and changed["connected"], "no reconnection was needed"
+        assert any("mlx5_1" in p and "INIT" in p for p in changed["fabrics"][0]["problems"])
+        assert "hardware changed while connected" in f.agents["a"].output()
+
+        write_hardware(hw, f.node_ids["a"], 2)
+        port_state(sysfs, "mlx5_1").write_text("4: ACTIVE\n")
+        back = until(lambda: (n := f.try_node("a")) and n["gpus_total"] == 2
+                     and n["fabrics"][0]["advertised_hcas"] == ["mlx5_0", "mlx5_1"] and n,
+                     "the hardware to come back", on_timeout=f.dump)
+        assert back["registrations"] == regs

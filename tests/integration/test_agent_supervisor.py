@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from llmgw.agent import procident
+from llmgw.agent.liveness import LivenessPolicy
 from llmgw.agent.statedir import StateDir
 from llmgw.agent.supervisor import Supervisor, SupervisorConfig
 from llmgw.config import schema_errors
@@ -43,14 +44,14 @@ def make_spec(shard_id: str, *, timeout: float = 120, env: dict | None = None, g
 
 class Harness:
     def __init__(self, tmp_path: Path, command=SIM, stop_grace: float = 15.0, drain_grace: float = 120.0,
-                 bind_host: str = "127.0.0.1"):
+                 bind_host: str = "127.0.0.1", health: LivenessPolicy = LivenessPolicy()):
         self.statedir = StateDir(tmp_path / "state")
         first = random.randrange(30000, 60000, 200)
         self.config = SupervisorConfig(
             node_id=f"n-{os.getpid()}", advertise_address="127.0.0.1", engine_bind_host=bind_host,
             engine_ports=(first, first + 199), engine_commands={"vllm": tuple(command)},
             model_dir=str(tmp_path / "models"), stop_grace=stop_grace, drain_grace=drain_grace,
-            probe_interval=0.2)
+            probe_interval=0.2, health=health)
         self.messages: list[dict] = []
         self.sup: Supervisor | None = None
 

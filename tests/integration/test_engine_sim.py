@@ -6,10 +6,12 @@ import asyncio
 import base64
 import json
 import re
+import signal
 import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -359,6 +361,65 @@ def test_http_500_answers_every_completion_with_vllms_error(tmp_path):
         with pytest.raises(openai.InternalServerError):
             client(s).completions.create(model="m", prompt="x", stream=True)
         assert s.health_status() == 200
+
+
+def test_faults_that_begin_on_sigusr1_after_serving(tmp_path):
+    """wedge: nothing answers, /health included; engine-dead: /health and /v1 answer 500; the process lives."""
+    with start_sim(env={"LLMGW_SIM_FAULT": "wedge", "LLMGW_SIM_FAULT_ONSET": "signal"}, log_dir=tmp_path) as s:
+        assert client(s).completions.create(model="m", prompt="x", max_tokens=1).choices
+        s.proc.send_signal(signal.SIGUSR1)
+        until_sim(lambda: s.health_status(timeout=0.5) is None, "health to stop answering", s)
+        with pytest.raises(openai.APITimeoutError):
+            client(s, timeout=1.0).completions.create(model="m", prompt="x", max_tokens=1)
+        with pytest.raises(httpx.TimeoutException):
+            httpx.get(f"{s.url}/metrics", timeout=0.5)
+        assert s.alive() and "fault wedge begins" in s.output()
+    with start_sim(env={"LLMGW_SIM_FAULT": "engine-dead", "LLMGW_SIM_FAULT_ONSET": "signal"},
+                   log_dir=tmp_path) as s:
+        assert s.health_status() == 200
+        s.proc.send_signal(signal.SIGUSR1)
+        until_sim(lambda: s.health_status() == 500, "health to answer 500", s)
+        with pytest.raises(openai.InternalServerError, match="EngineCore encountered an issue"):
+            client(s).chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+        assert s.alive()
+
+
+def test_hang_after_start_keeps_health_and_freezes_the_step_counters(tmp_path):
+    """vLLM's engine core stuck in a collective: /health 200, requests pile up, no engine step."""
+    with start_sim(env={"LLMGW_SIM_FAULT": "hang", "LLMGW_SIM_FAULT_ONSET": "after:0.5"}, log_dir=tmp_path) as s:
+        until_sim(lambda: "fault hang begins" in s.output(), "the hang to begin", s)
+        steps = metric(s, "vllm:iteration_tokens_total_count")
+        errors: list[BaseException] = []
+
+        def request() -> None:
+            try:
+                client(s, timeout=openai.Timeout(30.0, read=3.0)).completions.create(
+                    model="m", prompt="a b c", max_tokens=2)
+            except BaseException as e:  # noqa: BLE001 - the timeout is the expected end
+                errors.append(e)
+
+        t = threading.Thread(target=request)
+        t.start()
+        until_sim(lambda: metric(s, "vllm:num_requests_running") >= 1, "the request to be running", s)
+        assert s.health_status() == 200
+        assert metric(s, "vllm:iteration_tokens_total_count") == steps  # admitted, never stepped
+        t.join()
+        assert len(errors) == 1 and isinstance(errors[0], openai.APITimeoutError)
+
+
+def test_iteration_tokens_count_engine_steps(sim):
+    n0, s0 = metric(sim, "vllm:iteration_tokens_total_count"), metric(sim, "vllm:iteration_tokens_total_sum")
+    list(client(sim).completions.create(model="m", prompt="a b c d", max_tokens=3, stream=True))
+    # one prefill step of 4 tokens, then one step per streamed token
+    assert metric(sim, "vllm:iteration_tokens_total_count") == n0 + 4
+    assert metric(sim, "vllm:iteration_tokens_total_sum") == s0 + 4 + 3
+
+
+def until_sim(pred, what: str, s, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, f"timed out waiting for {what}\n{s.output()}"
+        time.sleep(0.05)
 
 
 # ------------------------------------------------------------------------ start-up and ranks

@@ -190,6 +190,8 @@ def test_malformed_or_oversized_message_closes_only_its_senders_stream(cp):
                 results["bystander_epoch"] = reg["epoch"]
                 for label, bad in (("missing field", {"type": "heartbeat"}), ("not json", "{{{"),
                                    ("wrong type", {"type": "start", "spec": {}}),
+                                   ("another node's hardware",
+                                    {"type": "hardware", "hardware": register("node-bystander")["hardware"]}),
                                    ("oversized", "x" * (5 << 20))):
                     res = await _stream(cp, sender, register("node-sender"), then=[bad])
                     results[label] = res
@@ -202,18 +204,19 @@ def test_malformed_or_oversized_message_closes_only_its_senders_stream(cp):
         return results
 
     out = asyncio.run(scenario())
-    for label in ("missing field", "not json", "wrong type"):
+    for label in ("missing field", "not json", "wrong type", "another node's hardware"):
         res = out[label]
         assert kinds(res)[0] == "registered" and kinds(res)[-1] == "error", (label, res)
         assert res["close_code"] == 1008, (label, res)
     # 1009 when the close frame reaches the sender before it finishes writing;
     # either way the server stopped reading and closed that stream.
     assert out["oversized"]["close_code"] in (1009, 1006), out["oversized"]
-    assert out["bystander"] == [(True, out["bystander_epoch"])] * 4
+    assert out["bystander"] == [(True, out["bystander_epoch"])] * 5
     assert out["bystander_closed"] is False
     log = cp.server.output(10**7)
     assert "invalid heartbeat message: /: 'seq' is a required property" in log
     assert "exceeds limit" in log
+    assert "hardware: node_id 'node-bystander' is not this stream's node 'node-sender'" in log
 
 
 def test_a_new_registration_supersedes_the_old_stream(cp):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -18,24 +17,24 @@ import httpx
 import openai
 import pytest
 
-from fleet import (WAIT, Fleet, gpu_owners, process_start_time, router_endpoints, shard_identities,
+from fleet import (Fleet, gpu_owners, process_start_time, router_endpoints, shard_identities,
                    standalone_router, until)
+from openai_load import ThreadedLoad
 
 pytestmark = pytest.mark.integration
 
 LOAD_PROFILE = {"env": {"LLMGW_SIM_TOKEN_LATENCY": "0.02"}}
 
 
-class StreamingLoad:
+class StreamingLoad(ThreadedLoad):
     """Threads streaming completions through a router until stopped, counting outcomes."""
 
     def __init__(self, url: str, threads: int = 2):
+        super().__init__(threads)
         self.url = url
-        self.ok = 0
-        self.failures: list[str] = []
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
+
+    def _client(self) -> httpx.Client:
+        return httpx.Client(timeout=60)
 
     def _one(self, client: httpx.Client) -> None:
         body = {"model": "tiny", "prompt": "count", "max_tokens": 8, "stream": True}
@@ -53,31 +52,6 @@ class StreamingLoad:
                     chunks += 1
             if not done or chunks == 0:
                 raise RuntimeError(f"stream ended early after {chunks} chunk(s)")
-
-    def _run(self) -> None:
-        with httpx.Client(timeout=60) as client:
-            while not self._stop.is_set():
-                try:
-                    self._one(client)
-                    with self._lock:
-                        self.ok += 1
-                except Exception as e:  # every failure is a finding
-                    with self._lock:
-                        self.failures.append(f"{type(e).__name__}: {e}")
-
-    def start(self) -> "StreamingLoad":
-        for t in self._threads:
-            t.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(WAIT)
-
-    def count(self) -> int:
-        with self._lock:
-            return self.ok
 
 
 def engine_gpus(pid: int) -> tuple[str, str] | None:

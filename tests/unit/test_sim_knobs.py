@@ -49,3 +49,25 @@ def test_bad_faults_name_the_variable(value, needle):
 def test_bad_numbers_name_the_variable(env, needle):
     with pytest.raises(KnobError, match=needle.replace("(", r"\(").replace("[", r"\[")):
         knobs_from_env(env)
+
+
+@pytest.mark.parametrize("fault,onset,want", [
+    ("wedge", "", Fault("wedge")),
+    ("wedge", "signal", Fault("wedge", 0, "signal")),
+    ("engine-dead", "after:2.5", Fault("engine-dead", 0, "after", 2.5)),
+    ("hang", "start", Fault("hang")),
+])
+def test_fault_onset(fault, onset, want):
+    assert knobs_from_env({"LLMGW_SIM_FAULT": fault, "LLMGW_SIM_FAULT_ONSET": onset}).fault == want
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({"LLMGW_SIM_FAULT": "hang", "LLMGW_SIM_FAULT_ONSET": "later"}, "known: start, after:N, signal"),
+    ({"LLMGW_SIM_FAULT": "hang", "LLMGW_SIM_FAULT_ONSET": "after:-1"}, "after needs seconds >= 0"),
+    ({"LLMGW_SIM_FAULT_ONSET": "signal"}, "no LLMGW_SIM_FAULT to begin"),
+    ({"LLMGW_SIM_FAULT": "exit-during-start", "LLMGW_SIM_FAULT_ONSET": "signal"}, "only begin at start"),
+])
+def test_bad_onset_names_the_variable(env, needle):
+    with pytest.raises(KnobError) as e:
+        knobs_from_env(env)
+    assert "LLMGW_SIM_FAULT_ONSET" in str(e.value) and needle in str(e.value)

@@ -180,7 +180,7 @@ async def agent_main(settings: AgentSettings, stop: asyncio.Event | None = None)
                           address=settings.advertise_address, ssl_context=ssl_context,
                           supervisor=supervisor, discover=discovery,
                           reconnect_initial=settings.reconnect_initial, reconnect_max=settings.reconnect_max,
-                          keepalive=settings.keepalive_interval)
+                          keepalive=settings.keepalive_interval, rediscover=settings.rediscover_interval)
 
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()

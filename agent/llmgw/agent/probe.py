@@ -75,3 +75,15 @@ async def completion_probe(session: aiohttp.ClientSession, url: str, served_name
         return ProbeResult(False, f"completion probe: no answer within {timeout:g}s")
     except aiohttp.ClientError as e:
         return ProbeResult(False, f"completion probe: {type(e).__name__}: {e}")
+
+
+async def get_text(session: aiohttp.ClientSession, url: str, timeout: float,
+                   what: str) -> tuple[int | None, str]:
+    """(status, body) of a GET; (None, what went wrong) when no answer came within ``timeout``."""
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            return resp.status, await resp.text(errors="replace")
+    except asyncio.TimeoutError:
+        return None, f"{what}: no answer within {timeout:g}s"
+    except aiohttp.ClientError as e:
+        return None, f"{what}: {type(e).__name__}: {e}"

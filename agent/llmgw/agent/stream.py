@@ -73,7 +73,8 @@ class StreamClient:
 
     def __init__(self, *, url: str, node_id: str, address: str, ssl_context: ssl.SSLContext | None,
                  supervisor: Supervisor, discover: Discover, reconnect_initial: float,
-                 reconnect_max: float, keepalive: float = 10.0, connect_timeout: float = 15.0):
+                 reconnect_max: float, keepalive: float = 10.0, connect_timeout: float = 15.0,
+                 rediscover: float = 0.0):
         self.url = url
         self.node_id = node_id
         self.address = address
@@ -83,6 +84,7 @@ class StreamClient:
         self.backoff = Backoff(reconnect_initial, reconnect_max)
         self.keepalive = keepalive
         self.connect_timeout = connect_timeout
+        self.rediscover = rediscover  # seconds between rediscoveries while connected; 0: never
         self.epoch: int | None = None
         self.connections = 0  # successful WebSocket upgrades, for logs and tests
         self._queue: asyncio.Queue[dict[str, Any]] | None = None
@@ -151,6 +153,8 @@ class StreamClient:
             queue.put_nowait(self.register_message(hw))
             self._queue = queue
             sender = asyncio.create_task(self._sender(ws, queue), name="stream sender")
+            rediscovery = (asyncio.create_task(self._rediscovery(hw), name="rediscovery")
+                           if self.rediscover > 0 else None)
             heartbeat: asyncio.Task[None] | None = None
             try:
                 async for raw in ws:
@@ -170,10 +174,11 @@ class StreamClient:
                 log.warning("stream closed (code %s)", ws.close_code)
             finally:
                 self._queue = None
-                for t in (sender, heartbeat):
+                for t in (sender, heartbeat, rediscovery):
                     if t is not None:
                         t.cancel()
-                await asyncio.gather(*(t for t in (sender, heartbeat) if t is not None), return_exceptions=True)
+                await asyncio.gather(*(t for t in (sender, heartbeat, rediscovery) if t is not None),
+                                     return_exceptions=True)
 
     async def _sender(self, ws: aiohttp.ClientWebSocketResponse, queue: asyncio.Queue[dict[str, Any]]) -> None:
         try:
@@ -183,6 +188,23 @@ class StreamClient:
         except (ConnectionError, aiohttp.ClientError, RuntimeError) as e:
             log.warning("cannot send on stream: %s", e)
             await ws.close()
+
+    async def _rediscovery(self, sent: HardwareInventory) -> None:
+        """Rediscover every ``rediscover`` seconds; send the hardware whenever it differs from what was sent.
+
+        A GPU that fell off the bus, one another process took, or an adapter
+        port that left ACTIVE must stop being offered now, not at the next
+        reconnection, which on a healthy link may be weeks away.
+        """
+        last = sent.to_dict()
+        while True:
+            await asyncio.sleep(self.rediscover)
+            doc = (await self.discover()).to_dict()
+            if doc != last:
+                log.warning("hardware changed while connected: %d GPU(s), %d adapter(s); telling the control plane",
+                            len(doc.get("gpus", [])), len(doc.get("hcas", [])))
+                self.send({"type": "hardware", "hardware": doc})
+                last = doc
 
     async def _heartbeats(self, interval: float) -> None:
         seq = 0

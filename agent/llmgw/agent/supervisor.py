@@ -37,9 +37,9 @@ from typing import Any, Callable
 
 import aiohttp
 
-from llmgw.agent import procident
+from llmgw.agent import liveness, procident
 from llmgw.agent.ports import choose_port
-from llmgw.agent.probe import base_url, completion_probe, is_loopback, probe_host
+from llmgw.agent.probe import base_url, completion_probe, get_text, is_loopback, probe_host
 from llmgw.agent.procident import ProcessIdentity
 from llmgw.agent.shardstate import ShardState, check_transition, exit_outcome
 from llmgw.agent.statedir import ShardRecord, StateDir
@@ -81,6 +81,7 @@ class SupervisorConfig:
     probe_timeout: float = 10.0
     tail_bytes: int = 16384
     fetch: FetchPolicy = FetchPolicy()  # downloading URL sources (agent.yaml ``fetch``)
+    health: liveness.LivenessPolicy = liveness.LivenessPolicy()  # Ready shards (agent.yaml ``health``)
 
     @classmethod
     def from_settings(cls, settings: Any, **overrides: Any) -> "SupervisorConfig":
@@ -93,6 +94,7 @@ class SupervisorConfig:
             model_dir=settings.model_dir,
             allow_keyless_engines=settings.allow_keyless_engines,
             fetch=settings.fetch,
+            health=settings.health,
             **overrides,
         )
 
@@ -121,6 +123,9 @@ class Shard:
     lifecycle: asyncio.Task[None] | None = None
     watcher: asyncio.Task[None] | None = None
     stopper: asyncio.Task[None] | None = None
+    monitor: asyncio.Task[None] | None = None  # liveness checks while Ready
+    checks: int = 0  # liveness checks made (for logs and tests)
+    checks_failed: int = 0
     kill_at: float | None = None  # time.monotonic() at which a stopping engine gets SIGKILL
     kill_changed: asyncio.Event = field(default_factory=asyncio.Event)
     last_probe: str = ""
@@ -280,6 +285,8 @@ class Supervisor:
         log_fn = log.warning if new is ShardState.FAILED else log.info
         log_fn("shard %s: %s -> %s%s", shard.shard_id, old.value, new.value, f" ({reason})" if reason else "")
         self.emit(self.status_message(shard, reason, output_tail))
+        if new is ShardState.READY:
+            self._watch_liveness(shard)
 
     def _persist(self, shard: Shard) -> None:
         self.statedir.write(ShardRecord(
@@ -516,6 +523,65 @@ class Supervisor:
             except asyncio.TimeoutError:
                 pass
 
+    # ------------------------------------------------------------------ liveness
+    def _watch_liveness(self, shard: Shard) -> None:
+        if shard.monitor is None or shard.monitor.done():
+            shard.monitor = asyncio.get_running_loop().create_task(self._liveness(shard),
+                                                                   name=f"health {shard.shard_id}")
+
+    async def _liveness(self, shard: Shard) -> None:
+        """Check a Ready shard every ``health.interval`` until it is not Ready; fail it when it stops serving.
+
+        The judgement is ``liveness.observe``; ending the engine goes through
+        ``_end`` like a start timeout, so the watch task still reports the one
+        terminal state, with this reason, once the engine is gone.
+        """
+        policy = self.config.health
+        live = liveness.Liveness(last_ok=time.monotonic())
+        while True:
+            try:
+                await asyncio.wait_for(shard.exited.wait(), timeout=policy.interval)
+                return
+            except asyncio.TimeoutError:
+                pass
+            if shard.state is not ShardState.READY or shard.end_intent is not None:
+                return
+            check = await self._check(shard, live.progress)
+            if shard.state is not ShardState.READY or shard.end_intent is not None or shard.exited.is_set():
+                return
+            live, reason = liveness.observe(live, check, time.monotonic(), policy)
+            shard.checks += 1
+            shard.checks_failed += not check.ok
+            if not check.ok:
+                log.warning("shard %s: health check failed (%d in a row): %s", shard.shard_id, live.failures,
+                            check.detail)
+            if reason is not None:
+                self.statedir.log_note(shard.shard_id, f"failed by the agent's health check: {reason}")
+                self._end(shard, ShardState.FAILED, reason, policy.kill_after)
+                return
+
+    async def _check(self, shard: Shard, before: liveness.Progress | None) -> liveness.Check:
+        """One liveness check: the process for ranks > 0; /health, /metrics (or a completion) for rank 0."""
+        assert shard.identity is not None
+        if not shard.port:
+            st = procident.read_stat(shard.identity.pid) if procident.is_same_process(shard.identity) else None
+            return liveness.judge_process(st.state if st is not None else None)
+        timeout = self.config.health.timeout
+        url = base_url(probe_host(self.config.engine_bind_host), shard.port)
+        status, body = await get_text(self._http(), f"{url}/health", timeout, "health")
+        if status is None or status != 200:
+            detail = body if status is None else f"health: HTTP {status}: {body[:300]}"
+            return liveness.judge_engine(False, detail, before, None)
+        engine = str(shard.spec["profile"]["engine"])
+        status, body = await get_text(self._http(), f"{url}/metrics", timeout, "metrics")
+        progress = (liveness.progress_from_samples(liveness.parse_samples(body), engine)
+                    if status == 200 else None)
+        if progress is None:  # nothing to read progress from: serving one token is the proof
+            res = await completion_probe(self._http(), url, str(shard.spec["model"]["served_name"]), timeout,
+                                         shard.spec.get("api_key"))
+            return liveness.Check(res.ok, res.detail)
+        return liveness.judge_engine(True, "ok", before, progress)
+
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True))
@@ -701,6 +767,8 @@ class Supervisor:
         shard.watcher = loop.create_task(self._watch_adopted(shard), name=f"watch {shard.shard_id}")
         if state is ShardState.STARTING:
             shard.lifecycle = loop.create_task(self._await_ready(shard), name=f"start {shard.shard_id}")
+        elif state is ShardState.READY:
+            self._watch_liveness(shard)
         elif state is ShardState.DRAINING:
             self._end(shard, ShardState.STOPPED, "stop in progress when the previous agent exited",
                       self.config.stop_grace)
@@ -714,7 +782,8 @@ class Supervisor:
         Records stay on disk, so the next agent adopts every engine; nothing
         about the agent going away is a reason for an engine to stop.
         """
-        tasks = [t for s in self.shards.values() for t in (s.lifecycle, s.watcher, s.stopper) if t and not t.done()]
+        tasks = [t for s in self.shards.values() for t in (s.lifecycle, s.watcher, s.stopper, s.monitor)
+                 if t and not t.done()]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -182,6 +182,9 @@ class AgentService:
                     m = parse_up(raw.data if raw.type == WSMsgType.TEXT else bytes(raw.data or b""))
                     if m["type"] == "register":
                         raise MessageProblem("register may be sent only once per connection")
+                    if m["type"] == "hardware" and m["hardware"].get("node_id") != node_id:
+                        raise MessageProblem(f"hardware: node_id {m['hardware'].get('node_id')!r} is not this "
+                                             f"stream's node {node_id!r}")
                 except MessageProblem as e:
                     reason = str(e)
                     session.send({"type": "error", "reason": reason[:4096]})

@@ -192,6 +192,21 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
         r = cp.reconciler.book.replicas[rid]
         return web.json_response({"replica": views.replica_view(cp, r, cp.clock())}, status=202)
 
+    def node_action(state: str | None) -> Handler:
+        async def act(request: web.Request) -> web.Response:
+            node_id = request.match_info["node_id"]
+            try:
+                before = cp.cordon(node_id, state)
+            except KeyError:
+                known = ", ".join(sorted(cp.nodes)) or "none"
+                return web.json_response({"error": f"no node {node_id!r} has registered; known: {known}"},
+                                         status=404)
+            log.info("%s %s by %s (was %s)", node_id, state or "uncordoned", auth.check(request)[1],
+                     before or "schedulable")
+            return web.json_response({"node": views.node_cordon_view(cp, node_id), "was": before},
+                                     status=202 if state == "draining" else 200)
+        return act
+
     async def do_reload(request: web.Request) -> web.Response:
         if reload is None:
             return web.json_response({"error": "this control plane was started without a config file"}, status=409)
@@ -212,6 +227,9 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
     app.router.add_get("/v1/catalog", catalog)
     app.router.add_get("/v1/explain/{model}", explain)
     app.router.add_post("/v1/replicas/{replica_id}/drain", drain)
+    app.router.add_post("/v1/nodes/{node_id}/cordon", node_action("cordoned"))
+    app.router.add_post("/v1/nodes/{node_id}/drain", node_action("draining"))
+    app.router.add_post("/v1/nodes/{node_id}/uncordon", node_action(None))
     app.router.add_post("/v1/reload", do_reload)
     app.router.add_get("/metrics", metrics)
     if watch_handler is not None:

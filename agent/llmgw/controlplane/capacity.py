@@ -49,11 +49,13 @@ class _Unit:
     key: tuple
 
 
-def _reason(state: NodeState, connected: bool) -> str | None:
+def _reason(state: NodeState, connected: bool, cordon: str | None = None) -> str | None:
     if state is not NodeState.READY:
         return state.value
     if not connected:
         return "stream disconnected"
+    if cordon:
+        return f"{cordon} by an operator"
     return None
 
 
@@ -81,7 +83,7 @@ class FleetCapacity:
             n = nodes[node_id]
             taken = claimed.get(node_id, ())
             free = frozenset(g.index for g in n.inventory.gpus if g.index not in taken)  # type: ignore[attr-defined]
-            reason = _reason(n.state, n.connected)  # type: ignore[attr-defined]
+            reason = _reason(n.state, n.connected, getattr(n, "cordon", None))  # type: ignore[attr-defined]
             cap = NodeCapacity(inventory=n.inventory, free_gpus=free,  # type: ignore[attr-defined]
                                schedulable=reason is None, reason=reason)
             units.append((cap, getattr(n, "shape", "") or ""))

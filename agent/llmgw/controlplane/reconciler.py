@@ -77,6 +77,9 @@ class NodeView:
     # (``capacity.shape_of``); nodes of one shape are interchangeable. Empty:
     # not known, the node is compared with no other.
     shape: str = ""
+    # An operator's cordon: None, "cordoned" (nothing new is placed here) or
+    # "draining" (cordoned, and its replicas are moved elsewhere one at a time).
+    cordon: str | None = None
 
     @property
     def schedulable(self) -> bool:
@@ -137,6 +140,7 @@ class Plan:
     actions: list[Action] = field(default_factory=list)
     events: list[str] = field(default_factory=list)  # log lines: what was decided and why
     unplaced: dict[tuple[str, int], str] = field(default_factory=dict)  # (model/profile, slot) -> why not
+    drain_blocked: dict[str, str] = field(default_factory=dict)  # draining node -> why its next move waits
 
 
 def backoff(policy: RestartPolicy, failures: int) -> float:
@@ -323,6 +327,7 @@ class Reconciler:
         fleet: list[FleetCapacity] = []  # built on first need: most passes place nothing
         for dep in catalog.deployments:
             self._place_missing(catalog, dep, nodes, now, ctx, plan, fleet)
+        self._drain_nodes(catalog, nodes, now, ctx, plan, fleet)
         return plan
 
     def _forget_lost_nodes(self, nodes: Mapping[str, NodeView], now: float, plan: Plan) -> None:
@@ -394,8 +399,10 @@ class Reconciler:
                 plan.events.append(f"{r.replica_id}: node {', '.join(lost)} lost; replacing it")
 
     def _assign_slots(self, dep: Deployment, now: float, plan: Plan) -> None:
-        mine = sorted((r for r in self.book.live() if (r.model, r.profile) == (dep.model, dep.profile)),
-                      key=_keeper_rank)
+        # A replica being started to take another's place (a node drain) has no slot
+        # of its own until it is Ready and takes over the old one's.
+        mine = sorted((r for r in self.book.live() if (r.model, r.profile) == (dep.model, dep.profile)
+                       and r.surge_for is None), key=_keeper_rank)
         taken: dict[int, Replica] = {}
         extras: list[Replica] = []
         for r in mine:
@@ -546,8 +553,66 @@ class Reconciler:
             hist.needs_replacement_token = False
             self._create(catalog, dep, slot, result, hist.failures, now, plan)
 
+    def _drain_nodes(self, catalog: Catalog, nodes: Mapping[str, NodeView], now: float, ctx: Context,
+                     plan: Plan, fleet: list[FleetCapacity]) -> None:
+        """Move replicas off draining nodes, make before break, one move at a time.
+
+        A serving replica on a draining node gets a twin placed elsewhere (the
+        drained node is cordoned, so placement never picks it); only once the
+        twin is Ready is the old one drained (out of the router, in-flight
+        requests finish, then stopped) and the twin takes its slot.  A replica
+        that serves nothing has nothing to protect and is retired at once; its
+        slot is refilled elsewhere the usual way.
+        """
+        moving = False
+        for twin in [r for r in self.book.live() if r.surge_for is not None]:
+            old = self.book.replicas.get(twin.surge_for)
+            if old is None or old.retired or old.failed_at is not None:
+                self._retire(twin, f"no longer needed: {twin.surge_for} went away while it was being moved", now)
+                self._stop_shards(twin, nodes, plan, twin.retire_reason or "retired")
+                plan.events.append(f"{twin.replica_id}: stopping, {twin.surge_for} went away during its move")
+            elif twin.state is ReplicaState.READY:
+                where = ", ".join(sorted(old.nodes()))
+                self._retire(old, f"moved off {where} (node drain): {twin.replica_id} serves in its place", now,
+                             draining=True)
+                self._stop_shards(old, nodes, plan, old.retire_reason or "retired", drain=True)
+                twin.slot, twin.surge_for = old.slot, None
+                plan.events.append(f"{old.replica_id}: draining, {twin.replica_id} on "
+                                   f"{', '.join(sorted(twin.nodes()))} is Ready in its place")
+            else:
+                moving = True  # starting (or failed and waiting to be retired): one move at a time
+        draining = {n for n, v in nodes.items() if v.cordon == "draining"}
+        if moving or not draining or ctx.in_grace:
+            return
+        for r in sorted((r for r in self.book.live() if r.surge_for is None and r.nodes() & draining),
+                        key=lambda r: r.replica_id):
+            where = ", ".join(sorted(r.nodes() & draining))
+            if r.state is not ReplicaState.READY:
+                self._retire(r, f"node {where} drained (the replica was not serving)", now)
+                self._stop_shards(r, nodes, plan, r.retire_reason or "retired")
+                plan.events.append(f"{r.replica_id}: stopping, node {where} is drained and it was not serving")
+                continue
+            dep = next((d for d in catalog.deployments if d.key == r.key), None)
+            if dep is None or r.slot is None:
+                continue  # leaving anyway: retired as uncatalogued or surplus
+            hist = self.book.slot(r.key, -1)  # twins' failures back off like a slot's
+            if now < hist.next_attempt_at:
+                plan.drain_blocked[where] = (f"moving {r.replica_id}: its replacement failed; next attempt in "
+                                             f"{hist.next_attempt_at - now:.0f}s")
+                return
+            if not fleet:
+                fleet.append(fleet_capacity(self.book, nodes))
+            result = fleet[0].place(placement_request(catalog, dep, ctx.memory_headroom, ctx.weight_sizes))
+            if result.placement is None:
+                plan.drain_blocked[where] = f"cannot move {r.replica_id}: {result.reason or 'no placement'}"
+                return
+            fleet[0].take(result.placement)
+            self._create(catalog, dep, r.slot, result, r.restarts, now, plan, surge_for=r.replica_id)
+            plan.events.append(f"{r.replica_id}: moving off {where} (node drain); its replacement starts first")
+            return
+
     def _create(self, catalog: Catalog, dep: Deployment, slot: int, result: PlacementResult, restarts: int,
-                now: float, plan: Plan) -> None:
+                now: float, plan: Plan, surge_for: str | None = None) -> None:
         assert result.placement is not None
         rid = new_replica_id(dep.model, dep.profile, slot, self._rand)
         while rid in self.book.replicas:
@@ -555,8 +620,9 @@ class Reconciler:
         model, profile = catalog.models[dep.model], catalog.profiles[dep.profile]
         nnodes = len(result.placement.shards)
         key = new_engine_key()  # one per replica: every rank carries it, rank 0's engine enforces it
-        r = Replica(replica_id=rid, model=dep.model, profile=dep.profile, nnodes=nnodes, slot=slot, shards={},
-                    created_at=now, placement_detail=result.placement.detail, restarts=restarts)
+        r = Replica(replica_id=rid, model=dep.model, profile=dep.profile, nnodes=nnodes,
+                    slot=None if surge_for else slot, shards={}, created_at=now,
+                    placement_detail=result.placement.detail, restarts=restarts, surge_for=surge_for)
         for plan_shard in result.placement.shards:
             sid = shard_id(rid, plan_shard.rank)
             spec = {"shard_id": sid, "replica_id": rid, "model": model_to_dict(model),

@@ -162,6 +162,7 @@ class Replica:
     ready_since: float | None = None
     placement_detail: str | None = None
     restarts: int = 0  # failures of this slot before this replica was placed
+    surge_for: str | None = None  # a node drain's replacement for this replica, until it is Ready
 
     @property
     def key(self) -> str:

@@ -57,15 +57,17 @@ class NodeRecord:
     certificate: dict[str, Any] | None = None  # what the agent presented: serial, not_after, fingerprint
     last_reason: str | None = None  # why it changed state last
     shape: str = ""  # capacity.shape_of(inventory), computed once per registration
+    cordon: str | None = None  # None, "cordoned" or "draining" (an operator's; kept across registrations)
     _view: NodeView | None = field(default=None, repr=False, compare=False)
 
     def view(self) -> NodeView:
         """The reconciler's picture of this node; the same object while nothing in it changed."""
         v = self._view
         if (v is None or v.state is not self.clock.state or v.connected is not self.connected
-                or v.epoch != self.epoch or v.inventory is not self.inventory or v.address != self.address):
+                or v.epoch != self.epoch or v.inventory is not self.inventory or v.address != self.address
+                or v.cordon != self.cordon):
             v = self._view = NodeView(self.node_id, self.clock.state, self.connected, self.epoch, self.inventory,
-                                      self.address, self.shape)
+                                      self.address, self.shape, self.cordon)
         return v
 
 
@@ -134,6 +136,7 @@ class ControlPlane:
         self.limiter = ReplacementLimiter(settings.lifecycle.replacements_per_minute)
         self.evaluation = Evaluation()
         self.unplaced: dict[tuple[str, int], str] = {}
+        self.drain_blocked: dict[str, str] = {}  # draining node(s) -> why the next move waits
         self._epoch = 0
         self._kick = asyncio.Event()
         self._endpoint_listeners: list[Callable[[list[dict[str, Any]]], None]] = []
@@ -253,6 +256,12 @@ class ControlPlane:
         elif kind == "progress":
             self.reconciler.observe_progress(node_id, msg, now)
             self._learn_reported_size(node_id, msg)
+        elif kind == "hardware":
+            inventory = HardwareInventory.from_dict(msg["hardware"])
+            log.warning("node %s: hardware changed while connected: %d GPU(s) advertised%s", node_id,
+                        len(inventory.gpus), f" ({inventory.gpu_reason})" if inventory.gpu_reason else "")
+            rec.inventory, rec.shape = inventory, shape_of(inventory)
+            self.kick()
         return True
 
     def _learn_reported_size(self, node_id: str, msg: dict[str, Any]) -> None:
@@ -336,6 +345,15 @@ class ControlPlane:
         self.kick()
 
     # ---------------------------------------------------------------- actions
+    def cordon(self, node_id: str, state: str | None) -> str | None:
+        """Set a node's cordon (None, "cordoned", "draining"); returns the previous one. KeyError: unknown node."""
+        rec = self.nodes[node_id]
+        old, rec.cordon = rec.cordon, state
+        if old != state:
+            log.info("node %s: %s by an operator", node_id, state or "uncordoned")
+            self.kick()
+        return old
+
     def drain(self, replica_id: str) -> None:
         self.reconciler.drain(replica_id, self.clock())
         log.info("%s: drain requested", replica_id)
@@ -395,6 +413,7 @@ class ControlPlane:
             log.info("%s", line)
         self._log_unplaced(plan.unplaced)
         self.unplaced = plan.unplaced
+        self.drain_blocked = plan.drain_blocked
         for action in plan.actions:
             session = self.sessions.get(action.node_id)
             if session is None or not session.send(action.message()):
@@ -405,7 +424,8 @@ class ControlPlane:
         for node_id, gpu, ids in doubles:
             log.error("GPU %d on %s is held by more than one shard: %s", gpu, node_id, ", ".join(ids))
         self._publish_endpoints(views)
-        self._settled = not plan.unplaced and not plan.actions and self.reconciler.book.settled()
+        self._settled = (not plan.unplaced and not plan.drain_blocked and not plan.actions
+                        and self.reconciler.book.settled())
         return plan
 
     def _log_unplaced(self, unplaced: dict[tuple[str, int], str]) -> None:

@@ -43,6 +43,7 @@ def nodes_view(cp: ControlPlane) -> dict[str, Any]:
             "boot_id": rec.boot_id,
             "certificate": rec.certificate,
             "registrations": rec.registrations,
+            **node_cordon_view(cp, node_id),
             "gpus_total": len(gpus),
             "gpus_free": sum(1 for g in gpus if g["shard"] is None),
             "gpus": gpus,
@@ -59,6 +60,19 @@ def nodes_view(cp: ControlPlane) -> dict[str, Any]:
         "hold_reason": ev.hold_reason,
         **timings(cp),
     }}
+
+
+def node_cordon_view(cp: ControlPlane, node_id: str) -> dict[str, Any]:
+    """A node's cordon and, while it drains, how many replicas are still on it and why a move waits."""
+    rec = cp.nodes[node_id]
+    out: dict[str, Any] = {"node_id": node_id, "cordon": rec.cordon}
+    if rec.cordon == "draining":
+        on = [r for r in cp.reconciler.book.replicas.values() if node_id in r.nodes()]
+        out["replicas_left"] = len(on)
+        out["drained"] = not on
+        out["drain_blocked"] = next((why for where, why in cp.drain_blocked.items()
+                                     if node_id in where.split(", ")), None)
+    return out
 
 
 def summary_view(cp: ControlPlane) -> dict[str, Any]:
@@ -140,6 +154,7 @@ def replica_view(cp: ControlPlane, r: Replica, now: float) -> dict[str, Any]:
         "age_s": _ago(now, r.created_at),
         "ready_for_s": _ago(now, r.ready_since),
         "restarts": r.restarts,
+        "replaces": r.surge_for,
         "placement": r.placement_detail,
         "endpoint": endpoint,
         "retry_in_s": (round(max(0.0, hist.next_attempt_at - now), 3)

@@ -1,4 +1,4 @@
-"""``llmgw ctl nodes | replicas | drain`` and the online ``ctl explain MODEL``.
+"""``llmgw ctl nodes | replicas | drain | cordon | uncordon`` and the online ``ctl explain MODEL``.
 
 A synchronous httpx client to the control-plane API, authenticated with an
 admin certificate (``--cert/--key``) or an admin token (``--token``), the
@@ -187,13 +187,15 @@ def tail_lines(tail: str | None, limit: int = 20) -> list[str]:
 def format_nodes(doc: dict[str, Any]) -> list[str]:
     rows = []
     for n in doc.get("nodes", []):
-        rows.append([n["node_id"], n["state"] + ("" if n["connected"] else " (disconnected)"),
+        rows.append([n["node_id"], n["state"] + ("" if n["connected"] else " (disconnected)")
+                     + (f", {n['cordon']}" if n.get("cordon") else ""),
                      f"{n['gpus_free']}/{n['gpus_total']}", n.get("address"), n.get("agent_version"),
                      human_age(n.get("last_seen_s")), n.get("epoch")])
     out = table(["NODE", "STATE", "GPUS FREE", "ADDRESS", "AGENT", "LAST SEEN", "EPOCH"], rows)
     for n in doc.get("nodes", []):
         if n["state"] != "ready" and n.get("reason"):
             out.append(f"{n['node_id']}: {n['state']} ({n['reason']})")
+        out.extend(cordon_lines(n))
     fleet = doc.get("fleet", {})
     if fleet.get("hold_reason"):
         out.append(f"note: {fleet['hold_reason']}")
@@ -203,6 +205,20 @@ def format_nodes(doc: dict[str, Any]) -> list[str]:
     if not doc.get("nodes"):
         out.append("(no node has registered)")
     return out
+
+
+def cordon_lines(n: dict[str, Any]) -> list[str]:
+    """What a cordoned or draining node tells the operator, under the table."""
+    if n.get("cordon") == "cordoned":
+        return [f"{n['node_id']}: cordoned: nothing new is placed here (llmgw ctl uncordon {n['node_id']})"]
+    if n.get("cordon") != "draining":
+        return []
+    if n.get("drained"):
+        return [f"{n['node_id']}: drained: no replica left; cordoned until llmgw ctl uncordon {n['node_id']}"]
+    line = f"{n['node_id']}: draining: {n.get('replicas_left')} replica(s) still here, moved one at a time"
+    if n.get("drain_blocked"):
+        line += f"; waiting: {n['drain_blocked']}"
+    return [line]
 
 
 def format_replicas(doc: dict[str, Any]) -> list[str]:
@@ -218,6 +234,8 @@ def format_replicas(doc: dict[str, Any]) -> list[str]:
         if r.get("reason"):
             retry = f" (next attempt in {r['retry_in_s']:.0f}s)" if r.get("retry_in_s") is not None else ""
             out.append(f"    {r['state']}: {r['reason']}{retry}")
+        if r.get("replaces"):
+            out.append(f"    replacing {r['replaces']} (node drain): it stops once this one is Ready")
         for s in r["shards"]:
             gpus = ",".join(map(str, s.get("gpus") or [])) or "-"
             bits = [f"  r{s['rank']}", s.get("node_id") or "(not reported)", f"GPUs {gpus}", s["state"]]
@@ -298,9 +316,31 @@ def cmd_replicas(args: argparse.Namespace) -> int:
 
 @_guard
 def cmd_drain(args: argparse.Namespace) -> int:
-    doc = request(args, "POST", f"/v1/replicas/{args.replica}/drain")
-    _emit(args, doc, lambda d: [f"{args.replica}: draining; a replacement is placed as soon as GPUs allow"])
+    """``drain NODE`` moves every replica off the node; ``drain REPLICA`` drains that one replica."""
+    from urllib.parse import quote
+
+    target = args.target
+    nodes = {n["node_id"] for n in request(args, "GET", "/v1/nodes").get("nodes", [])}
+    if target in nodes:
+        doc = request(args, "POST", f"/v1/nodes/{quote(target, safe='')}/drain")
+        _emit(args, doc, lambda d: [f"{target}: draining: cordoned, its replicas move elsewhere one at a time, "
+                                    f"each replacement Ready before the old one stops (see llmgw ctl nodes)"])
+        return 0
+    doc = request(args, "POST", f"/v1/replicas/{quote(target, safe='')}/drain")
+    _emit(args, doc, lambda d: [f"{target}: draining; a replacement is placed as soon as GPUs allow"])
     return 0
+
+
+def _cordon(action: str) -> Callable[[argparse.Namespace], int]:
+    @_guard
+    def run(args: argparse.Namespace) -> int:
+        from urllib.parse import quote
+
+        doc = request(args, "POST", f"/v1/nodes/{quote(args.node, safe='')}/{action}")
+        _emit(args, doc, lambda d: [f"{args.node}: {d['node']['cordon'] or 'schedulable'}"
+                                    + (f" (was {d['was']})" if d.get("was") else "")])
+        return 0
+    return run
 
 
 @_guard
@@ -326,8 +366,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", choices=("text", "json"), default="text")
     p.set_defaults(func=cmd_replicas)
 
-    p = subparsers.add_parser("drain", help="take a replica out of the router, stop it and replace it")
-    p.add_argument("replica", metavar="REPLICA", help="replica id (see ctl replicas)")
+    p = subparsers.add_parser("drain", help="NODE: cordon it and move its replicas elsewhere, make before break; "
+                                            "REPLICA: take it out of the router, stop it and replace it")
+    p.add_argument("target", metavar="NODE|REPLICA", help="node id (see ctl nodes) or replica id (see ctl replicas)")
     add_connection_args(p)
     p.add_argument("-o", "--output", choices=("text", "json"), default="text")
     p.set_defaults(func=cmd_drain)
+
+    for action, text in (("cordon", "place nothing new on a node (what runs there stays)"),
+                         ("uncordon", "make a cordoned or drained node schedulable again (stops a drain)")):
+        p = subparsers.add_parser(action, help=text)
+        p.add_argument("node", metavar="NODE", help="node id (see ctl nodes)")
+        add_connection_args(p)
+        p.add_argument("-o", "--output", choices=("text", "json"), default="text")
+        p.set_defaults(func=_cordon(action))

@@ -167,6 +167,7 @@ async def serve(cfg: SimConfig, knobs: Knobs) -> int:
         await runner.setup()
         site = web.SockSite(runner, sock)
         await site.start()
+        _arm_fault(loop, state, knobs)
     except BaseException:
         sock.close()
         raise
@@ -185,6 +186,14 @@ async def serve(cfg: SimConfig, knobs: Knobs) -> int:
     sys.stdout.flush()
     await runner.cleanup()
     return 0
+
+
+def _arm_fault(loop: asyncio.AbstractEventLoop, state: SimState, knobs: Knobs) -> None:
+    """Schedule a fault whose onset is later than start (LLMGW_SIM_FAULT_ONSET)."""
+    if knobs.fault.onset == "after":
+        loop.call_later(knobs.fault.onset_after, state.begin_fault)
+    elif knobs.fault.onset == "signal":
+        loop.add_signal_handler(signal.SIGUSR1, state.begin_fault)
 
 
 def _run(cfg: SimConfig, knobs: Knobs) -> int:

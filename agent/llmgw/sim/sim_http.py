@@ -85,6 +85,17 @@ class SimState:
         self._slots = asyncio.Semaphore(cfg.max_num_seqs)
         self.running = 0
         self.waiting = 0
+        self.fault_on = knobs.fault.kind is not None and knobs.fault.onset == "start"
+
+    def faulting(self, kind: str) -> bool:
+        """Whether fault ``kind`` is injected now (it may begin after start: LLMGW_SIM_FAULT_ONSET)."""
+        return self.fault_on and self.knobs.fault.kind == kind
+
+    def begin_fault(self) -> None:
+        if self.knobs.fault.kind is not None and not self.fault_on:
+            self.fault_on = True
+            sys.stderr.write(f"WARNING {time.strftime('%m-%d %H:%M:%S')} [sim] fault {self.knobs.fault.kind} begins\n")
+            sys.stderr.flush()
 
     # admission: at most --max-num-seqs requests run, the rest wait (and are counted)
     async def __aenter__(self) -> "SimState":
@@ -111,6 +122,7 @@ class SimState:
         self.metrics.prefix_queries.inc(self.cache.queries - before_q)
         self.metrics.prefix_hits.inc(self.cache.hits - before_h)
         self.metrics.prompt_tokens.inc(len(tokens))
+        self.metrics.iteration_tokens.observe(len(tokens))
         return cached
 
 
@@ -214,8 +226,9 @@ class Generation:
             self.tokens, self.reason, self.stop_reason = n, reason, None
         self.n = len(self.pieces)
         fault = state.knobs.fault
-        self.fault = fault.kind
-        self.cut = fault.after if fault.kind in ("crash-after", "error-chunk-after") and fault.after < self.n else self.n
+        self.fault = fault.kind if state.fault_on else None
+        self.cut = (fault.after if self.fault in ("crash-after", "error-chunk-after") and fault.after < self.n
+                    else self.n)
 
     @property
     def text(self) -> str:
@@ -250,6 +263,18 @@ async def hang_forever() -> None:
     await asyncio.Event().wait()
 
 
+async def generate_steps(state: SimState, steps: int, width: int) -> None:
+    """A non-streamed generation's engine steps: one per token, paced like a stream, each counted."""
+    latency = state.knobs.token_latency
+    clock = asyncio.get_running_loop().time
+    start = clock()
+    for i in range(steps):
+        if latency:
+            delay = start + (i + 1) * latency - clock()
+            await asyncio.sleep(delay if delay > 0 else 0)
+        state.metrics.iteration_tokens.observe(width)
+
+
 async def stream_tokens(
     request: web.Request,
     resp: web.StreamResponse,
@@ -276,6 +301,7 @@ async def stream_tokens(
         end = last if i == final else mid
         for prefix in prefixes:
             await resp.write(prefix + toks[i] + end)
+        state.metrics.iteration_tokens.observe(len(prefixes))
         written += 1
     if gen.faulted and gen.fault == "crash-after":
         await crash(request)
@@ -308,7 +334,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     try:
         body = await read_body(request)
         check_model(state, body)
-        if state.knobs.fault.kind == "http-500":
+        if state.faulting("http-500"):
             raise Rejected(500, ENGINE_DEAD)
         stream, include_usage, choices, stops = check_common(body)
         try:
@@ -329,12 +355,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     finished = "abort"
     resp: web.StreamResponse | None = None
     async with state:
-        cached = state.prefill(prompt)
+        # A hung engine core schedules nothing: no prefill, no engine step, nothing counted.
+        hung = state.faulting("hang")
+        cached = 0 if hung else state.prefill(prompt)
         try:
             if stream:
                 resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
                 await resp.prepare(request)
-                if state.knobs.fault.kind == "hang":
+                if hung:
                     await hang_forever()
                 head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
                 lead = _dumps(head)[:-1]
@@ -358,11 +386,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 await resp.write_eof()
                 finished = call.finish_reason if call else gen.reason
                 return resp
-            if state.knobs.fault.kind == "hang":
+            if hung:
                 await hang_forever()
             written = gen.cut * choices
-            if state.knobs.token_latency:
-                await asyncio.sleep(state.knobs.token_latency * gen.cut)
+            await generate_steps(state, gen.cut, choices)
             if gen.faulted:
                 if gen.fault == "crash-after":
                     await crash(request)
@@ -423,7 +450,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     try:
         body = await read_body(request)
         check_model(state, body)
-        if state.knobs.fault.kind == "http-500":
+        if state.faulting("http-500"):
             raise Rejected(500, ENGINE_DEAD)
         stream, include_usage, choices, stops = check_common(body)
         try:
@@ -441,12 +468,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
     finished = "abort"
     resp: web.StreamResponse | None = None
     async with state:
-        cached = sum(state.prefill(p) for p in prompts)
+        hung = state.faulting("hang")
+        cached = 0 if hung else sum(state.prefill(p) for p in prompts)
         try:
             if stream:
                 resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
                 await resp.prepare(request)
-                if state.knobs.fault.kind == "hang":
+                if hung:
                     await hang_forever()
                 head = {"id": rid, "object": "text_completion", "created": created, "model": model}
                 lead = _dumps(head)[:-1]
@@ -464,12 +492,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
                 await resp.write_eof()
                 finished = gens[-1].reason
                 return resp
-            if state.knobs.fault.kind == "hang":
+            if hung:
                 await hang_forever()
             out = []
             for p, gen in enumerate(gens):
-                if state.knobs.token_latency:
-                    await asyncio.sleep(state.knobs.token_latency * gen.cut)
+                await generate_steps(state, gen.cut, choices)
                 if gen.faulted:
                     written += gen.cut * choices
                     if gen.fault == "crash-after":
@@ -632,8 +659,26 @@ def auth_middleware(keys: tuple[str, ...]):
     return auth
 
 
+@web.middleware
+async def fault_middleware(request: web.Request, handler):
+    """The faults that take the whole HTTP surface, ``/health`` included.
+
+    ``wedge``: the connection is accepted and nothing ever answers (an API
+    server whose event loop is stuck).  ``engine-dead``: ``/health`` and every
+    ``/v1`` route answer 500 with vLLM's EngineDeadError words.
+    """
+    state: SimState = request.app["state"]
+    if state.faulting("wedge"):
+        await hang_forever()
+    if state.faulting("engine-dead") and (request.path == "/health" or request.path.startswith("/v1/")):
+        if request.path == "/health":
+            return web.Response(status=500)
+        return error_response(500, ENGINE_DEAD)
+    return await handler(request)
+
+
 def build_app(state: SimState) -> web.Application:
-    middlewares = [auth_middleware(state.cfg.api_keys)] if state.cfg.api_keys else []
+    middlewares = [fault_middleware] + ([auth_middleware(state.cfg.api_keys)] if state.cfg.api_keys else [])
     app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
     app["state"] = state
     app.router.add_get("/health", health)

@@ -11,6 +11,9 @@ LLMGW_SIM_PREFIX_CACHE_BLOCKS   4096    prefix-cache capacity, in blocks
 LLMGW_SIM_MAX_MODEL_LEN         8192    context length when --max-model-len is absent
                                         (stands in for the model's config.json)
 LLMGW_SIM_FAULT                 (none)  one injected failure, see below
+LLMGW_SIM_FAULT_ONSET           start   when the fault begins: ``start``, ``after:N``
+                                        (N seconds after the port listens) or
+                                        ``signal`` (on SIGUSR1)
 =============================== ======= =============================================
 
 Faults: ``exit-during-start`` (exit 1 after an engine-core traceback, port never
@@ -18,6 +21,16 @@ listens), ``crash-after:N`` (the process dies abruptly once a request has
 streamed N tokens), ``hang`` (/health answers 200, completions never produce a
 token), ``error-chunk-after:N`` (a stream carries an in-band error after N
 tokens, then ``[DONE]``), ``http-500`` (every completion answers 500).
+
+Two more imitate a replica that served and then went bad, as vLLM does:
+``wedge`` (the process lives, but no route answers any more, ``/health`` and
+``/metrics`` included: an API server whose event loop is stuck) and
+``engine-dead`` (``/health`` and every ``/v1`` request answer 500, as vLLM's
+API server does once its engine core died: ``EngineDeadError``).  A ``hang``
+that begins after start is vLLM's engine core stuck in a collective: ``/health``
+still 200 (it only checks that the core has not errored), new requests queue
+and ``vllm:iteration_tokens_total`` stops moving.  With a later onset, requests
+already streaming when the fault begins finish; only new ones are affected.
 """
 
 from __future__ import annotations
@@ -26,7 +39,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping
 
-FAULTS = ("exit-during-start", "crash-after", "hang", "error-chunk-after", "http-500")
+FAULTS = ("exit-during-start", "crash-after", "hang", "error-chunk-after", "http-500", "wedge", "engine-dead")
 _COUNTED = ("crash-after", "error-chunk-after")
 
 
@@ -38,6 +51,8 @@ class KnobError(ValueError):
 class Fault:
     kind: str | None = None  # None: healthy
     after: int = 0  # tokens before the fault, for the counted kinds
+    onset: str = "start"  # "start", "after" (onset_after seconds after listening) or "signal" (SIGUSR1)
+    onset_after: float = 0.0
 
     def __bool__(self) -> bool:
         return self.kind is not None
@@ -73,6 +88,30 @@ def parse_fault(value: str) -> Fault:
     return Fault(kind)
 
 
+def parse_onset(value: str, fault: Fault) -> Fault:
+    """``LLMGW_SIM_FAULT_ONSET``: ``start`` | ``after:N`` | ``signal``, applied to ``fault``."""
+    v = value.strip()
+    if not v or v == "start":
+        return fault
+    if v == "signal":
+        onset, after = "signal", 0.0
+    elif v.startswith("after:"):
+        try:
+            after = float(v[len("after:"):])
+        except ValueError:
+            after = -1.0
+        if not math.isfinite(after) or after < 0:
+            raise KnobError(f"LLMGW_SIM_FAULT_ONSET={value!r}: after needs seconds >= 0, e.g. after:5")
+        onset = "after"
+    else:
+        raise KnobError(f"LLMGW_SIM_FAULT_ONSET={value!r}: known: start, after:N, signal")
+    if fault.kind is None:
+        raise KnobError(f"LLMGW_SIM_FAULT_ONSET={value!r}: no LLMGW_SIM_FAULT to begin")
+    if fault.kind == "exit-during-start":
+        raise KnobError(f"LLMGW_SIM_FAULT_ONSET={value!r}: exit-during-start can only begin at start")
+    return Fault(fault.kind, fault.after, onset, after)
+
+
 def _number(env: Mapping[str, str], name: str, default: float, *, integer: bool, minimum: float):
     raw = env.get(name)
     if raw is None or raw.strip() == "":
@@ -95,5 +134,5 @@ def knobs_from_env(env: Mapping[str, str]) -> Knobs:
         embed_dim=_number(env, "LLMGW_SIM_EMBED_DIM", 16, integer=True, minimum=1),
         prefix_cache_blocks=_number(env, "LLMGW_SIM_PREFIX_CACHE_BLOCKS", 4096, integer=True, minimum=0),
         max_model_len=_number(env, "LLMGW_SIM_MAX_MODEL_LEN", 8192, integer=True, minimum=1),
-        fault=parse_fault(env.get("LLMGW_SIM_FAULT", "")),
+        fault=parse_onset(env.get("LLMGW_SIM_FAULT_ONSET", ""), parse_fault(env.get("LLMGW_SIM_FAULT", ""))),
     )

@@ -9,7 +9,7 @@ surface, not three.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -38,6 +38,13 @@ class SimMetrics:
         )
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        # vLLM declares this histogram with the _total already in its name (loggers.py):
+        # the wire shows vllm:iteration_tokens_total_{bucket,sum,count}.  One engine step
+        # per streamed token here; a stuck engine core stops it moving.
+        self.iteration_tokens = Histogram(
+            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", labels,
+            buckets=[1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384], registry=self.registry,
+        ).labels(*values)
         success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",

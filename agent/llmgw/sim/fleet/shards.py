@@ -246,6 +246,11 @@ class SimSupervisor(Supervisor):
             return
         self._transition(shard, ShardState.READY)
 
+    def _watch_liveness(self, shard: Shard) -> None:
+        # A synthetic shard has no engine to check; a real one is checked as on a node.
+        if self._real(shard):
+            super()._watch_liveness(shard)
+
     async def _terminate(self, shard: Shard) -> None:
         if self._real(shard):
             await super()._terminate(shard)
