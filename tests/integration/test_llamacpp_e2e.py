@@ -31,6 +31,7 @@ pytestmark = [pytest.mark.integration, needs_llama_server]
 
 URL_FILE = "org/tiny/tiny.gguf"
 FETCH = {"stall_timeout": 1, "backoff_initial": 0.1, "backoff_max": 0.5, "progress_interval": 0.2}
+HEALTH = {"interval": 0.3, "timeout": 5, "fail_after": 30}  # checked often, failed only when truly wedged
 
 
 @dataclass
@@ -57,7 +58,7 @@ def served(tmp_path_factory):
                                       {"name": "tiny-url", "source": srv.url(URL_FILE), "sha256": digest}],
                         deployments=[{"model": "tiny", "profile": "cpu", "replicas": 1},
                                      {"model": "tiny-url", "profile": "cpu", "replicas": 1}],
-                        agent={"fetch": FETCH})
+                        agent={"fetch": FETCH, "health": HEALTH})
         with f:
             f.start()
             f.wait_ready(2)
@@ -76,6 +77,20 @@ def test_replicas_are_real_llama_servers_ready_only_after_they_completed_the_pro
         # served before Ready is the agent's probe (/health alone never makes a replica Ready).
         log = served.logs_at_ready[name]
         assert "print_timing" in log and "eval time" in log and "stop processing" in log, log[-3000:]
+
+
+def test_liveness_reads_the_engines_metrics_and_sends_it_no_completions(served):
+    """llama-server is started with --metrics and the agent reads them with the engine key, so a
+    Ready engine's checks cost no completion (which would queue behind the slots' own requests)."""
+    import time
+
+    f = served.f
+    shard = shard_of(f, "tiny")
+    before = engine_log(f, shard["shard_id"]).count("print_timing")
+    time.sleep(HEALTH["interval"] * 8)  # several checks while nothing else talks to the engine
+    assert engine_log(f, shard["shard_id"]).count("print_timing") == before
+    assert "--metrics" in cmdline(shard["pid"])
+    assert shard_of(f, "tiny")["pid"] == shard["pid"]  # and the checks passed: same engine, still Ready
 
 
 def test_openai_client_through_the_router_chat_and_completions(served):

@@ -27,7 +27,7 @@ def test_single_gpu_argv_is_exact():
     assert spec.argv == (
         "llama-server", "-m", "/models/phi-3-mini-q4.gguf",
         "--host", "127.0.0.1", "--port", "8090",
-        "--alias", "phi3", "-ngl", "999",
+        "--alias", "phi3", "-ngl", "999", "--metrics",
     )
     assert spec.env == {"CUDA_VISIBLE_DEVICES": "1"}
     assert spec.serves_http and spec.port == 8090
@@ -39,7 +39,7 @@ def test_tensor_parallel_splits_layers_evenly_over_the_shards_gpus():
     spec = build_launch(model, profile, ctx(model_path="/models/phi.gguf", gpu_indices=(0, 2, 5)))
     assert spec.argv == (
         "llama-server", "-m", "/models/phi.gguf", "--host", "127.0.0.1", "--port", "8090",
-        "--alias", "phi", "-ngl", "999", "-c", "8192",
+        "--alias", "phi", "-ngl", "999", "--metrics", "-c", "8192",
         "--split-mode", "layer", "--tensor-split", "1,1,1",
         "-np", "4",
     )

@@ -21,7 +21,7 @@ def test_single_node_argv_is_exact():
         "--model-path", "Qwen/Qwen2.5-7B-Instruct",
         "--host", "127.0.0.1", "--port", "30001",
         "--served-model-name", "qwen-7b",
-        "--tp-size", "1",
+        "--tp-size", "1", "--enable-metrics",
     )
     assert spec.env == {"CUDA_VISIBLE_DEVICES": "4"}
     assert spec.serves_http and spec.port == 30001
@@ -35,7 +35,7 @@ def test_pipeline_and_context_length_and_extra_args():
     assert spec.argv == (
         "python", "-m", "sglang.launch_server",
         "--model-path", "/w/qwen", "--host", "127.0.0.1", "--port", "30001",
-        "--served-model-name", "qwen", "--tp-size", "2", "--pp-size", "2",
+        "--served-model-name", "qwen", "--tp-size", "2", "--enable-metrics", "--pp-size", "2",
         "--context-length", "16384",
         "--mem-fraction-static", "0.8",
     )
@@ -49,7 +49,7 @@ def test_multi_node_ranks(rank, serves):
     assert spec.argv == (
         "python", "-m", "sglang.launch_server",
         "--model-path", MODEL.source, "--host", "127.0.0.1", "--port", "30001",
-        "--served-model-name", "qwen-7b", "--tp-size", "16",
+        "--served-model-name", "qwen-7b", "--tp-size", "16", "--enable-metrics",
         "--nnodes", "2", "--node-rank", str(rank), "--dist-init-addr", "10.1.0.1:25000",
     )
     assert spec.serves_http is serves

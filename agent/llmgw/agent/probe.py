@@ -78,10 +78,14 @@ async def completion_probe(session: aiohttp.ClientSession, url: str, served_name
 
 
 async def get_text(session: aiohttp.ClientSession, url: str, timeout: float,
-                   what: str) -> tuple[int | None, str]:
-    """(status, body) of a GET; (None, what went wrong) when no answer came within ``timeout``."""
+                   what: str, api_key: str | None = None) -> tuple[int | None, str]:
+    """(status, body) of a GET; (None, what went wrong) when no answer came within ``timeout``.
+
+    With ``api_key`` the engine key goes along: llama-server keeps ``/metrics`` behind it.
+    """
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     try:
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        async with session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             return resp.status, await resp.text(errors="replace")
     except asyncio.TimeoutError:
         return None, f"{what}: no answer within {timeout:g}s"

@@ -573,7 +573,8 @@ class Supervisor:
             detail = body if status is None else f"health: HTTP {status}: {body[:300]}"
             return liveness.judge_engine(False, detail, before, None)
         engine = str(shard.spec["profile"]["engine"])
-        status, body = await get_text(self._http(), f"{url}/metrics", timeout, "metrics")
+        status, body = await get_text(self._http(), f"{url}/metrics", timeout, "metrics",
+                                      shard.spec.get("api_key"))
         progress = (liveness.progress_from_samples(liveness.parse_samples(body), engine)
                     if status == 200 else None)
         if progress is None:  # nothing to read progress from: serving one token is the proof

@@ -144,6 +144,9 @@ class LlamaCppAdapter(Adapter):
             "--port", str(ctx.port),
             "--alias", model.served_name,
             "-ngl", "999",
+            # /metrics, which liveness reads for progress: without it every check
+            # would be a completion queued behind the slots' own requests.
+            "--metrics",
         ]
         if model.max_model_len is not None:
             args += ["-c", str(model.max_model_len)]

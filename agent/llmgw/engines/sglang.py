@@ -93,6 +93,9 @@ class SGLangAdapter(Adapter):
             "--port", str(ctx.port),
             "--served-model-name", model.served_name,
             "--tp-size", str(profile.tensor_parallel_size),
+            # /metrics, which liveness reads for progress: without it every check
+            # would be a completion queued behind the engine's own requests.
+            "--enable-metrics",
         ]
         if profile.pipeline_parallel_size > 1:
             args += ["--pp-size", str(profile.pipeline_parallel_size)]
