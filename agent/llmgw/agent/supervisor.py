@@ -118,7 +118,9 @@ class Shard:
     # Set by whoever decides the engine must end (stop, drain, timeout): the
     # terminal state and reason the watch task reports once it has.
     end_intent: tuple[ShardState, str] | None = None
-    exited: asyncio.Event = field(default_factory=asyncio.Event)
+    exited: asyncio.Event = field(default_factory=asyncio.Event)  # the leader is gone
+    # ... and its group reaped and the terminal state reported: what a stop waits for.
+    concluded: asyncio.Event = field(default_factory=asyncio.Event)
     exit_desc: str = ""
     lifecycle: asyncio.Task[None] | None = None
     watcher: asyncio.Task[None] | None = None
@@ -631,6 +633,12 @@ class Supervisor:
         """The leader exited: clear out its group, then report the terminal state once."""
         shard.exit_desc = exit_desc
         shard.exited.set()
+        try:
+            await self._settle(shard, exit_desc)
+        finally:
+            shard.concluded.set()
+
+    async def _settle(self, shard: Shard, exit_desc: str) -> None:
         await self._reap_group(shard)
         if shard.state.terminal:
             return
@@ -742,6 +750,9 @@ class Supervisor:
         self._end(shard, ShardState.STOPPED, reason, grace)
         assert shard.stopper is not None
         await asyncio.shield(shard.stopper)
+        # The leader is gone; what is left of its group is being reaped and the terminal
+        # state reported. A caller told "stopped" may hand the GPUs on, so wait for that.
+        await shard.concluded.wait()
 
     # ------------------------------------------------------------------ adoption
     def adopt(self, record: ShardRecord) -> Shard:
