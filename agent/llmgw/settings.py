@@ -210,6 +210,19 @@ def _served_name_errors(doc: dict[str, Any]) -> list[ConfigError]:
     return errors
 
 
+def _source_errors(doc: dict[str, Any]) -> list[ConfigError]:
+    """A repository mirror URL (ending in '/') the agent could not turn into file URLs."""
+    from llmgw.repository import is_repository_url, repository_url_problem
+
+    errors = []
+    for i, m in enumerate(doc.get("models", ())):
+        if is_repository_url(m["source"]):
+            problem = repository_url_problem(m["source"])
+            if problem:
+                errors.append(ConfigError(f"/models/{i}/source", problem))
+    return errors
+
+
 def _reference_errors(doc: dict[str, Any]) -> list[ConfigError]:
     errors = []
     models = {m["name"] for m in doc.get("models", ())}
@@ -259,6 +272,7 @@ def _server_semantic_errors(doc: Any, schema: Sequence[ConfigError] = ()) -> lis
         (("/models",), _duplicate_names("models")),
         (("/profiles",), _duplicate_names("profiles")),
         (("/models",), _served_name_errors),
+        (("/models",), _source_errors),
         (("/models", "/profiles", "/deployments"), _reference_errors),
         (("/router",), _router_errors),
     ]

@@ -397,11 +397,43 @@ class Supervisor:
             except Exception as e:
                 self._fail_before_launch(shard, f"fetching {model.source}: {e}")
                 return None
+        if kind is SourceKind.REPO:
+            return await self._fetch_repository(shard, model)
         try:
             return resolve_model_path(model, self.config.model_dir)
         except SourceError as e:
             self._fail_before_launch(shard, str(e))
             return None
+
+    async def _fetch_repository(self, shard: Shard, model: Model) -> str | None:
+        """A repository mirror's local directory, or None after failing the shard.
+
+        Unlike a single file, a repository (tens of shards, hundreds of GiB) is
+        fetched outside ``start_timeout``: the fetcher's own stall and attempt
+        limits end a fetch that cannot finish, and the start clock begins when
+        the engine is launched on the complete directory.
+        """
+        from llmgw.agent import fetch
+
+        self._transition(shard, ShardState.FETCHING)
+        try:
+            path = await fetch.fetch_repository(model, self.config.model_dir, progress=self.emit,
+                                                shard_id=shard.shard_id, node_id=self.config.node_id,
+                                                policy=self.config.fetch)
+        except Exception as e:
+            self._fail_before_launch(shard, f"fetching {model.source}: {e}")
+            return None
+        shard.deadline = time.monotonic() + float(shard.spec["profile"]["start_timeout"])
+        return path
+
+    @staticmethod
+    def _offline_env(model: Model) -> dict[str, str]:
+        """An engine on a fetched repository loads it as it is: no hub behind the agent's back."""
+        if model.kind is not SourceKind.REPO:
+            return {}
+        from llmgw.agent.fetch import OFFLINE_ENV
+
+        return dict(OFFLINE_ENV)
 
     async def _launch(self, shard: Shard) -> bool:
         from llmgw.engines import LaunchContext, LaunchContextError, ProfileError, build_launch
@@ -452,7 +484,7 @@ class Supervisor:
 
         for f in launch.files:
             write_atomic(f.path, f.data.encode(), mode=0o600)
-        env = {**os.environ, **launch.env, ENV_NODE_ID: self.config.node_id,
+        env = {**os.environ, **launch.env, **self._offline_env(model), ENV_NODE_ID: self.config.node_id,
                ENV_SHARD_ID: shard.shard_id, ENV_REPLICA_ID: str(spec["replica_id"])}
         shard.launch_marker = f"launch {secrets.token_hex(8)}"
         log_fd = self.statedir.open_log(shard.shard_id)
