@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from fleet import Fleet, until
+from llmgw.ctl.fleet import human_bytes
 from test_fetch_support import WeightsServer
 
 pytestmark = pytest.mark.integration
@@ -124,3 +125,67 @@ def test_killed_at_random_offsets_no_partial_file_is_ever_under_a_final_name_and
         proc = driver(url, models, digest)
         assert proc.communicate(timeout=60)[0].decode().strip() == str(final)
         assert sum(s.gets for s in srv.files.values()) == before
+
+
+def test_a_fleet_fetches_a_20_file_repository_once_for_8_shards_offline_and_refuses_a_corrupted_one(tmp_path):
+    import yaml
+
+    files = repo_files(20, seed=20, size=96 * KIB)
+    total = sum(map(len, files.values()))
+    bad_files = repo_files(4, seed=4, size=8 * KIB)
+    corrupt = "model-00002-of-00002.safetensors"
+    with WeightsServer() as srv, Fleet(tmp_path, nodes={"a": 9}, replicas=8) as f:
+        url, digest = mirror(srv, "org/q", files, trickle=(32 * KIB, 0.05))  # ~3 s: long enough to be seen
+        bad_url, _ = mirror(srv, "org/bad", bad_files, lie={corrupt})
+        f.config["models"] = [{"name": "tiny", "source": url, "sha256": digest},
+                              {"name": "bad", "source": bad_url}]
+        f.config["deployments"].append({"model": "bad", "profile": "sim", "replicas": 1})
+        f.write_config()
+        agent_yaml = tmp_path / "a" / "agent.yaml"
+        cfg = yaml.safe_load(agent_yaml.read_text())
+        cfg["fetch"] = {"progress_interval": 0.2, "attempts": 1}
+        cfg["model_dir"] = str(tmp_path / "a" / "models")
+        agent_yaml.write_text(yaml.safe_dump(cfg))
+        f.start()
+
+        # One line for the whole repository under each fetching shard: bytes, percentage, rate, ETA.
+        line = re.compile(r"^ {6}downloading q/ \(file \d+ of 20: [^)]+\)  \d+(\.\d)? (KiB|MiB) / "
+                          + re.escape(human_bytes(total)) + r"  \d+%  \d+(\.\d)? (KiB|MiB)/s  ETA \d+(s|m\d\ds)$", re.M)
+        seen: list[str] = []
+
+        def shown() -> bool:
+            seen.append(f.ctl("replicas").stdout)
+            return bool(line.search(seen[-1]))
+
+        until(shown, "a progress line under a fetching replica",
+              on_timeout=lambda: "\n".join(x for x in "".join(seen).splitlines() if "downloading" in x))
+        # The control plane knew the size from the manifest, for the memory check, before any byte arrived.
+        (tiny,) = [m for m in f.get("/v1/catalog")["models"] if m["name"] == "tiny"]
+        assert tiny["weights"] == {"bytes": total, "source": "measured from URL"}
+
+        ready = f.wait_ready(8, extra=lambda rs: all(r["model"] == "tiny" for r in rs))
+        assert len(ready) == 8
+        for p in files:  # eight shards on one node, one GET per file
+            assert srv.files[f"org/q/{p}"].gets == 1, p
+        agent_gets = [h for h in srv.files["org/q/llmgw-manifest.json"].requests if "aiohttp" in h.get("User-Agent", "")]
+        assert len(agent_gets) == 1
+        local = tmp_path / "a" / "models" / f"127.0.0.1_{srv.port}" / "org" / "q" / digest[:16]
+        assert {p: got.read_bytes() for p, got in names_under(local).items() if p in files} == files
+        engines = []
+        for pid in f.engine_pids():
+            env = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in kv)
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if str(local).encode() in argv:
+                engines.append(pid)
+                assert env.get(b"HF_HUB_OFFLINE") == b"1" and env.get(b"TRANSFORMERS_OFFLINE") == b"1"
+        assert len(engines) == 8
+
+        reason = until(lambda: next((s.get("reason") for r in f.replicas()["replicas"] if r["model"] == "bad"
+                                     for s in r["shards"] if s["state"] == "failed"), None),
+                       "the corrupted file to fail its shard", on_timeout=f.dump)
+        good = hashlib.sha256(bad_files[corrupt]).hexdigest()
+        wrong = hashlib.sha256(b"not " + bad_files[corrupt]).hexdigest()
+        assert f"fetching {bad_url}: {corrupt}: sha256 mismatch: expected {wrong}, got {good}" in reason
+        assert f"{corrupt}: sha256 mismatch: expected {wrong}" in f.ctl("replicas").stdout
+        bad_dir = tmp_path / "a" / "models" / f"127.0.0.1_{srv.port}" / "org" / "bad"
+        assert [p.name for p in bad_dir.iterdir() if not p.name.startswith(".")] == []  # nothing published
