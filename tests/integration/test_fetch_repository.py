@@ -40,6 +40,21 @@ def mirror(srv: WeightsServer, prefix: str, files: dict[str, bytes], *, lie: set
     return srv.url(f"{prefix}/"), hashlib.sha256(data).hexdigest()
 
 
+def manifest_by_cli(directory: Path, files: dict[str, bytes]) -> bytes:
+    """The manifest ``llmgw ctl manifest`` writes for ``files`` laid out in ``directory``, as an operator makes it."""
+    for p, d in files.items():
+        (directory / p).parent.mkdir(parents=True, exist_ok=True)
+        (directory / p).write_bytes(d)
+    (directory / ".gitattributes").write_text("*.safetensors filter=lfs\n")  # a hub snapshot has one
+    res = subprocess.run([sys.executable, "-m", "llmgw", "ctl", "manifest", str(directory), "--revision", "r1"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "skipped .gitattributes" in res.stderr
+    data = (directory / "llmgw-manifest.json").read_bytes()
+    assert f"sha256 {hashlib.sha256(data).hexdigest()}" in res.stdout
+    return data
+
+
 def repo_files(n: int, seed: int, size: int) -> dict[str, bytes]:
     r = random.Random(seed)
     files = {"config.json": b'{"architectures": ["Sim"]}', "tokenizer/tokenizer.json": r.randbytes(3 * KIB)}
@@ -135,7 +150,9 @@ def test_a_fleet_fetches_a_20_file_repository_once_for_8_shards_offline_and_refu
     bad_files = repo_files(4, seed=4, size=8 * KIB)
     corrupt = "model-00002-of-00002.safetensors"
     with WeightsServer() as srv, Fleet(tmp_path, nodes={"a": 9}, replicas=8) as f:
-        url, digest = mirror(srv, "org/q", files, trickle=(32 * KIB, 0.05))  # ~3 s: long enough to be seen
+        url, _ = mirror(srv, "org/q", files, trickle=(32 * KIB, 0.05))  # ~3 s: long enough to be seen
+        srv.files["org/q/llmgw-manifest.json"].data = manifest_by_cli(tmp_path / "mirror", files)
+        digest = hashlib.sha256(srv.files["org/q/llmgw-manifest.json"].data).hexdigest()
         bad_url, _ = mirror(srv, "org/bad", bad_files, lie={corrupt})
         f.config["models"] = [{"name": "tiny", "source": url, "sha256": digest},
                               {"name": "bad", "source": bad_url}]
