@@ -17,7 +17,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from llmgw.repository import is_repository_url
+from llmgw.repository import HUB_PREFIX, is_repository_url
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +26,7 @@ class SourceKind(str, Enum):
     PATH = "path"  # absolute or explicitly relative (./, ../): must exist
     URL = "url"  # http(s)://...file: fetched before launch
     REPO = "repo"  # http(s)://.../ (a directory with llmgw-manifest.json): every file fetched before launch
+    HF = "hf"  # hf://ORG/NAME@REVISION: fetched before launch from the model's hub_endpoint
     HUB = "hub"  # bare hub id (Qwen/Qwen2.5-7B-Instruct): passed to the engine untouched
 
 
@@ -38,6 +39,8 @@ def source_kind(source: str) -> SourceKind:
     """
     if source.startswith(("https://", "http://")):
         return SourceKind.REPO if is_repository_url(source) else SourceKind.URL
+    if source.startswith(HUB_PREFIX):
+        return SourceKind.HF
     if os.path.isabs(source) or source.startswith(("./", "../")) or source in (".", ".."):
         return SourceKind.PATH
     return SourceKind.HUB
@@ -51,6 +54,7 @@ class Model:
     size_bytes: int | None = None  # declared weights size, for the memory check
     sha256: str | None = None
     max_model_len: int | None = None
+    hub_endpoint: str | None = None  # hf:// sources: the hub or mirror to fetch from (default huggingface.co)
 
     @property
     def kind(self) -> SourceKind:
@@ -112,6 +116,7 @@ class Catalog:
                 size_bytes=m.get("size_bytes"),
                 sha256=m.get("sha256"),
                 max_model_len=m.get("max_model_len"),
+                hub_endpoint=m.get("hub_endpoint"),
             )
         profiles = {}
         for p in cfg.get("profiles", ()):
@@ -236,6 +241,28 @@ def probe_repository_size(url: str, timeout: float = 10.0, sha256: str | None = 
         return None, str(e)
 
 
+def probe_hub_size(source: str, endpoint: str | None, timeout: float = 10.0) -> tuple[int | None, str | None]:
+    """(total bytes of an hf:// repository's files at its revision, None), or (None, why not).
+
+    Asked of the same endpoint the agents fetch from, through the same
+    library, so the size is that of exactly what they will download.
+    """
+    from llmgw.repository import DEFAULT_HUB_ENDPOINT, parse_hub_source
+
+    try:
+        hub = parse_hub_source(source)
+        from huggingface_hub import HfApi
+        from huggingface_hub.hf_api import RepoFile
+    except (ValueError, ImportError) as e:
+        return None, str(e)
+    try:
+        api = HfApi(endpoint=endpoint or DEFAULT_HUB_ENDPOINT)
+        files = api.list_repo_tree(hub.repo_id, recursive=True, revision=hub.revision)
+        return sum(f.size for f in files if isinstance(f, RepoFile)), None
+    except Exception as e:  # the library's errors name the URL and the status
+        return None, f"{type(e).__name__}: {e}".rstrip(": ")
+
+
 def _positive(value: str | None) -> int | None:
     try:
         n = int(value or "")
@@ -287,7 +314,8 @@ def measure_sources(models: Mapping[str, Model] | list[Model], *, remote: bool =
     """Sizes of the models' sources that can be read from here: local paths
     that exist on this machine, and (``remote=True``) http(s) files whose
     server tells their length (``probe_remote_size``) and repository mirrors
-    (the sum of their manifest, ``probe_repository_size``).  Models with a declared
+    (the sum of their manifest, ``probe_repository_size``) and hf://
+    repositories (the sum of the hub's file list, ``probe_hub_size``).  Models with a declared
     size are skipped; hub ids are never sized (the engine resolves them).
     ``failures``, when given, receives why each remote source could not be sized."""
     items = models.values() if isinstance(models, Mapping) else models
@@ -298,8 +326,10 @@ def measure_sources(models: Mapping[str, Model] | list[Model], *, remote: bool =
         size = None
         if m.kind is SourceKind.PATH:
             size = local_weights_bytes(m.source)
-        elif m.kind in (SourceKind.URL, SourceKind.REPO) and remote:
-            if m.kind is SourceKind.REPO:
+        elif m.kind in (SourceKind.URL, SourceKind.REPO, SourceKind.HF) and remote:
+            if m.kind is SourceKind.HF:
+                size, why = probe_hub_size(m.source, m.hub_endpoint, timeout)
+            elif m.kind is SourceKind.REPO:
                 size, why = probe_repository_size(m.source, timeout, m.sha256)
             else:
                 size, why = probe_remote_size(m.source, timeout)

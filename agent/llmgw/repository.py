@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,35 @@ def repository_url_problem(source: str) -> str | None:
     if any(s in (".", "..") for s in parts.path.split("/")):
         return f"{source!r}: path has '.' or '..' segments"
     return None
+
+
+HUB_PREFIX = "hf://"
+DEFAULT_HUB_ENDPOINT = "https://huggingface.co"
+_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
+_REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,254}$")
+
+
+@dataclass(frozen=True)
+class HubSource:
+    """``hf://ORG/NAME@REVISION``: a repository on a Hugging Face compatible hub (or a mirror of one)."""
+
+    repo_id: str
+    revision: str  # branch, tag or commit; a 40-hex commit pins it
+
+
+def parse_hub_source(source: str) -> HubSource:
+    """The repository and revision of an ``hf://`` source; ValueError saying what is wrong."""
+    if not source.startswith(HUB_PREFIX):
+        raise ValueError(f"{source!r} does not start with {HUB_PREFIX}")
+    rest = source[len(HUB_PREFIX):]
+    repo_id, at, revision = rest.partition("@")
+    if not at:
+        revision = "main"
+    if not _REPO_ID.match(repo_id) or ".." in repo_id:
+        raise ValueError(f"{source!r}: {repo_id!r} is not a hub repository id (ORG/NAME)")
+    if not _REVISION.match(revision) or ".." in revision or revision.endswith("/"):
+        raise ValueError(f"{source!r}: {revision!r} is not a revision (branch, tag or commit)")
+    return HubSource(repo_id, revision)
 
 
 def manifest_url(source: str) -> str:

@@ -9,8 +9,8 @@ import pytest
 
 from llmgw.agent.fetch.naming import SourceURLError, is_scratch, repository_relpath, staging_name
 from llmgw.catalog import SourceKind, source_kind
-from llmgw.repository import (ManifestInvalid, RepoFile, build_manifest, file_url, manifest_url, parse_manifest,
-                              plan, repository_url_problem)
+from llmgw.repository import (HubSource, ManifestInvalid, RepoFile, build_manifest, file_url, manifest_url,
+                              parse_hub_source, parse_manifest, plan, repository_url_problem)
 
 SHA = "a" * 64
 
@@ -114,3 +114,44 @@ def test_build_manifest_lists_files_skips_hidden_ones_and_parses_back(tmp_path):
     m = parse_manifest(json.dumps(manifest).encode())
     assert [(f.path, f.size) for f in m.files] == [("config.json", 2), ("tok/vocab.json", 8)]
     assert m.files[0].sha256 == hashlib.sha256(b"{}").hexdigest() and m.revision == "r1"
+
+
+@pytest.mark.parametrize("source, repo_id, revision", [
+    ("hf://Qwen/Qwen2.5-7B-Instruct@a09a35458c702b33eeacc393d103063234e8bc28", "Qwen/Qwen2.5-7B-Instruct",
+     "a09a35458c702b33eeacc393d103063234e8bc28"),
+    ("hf://org/name@v1.0", "org/name", "v1.0"),
+    ("hf://gpt2", "gpt2", "main"),
+    ("hf://org/name@refs/pr/1", "org/name", "refs/pr/1"),
+])
+def test_hub_sources_parse(source, repo_id, revision):
+    assert parse_hub_source(source) == HubSource(repo_id, revision)
+    assert source_kind(source) is SourceKind.HF
+
+
+@pytest.mark.parametrize("source", ["hf://", "hf://a/b/c@main", "hf://org/../x@main", "hf://org/n@", "hf://org/n@../x",
+                                    "hf://-org/n@main"])
+def test_bad_hub_sources_are_refused(source):
+    with pytest.raises(ValueError):
+        parse_hub_source(source)
+
+
+def test_config_errors_for_repository_sources_point_at_the_key():
+    from llmgw.config import ConfigInvalid
+    from llmgw.settings import parse_server_settings
+
+    doc = {"api": {"listen": {"port": 1}}, "insecure_no_tls": True,
+           "models": [{"name": "a", "source": "https://m/q/?sig=1"},
+                      {"name": "b", "source": "hf://org/../x@main"},
+                      {"name": "c", "source": "hf://org/c@main", "sha256": SHA},
+                      {"name": "d", "source": "https://m/d/", "hub_endpoint": "https://hub.example"},
+                      {"name": "f", "source": "hf://org/f@main", "hub_endpoint": "http://127.0.0.1:9/"},
+                      {"name": "g", "source": "https://m/g/", "sha256": SHA}],
+           "profiles": [{"name": "p", "engine": "vllm"}], "deployments": []}
+    with pytest.raises(ConfigInvalid) as e:
+        parse_server_settings(doc)
+    assert [x.pointer for x in e.value.errors] == ["/models/0/source", "/models/1/source", "/models/2/sha256",
+                                                   "/models/3/hub_endpoint"]
+    doc["models"] = [{"name": "e", "source": "hf://org/e@main", "hub_endpoint": "ftp://x"}]
+    with pytest.raises(ConfigInvalid) as e:
+        parse_server_settings(doc)
+    assert [x.pointer for x in e.value.errors] == ["/models/0/hub_endpoint"]

@@ -141,7 +141,8 @@ class Shard:
 def spec_model(spec: dict[str, Any]) -> Model:
     m = spec["model"]
     return Model(name=m["name"], source=m["source"], served_name=m["served_name"],
-                 size_bytes=m.get("size_bytes"), sha256=m.get("sha256"), max_model_len=m.get("max_model_len"))
+                 size_bytes=m.get("size_bytes"), sha256=m.get("sha256"), max_model_len=m.get("max_model_len"),
+                 hub_endpoint=m.get("hub_endpoint"))
 
 
 def spec_profile(spec: dict[str, Any]) -> Profile:
@@ -397,7 +398,7 @@ class Supervisor:
             except Exception as e:
                 self._fail_before_launch(shard, f"fetching {model.source}: {e}")
                 return None
-        if kind is SourceKind.REPO:
+        if kind in (SourceKind.REPO, SourceKind.HF):
             return await self._fetch_repository(shard, model)
         try:
             return resolve_model_path(model, self.config.model_dir)
@@ -429,7 +430,7 @@ class Supervisor:
     @staticmethod
     def _offline_env(model: Model) -> dict[str, str]:
         """An engine on a fetched repository loads it as it is: no hub behind the agent's back."""
-        if model.kind is not SourceKind.REPO:
+        if model.kind not in (SourceKind.REPO, SourceKind.HF):
             return {}
         from llmgw.agent.fetch import OFFLINE_ENV
 

@@ -19,6 +19,7 @@ server and the I/O is small enough to read in one sitting:
 ``durable``    fsync, rename, directory fsync, on-disk digest
 ``download``   one download from first GET to promotion
 ``repository`` a directory of files (manifest), staged then renamed whole
+``hub``        an hf:// repository through huggingface_hub (``hubworker``)
 =============  ==============================================================
 """
 
@@ -28,11 +29,11 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from llmgw.agent.fetch import download, repository
+from llmgw.agent.fetch import download, hub, repository
 from llmgw.agent.fetch.download import FetchError
 from llmgw.agent.fetch.flight import Flight, FlightConflict, flights
 from llmgw.agent.fetch.naming import SourceURLError, target_relpath
-from llmgw.catalog import Model
+from llmgw.catalog import Model, SourceKind
 from llmgw.settings import FetchPolicy
 
 __all__ = ["OFFLINE_ENV", "FetchError", "FetchPolicy", "fetch_repository", "fetch_weights", "target_path"]
@@ -76,20 +77,30 @@ async def fetch_weights(model: Model, model_dir: str | os.PathLike[str], *,
 async def fetch_repository(model: Model, model_dir: str | os.PathLike[str], *,
                            progress: Callable[[dict[str, Any]], None], shard_id: str,
                            node_id: str = "local", policy: FetchPolicy | None = None) -> str:
-    """Local directory of the repository mirror ``model.source`` once every file is there and verified.
+    """Local directory of the repository ``model.source`` once every file is there and verified.
 
-    ``model.sha256``, when declared, is the manifest's digest.  Shards of
-    this process that want the same repository share one fetch, as for a file.
+    A mirror directory URL (``model.sha256``, when declared, is its
+    manifest's digest) or an ``hf://`` repository on ``model.hub_endpoint``.
+    Shards of this process that want the same repository share one fetch,
+    as for a file.
     """
-    root = repository.root_path(model.source, model_dir)
     pol = policy or FetchPolicy()
+    target = Path(os.path.abspath(model_dir))
+    if model.kind is SourceKind.HF:
+        root = hub.repo_root(model.source, model.hub_endpoint, model_dir)
 
-    async def run(flight: Flight) -> str:
-        return await repository.run(repository.Job(source=model.source, model_dir=Path(os.path.abspath(model_dir)),
-                                                   node_id=node_id, sha256=model.sha256, policy=pol, flight=flight))
+        async def run(flight: Flight) -> str:
+            return await hub.run(hub.Job(source=model.source, endpoint=model.hub_endpoint, model_dir=target,
+                                         node_id=node_id, policy=pol, flight=flight))
+        name = model.source
+    else:
+        root = repository.root_path(model.source, model_dir)
 
+        async def run(flight: Flight) -> str:
+            return await repository.run(repository.Job(source=model.source, model_dir=target, node_id=node_id,
+                                                       sha256=model.sha256, policy=pol, flight=flight))
+        name = repository.label(model.source)
     try:
-        return await flights().join((model.source, str(root)), repository.label(model.source), model.sha256,
-                                    shard_id, progress, run)
+        return await flights().join((model.source, str(root)), name, model.sha256, shard_id, progress, run)
     except FlightConflict as e:
         raise FetchError(str(e)) from e

@@ -101,7 +101,7 @@ async def run(job: Job) -> str:
         staging = parent / naming.staging_name(final.name, job.node_id)
         t0 = time.monotonic()
         await _assemble(job, manifest, data, staging)
-        _publish(staging, final)
+        publish(staging, final)
     log.info("fetched %s (%d files, %s) to %s in %.1fs", job.source, len(manifest.files),
              gib(manifest.total_bytes), final, time.monotonic() - t0)
     return str(final)
@@ -141,7 +141,7 @@ def _staged(staging: Path) -> dict[str, int]:
     return out
 
 
-def _publish(staging: Path, final: Path) -> None:
+def publish(staging: Path, final: Path) -> None:
     """The staging tree, complete, becomes ``final`` in one rename (after everything in it is durable)."""
     dirs = []
     for dirpath, _dirs, files in os.walk(staging):
