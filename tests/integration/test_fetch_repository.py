@@ -102,7 +102,18 @@ def test_killed_at_random_offsets_no_partial_file_is_ever_under_a_final_name_and
             offset = rng.randrange(1, len(files[name]))
             box: list[subprocess.Popen] = []
             served = srv.files[f"org/q/{name}"]
-            served.pause_at, served.on_pause = offset, lambda: box[0].send_signal(signal.SIGKILL)
+            def kill(offset: int = offset, directory: Path = (staging / name).parent, base: str = Path(name).name,
+                     box: list[subprocess.Popen] = box) -> None:
+                # The server has sent exactly ``offset`` bytes and holds the rest: kill the fetcher
+                # once they are in its partial file, so the offset is the fetcher's.
+                def written() -> int:
+                    return max([os.path.getsize(directory / n) for n in os.listdir(directory)
+                                if n.startswith(f".{base}.") and n.endswith(".llmgw-part")] or [0])
+                until(lambda: written() >= offset, f"{offset} bytes of {name} in its partial file")
+                box[0].send_signal(signal.SIGKILL)
+                box[0].wait()
+
+            served.pause_at, served.on_pause = offset, kill
             served.release.clear()
             box.append(driver(url, models, digest))
             out, err = box[0].communicate(timeout=60)
