@@ -217,3 +217,34 @@ def test_a_fleet_fetches_a_20_file_repository_once_for_8_shards_offline_and_refu
         assert f"{corrupt}: sha256 mismatch: expected {wrong}" in f.ctl("replicas").stdout
         bad_dir = tmp_path / "a" / "models" / f"127.0.0.1_{srv.port}" / "org" / "bad"
         assert [p.name for p in bad_dir.iterdir() if not p.name.startswith(".")] == []  # nothing published
+
+
+def test_a_repository_fetch_longer_than_start_timeout_still_launches_and_the_clock_starts_at_launch(tmp_path):
+    """start_timeout is the engine's: a fetch of 3 s under a 1.5 s start_timeout launches, and the engine
+    (which never answers) is failed 1.5 s after its launch, not at the start."""
+    import asyncio
+
+    from llmgw.settings import FetchPolicy
+    from test_agent_supervisor import make_spec
+    from test_fetch_agent import Agent
+
+    files = repo_files(6, seed=6, size=64 * KIB)
+    start_timeout = 1.5
+
+    async def main(srv: WeightsServer, url: str) -> None:
+        a = Agent(tmp_path, FetchPolicy(progress_interval=0.1))
+        try:
+            sid = "slow.sim.0-x/r0"
+            a.sup.start(make_spec(sid, source=url, timeout=start_timeout))
+            await a.until(lambda: "failed" in a.states(sid), "the start timeout after launch")
+            at = {what: t for t, what in a.order}
+            assert a.states(sid) == ["pending", "fetching", "starting", "failed"]
+            assert at["starting"] - at["fetching"] > start_timeout  # the fetch alone outlasted start_timeout
+            assert at["failed"] - at["starting"] >= start_timeout  # counted from launch
+            assert a.status[-1]["reason"].startswith(f"not ready within start_timeout ({start_timeout:g}s)")
+        finally:
+            await a.close()
+
+    with WeightsServer() as srv:
+        url, _ = mirror(srv, "org/slow", files, trickle=(16 * KIB, 0.12))  # ~4 writes of 0.12 s per file: ~3 s
+        asyncio.run(main(srv, url))
