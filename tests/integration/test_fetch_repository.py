@@ -195,7 +195,8 @@ def test_a_fleet_fetches_a_20_file_repository_once_for_8_shards_offline_and_refu
         assert len(ready) == 8
         for p in files:  # eight shards on one node, one GET per file
             assert srv.files[f"org/q/{p}"].gets == 1, p
-        agent_gets = [h for h in srv.files["org/q/llmgw-manifest.json"].requests if "aiohttp" in h.get("User-Agent", "")]
+        agent_gets = [h for h in srv.files["org/q/llmgw-manifest.json"].requests
+                      if "aiohttp" in h.get("User-Agent", "")]  # the control plane's sizing GET is httpx
         assert len(agent_gets) == 1
         local = tmp_path / "a" / "models" / f"127.0.0.1_{srv.port}" / "org" / "q" / digest[:16]
         assert {p: got.read_bytes() for p, got in names_under(local).items() if p in files} == files

@@ -407,7 +407,7 @@ class Supervisor:
             return None
 
     async def _fetch_repository(self, shard: Shard, model: Model) -> str | None:
-        """A repository mirror's local directory, or None after failing the shard.
+        """A repository's local directory (a mirror with a manifest, or hf://); None after failing the shard.
 
         Unlike a single file, a repository (tens of shards, hundreds of GiB) is
         fetched outside ``start_timeout``: the fetcher's own stall and attempt

@@ -1,9 +1,10 @@
-"""Weights before launch: fetch an http(s) model source into the model directory.
+"""Weights before launch: fetch a model source into the model directory.
 
-The supervisor calls ``fetch_weights`` for a shard whose model source is a
-URL of a file, ``fetch_repository`` for a directory URL (a repository mirror), after reporting the shard ``fetching``, and launches the engine on the
-path it returns; a ``FetchError`` (or any exception) fails the shard with its
-message as the reason.  Paths and hub ids never come here: a path that
+The supervisor calls ``fetch_weights`` for a shard whose model source is the
+URL of a file, ``fetch_repository`` for a repository (a mirror directory
+URL, or ``hf://``), after reporting the shard ``fetching``, and launches the
+engine on the path it returns; a ``FetchError`` (or any exception) fails the
+shard with its message as the reason.  Paths and bare hub ids never come here: a path that
 exists is used as it is, and a hub id goes to the engine untouched.
 
 The package is split by job, so that the decisions are testable without a
