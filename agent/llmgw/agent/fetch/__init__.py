@@ -4,8 +4,9 @@ The supervisor calls ``fetch_weights`` for a shard whose model source is the
 URL of a file, ``fetch_repository`` for a repository (a mirror directory
 URL, or ``hf://``), after reporting the shard ``fetching``, and launches the
 engine on the path it returns; a ``FetchError`` (or any exception) fails the
-shard with its message as the reason.  Paths and bare hub ids never come here: a path that
-exists is used as it is, and a hub id goes to the engine untouched.
+shard with its message as the reason.  Paths and bare hub ids never come
+here: a path that exists is used as it is, and a hub id goes to the engine
+untouched.
 
 The package is split by job, so that the decisions are testable without a
 server and the I/O is small enough to read in one sitting:
