@@ -40,6 +40,7 @@ class HubRepo:
     ranges: list[tuple[str, str]] = field(default_factory=list)  # (path, Range header) of every ranged GET
     api_calls: int = 0
     trickle: tuple[int, float] | None = None
+    hold: set[str] = field(default_factory=set)  # paths whose GET stops after its first write while listed here
 
 
 class HubServer:
@@ -161,6 +162,8 @@ class HubServer:
         while pos < len(data):
             await resp.write(data[pos:pos + step])
             pos += step
+            while path in repo.hold:
+                await asyncio.sleep(0.05)
             if pause:
                 await asyncio.sleep(pause)
         await resp.write_eof()

@@ -103,6 +103,7 @@ def test_a_stopped_hub_fetch_ends_its_process_and_the_next_start_keeps_the_files
     kill; what must hold is that the agent's fetch process ends with the shard, and files already
     finished are not downloaded again."""
     files = hub_files(10, seed=9, size=128 * KIB)
+    held = "model-00004-of-00008.safetensors"  # stays in flight until the test lets it go
 
     async def main(hub: HubServer) -> None:
         repo = hub.repos["org/slow"]
@@ -111,7 +112,8 @@ def test_a_stopped_hub_fetch_ends_its_process_and_the_next_start_keeps_the_files
             spec = make_spec("slow.sim.0-x/r0", source="hf://org/slow@main")
             spec["model"]["hub_endpoint"] = hub.url
             a.sup.start(spec)
-            await a.until(lambda: any(m["bytes_done"] >= 3 * 128 * KIB for m in a.progress), "three files' bytes")
+            await a.until(lambda: repo.gets.get(held) == 1 and any(m["bytes_done"] >= 3 * 128 * KIB
+                                                                  for m in a.progress), "three files' bytes")
             assert len(hubworkers()) == 1
             await a.sup.stop("slow.sim.0-x/r0", "test")
             await a.until(lambda: not hubworkers(), "the hub fetch process to end")
@@ -125,6 +127,7 @@ def test_a_stopped_hub_fetch_ends_its_process_and_the_next_start_keeps_the_files
                 assert (staging / p).read_bytes() == files[p]  # whole under its name, or not there at all
 
             repo.trickle = None
+            repo.hold.clear()
             spec2 = make_spec("slow.sim.0-y/r0", source="hf://org/slow@main")
             spec2["model"]["hub_endpoint"] = hub.url
             a.sup.start(spec2)
@@ -134,11 +137,12 @@ def test_a_stopped_hub_fetch_ends_its_process_and_the_next_start_keeps_the_files
             assert {p.relative_to(path).as_posix(): p.read_bytes() for p in path.rglob("*") if p.is_file()} == files
             for p in finished:
                 assert repo.gets[p] == 1, p  # kept, not fetched again
+            assert repo.gets[held] == 2  # the one in flight when the fetch was stopped: again, from its start
             env, _ = proc_env_argv(shard.identity.pid)
             assert env.get(b"HF_HUB_OFFLINE") == b"1"
         finally:
             await a.close()
 
     with HubServer() as hub:
-        hub.add("org/slow", files, trickle=(16 * KIB, 0.05))
+        hub.add("org/slow", files, trickle=(16 * KIB, 0.02), hold={held})
         asyncio.run(main(hub))

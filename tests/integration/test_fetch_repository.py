@@ -161,7 +161,9 @@ def test_a_fleet_fetches_a_20_file_repository_once_for_8_shards_offline_and_refu
     bad_files = repo_files(4, seed=4, size=8 * KIB)
     corrupt = "model-00002-of-00002.safetensors"
     with WeightsServer() as srv, Fleet(tmp_path, nodes={"a": 9}, replicas=8) as f:
-        url, _ = mirror(srv, "org/q", files, trickle=(32 * KIB, 0.05))  # ~3 s: long enough to be seen
+        url, _ = mirror(srv, "org/q", files, trickle=(32 * KIB, 0.02))
+        paused = srv.files[f"org/q/{list(files)[10]}"]  # held half-way: the line cannot be missed
+        paused.pause_at = len(paused.data) // 2
         srv.files["org/q/llmgw-manifest.json"].data = manifest_by_cli(tmp_path / "mirror", files)
         digest = hashlib.sha256(srv.files["org/q/llmgw-manifest.json"].data).hexdigest()
         bad_url, _ = mirror(srv, "org/bad", bad_files, lie={corrupt})
@@ -187,6 +189,7 @@ def test_a_fleet_fetches_a_20_file_repository_once_for_8_shards_offline_and_refu
 
         until(shown, "a progress line under a fetching replica",
               on_timeout=lambda: "\n".join(x for x in "".join(seen).splitlines() if "downloading" in x))
+        paused.release.set()
         # The control plane knew the size from the manifest, for the memory check, before any byte arrived.
         (tiny,) = [m for m in f.get("/v1/catalog")["models"] if m["name"] == "tiny"]
         assert tiny["weights"] == {"bytes": total, "source": "measured from URL"}
