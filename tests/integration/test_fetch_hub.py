@@ -8,6 +8,10 @@ import asyncio
 import hashlib
 import os
 import random
+import signal
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -83,8 +87,8 @@ def test_a_fleet_fetches_an_hf_repository_once_for_8_shards_from_the_named_endpo
         assert not (tmp_path / "a" / "models" / "hf" / f"127.0.0.1_{hub.port}" / "org" / "bad" / bad.commit).exists()
 
 
-def hubworkers() -> list[int]:
-    """Our hub fetch processes still alive."""
+def hubworkers(parent: int | None = None) -> list[int]:
+    """Live hub fetch processes started by ``parent`` (this process by default)."""
     out = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -93,7 +97,9 @@ def hubworkers() -> list[int]:
                 stat = Path(f"/proc/{entry}/stat").read_text()
             except OSError:
                 continue
-            if b"llmgw.agent.fetch.hubworker" in cmd and int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid():
+            fields = stat.rsplit(")", 1)[1].split()
+            if (b"llmgw.agent.fetch.hubworker" in cmd and fields[0] != "Z"
+                    and f'"parent": {parent or os.getpid()}' in cmd.decode(errors="replace")):
                 out.append(int(entry))
     return out
 
@@ -146,3 +152,34 @@ def test_a_stopped_hub_fetch_ends_its_process_and_the_next_start_keeps_the_files
     with HubServer() as hub:
         hub.add("org/slow", files, trickle=(16 * KIB, 0.02), hold={held})
         asyncio.run(main(hub))
+
+
+DRIVER = textwrap.dedent("""
+    import asyncio, sys
+    from llmgw.agent.fetch import fetch_repository
+    from llmgw.catalog import Model
+    m = Model(name="m", source=sys.argv[1], served_name="m", hub_endpoint=sys.argv[2])
+    print(asyncio.run(fetch_repository(m, sys.argv[3], progress=lambda m: None, shard_id="s/r0", node_id="n1")),
+          flush=True)
+""")
+
+
+def test_a_sigkilled_agent_takes_its_hub_fetch_process_with_it_and_nothing_is_published(tmp_path):
+    files = hub_files(4, seed=10, size=64 * KIB)
+    held = "model-00001-of-00002.safetensors"
+    with HubServer() as hub:
+        repo = hub.add("org/k", files, hold={held})
+        proc = subprocess.Popen([sys.executable, "-c", DRIVER, "hf://org/k@main", hub.url, str(tmp_path / "m")],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            until(lambda: repo.gets.get(held) == 1 and hubworkers(proc.pid), "the hub fetch to be under way")
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(30)
+            until(lambda: not hubworkers(proc.pid), "the fetch process to die with its agent", timeout=30)
+        finally:
+            proc.kill()
+            proc.communicate()
+        root = tmp_path / "m" / "hf" / f"127.0.0.1_{hub.port}" / "org" / "k"
+        assert not (root / repo.commit).exists()  # only a staging directory, never the final one
+        # a staging directory and the dead fetcher's advisory lock file (its flock went with it)
+        assert {p.name for p in root.iterdir()} <= {f".{repo.commit}.n1.llmgw-staging", f".{repo.commit}.llmgw-lock"}

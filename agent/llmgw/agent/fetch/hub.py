@@ -84,7 +84,7 @@ class _Worker:
         endpoint = self.job.endpoint or DEFAULT_HUB_ENDPOINT
         self.root.mkdir(parents=True, exist_ok=True)
         args = {"repo_id": self.hub.repo_id, "revision": self.hub.revision, "endpoint": endpoint,
-                "cache_dir": str(self.job.model_dir / "hf" / ".cache")}
+                "cache_dir": str(self.job.model_dir / "hf" / ".cache"), "parent": os.getpid()}
         env = {k: v for k, v in os.environ.items() if k not in _WORKER_ENV_DROP}
         env.update(HF_HUB_DISABLE_PROGRESS_BARS="1", HF_HUB_DISABLE_TELEMETRY="1",
                    HF_HOME=str(self.job.model_dir / "hf" / ".home"),

@@ -20,9 +20,11 @@ Protocol, one JSON object per line on stdout:
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -72,8 +74,22 @@ def verify(staging: Path, files: list[Any]) -> str | None:
     return None
 
 
+def die_with_parent(parent: int) -> None:
+    """SIGKILL this process when the agent that started it dies (SIGKILL included): an orphan would
+    go on downloading for nobody, beside the next agent's own fetch of the same files."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it died before the request took effect
+        os._exit(1)
+
+
 def main(argv: list[str]) -> int:
     job = json.loads(argv[1])
+    if job.get("parent"):
+        die_with_parent(int(job["parent"]))
     try:
         from huggingface_hub import HfApi, snapshot_download
         from huggingface_hub.hf_api import RepoFile
