@@ -40,7 +40,7 @@ class HubRepo:
     ranges: list[tuple[str, str]] = field(default_factory=list)  # (path, Range header) of every ranged GET
     api_calls: int = 0
     trickle: tuple[int, float] | None = None
-    hold: set[str] = field(default_factory=set)  # paths whose GET stops after its first write while listed here
+    hold: set[str] = field(default_factory=set)  # paths whose GET stops after its first write (at most half)
 
 
 class HubServer:
@@ -158,6 +158,8 @@ class HubServer:
         resp.content_length = len(data) - start
         await resp.prepare(request)
         step, pause = repo.trickle or (1 << 20, 0.0)
+        if path in repo.hold:
+            step = min(step, max(1, (len(data) - start) // 2))  # held before the body is complete
         pos = start
         while pos < len(data):
             await resp.write(data[pos:pos + step])

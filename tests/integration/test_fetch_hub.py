@@ -172,7 +172,8 @@ def test_a_sigkilled_agent_takes_its_hub_fetch_process_with_it_and_nothing_is_pu
         proc = subprocess.Popen([sys.executable, "-c", DRIVER, "hf://org/k@main", hub.url, str(tmp_path / "m")],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
-            until(lambda: repo.gets.get(held) == 1 and hubworkers(proc.pid), "the hub fetch to be under way")
+            until(lambda: repo.gets.get(held) == 1 and hubworkers(proc.pid), "the hub fetch to be under way",
+                  on_timeout=lambda: f"GETs {repo.gets}; workers {hubworkers(proc.pid)}; driver exit {proc.poll()}")
             proc.send_signal(signal.SIGKILL)
             proc.wait(30)
             until(lambda: not hubworkers(proc.pid), "the fetch process to die with its agent", timeout=30)
