@@ -8,6 +8,7 @@ mapping into them, so validation rules live in one place.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from collections.abc import Mapping
@@ -16,12 +17,16 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from llmgw.repository import HUB_PREFIX, is_repository_url
+
 log = logging.getLogger(__name__)
 
 
 class SourceKind(str, Enum):
     PATH = "path"  # absolute or explicitly relative (./, ../): must exist
-    URL = "url"  # http(s)://: fetched before launch
+    URL = "url"  # http(s)://...file: fetched before launch
+    REPO = "repo"  # http(s)://.../ (a directory with llmgw-manifest.json): every file fetched before launch
+    HF = "hf"  # hf://ORG/NAME@REVISION: fetched before launch from the model's hub_endpoint
     HUB = "hub"  # bare hub id (Qwen/Qwen2.5-7B-Instruct): passed to the engine untouched
 
 
@@ -33,7 +38,9 @@ def source_kind(source: str) -> SourceKind:
     treating it as a relative path would make every hub profile fail.
     """
     if source.startswith(("https://", "http://")):
-        return SourceKind.URL
+        return SourceKind.REPO if is_repository_url(source) else SourceKind.URL
+    if source.startswith(HUB_PREFIX):
+        return SourceKind.HF
     if os.path.isabs(source) or source.startswith(("./", "../")) or source in (".", ".."):
         return SourceKind.PATH
     return SourceKind.HUB
@@ -47,6 +54,7 @@ class Model:
     size_bytes: int | None = None  # declared weights size, for the memory check
     sha256: str | None = None
     max_model_len: int | None = None
+    hub_endpoint: str | None = None  # hf:// sources: the hub or mirror to fetch from (default huggingface.co)
 
     @property
     def kind(self) -> SourceKind:
@@ -108,6 +116,7 @@ class Catalog:
                 size_bytes=m.get("size_bytes"),
                 sha256=m.get("sha256"),
                 max_model_len=m.get("max_model_len"),
+                hub_endpoint=m.get("hub_endpoint"),
             )
         profiles = {}
         for p in cfg.get("profiles", ()):
@@ -205,6 +214,55 @@ def probe_remote_size(url: str, timeout: float = 10.0) -> tuple[int | None, str 
         return None, f"{head_problem}; {why}" if head_problem else why
 
 
+def probe_repository_size(url: str, timeout: float = 10.0, sha256: str | None = None) -> tuple[int | None, str | None]:
+    """(total bytes of the files its manifest lists, None) for a repository mirror, or (None, why not).
+
+    The manifest is read whole (it is small) and checked as the agent checks
+    it, so a size is never taken from a manifest the agent would refuse.
+    """
+    import httpx
+
+    from llmgw.repository import ManifestInvalid, manifest_url, parse_manifest
+
+    where = manifest_url(url)
+    try:
+        with httpx.Client(timeout=timeout, follow_redirects=True) as client:
+            r = client.get(where)
+            if r.status_code != 200:
+                return None, f"GET {where} answered {r.status_code}"
+            data = r.content
+    except httpx.HTTPError as e:
+        return None, f"GET {where}: {type(e).__name__}: {e}".rstrip(": ")
+    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+        return None, f"{where} has sha256 {hashlib.sha256(data).hexdigest()}, not the declared {sha256}"
+    try:
+        return parse_manifest(data, where).total_bytes, None
+    except ManifestInvalid as e:
+        return None, str(e)
+
+
+def probe_hub_size(source: str, endpoint: str | None, timeout: float = 10.0) -> tuple[int | None, str | None]:
+    """(total bytes of an hf:// repository's files at its revision, None), or (None, why not).
+
+    Asked of the same endpoint the agents fetch from, through the same
+    library, so the size is that of exactly what they will download.
+    """
+    from llmgw.repository import DEFAULT_HUB_ENDPOINT, parse_hub_source
+
+    try:
+        hub = parse_hub_source(source)
+        from huggingface_hub import HfApi
+        from huggingface_hub.hf_api import RepoFile
+    except (ValueError, ImportError) as e:
+        return None, str(e)
+    try:
+        api = HfApi(endpoint=endpoint or DEFAULT_HUB_ENDPOINT)
+        files = api.list_repo_tree(hub.repo_id, recursive=True, revision=hub.revision)
+        return sum(f.size for f in files if isinstance(f, RepoFile)), None
+    except Exception as e:  # the library's errors name the URL and the status
+        return None, f"{type(e).__name__}: {e}".rstrip(": ")
+
+
 def _positive(value: str | None) -> int | None:
     try:
         n = int(value or "")
@@ -255,7 +313,9 @@ def measure_sources(models: Mapping[str, Model] | list[Model], *, remote: bool =
                     timeout: float = 10.0, failures: dict[str, str] | None = None) -> dict[str, int]:
     """Sizes of the models' sources that can be read from here: local paths
     that exist on this machine, and (``remote=True``) http(s) files whose
-    server tells their length (``probe_remote_size``).  Models with a declared
+    server tells their length (``probe_remote_size``) and repository mirrors
+    (the sum of their manifest, ``probe_repository_size``) and hf://
+    repositories (the sum of the hub's file list, ``probe_hub_size``).  Models with a declared
     size are skipped; hub ids are never sized (the engine resolves them).
     ``failures``, when given, receives why each remote source could not be sized."""
     items = models.values() if isinstance(models, Mapping) else models
@@ -266,8 +326,13 @@ def measure_sources(models: Mapping[str, Model] | list[Model], *, remote: bool =
         size = None
         if m.kind is SourceKind.PATH:
             size = local_weights_bytes(m.source)
-        elif m.kind is SourceKind.URL and remote:
-            size, why = probe_remote_size(m.source, timeout)
+        elif m.kind in (SourceKind.URL, SourceKind.REPO, SourceKind.HF) and remote:
+            if m.kind is SourceKind.HF:
+                size, why = probe_hub_size(m.source, m.hub_endpoint, timeout)
+            elif m.kind is SourceKind.REPO:
+                size, why = probe_repository_size(m.source, timeout, m.sha256)
+            else:
+                size, why = probe_remote_size(m.source, timeout)
             if size is None and failures is not None:
                 failures[m.source] = why or "unknown"
         if size is not None:

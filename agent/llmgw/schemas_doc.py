@@ -16,6 +16,7 @@ FILES = [
     ("server", "server.yaml", "Control plane and in-process router: `llmgw server --config server.yaml`."),
     ("router", "router section / router.yaml", "The router: the `router:` section of server.yaml, or the whole file for `llmgw router --config router.yaml`."),
     ("agent", "agent.yaml", "Node agent: `llmgw agent --config agent.yaml`."),
+    ("repository", "llmgw-manifest.json (repository mirror)", "The manifest a plain http(s) model repository mirror serves beside its files; a model whose `source` is an http(s) URL ending in `/` names such a directory."),
     ("hardware", "hardware file", "What discovery reports about a node; also the simulated hardware source (tests, demos, the fleet simulator)."),
 ]
 

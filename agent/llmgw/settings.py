@@ -213,6 +213,30 @@ def _served_name_errors(doc: dict[str, Any]) -> list[ConfigError]:
     return errors
 
 
+def _source_errors(doc: dict[str, Any]) -> list[ConfigError]:
+    """Repository sources the agent could not fetch: a mirror URL it cannot turn into file URLs, a bad hf:// id."""
+    from llmgw.repository import HUB_PREFIX, is_repository_url, parse_hub_source, repository_url_problem
+
+    errors = []
+    for i, m in enumerate(doc.get("models", ())):
+        src = m["source"]
+        if is_repository_url(src):
+            problem = repository_url_problem(src)
+            if problem:
+                errors.append(ConfigError(f"/models/{i}/source", problem))
+        if src.startswith(HUB_PREFIX):
+            try:
+                parse_hub_source(src)
+            except ValueError as e:
+                errors.append(ConfigError(f"/models/{i}/source", str(e)))
+            if "sha256" in m:
+                errors.append(ConfigError(f"/models/{i}/sha256", "an hf:// source is pinned by its revision "
+                                          "(a commit), and every file is checked against the hub's digests"))
+        elif "hub_endpoint" in m:
+            errors.append(ConfigError(f"/models/{i}/hub_endpoint", f"only for an hf:// source, not {src!r}"))
+    return errors
+
+
 def _reference_errors(doc: dict[str, Any]) -> list[ConfigError]:
     errors = []
     models = {m["name"] for m in doc.get("models", ())}
@@ -262,6 +286,7 @@ def _server_semantic_errors(doc: Any, schema: Sequence[ConfigError] = ()) -> lis
         (("/models",), _duplicate_names("models")),
         (("/profiles",), _duplicate_names("profiles")),
         (("/models",), _served_name_errors),
+        (("/models",), _source_errors),
         (("/models", "/profiles", "/deployments"), _reference_errors),
         (("/router",), _router_errors),
     ]

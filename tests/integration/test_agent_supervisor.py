@@ -266,7 +266,7 @@ def test_stop_during_a_drain_cuts_the_drain_grace_short(tmp_path):
 def test_refusals_before_launch(tmp_path):
     async def body(h, sup):
         sup.start(make_spec("a.sim.1-x/r0", source="/nonexistent/weights/dir"))
-        sup.start(make_spec("b.sim.1-x/r0", source="https://example.invalid/weights/", gpus=(1,)))
+        sup.start(make_spec("b.sim.1-x/r0", source="https://example.invalid", gpus=(1,)))  # "/" would be a mirror
         sup.start(make_spec("c.sim.1-x/r0", extra_args=["--port", "9"], gpus=(2,)))
         for sid in ("a.sim.1-x/r0", "b.sim.1-x/r0", "c.sim.1-x/r0"):
             await h.terminal(sid)
@@ -274,7 +274,7 @@ def test_refusals_before_launch(tmp_path):
             assert h.states(sid) == ["pending", *fetched, "failed"], "nothing may be launched"
             assert "process" not in h.last(sid)
         assert "/nonexistent/weights/dir does not exist" in h.last("a.sim.1-x/r0")["reason"]
-        assert h.last("b.sim.1-x/r0")["reason"].startswith("fetching https://example.invalid/weights/: URL names no file")
+        assert h.last("b.sim.1-x/r0")["reason"].startswith("fetching https://example.invalid: URL names no file")
         assert "--port" in h.last("c.sim.1-x/r0")["reason"]
     run(tmp_path, body)
 

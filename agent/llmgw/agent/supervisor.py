@@ -148,7 +148,8 @@ class Shard:
 def spec_model(spec: dict[str, Any]) -> Model:
     m = spec["model"]
     return Model(name=m["name"], source=m["source"], served_name=m["served_name"],
-                 size_bytes=m.get("size_bytes"), sha256=m.get("sha256"), max_model_len=m.get("max_model_len"))
+                 size_bytes=m.get("size_bytes"), sha256=m.get("sha256"), max_model_len=m.get("max_model_len"),
+                 hub_endpoint=m.get("hub_endpoint"))
 
 
 def spec_profile(spec: dict[str, Any]) -> Profile:
@@ -406,11 +407,43 @@ class Supervisor:
             except Exception as e:
                 self._fail_before_launch(shard, f"fetching {model.source}: {e}")
                 return None
+        if kind in (SourceKind.REPO, SourceKind.HF):
+            return await self._fetch_repository(shard, model)
         try:
             return resolve_model_path(model, self.config.model_dir)
         except SourceError as e:
             self._fail_before_launch(shard, str(e))
             return None
+
+    async def _fetch_repository(self, shard: Shard, model: Model) -> str | None:
+        """A repository's local directory (a mirror with a manifest, or hf://); None after failing the shard.
+
+        Unlike a single file, a repository (tens of shards, hundreds of GiB) is
+        fetched outside ``start_timeout``: the fetcher's own stall and attempt
+        limits end a fetch that cannot finish, and the start clock begins when
+        the engine is launched on the complete directory.
+        """
+        from llmgw.agent import fetch
+
+        self._transition(shard, ShardState.FETCHING)
+        try:
+            path = await fetch.fetch_repository(model, self.config.model_dir, progress=self.emit,
+                                                shard_id=shard.shard_id, node_id=self.config.node_id,
+                                                policy=self.config.fetch)
+        except Exception as e:
+            self._fail_before_launch(shard, f"fetching {model.source}: {e}")
+            return None
+        shard.deadline = time.monotonic() + float(shard.spec["profile"]["start_timeout"])
+        return path
+
+    @staticmethod
+    def _offline_env(model: Model) -> dict[str, str]:
+        """An engine on a fetched repository loads it as it is: no hub behind the agent's back."""
+        if model.kind not in (SourceKind.REPO, SourceKind.HF):
+            return {}
+        from llmgw.agent.fetch import OFFLINE_ENV
+
+        return dict(OFFLINE_ENV)
 
     async def _launch(self, shard: Shard) -> bool:
         from llmgw.engines import LaunchContext, LaunchContextError, ProfileError, build_launch
@@ -461,7 +494,7 @@ class Supervisor:
 
         for f in launch.files:
             write_atomic(f.path, f.data.encode(), mode=0o600)
-        env = {**os.environ, **launch.env, ENV_NODE_ID: self.config.node_id,
+        env = {**os.environ, **launch.env, **self._offline_env(model), ENV_NODE_ID: self.config.node_id,
                ENV_SHARD_ID: shard.shard_id, ENV_REPLICA_ID: str(spec["replica_id"])}
         shard.launch_marker = f"launch {secrets.token_hex(8)}"
         log_fd = self.statedir.open_log(shard.shard_id)

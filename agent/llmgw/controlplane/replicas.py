@@ -40,8 +40,11 @@ class ReplicaState(str, Enum):
 
 
 def model_to_dict(m: Model) -> dict[str, Any]:
-    return {"name": m.name, "source": m.source, "served_name": m.served_name,
-            "size_bytes": m.size_bytes, "sha256": m.sha256, "max_model_len": m.max_model_len}
+    d = {"name": m.name, "source": m.source, "served_name": m.served_name,
+         "size_bytes": m.size_bytes, "sha256": m.sha256, "max_model_len": m.max_model_len}
+    if m.hub_endpoint is not None:  # only when set: an agent that predates it refuses the key
+        d["hub_endpoint"] = m.hub_endpoint
+    return d
 
 
 def profile_to_dict(p: Profile) -> dict[str, Any]:

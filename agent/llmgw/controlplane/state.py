@@ -279,10 +279,10 @@ class ControlPlane:
 
     # ----------------------------------------------------------- weights size
     def _unsized_urls(self) -> dict[str, list[Any]]:
-        """http(s) sources without a declared size, with the models that use them."""
+        """Fetched sources (files, repository mirrors, hf:// repositories) without a declared size, with the models that use them."""
         out: dict[str, list[Any]] = {}
         for m in self.catalog.models.values():
-            if m.size_bytes is None and m.kind is SourceKind.URL:
+            if m.size_bytes is None and m.kind in (SourceKind.URL, SourceKind.REPO, SourceKind.HF):
                 out.setdefault(m.source, []).append(m)
         return out
 

@@ -10,7 +10,8 @@ counts as not an engine).  The text form shows each node's topology matrix
 
 A model without a declared ``size_bytes`` is sized from its weights when they
 can be read from here: a local path that exists on this machine, or, with
-``--probe-urls``, an https:// file's Content-Length.  Otherwise the memory
+``--probe-urls``, an https:// file's Content-Length or the sum of a
+repository's file list (a mirror's manifest, an hf:// revision).  Otherwise the memory
 check is skipped and the placement says so.
 """
 
@@ -140,7 +141,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--config", help="server.yaml (offline mode, with --hardware)")
     p.add_argument("--hardware", nargs="*", default=[], metavar="FILE", help="hardware files (offline mode)")
     p.add_argument("--probe-urls", action="store_true",
-                   help="size https:// weights without a declared size_bytes by their Content-Length (offline mode)")
+                   help="size fetched weights without a declared size_bytes: an https:// file by its Content-Length, "
+                        "a repository mirror or hf:// repository by its file list (offline mode)")
     p.add_argument("-o", "--output", choices=("text", "json"), default="text")
     # Online form (`ctl explain MODEL` without --config): ask the running control plane.
     from llmgw.ctl.fleet import add_connection_args, explain_online

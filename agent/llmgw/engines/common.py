@@ -270,7 +270,7 @@ def resolve_model_path(model: Model, model_dir: str | None = None) -> str:
     kind = source_kind(model.source)
     if kind is SourceKind.HUB:
         return model.source
-    if kind is SourceKind.URL:
+    if kind in (SourceKind.URL, SourceKind.REPO, SourceKind.HF):
         raise SourceError(
             f"model {model.name!r}: source {model.source!r} is a URL; "
             "the weight fetcher downloads it and passes the local file to the adapter"

@@ -28,6 +28,7 @@ PART_SUFFIX = ".llmgw-part"
 META_SUFFIX = ".llmgw-meta"
 LOCK_SUFFIX = ".llmgw-lock"
 VERIFIED_SUFFIX = ".llmgw-verified"
+STAGING_SUFFIX = ".llmgw-staging"
 # ``durable.write_atomic``'s tmp file for a sidecar or a stamp: ``<name>.tmp<pid>``.
 _TMP = re.compile(r"^(?P<of>\..+(?:\.llmgw-meta|\.llmgw-verified))\.tmp(?P<pid>\d+)$")
 
@@ -65,6 +66,36 @@ def target_relpath(url: str) -> PurePosixPath:
     if name.startswith("."):
         raise SourceURLError(f"URL file name starts with '.', which is reserved for scratch files: {url!r}")
     return PurePosixPath(host, *dirs, name)
+
+
+def repository_relpath(url: str, digest: str) -> PurePosixPath:
+    """``https://mirror/models/qwen/`` + manifest digest -> ``mirror/models/qwen/<digest[:16]>``.
+
+    The manifest's digest is the last level: a new revision on the mirror
+    gets a directory of its own instead of being rewritten under an engine
+    that may be reading the old one, and a directory of that name can only
+    hold that manifest's files.
+    """
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname or not parts.path.endswith("/"):
+        raise SourceURLError(f"not an http(s) directory URL: {url!r}")
+    if parts.query:
+        raise SourceURLError(f"repository URL has a query string: {url!r}")
+    segments = [unquote(s) for s in parts.path.split("/") if s != ""]
+    if any(s in (".", "..") for s in segments):
+        raise SourceURLError(f"URL path has '.' or '..' segments: {url!r}")
+    host = _clean(parts.hostname) + (f"_{parts.port}" if parts.port else "")
+    return PurePosixPath(host, *[_clean(s) for s in segments], digest[:16])
+
+
+def staging_name(final_name: str, node_id: str) -> str:
+    """The directory a repository is assembled in before it is renamed to ``final_name``.
+
+    Per node, not per process: a fetcher killed half-way leaves its files
+    (each whole under its name, or a resumable partial) for the next one on
+    the node; two nodes sharing the directory never write one staging tree.
+    """
+    return f".{final_name}.{node_id}{STAGING_SUFFIX}"
 
 
 @dataclass(frozen=True)
@@ -134,6 +165,7 @@ def parse_partial(name: str, file_name: str) -> tuple[str, Owner] | None:
 
 def is_scratch(name: str) -> bool:
     """Whether a directory entry is one of the fetcher's own files (never weights)."""
-    if name.startswith(".") and name.endswith((PART_SUFFIX, META_SUFFIX, LOCK_SUFFIX, VERIFIED_SUFFIX)):
+    if name.startswith(".") and name.endswith((PART_SUFFIX, META_SUFFIX, LOCK_SUFFIX, VERIFIED_SUFFIX,
+                                                STAGING_SUFFIX)):
         return True
     return parse_tmp(name) is not None
