@@ -4,7 +4,10 @@ caught by name, and a card replaced on purpose is recorded again only when asked
 
 from __future__ import annotations
 
+import getpass
+import grp
 import json
+import os
 
 from fleet_harness import FIXTURES, PLAYBOOKS, run_playbook
 
@@ -16,7 +19,10 @@ def run(tmp_path, fixture, *, check=False, rerecord=False):
     return run_playbook(PLAYBOOKS / "fabric_role.yml", tmp_path / "runs", check=check, diff=True, extravars={
         "llmgw_fabrics": FABRICS, "llmgw_sysfs_root": str(SYSFS / fixture / "class" / "infiniband"),
         "llmgw_fabric_identities_file": str(tmp_path / "etc" / "fabric-identities.json"),
-        "llmgw_fabric_rerecord": rerecord, "llmgw_prefix": str(tmp_path)})
+        "llmgw_fabric_rerecord": rerecord, "llmgw_prefix": str(tmp_path),
+        # this machine's own account, as inventory/local does: no system user is created here
+        "llmgw_service_user": getpass.getuser(), "llmgw_service_group": grp.getgrgid(os.getgid()).gr_name,
+        "llmgw_service_user_create": False})
 
 
 def agent_fabrics(result):

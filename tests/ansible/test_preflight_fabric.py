@@ -10,6 +10,8 @@ the play naming node and adapter while its healthy neighbour passes.
 from __future__ import annotations
 
 import copy
+import getpass
+import grp
 import os
 
 import pytest
@@ -41,6 +43,10 @@ FLEET = {
             "llmgw_profiles": [{"name": "vllm-tp2", "engine": "vllm", "tensor_parallel_size": 2}],
             "llmgw_deployments": [{"model": "qwen", "profile": "vllm-tp2", "replicas": 2}],
             "llmgw_lifecycle": {"heartbeat_interval": 2, "keepalive_interval": 5, "unreachable_after": 15},
+            # this machine's own account, as inventory/local does: no system user is created here
+            "llmgw_service_user": getpass.getuser(),
+            "llmgw_service_group": grp.getgrgid(os.getgid()).gr_name,
+            "llmgw_service_user_create": False,
         },
         "children": {
             "llmgw_control_plane": {"hosts": {"cp": None}},
