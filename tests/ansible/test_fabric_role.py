@@ -15,8 +15,8 @@ SYSFS = FIXTURES / "sysfs"
 FABRICS = [{"name": "ib0", "hcas": ["mlx5_0", "mlx5_1:1"]}]
 
 
-def run(tmp_path, fixture, *, check=False, rerecord=False):
-    return run_playbook(PLAYBOOKS / "fabric_role.yml", tmp_path / "runs", check=check, diff=True, extravars={
+def run(tmp_path, fixture, *, check=False, rerecord=False, playbook="fabric_role.yml"):
+    return run_playbook(PLAYBOOKS / playbook, tmp_path / "runs", check=check, diff=True, extravars={
         "llmgw_fabrics": FABRICS, "llmgw_sysfs_root": str(SYSFS / fixture / "class" / "infiniband"),
         "llmgw_fabric_identities_file": str(tmp_path / "etc" / "fabric-identities.json"),
         "llmgw_fabric_rerecord": rerecord, "llmgw_prefix": str(tmp_path),
@@ -63,3 +63,16 @@ def test_identities_are_recorded_once_checked_after_and_recorded_again_only_when
     assert now["mlx5_0"]["node_guid"] == recorded["mlx5_1"]["node_guid"]
     assert now["mlx5_1"]["node_guid"] == recorded["mlx5_0"]["node_guid"]
     assert run(tmp_path, "swapped").changed() == 0
+
+
+def test_a_run_without_the_fabric_role_still_gives_the_agent_the_record(tmp_path):
+    """playbooks/upgrade.yml runs the agent role alone: agent.yaml must keep the identities."""
+    before = run(tmp_path, "healthy", playbook="agent_fabric_record.yml")
+    assert before.rc == 0, before.explain()
+    assert agent_fabrics(before) == FABRICS  # nothing recorded yet: as declared
+
+    assert run(tmp_path, "healthy").rc == 0
+    recorded = json.loads((tmp_path / "etc" / "fabric-identities.json").read_text())
+    alone = run(tmp_path, "healthy", playbook="agent_fabric_record.yml")
+    assert alone.rc == 0, alone.explain()
+    assert agent_fabrics(alone) == [{**FABRICS[0], "identities": recorded}]
