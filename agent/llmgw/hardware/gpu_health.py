@@ -40,6 +40,12 @@ a reason to withhold it, never guessed, listed in the GPU's ``health.not_checked
 in what the node advertises and logged once at INFO.  Any other error
 makes that check not checked too, with NVML's words, logged at WARNING.
 
+On an H200 (driver 580) these calls answer as the unit tests' stand-in does:
+row remapping answers and retired pages are NOT_SUPPORTED, Xid and
+double-bit ECC events are supported, an empty drain answers
+NVML_ERROR_TIMEOUT at once, and the event set outlives another session's
+``nvmlInit``/``nvmlShutdown``.
+
 Everything NVML is reached through the ``nvml`` argument (the ``pynvml``
 module by default), and only documented pynvml functions are called, so a
 recording of a real board's answers can stand in for it.
