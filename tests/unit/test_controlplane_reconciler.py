@@ -6,6 +6,7 @@ then reconcile) and asserts on the messages it would send and on the book.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any
 
@@ -26,7 +27,7 @@ from llmgw.controlplane.reconciler import (
     endpoints,
 )
 from llmgw.controlplane.replicas import ReplicaState, slot_of
-from llmgw.hardware.types import GPU, FabricStatus, HardwareInventory
+from llmgw.hardware.types import GPU, FabricStatus, HardwareInventory, SickGPU
 from llmgw.settings import RestartPolicy
 
 GIB = 1 << 30
@@ -345,6 +346,40 @@ def test_lost_node_replicas_placed_elsewhere_rate_limited():
     plan = f.step(cat, 63.5)
     assert len(starts(plan)) == 1
     no_double_claims(f)
+
+
+def sicken(f: Fleet, node: str, gpu: int, reason: str) -> None:
+    """What an agent advertises once it withholds ``gpu`` as sick."""
+    inv = f.nodes[node].inventory.without_gpus({gpu}, [f"GPU {gpu} withheld: {reason}"])
+    f.set(node, inventory=dataclasses.replace(inv, sick_gpus=(SickGPU(gpu, reason, 1.0),)))
+
+
+def test_replica_on_a_gpu_withheld_as_sick_is_stopped_and_replaced_elsewhere_at_once():
+    f = Fleet("a", "b", gpus=1)
+    cat = catalog(replicas=1)
+    (s,) = starts(f.step(cat, 0.0))
+    make_ready(f, 1.0)
+    f.step(cat, 1.0)
+    sicken(f, s.node_id, 0, "Xid 79 (GPU has fallen off the bus)")
+    plan = f.step(cat, 2.0)
+    assert [(a.node_id, a.shard_id) for a in stops(plan)] == [(s.node_id, s.spec["shard_id"])]
+    assert "GPU 0 on %s withheld as sick: Xid 79" % s.node_id in stops(plan)[0].reason
+    (repl,) = starts(plan)
+    assert repl.node_id != s.node_id, "placed where the GPU is not sick, with no backoff"
+    hist = f.rec.book.slot("tiny/sim", 0)
+    assert "Xid 79" in hist.last_failure["reason"] and hist.failures == 0
+    no_double_claims(f)
+
+
+def test_a_sick_gpu_no_replica_uses_stops_nothing():
+    f = Fleet("a", gpus=2)
+    cat = catalog(replicas=1)
+    (s,) = starts(f.step(cat, 0.0))
+    make_ready(f, 1.0)
+    f.step(cat, 1.0)
+    other = 1 - s.spec["gpu_indices"][0]
+    sicken(f, "a", other, "3 uncorrected ECC error(s) since the last reset")
+    assert f.step(cat, 2.0).actions == []
 
 
 def test_damped_fleet_does_not_replace():

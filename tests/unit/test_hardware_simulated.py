@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from llmgw.config import ConfigInvalid, schema_errors
+from llmgw.hardware.gpu_health import GPUHealth
 from llmgw.hardware.infiniband import read_hcas, validate_fabrics
 from llmgw.hardware.simulated import load_hardware_file
 from llmgw.hardware.types import GPU, FabricDeclaration, HardwareInventory
@@ -107,6 +108,8 @@ def test_json_file_and_one_sided_peers_made_symmetric(tmp_path):
         (lambda d: d["gpus"][0].update(nvlink=[1]), "/gpus/0/nvlink", "unknown key"),
         (lambda d: d.update(gpu_count=4), "/gpu_count", "unknown key"),
         (lambda d: d["fabrics"][0].update(rate_gbps=-1), "/fabrics/0/rate_gbps", "minimum"),
+        (lambda d: d["gpus"][1].update(health={"xid": ["79"]}), "/gpus/1/health/xid/0", "expected integer"),
+        (lambda d: d["gpus"][1].update(health={"ecc": 1}), "/gpus/1/health/ecc", "unknown key"),
     ],
 )
 def test_schema_errors_name_the_pointer(tmp_path, mutate, pointer, fragment):
@@ -118,6 +121,15 @@ def test_schema_errors_name_the_pointer(tmp_path, mutate, pointer, fragment):
     assert pointer in found, found
     assert fragment in found[pointer]
     assert str(tmp_path / "hw.yaml") in str(excinfo.value)
+
+
+def test_a_gpus_health_block_is_read_as_its_health(tmp_path):
+    doc = base_doc()
+    doc["gpus"][1]["health"] = {"xid": [79], "ecc_uncorrected_volatile": 2, "not_checked": ["row remapping: x"]}
+    inv = load_hardware_file(write(tmp_path, doc))
+    assert inv.gpus[1].health == GPUHealth(xids=(79,), ecc_uncorrected_volatile=2, not_checked=("row remapping: x",))
+    assert inv.gpus[0].health is None, "no block: health not read"
+    assert HardwareInventory.from_dict(inv.to_dict()) == inv
 
 
 def test_semantic_errors_name_the_pointer(tmp_path):

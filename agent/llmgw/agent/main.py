@@ -32,9 +32,11 @@ from typing import Callable
 from llmgw.agent import procident
 from llmgw.agent.adoption import (OwnEngines, UnknownEngine, invisible_holders, recover, withhold_foreign_gpus,
                                   withhold_gpus)
+from llmgw.agent.sickgpus import SickGPUs
 from llmgw.agent.statedir import StateDir
 from llmgw.agent.stream import StreamClient
 from llmgw.agent.supervisor import Supervisor, SupervisorConfig
+from llmgw.hardware.gpu_health import GPUHealth, NvmlHealth
 from llmgw.hardware.types import HardwareInventory
 from llmgw.settings import AgentSettings
 
@@ -97,8 +99,26 @@ class _Discovery:
         self.own = own or (lambda: OwnEngines(settings.node_id))
         self.foreign: set[tuple[int, int]] = set()  # (GPU, pid) withheld at the last advertisement
         self.invisible: set[tuple[int, int]] = set()  # (GPU, pid) already logged as not in our pid namespace
+        self.sick = SickGPUs()
+        self.nvml_health = NvmlHealth() if settings.gpu_source == "nvml" else None
+        self.last_health: dict[int, GPUHealth] | None = None
 
-    def advertised(self, inventory: HardwareInventory) -> HardwareInventory:
+    def health_of(self, inventory: HardwareInventory) -> dict[int, GPUHealth]:
+        """Each GPU's health by index: NVML's answers now, or what the hardware file says (blocking)."""
+        if inventory.gpu_source == "nvml":
+            return self.nvml_health.read() if self.nvml_health is not None else {}
+        return {g.index: g.health for g in inventory.gpus if g.health is not None}
+
+    def _read(self) -> tuple[HardwareInventory, dict[int, GPUHealth]]:
+        inventory = _discover_sync(self.settings)
+        return inventory, self.health_of(inventory)
+
+    def advertised(self, inventory: HardwareInventory,
+                   health: dict[int, GPUHealth] | None = None) -> HardwareInventory:
+        if health is None:
+            health = self.last_health if self.last_health is not None else self.health_of(inventory)
+        self.last_health = health
+        inventory = self.sick.apply(inventory, health)
         alive = [e for e in self.survivors if procident.is_running(e.identity)]
         for e in self.survivors:
             if e not in alive:
@@ -126,11 +146,12 @@ class _Discovery:
         return shown
 
     async def __call__(self) -> HardwareInventory:
+        health = None
         try:
-            self.last = await asyncio.to_thread(_discover_sync, self.settings)
+            self.last, health = await asyncio.to_thread(self._read)
         except Exception as e:
             log.error("hardware discovery failed; registering the last inventory: %s", e)
-        return self.advertised(self.last)
+        return self.advertised(self.last, health)
 
 
 async def agent_main(settings: AgentSettings, stop: asyncio.Event | None = None) -> int:
@@ -173,7 +194,7 @@ async def agent_main(settings: AgentSettings, stop: asyncio.Event | None = None)
         supervisor.adopt(rec)
     discovery = _Discovery(settings, inventory, recovered.survivors,
                            own=lambda: own_engines(supervisor, settings.node_id))
-    shown = discovery.advertised(inventory)
+    shown = discovery.advertised(inventory, await asyncio.to_thread(discovery.health_of, inventory))
     if len(shown.gpus) < len(inventory.gpus):
         log.error("advertising %d of %d GPU(s): %s", len(shown.gpus), len(inventory.gpus), shown.gpu_reason)
     stream = StreamClient(url=settings.control_plane_url, node_id=settings.node_id,

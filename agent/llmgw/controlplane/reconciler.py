@@ -311,6 +311,7 @@ class Reconciler:
         self._resolve_double_claims(now, plan)
         self._retire_uncatalogued(catalog, now, plan)
         self._retire_on_lost_nodes(nodes, now, plan)
+        self._retire_on_sick_gpus(nodes, now, plan)
         for dep in catalog.deployments:
             self._assign_slots(dep, now, plan)
         for r in list(self.book.live()):
@@ -390,13 +391,32 @@ class Reconciler:
         for r in self.book.live():
             lost = sorted(n for n in r.nodes() if n in nodes and nodes[n].state is NodeState.LOST)
             if lost:
-                self._retire(r, f"node {', '.join(lost)} lost", now)
-                if r.slot is not None:
-                    hist = self.book.slot(r.key, r.slot)
-                    hist.needs_replacement_token = True
-                    hist.last_failure = {"replica_id": r.replica_id, "reason": f"node {', '.join(lost)} lost",
-                                         "output_tail": None, "at": now}
-                plan.events.append(f"{r.replica_id}: node {', '.join(lost)} lost; replacing it")
+                self._replace_lost(r, f"node {', '.join(lost)} lost", now, plan)
+
+    def _retire_on_sick_gpus(self, nodes: Mapping[str, NodeView], now: float, plan: Plan) -> None:
+        """A replica with a shard on a GPU its agent withholds as sick is replaced: the engine
+        there cannot be trusted to serve, and the GPU will not be given out again."""
+        for r in list(self.book.live()):
+            for s in r.shards.values():
+                node = nodes.get(s.node_id) if s.node_id else None
+                if node is None or s.released or not node.inventory.sick_gpus:
+                    continue
+                sick = {g.index: g.reason for g in node.inventory.sick_gpus}
+                bad = [g for g in s.gpu_indices if g in sick]
+                if bad:
+                    self._replace_lost(r, "; ".join(f"GPU {g} on {s.node_id} withheld as sick: {sick[g]}"
+                                                    for g in bad), now, plan)
+                    break
+
+    def _replace_lost(self, r: Replica, reason: str, now: float, plan: Plan) -> None:
+        """Retire ``r`` for a loss that is not its own fault and replace it at once (no backoff),
+        keeping why as its slot's last failure."""
+        self._retire(r, reason, now)
+        if r.slot is not None:
+            hist = self.book.slot(r.key, r.slot)
+            hist.needs_replacement_token = True
+            hist.last_failure = {"replica_id": r.replica_id, "reason": reason, "output_tail": None, "at": now}
+        plan.events.append(f"{r.replica_id}: {reason}; replacing it")
 
     def _assign_slots(self, dep: Deployment, now: float, plan: Plan) -> None:
         # A replica being started to take another's place (a node drain) has no slot

@@ -7,6 +7,7 @@ Times inside the control plane are monotonic; people get ages in seconds
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from llmgw.catalog import Catalog
@@ -202,6 +203,19 @@ def weights_line(weights: dict[str, Any], source: str, cp: ControlPlane) -> str:
     return "weights: size unknown (no size_bytes declared" + (f"; {source}: {why})" if why else ")")
 
 
+def _history_lines(book: Any, key: str, slot: int, views: Mapping[str, Any]) -> str:
+    """The slot's last failure and every node's withheld GPUs: why a replica moved, or cannot go somewhere."""
+    out = ""
+    hist = book.slots.get((key, slot))
+    lf = hist.last_failure if hist is not None else None
+    if lf:
+        out += f"\n  last failure ({lf.get('replica_id')}): {lf.get('reason')}"
+    for node_id, v in sorted(views.items()):
+        if v.inventory.sick_gpus:
+            out += f"\n  {node_id}: {v.inventory.gpu_reason}"
+    return out
+
+
 def explain_view(cp: ControlPlane, model: str) -> dict[str, Any] | None:
     """Where each declared replica of ``model`` runs, or where it would go and why not.
 
@@ -225,7 +239,8 @@ def explain_view(cp: ControlPlane, model: str) -> dict[str, Any] | None:
                 where = "; ".join(f"r{s.rank} on {s.node_id} GPUs {','.join(map(str, s.gpu_indices))} ({s.state})"
                                   for s in sorted(r.shards.values(), key=lambda s: s.rank))
                 report.append({"replica": label, "placed": True, "running": r.replica_id, "state": r.state.value,
-                               "text": f"{dep.key}: running as {r.replica_id} ({r.state.value}): {where}",
+                               "text": f"{dep.key}: running as {r.replica_id} ({r.state.value}): {where}"
+                                       + _history_lines(book, dep.key, slot, views),
                                "placement": None, "reason": None, "nodes": []})
             else:
                 pending.append((label, dep))
@@ -242,7 +257,7 @@ def explain_view(cp: ControlPlane, model: str) -> dict[str, Any] | None:
                 "running": None,
                 "state": None,
                 "text": (format_result(res, req) + f"\n  {weights_line(weights, req.model.source, cp)}"
-                         + (f"\n  (now: {held})" if held else "")),
+                         + (f"\n  (now: {held})" if held else "") + _history_lines(book, dep.key, slot, views)),
                 "weights": weights,
                 "placement": None if res.placement is None else {
                     "rule": res.placement.rule, "detail": res.placement.detail, "fabric": res.placement.fabric,

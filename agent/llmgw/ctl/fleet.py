@@ -195,6 +195,8 @@ def format_nodes(doc: dict[str, Any]) -> list[str]:
     for n in doc.get("nodes", []):
         if n["state"] != "ready" and n.get("reason"):
             out.append(f"{n['node_id']}: {n['state']} ({n['reason']})")
+        if (n.get("hardware") or {}).get("sick_gpus"):
+            out.append(f"{n['node_id']}: {n['hardware']['gpu_reason']}")
         out.extend(cordon_lines(n))
     fleet = doc.get("fleet", {})
     if fleet.get("hold_reason"):

@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmgw.hardware.gpu_health import GPUHealth
 from llmgw.hardware.topology import Topology
 
 
@@ -59,6 +60,9 @@ class GPU:
     numa_node: int | None = None
     cpu_affinity: str | None = None
     pci_path: tuple[str, ...] | None = None
+    # Health as last read (``llmgw.hardware.gpu_health``); None: not read
+    # (a hardware file without a ``health`` block, an older agent).
+    health: GPUHealth | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -77,6 +81,8 @@ class GPU:
             d["cpu_affinity"] = self.cpu_affinity
         if self.pci_path is not None:
             d["pci_path"] = list(self.pci_path)
+        if self.health is not None:
+            d["health"] = self.health.to_dict()
         return d
 
     @classmethod
@@ -93,7 +99,29 @@ class GPU:
             numa_node=None if d.get("numa_node") is None else int(d["numa_node"]),
             cpu_affinity=d.get("cpu_affinity"),
             pci_path=None if d.get("pci_path") is None else tuple(str(x) for x in d["pci_path"]),
+            health=None if d.get("health") is None else GPUHealth.from_dict(d["health"]),
         )
+
+
+@dataclass(frozen=True)
+class SickGPU:
+    """A GPU the agent withholds because it is unfit (``llmgw.hardware.gpu_health``).
+
+    The control plane replaces any replica with a shard on it: its engine
+    cannot be trusted to serve.  ``since`` is when the agent first judged it
+    so, for this reason (seconds since the epoch).
+    """
+
+    index: int
+    reason: str
+    since: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "reason": self.reason, "since": self.since}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "SickGPU":
+        return cls(index=int(d["index"]), reason=str(d["reason"]), since=float(d["since"]))
 
 
 @dataclass(frozen=True)
@@ -274,6 +302,9 @@ class HardwareInventory:
     # Every GPU pair's tier (NVLink, PCIe, NUMA); None when not discovered
     # (an older agent, a file that does not say): tiers then unknown.
     topology: Topology | None = None
+    # GPUs withheld as unfit, each with why; what is advertised leaves them
+    # out of ``gpus``, and the control plane moves replicas off them.
+    sick_gpus: tuple[SickGPU, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
 
     def gpu(self, index: int) -> GPU:
@@ -312,6 +343,8 @@ class HardwareInventory:
             d["gpu_reason"] = self.gpu_reason
         if self.topology is not None:
             d["topology"] = self.topology.to_dict()
+        if self.sick_gpus:
+            d["sick_gpus"] = [g.to_dict() for g in self.sick_gpus]
         return d
 
     @classmethod
@@ -326,4 +359,5 @@ class HardwareInventory:
             gpu_reason=d.get("gpu_reason"),
             nvlink_known=bool(d.get("nvlink_known", True)),
             topology=None if d.get("topology") is None else Topology.from_dict(d["topology"]),
+            sick_gpus=tuple(SickGPU.from_dict(g) for g in d.get("sick_gpus", ())),
         )
