@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -30,6 +31,7 @@ from aiohttp import web
 from llmgw.controlplane import views
 from llmgw.controlplane.agentservice import STREAM_PATH, AgentService, request_identity
 from llmgw.controlplane.metrics import CONTENT_TYPE, registry_for, render
+from llmgw.controlplane.openapi import OPENAPI_PATH, document
 from llmgw.controlplane.state import ControlPlane
 from llmgw.router.watch import REVEAL_KEYS, WATCH_PATH
 from llmgw.tls import IdentityError, check_admin_identity, check_router_identity
@@ -234,4 +236,21 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
     app.router.add_get("/metrics", metrics)
     if watch_handler is not None:
         app.router.add_get(WATCH_PATH, grace_aware_watch(cp, watch_handler))
+
+    spec: list[bytes] = []
+
+    async def openapi(request: web.Request) -> web.Response:
+        # Behind the admin check like the rest: it names no secret, but only an
+        # operator needs the map of what an operator can do.
+        if not spec:
+            spec.append(json.dumps(document(registered_routes(app))).encode())
+        return web.Response(body=spec[0], content_type="application/json")
+
+    app.router.add_get(OPENAPI_PATH, openapi)
     return app
+
+
+def registered_routes(app: web.Application) -> set[tuple[str, str]]:
+    """(method, path) of every route ``app`` answers (HEAD, which aiohttp adds to each GET, left out)."""
+    return {(r.method, r.resource.canonical) for r in app.router.routes()
+            if r.resource is not None and r.method != "HEAD"}
