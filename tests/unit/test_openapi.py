@@ -111,3 +111,20 @@ def test_served_at_openapi_json_behind_the_admin_check():
     assert status == 200 and ctype == "application/json"
     assert documented(doc) == registered_routes(server_app())
     validate(doc)
+
+
+def test_unknown_routes_and_methods_are_refused_in_the_error_shape_and_only_after_the_admin_check():
+    async def main():
+        async with TestClient(TestServer(server_app())) as client:
+            out = []
+            for method, path, headers in [("PUT", "/v1/nodes", {"Authorization": f"Bearer {TOKEN}"}),
+                                          ("GET", "/v1/no-such-route", {"Authorization": f"Bearer {TOKEN}"}),
+                                          ("GET", "/v1/no-such-route", {})]:
+                r = await client.request(method, path, headers=headers)
+                out.append((r.status, r.content_type, await r.json(), r.headers.get("Allow")))
+            return out
+    wrong_method, no_route, anonymous = asyncio.run(main())
+    assert wrong_method[:2] == (405, "application/json") and "allowed: GET, HEAD" in wrong_method[2]["error"]
+    assert wrong_method[3] == "GET, HEAD"
+    assert no_route[:2] == (404, "application/json") and "/v1/no-such-route" in no_route[2]["error"]
+    assert anonymous[0] == 401, "which routes exist is not told before the caller is known"

@@ -98,6 +98,24 @@ class AdminAuth:
         return 401, "an admin certificate or an admin bearer token is required"
 
 
+@web.middleware
+async def json_refusals(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """aiohttp's own 404 and 405 (no such route, a method a route lacks) in the API's error shape.
+
+    They were text/plain, the one refusal a client of the API could not read
+    as ``{"error": ...}``.  Runs outside the admin check, so a caller without
+    credentials learns nothing about which routes exist.
+    """
+    try:
+        return await handler(request)
+    except web.HTTPMethodNotAllowed as e:
+        allowed = ", ".join(sorted(e.allowed_methods))
+        return web.json_response({"error": f"{request.method} is not allowed on {request.path}; allowed: {allowed}"},
+                                 status=405, headers={"Allow": allowed})
+    except web.HTTPNotFound:
+        return web.json_response({"error": f"no route {request.path} (the routes: GET /openapi.json)"}, status=404)
+
+
 WATCH_HOLD = 25.0  # seconds a watch poll may wait for the startup grace (routers read for 45 s)
 
 
@@ -158,7 +176,7 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
             return web.json_response({"error": who}, status=status, headers=headers)
         return await handler(request)
 
-    app = web.Application(middlewares=[admin_only], client_max_size=1 << 20)
+    app = web.Application(middlewares=[json_refusals, admin_only], client_max_size=1 << 20)
 
     async def healthz(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
