@@ -11,7 +11,10 @@ an order that leaves the replica's drain for last.
 
 from __future__ import annotations
 
+import json
 import os
+import socket
+import ssl
 
 import pytest
 import requests
@@ -66,6 +69,8 @@ def test_admin_api_answers_as_its_openapi_document_says(tmp_path):
 
         doc = f.get("/openapi.json")
         validate(doc)
+        assert json.loads(f.ctl("openapi", "-o", "json").stdout) == doc
+        assert "POST    /v1/nodes/{node_id}/drain" in f.ctl("openapi").stdout
         schema = schemathesis.openapi.from_dict(doc)
         session = requests.Session()
         tls = {"cert": tuple(str(p) for p in f.pki.admin), "verify": str(f.pki.ca_cert)}
@@ -93,5 +98,21 @@ def test_admin_api_answers_as_its_openapi_document_says(tmp_path):
         assert shards[0]["process"]["pid"] > 0, "the answers checked include an engine process"
         assert call("POST", "/v1/replicas/{replica_id}/drain", 202,
                     replica_id=replica["replica_id"])["replica"]["state"] == "draining"
+
+        # A request the server cannot parse, from a TLS client with no certificate at all: 400, and
+        # one warning line in the log for all three, not an ERROR traceback each.
+        for _ in range(3):
+            status_line = malformed_request(f).split(b"\r\n", 1)[0]
+            assert status_line.split()[1:2] == [b"400"], status_line
+        log = f.server.output(10_000_000)
+        assert log.count("malformed HTTP request from 127.0.0.1 answered 400") == 1, log[-3000:]
         assert f.server.alive()
-        assert "Traceback" not in f.server.output(10_000_000), f.server.output()
+        assert "Traceback" not in log, log
+
+
+def malformed_request(f: Fleet) -> bytes:
+    ctx = ssl.create_default_context(cafile=str(f.pki.ca_cert))
+    with socket.create_connection(("127.0.0.1", f.port), timeout=20) as raw, \
+            ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+        tls.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Probe: \x00\r\n\r\n")
+        return tls.recv(4096)
