@@ -128,3 +128,14 @@ def test_unknown_routes_and_methods_are_refused_in_the_error_shape_and_only_afte
     assert wrong_method[3] == "GET, HEAD"
     assert no_route[:2] == (404, "application/json") and "/v1/no-such-route" in no_route[2]["error"]
     assert anonymous[0] == 401, "which routes exist is not told before the caller is known"
+
+
+def test_a_route_with_a_json_body_refers_to_the_schema_its_handler_validates_with():
+    report = openapi.Route("POST", "/v1/router/example", "an example with a body", 202, "Health",
+                           {**openapi.NOT_YOURS, 400: "the body failed its schema"},
+                           body=openapi.ref("router", "endpoint"))
+    doc = openapi.document(routes=(*openapi.ROUTES, report))
+    body = doc["paths"]["/v1/router/example"]["post"]["requestBody"]
+    assert body["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/router/$defs/endpoint"}
+    assert doc["components"]["schemas"]["router"]["$defs"]["endpoint"] == load_schema("router")["$defs"]["endpoint"]
+    validate(doc)

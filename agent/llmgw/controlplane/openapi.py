@@ -8,8 +8,10 @@ referenced, not copied, so a node's hardware or an engine profile is
 described by the very schema its agent's messages are checked against.
 
 A route registered in ``build_api`` without an entry here fails
-``tests/unit/test_openapi.py``: declare a new route in ``ROUTES`` (and its
-answer's shape in ``SHAPES`` if it is new).
+``tests/unit/test_openapi.py``: declare a new route in ``ROUTES`` (its
+answer's shape in ``SHAPES`` if it is new, and a JSON request body as
+``body=ref("<schema file>", "<definition>")``, the schema its handler
+validates with).
 """
 
 from __future__ import annotations
@@ -175,6 +177,8 @@ class Route:
     query: tuple[dict[str, Any], ...] = ()
     error_shapes: dict[int, dict[str, Any]] = field(default_factory=dict)
     headers: dict[int, dict[str, Any]] = field(default_factory=dict)
+    # the JSON request body's schema, a ref() into the schema file the handler validates it with
+    body: dict[str, Any] | None = None
 
 
 NOT_YOURS = {401: "no admin certificate and no (or a malformed) bearer token",
@@ -289,6 +293,8 @@ def _operation(route: Route) -> dict[str, Any]:
                           "security": route.security, "responses": responses}
     if params or route.query:
         op["parameters"] = [*params, *route.query]
+    if route.body is not None:
+        op["requestBody"] = {"required": True, "content": {JSON: {"schema": route.body}}}
     return op
 
 
@@ -297,10 +303,11 @@ def _operation_id(route: Route) -> str:
     return route.method.lower() + "_" + "_".join(w for w in words if w and w != "v1")
 
 
-def document(registered: set[tuple[str, str]] | None = None) -> dict[str, Any]:
+def document(registered: set[tuple[str, str]] | None = None,
+             routes: tuple[Route, ...] = ROUTES) -> dict[str, Any]:
     """The OpenAPI 3.1 document; with ``registered`` ((method, path) pairs), only the routes this app has."""
     paths: dict[str, dict[str, Any]] = {}
-    for route in ROUTES:
+    for route in routes:
         if registered is not None and (route.method, route.path) not in registered:
             continue
         paths.setdefault(route.path, {})[route.method.lower()] = _operation(route)
