@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR (default INFO)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _register(sub, _TOP)
-    ctl = sub.add_parser("ctl", help="operator commands: explain, cert, nodes, replicas, drain, manifest")
+    ctl = sub.add_parser("ctl", help="operator commands: explain, cert, nodes, replicas, drain, openapi, manifest")
     ctl_sub = ctl.add_subparsers(dest="ctl_command", metavar="SUBCOMMAND")
     _register(ctl_sub, _CTL)
     ctl.set_defaults(func=lambda args: (ctl.print_help(), 2)[1])

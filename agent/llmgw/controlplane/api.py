@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -30,6 +31,7 @@ from aiohttp import web
 from llmgw.controlplane import views
 from llmgw.controlplane.agentservice import STREAM_PATH, AgentService, request_identity
 from llmgw.controlplane.metrics import CONTENT_TYPE, registry_for, render
+from llmgw.controlplane.openapi import OPENAPI_PATH, document
 from llmgw.controlplane.state import ControlPlane
 from llmgw.router.watch import REVEAL_KEYS, WATCH_PATH
 from llmgw.tls import IdentityError, check_admin_identity, check_router_identity
@@ -96,6 +98,24 @@ class AdminAuth:
         return 401, "an admin certificate or an admin bearer token is required"
 
 
+@web.middleware
+async def json_refusals(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """aiohttp's own 404 and 405 (no such route, a method a route lacks) in the API's error shape.
+
+    They were text/plain, the one refusal a client of the API could not read
+    as ``{"error": ...}``.  Runs outside the admin check, so a caller without
+    credentials learns nothing about which routes exist.
+    """
+    try:
+        return await handler(request)
+    except web.HTTPMethodNotAllowed as e:
+        allowed = ", ".join(sorted(e.allowed_methods))
+        return web.json_response({"error": f"{request.method} is not allowed on {request.path}; allowed: {allowed}"},
+                                 status=405, headers={"Allow": allowed})
+    except web.HTTPNotFound:
+        return web.json_response({"error": f"no route {request.path} (the routes: GET /openapi.json)"}, status=404)
+
+
 WATCH_HOLD = 25.0  # seconds a watch poll may wait for the startup grace (routers read for 45 s)
 
 
@@ -156,7 +176,7 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
             return web.json_response({"error": who}, status=status, headers=headers)
         return await handler(request)
 
-    app = web.Application(middlewares=[admin_only], client_max_size=1 << 20)
+    app = web.Application(middlewares=[json_refusals, admin_only], client_max_size=1 << 20)
 
     async def healthz(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -234,4 +254,21 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
     app.router.add_get("/metrics", metrics)
     if watch_handler is not None:
         app.router.add_get(WATCH_PATH, grace_aware_watch(cp, watch_handler))
+
+    spec: list[bytes] = []
+
+    async def openapi(request: web.Request) -> web.Response:
+        # Behind the admin check like the rest: it names no secret, but only an
+        # operator needs the map of what an operator can do.
+        if not spec:
+            spec.append(json.dumps(document(registered_routes(app))).encode())
+        return web.Response(body=spec[0], content_type="application/json")
+
+    app.router.add_get(OPENAPI_PATH, openapi)
     return app
+
+
+def registered_routes(app: web.Application) -> set[tuple[str, str]]:
+    """(method, path) of every route ``app`` answers (HEAD, which aiohttp adds to each GET, left out)."""
+    return {(r.method, r.resource.canonical) for r in app.router.routes()
+            if r.resource is not None and r.method != "HEAD"}

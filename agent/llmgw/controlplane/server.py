@@ -26,6 +26,7 @@ from aiohttp import web
 
 from llmgw.config import ConfigInvalid
 from llmgw.controlplane.api import build_api, startup_grace_left
+from llmgw.controlplane.badrequests import quiet_malformed_requests
 from llmgw.controlplane.state import ControlPlane
 from llmgw.controlplane.tlssite import HandshakeLoggingSite
 from llmgw.eventloop import tune_gc
@@ -179,6 +180,7 @@ async def serve(settings: ServerSettings, config_path: str | None = None,
     app = build_api(cp, require_identity=ssl_ctx is not None, reload=reload, watch_handler=router.watch_handler)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
+    quiet_malformed_requests()
     if ssl_ctx is not None:
         # handshakes run by the site itself, so a refused client certificate is logged with its reason
         site: web.TCPSite = HandshakeLoggingSite(runner, settings.api_host, settings.api_port, ssl_context=ssl_ctx,

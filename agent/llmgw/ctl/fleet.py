@@ -1,4 +1,4 @@
-"""``llmgw ctl nodes | replicas | drain | cordon | uncordon`` and the online ``ctl explain MODEL``.
+"""``llmgw ctl nodes | replicas | drain | cordon | uncordon | openapi`` and the online ``ctl explain MODEL``.
 
 A synchronous httpx client to the control-plane API, authenticated with an
 admin certificate (``--cert/--key``) or an admin token (``--token``), the
@@ -345,6 +345,19 @@ def _cordon(action: str) -> Callable[[argparse.Namespace], int]:
     return run
 
 
+def format_openapi(doc: dict[str, Any]) -> list[str]:
+    rows = [(method.upper(), path, op.get("summary", "")) for path, ops in doc.get("paths", {}).items()
+            for method, op in ops.items()]
+    return table(["METHOD", "PATH", "WHAT"], rows)
+
+
+@_guard
+def cmd_openapi(args: argparse.Namespace) -> int:
+    """The admin API's own OpenAPI 3.1 document (``-o json``), or its routes as a table."""
+    _emit(args, request(args, "GET", "/openapi.json", passthrough=True), format_openapi)
+    return 0
+
+
 @_guard
 def explain_online(args: argparse.Namespace) -> int:
     """``ctl explain MODEL`` against the running control plane."""
@@ -374,6 +387,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_connection_args(p)
     p.add_argument("-o", "--output", choices=("text", "json"), default="text")
     p.set_defaults(func=cmd_drain)
+
+    p = subparsers.add_parser("openapi", help="the admin API's routes; -o json: its OpenAPI 3.1 document")
+    add_connection_args(p)
+    p.add_argument("-o", "--output", choices=("text", "json"), default="text")
+    p.set_defaults(func=cmd_openapi)
 
     for action, text in (("cordon", "place nothing new on a node (what runs there stays)"),
                          ("uncordon", "make a cordoned or drained node schedulable again (stops a drain)")):
