@@ -10,7 +10,10 @@ It writes into DIR:
 * ``nvml-recording.json``: every NVML call discovery made, and the health
   queries an agent may make (ECC counters, row remapping, retired pages,
   event registration and waiting, MIG mode), with results or error codes;
-* ``discovery.json``: the node's inventory as the agent would advertise it;
+* ``discovery.json``: the node's inventory as discovery found it;
+* ``health.json``: each GPU's health as the agent's reader judged it, read
+  before and after a discovery (which opens and closes NVML itself) while the
+  reader keeps its session and event set, as the agent does;
 * ``nvidia-smi-topo.txt``, ``nvidia-smi-q.txt``, ``nvidia-smi-q.xml``: the
   driver's own tools on the same machine, to compare against;
 * ``sysfs.json``: each GPU's PCI path, NUMA node and local CPUs from sysfs,
@@ -87,6 +90,9 @@ def health_queries(rec: RecordingNvml) -> None:
                        "nvmlDeviceGetGpuFabricInfo", "nvmlDeviceGetNumaNodeId", "nvmlDeviceGetBoardId",
                        "nvmlDeviceGetMultiGpuBoard", "nvmlDeviceGetBrand"):
                 _quietly(m, fn, h)
+            for scope in ("NVML_AFFINITY_SCOPE_NODE", "NVML_AFFINITY_SCOPE_SOCKET"):
+                _quietly(m, "nvmlDeviceGetMemoryAffinity", h, 1, getattr(m, scope))
+                _quietly(m, "nvmlDeviceGetCpuAffinityWithinScope", h, 1, getattr(m, scope))
             _quietly(m, "nvmlDeviceGetTemperature", h, m.NVML_TEMPERATURE_GPU)
             _quietly(m, "nvmlDeviceGetTopologyCommonAncestor", h, h)
             for cause in ("NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR",
@@ -162,12 +168,21 @@ def main() -> int:
 
     from llmgw.hardware.discover import discover
 
+    from llmgw.hardware.gpu_health import NvmlHealth
+
     rec = RecordingNvml(pynvml)
+    health = NvmlHealth(rec)
+    before = health.read()
     started = time.monotonic()
     inventory = discover(platform.node() or "gpu-node", gpu_source="nvml", nvml=rec)
     took = time.monotonic() - started
+    after = health.read()
+    health.close()
     discovery = inventory.to_dict()
     (out / "discovery.json").write_text(json.dumps(discovery, indent=2, sort_keys=True) + "\n")
+    (out / "health.json").write_text(json.dumps(
+        {"before_discovery": {str(i): h.to_dict() for i, h in before.items()},
+         "after_discovery": {str(i): h.to_dict() for i, h in after.items()}}, indent=2, sort_keys=True) + "\n")
     health_queries(rec)
 
     try:

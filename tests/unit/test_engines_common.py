@@ -69,14 +69,14 @@ def test_env_joins_gpus_then_profile_env_then_placement():
         host="h", port=1, model_path="org/m", gpu_indices=(6, 7),
         extra_env={"NCCL_IB_HCA": "mlx5_2"}))
     assert spec.env == {
-        "CUDA_VISIBLE_DEVICES": "6,7", "NCCL_DEBUG": "INFO",
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "6,7", "NCCL_DEBUG": "INFO",
         "VLLM_LOGGING_LEVEL": "DEBUG", "NCCL_IB_HCA": "mlx5_2",
     }
 
 
 def test_no_gpu_indices_leaves_cuda_visible_devices_unset():
     spec = build_launch(MODEL, Profile("p", "vllm"), LaunchContext(host="h", port=1, model_path="org/m"))
-    assert "CUDA_VISIBLE_DEVICES" not in spec.env
+    assert "CUDA_VISIBLE_DEVICES" not in spec.env and "CUDA_DEVICE_ORDER" not in spec.env
 
 
 def test_profile_env_contradicting_placement_is_refused():
@@ -87,9 +87,11 @@ def test_profile_env_contradicting_placement_is_refused():
 
 
 @pytest.mark.parametrize("engine", sorted(ENGINES))
-def test_cuda_visible_devices_in_profile_env_is_refused_by_every_engine(engine):
-    with pytest.raises(ProfileError, match="CUDA_VISIBLE_DEVICES"):
-        get_adapter(engine).validate_profile(Profile("p", engine, env=(("CUDA_VISIBLE_DEVICES", "0"),)))
+@pytest.mark.parametrize("key", ["CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"])
+def test_gpu_numbering_in_profile_env_is_refused_by_every_engine(engine, key):
+    """Placement's GPU numbers are NVML's (PCI bus order): a profile may not renumber them."""
+    with pytest.raises(ProfileError, match=key):
+        get_adapter(engine).validate_profile(Profile("p", engine, env=((key, "0"),)))
 
 
 def test_non_string_extra_args_are_refused():

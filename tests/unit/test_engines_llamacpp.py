@@ -29,7 +29,7 @@ def test_single_gpu_argv_is_exact():
         "--host", "127.0.0.1", "--port", "8090",
         "--alias", "phi3", "-ngl", "999", "--metrics",
     )
-    assert spec.env == {"CUDA_VISIBLE_DEVICES": "1"}
+    assert spec.env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "1"}
     assert spec.serves_http and spec.port == 8090
 
 

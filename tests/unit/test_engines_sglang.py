@@ -23,7 +23,7 @@ def test_single_node_argv_is_exact():
         "--served-model-name", "qwen-7b",
         "--tp-size", "1", "--enable-metrics",
     )
-    assert spec.env == {"CUDA_VISIBLE_DEVICES": "4"}
+    assert spec.env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "4"}
     assert spec.serves_http and spec.port == 30001
 
 

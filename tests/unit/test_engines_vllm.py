@@ -46,7 +46,7 @@ def test_max_model_len_and_extra_args_follow_in_order():
         "--max-model-len", "32768",
         "--gpu-memory-utilization", "0.85", "--enable-prefix-caching",
     )
-    assert spec.env == {"CUDA_VISIBLE_DEVICES": "2,3"}
+    assert spec.env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "2,3"}
 
 
 MULTI = Profile("tp8pp2", "vllm", tensor_parallel_size=8, pipeline_parallel_size=2, nodes=2)
@@ -65,7 +65,7 @@ def test_multi_node_rank0_serves_and_names_the_rendezvous():
         "--nnodes", "2", "--node-rank", "0", "--master-addr", "10.0.0.5", "--master-port", "29600",
     )
     assert spec.serves_http and spec.port == 8001
-    assert spec.env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "NCCL_IB_HCA": "mlx5_0,mlx5_1"}
+    assert spec.env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "NCCL_IB_HCA": "mlx5_0,mlx5_1"}
 
 
 def test_multi_node_worker_is_headless_without_an_endpoint():

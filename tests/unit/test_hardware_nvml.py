@@ -37,7 +37,7 @@ class Dev:
     # function name -> error code, for a device NVML cannot fully describe
     fail: dict[str, int] = field(default_factory=dict)
     uuid: str = ""
-    numa: int = 0  # nvmlDeviceGetNumaNodeId (-1: the platform does not say)
+    numa: int = 0  # nvmlDeviceGetMemoryAffinity at node scope (-1: NOT_SUPPORTED)
     cpus: tuple[int, ...] = (0xFFFF,)  # nvmlDeviceGetCpuAffinity words, lowest CPUs first
 
 
@@ -159,8 +159,13 @@ class FakeNvml:
             raise pynvml.NVMLError(-level)
         return level
 
-    def nvmlDeviceGetNumaNodeId(self, handle: Handle) -> int:
-        return self._dev(handle, "nvmlDeviceGetNumaNodeId").numa
+    def nvmlDeviceGetMemoryAffinity(self, handle: Handle, nodeSetSize: int, scope: int) -> Any:
+        d = self._dev(handle, "nvmlDeviceGetMemoryAffinity")
+        if scope != pynvml.NVML_AFFINITY_SCOPE_NODE or d.numa < 0:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        words = (ctypes.c_ulonglong * nodeSetSize)()
+        words[d.numa // 64] = 1 << (d.numa % 64)
+        return words
 
     def nvmlDeviceGetCpuAffinity(self, handle: Handle, cpuSetSize: int) -> Any:
         d = self._dev(handle, "nvmlDeviceGetCpuAffinity")

@@ -8,6 +8,8 @@ layout: per root complex one PCIe switch with two GPUs and one adapter.
 
 from __future__ import annotations
 
+import ctypes
+
 from pathlib import Path
 
 import pynvml
@@ -87,11 +89,34 @@ def test_pcie_levels_map_to_labels():
 
 def test_unknown_numa_and_affinity_are_none_never_guessed():
     devs = [Dev(bus(0x10), numa=-1, fail={"nvmlDeviceGetCpuAffinity": L.NVML_ERROR_NOT_SUPPORTED}),
-            Dev(bus(0x11), fail={"nvmlDeviceGetNumaNodeId": L.NVML_ERROR_NOT_SUPPORTED})]
+            Dev(bus(0x11), fail={"nvmlDeviceGetMemoryAffinity": L.NVML_ERROR_NOT_SUPPORTED})]
     found = discover_gpus(FakeNvml(devs), sys_root="/nonexistent")
     assert found.reason is None
     assert [(g.numa_node, g.cpu_affinity, g.pci_path) for g in found.gpus] == [
         (None, None, None), (None, "0-15", None)]
+
+
+def test_numa_node_from_sysfs_when_nvml_has_no_memory_affinity(tmp_path):
+    """PCIe boards answer nvmlDeviceGetNumaNodeId with NOT_SUPPORTED (an H200 did): the
+    node nearest the GPU is its memory affinity, else the PCI device's numa_node."""
+    for name, node in (("0000:10:00.0", "1"), ("0000:11:00.0", "-1")):
+        device = tmp_path / "bus" / "pci" / "devices" / name
+        device.mkdir(parents=True)
+        (device / "numa_node").write_text(node + "\n")
+    devs = [Dev(bus(0x10), numa=-1), Dev(bus(0x11), numa=-1), Dev(bus(0x12), numa=3)]
+    found = discover_gpus(FakeNvml(devs), sys_root=tmp_path)
+    assert [g.numa_node for g in found.gpus] == [1, None, 3]
+
+
+def test_memory_affinity_over_several_nodes_is_no_single_node():
+    class Spanning(FakeNvml):
+        def nvmlDeviceGetMemoryAffinity(self, handle, nodeSetSize, scope):
+            words = (ctypes.c_ulonglong * nodeSetSize)()
+            words[0] = 0b11
+            return words
+
+    found = discover_gpus(Spanning([Dev(bus(0x10))]), sys_root="/nonexistent")
+    assert found.gpus[0].numa_node is None and found.gpus[0].cpu_affinity == "0-15"
 
 
 def test_nvswitch_pairs_count_links_into_common_switches():

@@ -47,6 +47,8 @@ USE_PLACEMENT = "placement sets it for each shard"
 USE_REPLICAS = "scale with the deployment's replicas instead (each replica is its own engine)"
 USE_MAX_LEN = "set the model's max_model_len instead"
 USE_GPUS = "placement picks the shard's GPUs and the adapter sets CUDA_VISIBLE_DEVICES from them"
+USE_ORDER = ("placement numbers GPUs as NVML does, in PCI bus order, and the adapter makes CUDA number them "
+             "the same way (CUDA_DEVICE_ORDER=PCI_BUS_ID)")
 USE_LISTED = "list the flags in extra_args instead, so they can be checked"
 USE_TCP = "the router reaches every engine over TCP at the agent-assigned host:port"
 USE_KEY = ("the control plane issues each replica its own engine key, which only the router and the agent's "
@@ -171,7 +173,7 @@ def shape_problems(profile: Profile) -> list[str]:
 def env_problems(profile: Profile, forbidden: Mapping[str, str]) -> list[str]:
     """Profile env keys the adapter owns; ``forbidden`` maps key -> what to use instead."""
     problems: list[str] = []
-    owned = {"CUDA_VISIBLE_DEVICES": USE_GPUS, **forbidden}
+    owned = {"CUDA_VISIBLE_DEVICES": USE_GPUS, "CUDA_DEVICE_ORDER": USE_ORDER, **forbidden}
     for key, _ in profile.env:
         if key in owned:
             problems.append(Problem(
@@ -219,8 +221,9 @@ def check_context(profile: Profile, ctx: LaunchContext) -> None:
             problems.append(f"gpu_indices={list(ctx.gpu_indices)} repeats a GPU")
     if ctx.rank == 0 and not 0 < ctx.port < 65536:
         problems.append(f"port={ctx.port} is not a TCP port")
-    if "CUDA_VISIBLE_DEVICES" in ctx.extra_env:
-        problems.append("extra_env sets CUDA_VISIBLE_DEVICES; it is derived from gpu_indices")
+    for key in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"):
+        if key in ctx.extra_env:
+            problems.append(f"extra_env sets {key}; it is derived from gpu_indices")
     if not ctx.model_path:
         problems.append("model_path is empty")
     if problems:
@@ -240,6 +243,9 @@ def build_env(profile: Profile, ctx: LaunchContext) -> dict[str, str]:
     """
     env: dict[str, str] = {}
     if ctx.gpu_indices:
+        # The indices are NVML's, which follow PCI bus order; CUDA's default order is
+        # fastest-first, which on a box of mixed cards names other GPUs by the same numbers.
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in ctx.gpu_indices)
     prof = profile.env_dict
     clashes: list[str] = [

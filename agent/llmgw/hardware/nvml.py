@@ -384,34 +384,82 @@ def pair_topology(nvml: Any, handles: list[tuple[int, Any]],
     return Topology(tuple(links))
 
 
-def gpu_locality(nvml: Any, handle: Any, index: int) -> tuple[int | None, str | None]:
-    """The GPU's NUMA node and CPU affinity; None for what NVML cannot say."""
+# Node sets are asked for in this many 64-bit words: room for 256 NUMA nodes.
+_NODE_SET_WORDS = 4
+
+
+def _set_bits(words: Any, bits: int = 64) -> list[int]:
+    return [w * bits + b for w, word in enumerate(words) for b in range(bits) if int(word) >> b & 1]
+
+
+def _sysfs_numa_node(bus_id: str | None, sys_root: str | Path) -> int | None:
+    device = _sysfs_device(bus_id, sys_root)
+    if device is None:
+        return None
+    try:
+        value = int((device / "numa_node").read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return value if value >= 0 else None
+
+
+def gpu_locality(nvml: Any, handle: Any, index: int, bus_id: str | None = None,
+                 sys_root: str | Path = "/sys") -> tuple[int | None, str | None]:
+    """The NUMA node nearest the GPU and its CPU affinity; None for what cannot be said.
+
+    The node is what ``nvidia-smi topo -m`` shows as "NUMA Affinity": the CPU
+    side's node, which is what an adapter's sysfs ``numa_node`` is compared
+    with.  It comes from ``nvmlDeviceGetMemoryAffinity`` at node scope (one
+    node set; several mean no single answer), else from sysfs.  Not from
+    ``nvmlDeviceGetNumaNodeId``: that is the GPU's *own* node where GPU memory
+    is a NUMA node (Grace Hopper), and PCIe boards answer NOT_SUPPORTED (seen
+    on an H200, whose "NUMA Affinity" nvidia-smi gave as 0 on the same machine).
+    """
     numa: int | None = None
-    fn = getattr(nvml, "nvmlDeviceGetNumaNodeId", None)
-    if fn is not None:
+    fn = getattr(nvml, "nvmlDeviceGetMemoryAffinity", None)
+    scope = getattr(nvml, "NVML_AFFINITY_SCOPE_NODE", None)
+    if fn is not None and scope is not None:
         try:
-            value = int(fn(handle))
-            numa = value if value >= 0 else None
+            nodes = _set_bits(fn(handle, _NODE_SET_WORDS, scope))
         except nvml.NVMLError as e:
-            log.info("GPU %d: NUMA node unknown: nvmlDeviceGetNumaNodeId: %s", index, error_name(nvml, e))
-    affinity: str | None = None
+            log.info("GPU %d: nvmlDeviceGetMemoryAffinity: %s; trying sysfs", index, error_name(nvml, e))
+        else:
+            if len(nodes) == 1:
+                numa = nodes[0]
+            elif nodes:
+                log.info("GPU %d: memory affinity spans NUMA nodes %s; no single node", index, nodes)
+                return None, _cpu_affinity(nvml, handle, index)
+    if numa is None:
+        numa = _sysfs_numa_node(bus_id, sys_root)
+        if numa is None:
+            log.info("GPU %d: NUMA node unknown (neither NVML's memory affinity nor sysfs numa_node says)", index)
+    return numa, _cpu_affinity(nvml, handle, index)
+
+
+def _cpu_affinity(nvml: Any, handle: Any, index: int) -> str | None:
     words = max(1, -(-(os.cpu_count() or 64) // 64))
     try:
-        affinity = cpulist(nvml.nvmlDeviceGetCpuAffinity(handle, words)) or None
+        return cpulist(nvml.nvmlDeviceGetCpuAffinity(handle, words)) or None
     except nvml.NVMLError as e:
         log.info("GPU %d: CPU affinity unknown: nvmlDeviceGetCpuAffinity: %s", index, error_name(nvml, e))
-    return numa, affinity
+        return None
+
+
+def _sysfs_device(bus_id: str | None, sys_root: str | Path) -> Path | None:
+    """``<sys>/bus/pci/devices/<id>`` for an NVML bus id; None if unparseable."""
+    norm = normalize_bus_id(bus_id)
+    if norm is None:
+        return None
+    domain, rest = norm.split(":", 1)
+    return Path(sys_root) / "bus" / "pci" / "devices" / f"{int(domain, 16):04x}:{rest.lower()}"
 
 
 def sysfs_pci_path(bus_id: str, sys_root: str | Path = "/sys") -> tuple[str, ...] | None:
     """The device's path from its root bus, from ``/sys/bus/pci/devices/<id>``
     (a symlink into ``/sys/devices``); None when it cannot be resolved."""
-    norm = normalize_bus_id(bus_id)
-    if norm is None:
+    link = _sysfs_device(bus_id, sys_root)
+    if link is None:
         return None
-    domain, rest = norm.split(":", 1)
-    name = f"{int(domain, 16):04x}:{rest.lower()}"
-    link = Path(sys_root) / "bus" / "pci" / "devices" / name
     try:
         target = link.resolve(strict=True)
     except OSError:
@@ -497,7 +545,7 @@ def _discover_initialised(nvml: Any, sys_root: str | Path = "/sys") -> NvmlDisco
     topology = pair_topology(nvml, [(f[0], f[5]) for f in found], counts, known and ids_known)
     gpus = []
     for index, uuid, name, mem, bus, handle in found:
-        numa, affinity = gpu_locality(nvml, handle, index)
+        numa, affinity = gpu_locality(nvml, handle, index, bus, sys_root)
         gpus.append(GPU(index=index, uuid=uuid, name=name, memory_bytes=mem, pci_bus_id=bus,
                         nvlink_peers=peers[index], processes=gpu_processes(nvml, handle, index),
                         numa_node=numa, cpu_affinity=affinity, pci_path=sysfs_pci_path(bus, sys_root)))
