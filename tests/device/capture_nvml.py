@@ -14,8 +14,8 @@ It writes into DIR:
 * ``health.json``: each GPU's health as the agent's reader judged it, read
   before and after a discovery (which opens and closes NVML itself) while the
   reader keeps its session and event set, as the agent does;
-* ``nvidia-smi-topo.txt``, ``nvidia-smi-q.txt``, ``nvidia-smi-q.xml``: the
-  driver's own tools on the same machine, to compare against;
+* ``nvidia-smi-topo.txt``, ``nvidia-smi-q.xml``: the driver's own tools on
+  the same machine, to compare against;
 * ``sysfs.json``: each GPU's PCI path, NUMA node and local CPUs from sysfs,
   the NUMA nodes, the InfiniBand class directory, the driver version;
 * ``capture.log``: discovery's own log lines.
@@ -147,12 +147,14 @@ def sysfs_facts(bus_ids: list[str]) -> dict[str, Any]:
 
 
 def _run(out: Path, name: str, argv: list[str]) -> None:
+    """The tool's output as it printed it; its errors and exit status go to the log."""
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
-        text = done.stdout + (f"\n[stderr]\n{done.stderr}" if done.stderr else "") + f"\n[exit {done.returncode}]\n"
     except (OSError, subprocess.TimeoutExpired) as e:
-        text = f"<{type(e).__name__}: {e}>\n"
-    (out / name).write_text(text)
+        logging.warning("%s: %s", " ".join(argv), e)
+        return
+    (out / name).write_text(done.stdout)
+    logging.info("%s: exit %d%s", " ".join(argv), done.returncode, f"; stderr: {done.stderr}" if done.stderr else "")
 
 
 def main() -> int:
@@ -196,7 +198,6 @@ def main() -> int:
     (out / "nvml-recording.json").write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
 
     _run(out, "nvidia-smi-topo.txt", ["nvidia-smi", "topo", "-m"])
-    _run(out, "nvidia-smi-q.txt", ["nvidia-smi", "-q"])
     _run(out, "nvidia-smi-q.xml", ["nvidia-smi", "-q", "-x"])
     bus_ids = [g["pci_bus_id"] for g in discovery.get("gpus", [])]
     (out / "sysfs.json").write_text(json.dumps(sysfs_facts(bus_ids), indent=2, sort_keys=True) + "\n")
