@@ -72,6 +72,8 @@ def test_ejections_by_two_routers_replace_a_replica_and_one_router_alone_does_no
             assert not any(x.get("replaces") == victim for x in f.replicas()["replicas"])
             out = f.ctl("replicas").stdout
             assert "ejected by 1 router(s)" in out and "router router-a: for" in out, out
+            out = f.ctl("explain", "tiny").stdout
+            assert f"running as {victim} (ready)" in out and "routers report it ejected: ejected by 1" in out, out
 
             # 2. router B sees it fail too: two routers agree, the replica is replaced make before break
             load_b = OpenAIStreams(f"http://127.0.0.1:{port_b}").start()

@@ -236,9 +236,13 @@ def explain_view(cp: ControlPlane, model: str) -> dict[str, Any] | None:
             if r is not None:
                 where = "; ".join(f"r{s.rank} on {s.node_id} GPUs {','.join(map(str, s.gpu_indices))} ({s.state})"
                                   for s in sorted(r.shards.values(), key=lambda s: s.rank))
+                v = cp.ejection_verdicts.get(r.replica_id)
+                health = (f"; being replaced: {r.sick}" if r.sick else
+                          f"; routers report it ejected: {v.reason}" if v is not None else "")
                 report.append({"replica": label, "placed": True, "running": r.replica_id, "state": r.state.value,
-                               "text": f"{dep.key}: running as {r.replica_id} ({r.state.value}): {where}",
-                               "placement": None, "reason": None, "nodes": []})
+                               "text": f"{dep.key}: running as {r.replica_id} ({r.state.value}): {where}{health}",
+                               "placement": None, "reason": r.sick or (v.reason if v is not None else None),
+                               "nodes": []})
             else:
                 pending.append((label, dep))
     if pending:
