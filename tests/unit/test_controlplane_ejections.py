@@ -127,3 +127,22 @@ def test_the_router_episode_lasts_from_the_first_ejection_until_a_success():
     assert h.episode_since == 1.0 and h.episode_failures == 3
     policy.on_success(h, 30.0)
     assert h.episode_since is None and h.episode_failures == 0
+
+
+def test_workers_of_one_router_count_as_one_router_with_its_longest_episode():
+    book = EjectionBook()
+    for t in (0.0, 2.0, 4.0, 30.0):
+        book.observe("a", [entry("r1", t)], t, instance="w1")
+        book.observe("a", [entry("r1", 1.0)], t, instance="w2")  # w2's episode keeps starting over
+    v = judge(book, "r1", -1.0, 30.0, POLICY)
+    assert not v.sick and v.routers == ("a",)  # two workers are still one router
+    (rep,) = book.for_replica("r1")
+    assert rep.since == 0.0  # w1's episode, the longest
+    book.observe("b", [entry("r1", 25.0)], 30.0, instance="w1")
+    assert judge(book, "r1", -1.0, 30.0, POLICY).sick
+    # w1 of router a falls silent: w2's short episode is all a says now
+    for t in (32.0, 34.0, 36.0, 38.0, 40.0, 42.0):
+        book.observe("a", [entry("r1", 1.0)], t, instance="w2")
+        book.observe("b", [entry("r1", 25.0 + t - 30.0)], t, instance="w1")
+    book.expire(42.0, POLICY.report_ttl)
+    assert not judge(book, "r1", -1.0, 42.0, POLICY).sick

@@ -60,34 +60,38 @@ class Verdict:
 
 @dataclass
 class EjectionBook:
-    """What routers report now, and which routers watch; forgotten on restart (routers re-send)."""
+    """What routers report now, and which routers watch; forgotten on restart (routers re-send).
 
-    reports: dict[str, dict[str, Report]] = field(default_factory=dict)  # replica -> router -> report
+    A router with several workers reports once per worker (``instance``), each
+    with its own episode; the router counts once, with its longest episode.
+    """
+
+    # replica -> router -> worker instance -> report
+    reports: dict[str, dict[str, dict[str, Report]]] = field(default_factory=dict)
     watchers: dict[str, float] = field(default_factory=dict)  # router -> last seen (watch or report)
     received: dict[str, int] = field(default_factory=dict)  # router -> reports received (a counter)
 
     def watched(self, router: str, now: float) -> None:
         self.watchers[router] = now
 
-    def observe(self, router: str, entries: list[dict[str, Any]], now: float) -> None:
-        """One validated report from ``router``: renew or start each entry's record."""
+    def observe(self, router: str, entries: list[dict[str, Any]], now: float, instance: str = "") -> None:
+        """One validated report from one worker of ``router``: renew or start each entry's record."""
         self.received[router] = self.received.get(router, 0) + 1
         self.watched(router, now)
         for e in entries:
-            since = now - float(e["ejected_for_s"])
-            per = self.reports.setdefault(e["replica_id"], {})
-            old = per.get(router)
-            if old is not None and old.endpoint_id == e["endpoint_id"]:
-                # a router with several workers: the longest episode any of them reports counts
-                since = min(since, old.since) if now - old.last_seen < 2 * _RENEW else since
-            per[router] = Report(router, e["replica_id"], e["endpoint_id"], e["reason"], since,
-                                 int(e["consecutive_failures"]), bool(e.get("ejected_now", True)), now)
+            rep = Report(router, e["replica_id"], e["endpoint_id"], e["reason"], now - float(e["ejected_for_s"]),
+                         int(e["consecutive_failures"]), bool(e.get("ejected_now", True)), now)
+            self.reports.setdefault(e["replica_id"], {}).setdefault(router, {})[instance] = rep
 
     def expire(self, now: float, ttl: float) -> None:
         for rid in list(self.reports):
             per = self.reports[rid]
-            for router in [r for r, rep in per.items() if now - rep.last_seen > ttl]:
-                del per[router]
+            for router in list(per):
+                workers = per[router]
+                for inst in [i for i, rep in workers.items() if now - rep.last_seen > ttl]:
+                    del workers[inst]
+                if not workers:
+                    del per[router]
             if not per:
                 del self.reports[rid]
         for router in [r for r, t in self.watchers.items() if now - t > WATCHER_TTL]:
@@ -96,14 +100,18 @@ class EjectionBook:
     def forget(self, replica_id: str) -> None:
         self.reports.pop(replica_id, None)
 
-    def for_replica(self, replica_id: str) -> list[Report]:
-        return sorted(self.reports.get(replica_id, {}).values(), key=lambda r: r.router)
+    def for_replica(self, replica_id: str, now: float | None = None, ttl: float | None = None) -> list[Report]:
+        """One report per router (its longest episode), by router name; only fresh ones with ``now``/``ttl``."""
+        out = []
+        for router, workers in sorted(self.reports.get(replica_id, {}).items()):
+            fresh = [rep for rep in workers.values()
+                     if now is None or ttl is None or now - rep.last_seen <= ttl]
+            if fresh:
+                out.append(min(fresh, key=lambda rep: rep.since))
+        return out
 
     def watching(self) -> int:
         return len(self.watchers)
-
-
-_RENEW = 5.0  # two reports of one episode further apart than this are two episodes
 
 
 def routers_needed(policy: EjectionPolicy, watching: int) -> int:
@@ -114,7 +122,7 @@ def routers_needed(policy: EjectionPolicy, watching: int) -> int:
 def judge(book: EjectionBook, replica_id: str, ready_since: float | None, now: float,
           policy: EjectionPolicy) -> Verdict:
     """Whether routers' reports say ``replica_id`` is sick (see the module's rules)."""
-    reports = [r for r in book.for_replica(replica_id) if now - r.last_seen <= policy.report_ttl]
+    reports = book.for_replica(replica_id, now, policy.report_ttl)
     routers = tuple(r.router for r in reports)
     needed = routers_needed(policy, book.watching())
     if not reports:

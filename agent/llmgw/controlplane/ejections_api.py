@@ -74,5 +74,5 @@ class EjectionsAPI:
             return web.json_response({"error": "invalid ejection report",
                                       "errors": [{"pointer": e.pointer, "message": e.message} for e in errors]},
                                      status=400)
-        self.cp.router_report(router, doc["ejections"])
+        self.cp.router_report(router, doc["ejections"], doc.get("instance", ""))
         return web.json_response({"accepted": len(doc["ejections"])}, status=202)

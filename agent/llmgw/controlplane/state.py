@@ -368,9 +368,9 @@ class ControlPlane:
         """A router certificate polled the endpoint watch: it counts towards the routers that watch."""
         self.ejections.watched(router, self.clock())
 
-    def router_report(self, router: str, entries: list[dict[str, Any]]) -> None:
-        """A validated ejection report from a router certificate named ``router``."""
-        self.ejections.observe(router, entries, self.clock())
+    def router_report(self, router: str, entries: list[dict[str, Any]], instance: str = "") -> None:
+        """A validated ejection report from one worker (``instance``) of the router certificate ``router``."""
+        self.ejections.observe(router, entries, self.clock(), instance)
         self.kick()
 
     def _judge_ejections(self, now: float) -> None:

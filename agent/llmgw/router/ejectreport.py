@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import ssl
 import time
 from typing import Any, Mapping
@@ -66,6 +67,7 @@ async def report_ejections(url: str, ssl_context: ssl.SSLContext | None, routing
     so nothing is lost by skipping one.
     """
     target = url.rstrip("/") + EJECTIONS_PATH
+    instance = secrets.token_hex(6)  # this worker: each worker of a router ejects on its own
     timeout = aiohttp.ClientTimeout(total=10)
     connector = aiohttp.TCPConnector(limit=1, ssl=ssl_context if ssl_context is not None else True)
     last_problem = ""
@@ -77,7 +79,7 @@ async def report_ejections(url: str, ssl_context: ssl.SSLContext | None, routing
                 continue
             problem = ""
             try:
-                async with s.post(target, json={"ejections": entries}) as r:
+                async with s.post(target, json={"instance": instance, "ejections": entries}) as r:
                     if r.status != 202:
                         text = (await r.content.read(300)).decode("utf-8", "replace")
                         problem = f"HTTP {r.status}: {text}"
