@@ -10,6 +10,8 @@ signalled after it has served, so its completions answer 500 while its
 1. Traffic through router A only: A ejects the victim and reports it; well
    past ``sick_after`` the replica is still Ready, and ``ctl replicas`` shows
    A's report with the reason it is not acted on (one router is never enough).
+   The control plane is killed and restarted: A's re-sent report brings the
+   episode back whole, and the replica is still kept.
 2. Traffic through router B as well: B ejects it too, the quorum of two is
    reached, the replacement starts on the free node, is Ready, and only then
    is the victim drained.  No client request failed through either router.
@@ -76,7 +78,15 @@ def test_ejections_by_two_routers_replace_a_replica_and_one_router_alone_does_no
             assert f"running as {victim} (ready)" in out and "routers report it ejected: ejected by 1" in out, out
 
             _only_routers_report_and_bad_reports_change_nothing(f)
-            assert [x["router"] for x in _replica(f, victim)["ejections"]["routers"]] == ["router-a"]
+            before = _replica(f, victim)["ejections"]["routers"][0]["ejected_for_s"]
+
+            # a control-plane restart forgets nothing: router A's next report brings the whole episode back
+            f.server.kill()
+            f.server.start()
+            f.wait_healthy()
+            ej = until(reported_long(1, before + 0.1), "router A's report after the restart", on_timeout=f.dump)
+            assert [x["router"] for x in ej["routers"]] == ["router-a"], ej
+            assert _replica(f, victim)["state"] == "ready"
 
             # 2. router B sees it fail too: two routers agree, the replica is replaced make before break
             load_b = OpenAIStreams(f"http://127.0.0.1:{port_b}").start()
@@ -102,7 +112,7 @@ def test_ejections_by_two_routers_replace_a_replica_and_one_router_alone_does_no
         until(lambda: victim_pid not in f.engine_pids(), "the sick engine to stop", on_timeout=f.dump)
         m = metric_samples(f)
         reports = {s[0]["router"]: s[1] for s in m["llmgw_router_ejection_reports_total"]}
-        assert reports.get("router-a", 0) > reports.get("router-b", 0) > 0, reports
+        assert reports.get("router-a", 0) > 0 and reports.get("router-b", 0) > 0, reports  # since the restart
         assert m["llmgw_replicas_replaced_total"] == [({"reason": "router_ejections"}, 1.0)]
         print(f"\nrouter ejections: {load_a.count() + load_b.count()} streams served, 0 failed; "
               f"reports {reports}")

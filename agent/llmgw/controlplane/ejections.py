@@ -11,7 +11,9 @@ sick only when
   set, each continuously for ``sick_after`` seconds; and
 * the time counted starts no earlier than the replica became Ready: the
   agent's readiness probe (a real completion) passing is newer evidence
-  than an ejection from before it.
+  than an ejection from before it.  A replica adopted after a control-plane
+  restart was Ready before anyone here saw it, so its whole episode counts:
+  otherwise every restart would start the count over.
 
 Reports are re-sent by routers every few seconds while the ejection lasts
 and carry how long it has lasted, so a control plane that restarted knows
@@ -121,13 +123,18 @@ def routers_needed(policy: EjectionPolicy, watching: int) -> int:
 
 def judge(book: EjectionBook, replica_id: str, ready_since: float | None, now: float,
           policy: EjectionPolicy) -> Verdict:
-    """Whether routers' reports say ``replica_id`` is sick (see the module's rules)."""
+    """Whether routers' reports say ``replica_id`` is sick (see the module's rules).
+
+    ``ready_since``: when this control plane saw the replica's readiness probe
+    pass; None when it does not know (a replica it adopted after a restart was
+    Ready before it started), and then the whole reported episode counts.
+    """
     reports = book.for_replica(replica_id, now, policy.report_ttl)
     routers = tuple(r.router for r in reports)
     needed = routers_needed(policy, book.watching())
     if not reports:
         return Verdict(False, "no router reports it", routers, needed)
-    start = ready_since if ready_since is not None else now
+    start = ready_since if ready_since is not None else float("-inf")
     long_enough = [r for r in reports if now - max(r.since, start) >= policy.sick_after]
     if len(reports) < needed:
         return Verdict(False, f"ejected by {len(reports)} router(s) ({', '.join(routers)}); it takes {needed} "

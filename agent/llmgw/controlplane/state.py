@@ -384,7 +384,8 @@ class ControlPlane:
             if r is None or r.retired:
                 self.ejections.forget(rid)
                 continue
-            v = verdicts[rid] = judge(self.ejections, rid, r.ready_since, now, policy)
+            # an adopted replica was Ready before this control plane started: when is not known here
+            v = verdicts[rid] = judge(self.ejections, rid, None if r.adopted else r.ready_since, now, policy)
             if rid not in self.ejection_verdicts or self.ejection_verdicts[rid].reason != v.reason:
                 log.log(logging.WARNING if v.sick else logging.INFO, "%s: %s", rid, v.reason)
             if v.sick and r.state is ReplicaState.READY and r.surge_for is None \
