@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 
-from fleet import Fleet, metric_samples, router_endpoints, standalone_router, until
+from fleet import Fleet, log_times, metric_samples, router_endpoints, standalone_router, until
 from openai_load import OpenAIStreams
 
 pytestmark = pytest.mark.integration
@@ -90,6 +91,7 @@ def test_ejections_by_two_routers_replace_a_replica_and_one_router_alone_does_no
 
             # 2. router B sees it fail too: two routers agree, the replica is replaced make before break
             load_b = OpenAIStreams(f"http://127.0.0.1:{port_b}").start()
+            b_started = time.time()
 
             def twin_seen():
                 return next((x for x in f.replicas()["replicas"] if x.get("replaces") == victim), None)
@@ -114,8 +116,11 @@ def test_ejections_by_two_routers_replace_a_replica_and_one_router_alone_does_no
         reports = {s[0]["router"]: s[1] for s in m["llmgw_router_ejection_reports_total"]}
         assert reports.get("router-a", 0) > 0 and reports.get("router-b", 0) > 0, reports  # since the restart
         assert m["llmgw_replicas_replaced_total"] == [({"reason": "router_ejections"}, 1.0)]
-        print(f"\nrouter ejections: {load_a.count() + load_b.count()} streams served, 0 failed; "
-              f"reports {reports}")
+        judged = log_times(log, f"{victim}: judged sick")[0]
+        replaced = log_times(log, "is Ready in its place")[-1]
+        print(f"\nrouter ejections: {load_a.count() + load_b.count()} streams served, 0 failed; reports {reports}; "
+              f"second router's traffic -> judged sick {judged - b_started:.1f}s (sick_after {SICK_AFTER:g}s), "
+              f"-> replacement Ready {replaced - judged:.1f}s")
 
 
 def _replica(f: Fleet, rid: str) -> dict | None:
