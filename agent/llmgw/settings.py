@@ -63,6 +63,16 @@ class RestartPolicy:
 
 
 @dataclass(frozen=True)
+class EjectionPolicy:
+    """When routers' ejection reports replace a replica (``server.yaml`` ``router_ejections``)."""
+
+    min_routers: int = 2
+    min_share: float = 0.5
+    sick_after: float = 20.0
+    report_ttl: float = 10.0
+
+
+@dataclass(frozen=True)
 class FetchPolicy:
     """How the agent downloads https:// model sources (``agent.yaml`` ``fetch``)."""
 
@@ -87,6 +97,7 @@ class ServerSettings:
     restart: RestartPolicy
     memory_headroom: float
     router: dict[str, Any] | None  # validated against router.schema.json; the router parses it
+    router_ejections: EjectionPolicy = EjectionPolicy()
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
 
 
@@ -313,6 +324,7 @@ def parse_server_settings(doc: Any, source: str = "server.yaml") -> ServerSettin
         restart=RestartPolicy(**{**RestartPolicy().__dict__, **doc.get("restart", {})}),
         memory_headroom=float(doc.get("placement", {}).get("memory_headroom", 0.2)),
         router=doc.get("router"),
+        router_ejections=EjectionPolicy(**{**EjectionPolicy().__dict__, **doc.get("router_ejections", {})}),
         raw=doc,
     )
 

@@ -136,6 +136,15 @@ def test_a_deployment_of_an_undeclared_model_is_refused(tmp_path):
     )
 
 
+def test_router_ejections_reach_server_yaml_and_a_bad_one_names_the_variable(tmp_path):
+    fleet = copy.deepcopy(FLEET)
+    fleet["all"]["vars"]["llmgw_router_ejections"] = {"min_routers": 0, "sick_after": 30}
+    run = run_playbook(PLAY, tmp_path / "runs", inventory=write(tmp_path, fleet), limit="cp")
+    (failed,) = [r for r in run.results if r.status == "failed"]
+    assert ("/router_ejections/min_routers (llmgw_router_ejections.min_routers): 0 is less than the minimum of 1"
+            in failed.res["msg"]), failed.res["msg"]
+
+
 def test_a_node_whose_adapter_is_not_active_fails_naming_it(tmp_path):
     fleet = copy.deepcopy(FLEET)
     gpu_a2 = fleet["all"]["children"]["llmgw_agents"]["hosts"]["gpu-a2"]

@@ -510,15 +510,20 @@ def log_times(text: str, needle: str) -> list[float]:
     return out
 
 
-def standalone_router(f: Fleet) -> tuple[Proc, int]:
-    """``llmgw router`` fed by the control plane's watch API with a router certificate (engine keys)."""
+def standalone_router(f: Fleet, name: str = "router", extra: dict[str, Any] | None = None) -> tuple[Proc, int]:
+    """``llmgw router`` fed by the control plane's watch API with a router certificate (engine keys).
+
+    ``name`` other than "router": a router of its own, with its own certificate (CN ``name``).
+    """
     port = free_port()
+    cert = f.pki.router if name == "router" else write_pair(
+        f.pki.dir / name, *issue_router(f.pki.ca, [name, "localhost"], ["127.0.0.1"]))
     cfg = {"listen": {"host": "127.0.0.1", "port": port}, "allow_unauthenticated": True, "insecure_http": True,
-           "control_plane": {"url": f.url, "ca": str(f.pki.ca_cert), "cert": str(f.pki.router[0]),
-                             "key": str(f.pki.router[1])}}
-    path = f.root / "router.yaml"
+           "control_plane": {"url": f.url, "ca": str(f.pki.ca_cert), "cert": str(cert[0]),
+                             "key": str(cert[1])}, **(extra or {})}
+    path = f.root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    proc = Proc("router", llmgw_argv("router", "--config", str(path)), f.root / "router.log", f.root)
+    proc = Proc(name, llmgw_argv("router", "--config", str(path)), f.root / f"{name}.log", f.root)
     f.extra.append(proc)
     return proc.start(), port
 

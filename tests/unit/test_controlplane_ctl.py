@@ -72,3 +72,19 @@ def test_client_requires_url_ca_and_credentials(monkeypatch):
     ns.token = "t"
     with pytest.raises(CtlError, match="does not exist"):
         make_client(ns)
+
+
+def test_routers_ejections_and_a_sick_verdict_are_shown_under_the_replica():
+    ej = {"routers": [{"router": "router-a", "endpoint_id": "e", "reason": "status_5xx", "ejected_for_s": 42,
+                       "consecutive_failures": 7, "ejected_now": True, "reported_ago_s": 1.2},
+                      {"router": "router-b", "endpoint_id": "e", "reason": "timeout", "ejected_for_s": 30,
+                       "consecutive_failures": 3, "ejected_now": False, "reported_ago_s": 0.4}],
+          "verdict": "ejected by 2 routers (router-a, router-b) for over 20s", "routers_needed": 2}
+    doc = {"replicas": [replica(sick="ejected by 2 routers (router-a, router-b) for over 20s", ejections=ej)]}
+    text = "\n".join(format_replicas(doc))
+    assert "sick: ejected by 2 routers (router-a, router-b) for over 20s; its replacement starts first" in text
+    assert "ejected by 2 router(s): ejected by 2 routers" in text
+    assert "router router-a: for 42s (status_5xx, 7 failures in a row; reported 1s ago)" in text
+    assert "router router-b: for 30s (timeout" in text
+    # a replica no router reports shows nothing of it
+    assert "ejected" not in "\n".join(format_replicas({"replicas": [replica()]}))

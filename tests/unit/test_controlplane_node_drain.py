@@ -119,3 +119,36 @@ def test_a_twin_that_fails_backs_off_and_the_old_replica_keeps_serving():
     assert s.spec["replica_id"] in serving(f) and f.rec.book.replicas[s.spec["replica_id"]].state is ReplicaState.READY
     plan = f.step(cat, 4.0)  # the failed twin is let go after its backoff; no new twin before then
     assert starts(plan) == []
+
+
+def test_a_replica_judged_sick_is_replaced_make_before_break():
+    f = Fleet("a", "b", gpus=2)
+    cat = catalog(replicas=2)
+    first = placed_and_ready(f, cat)
+    sick = first[0].spec["replica_id"]
+    assert f.rec.mark_sick(sick, "ejected by 2 routers")
+    assert not f.rec.mark_sick(sick, "again")  # news once
+    plan = f.step(cat, 2.0)
+    (twin,) = starts(plan)
+    twin_id = twin.spec["replica_id"]
+    assert f.rec.book.replicas[twin_id].surge_for == sick
+    assert not [a for a in plan.actions if isinstance(a, (Stop, Drain))]
+    assert sick in {e["replica_id"] for e in endpoints(f.rec.book, f.nodes)}  # still serving meanwhile
+    make_ready(f, 3.0)
+    plan = f.step(cat, 3.0)
+    assert [a.shard_id for a in plan.actions if isinstance(a, Drain)] == [f"{sick}/r0"]
+    old = f.rec.book.replicas[sick]
+    assert old.state is ReplicaState.DRAINING and old.retire_reason.startswith("replaced: ejected by 2 routers")
+    assert starts(plan) == []  # the healthy replica stays where it is
+    no_double_claims(f)
+
+
+def test_a_sick_replica_with_no_room_for_a_twin_is_drained_and_its_slot_refilled():
+    f = Fleet("a", gpus=2)
+    cat = catalog(replicas=2)
+    first = placed_and_ready(f, cat)
+    sick = first[0].spec["replica_id"]
+    f.rec.mark_sick(sick, "ejected by 2 routers")
+    plan = f.step(cat, 2.0)
+    assert [a.shard_id for a in plan.actions if isinstance(a, Drain)] == [f"{sick}/r0"]
+    assert "no room" in f.rec.book.replicas[sick].retire_reason

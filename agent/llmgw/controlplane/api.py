@@ -13,7 +13,8 @@ admin request (``/metrics`` and the router watch included) is refused with
 The router watch (``/v1/router/endpoints``) also admits a router
 certificate, and only a router certificate is answered with the engines'
 keys: an operator may look at the endpoint set, but the keys go to the one
-role that needs them to route.
+role that needs them to route.  Routers report what they ejected on
+``/v1/router/ejections`` (``ejections_api``), which admits only them.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from aiohttp import web
 
 from llmgw.controlplane import views
 from llmgw.controlplane.agentservice import STREAM_PATH, AgentService, request_identity
+from llmgw.controlplane.ejections_api import EJECTIONS_PATH, EjectionsAPI
 from llmgw.controlplane.metrics import CONTENT_TYPE, registry_for, render
 from llmgw.controlplane.openapi import OPENAPI_PATH, document
 from llmgw.controlplane.state import ControlPlane
@@ -58,6 +60,11 @@ class AdminAuth:
 
     def router(self, request: web.Request) -> str | None:
         """Who, when the request carries a router certificate (the watch's own caller); else None."""
+        name = self.router_name(request)
+        return None if name is None else f"router certificate {name!r}"
+
+    def router_name(self, request: web.Request) -> str | None:
+        """The router certificate's name, or None when the request carries none."""
         if not self.require_identity:
             return None
         try:
@@ -65,7 +72,7 @@ class AdminAuth:
             check_router_identity(identity)
         except IdentityError:
             return None
-        return f"router certificate {identity.name!r}"
+        return identity.name
 
     def check(self, request: web.Request) -> tuple[int, str]:
         """(0, who) when allowed, else (HTTP status, reason)."""
@@ -164,10 +171,12 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
 
     @web.middleware
     async def admin_only(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path in OPEN_PATHS or request.path == STREAM_PATH:
-            return await handler(request)  # the stream checks node identity itself
-        if request.path == WATCH_PATH and auth.router(request):
+        if request.path in OPEN_PATHS or request.path == STREAM_PATH or request.path == EJECTIONS_PATH:
+            return await handler(request)  # the stream checks node identity itself, ejections a router's
+        router = auth.router_name(request) if request.path == WATCH_PATH else None
+        if router is not None:
             request[REVEAL_KEYS] = True
+            cp.router_watching(router)
             return await handler(request)
         status, who = auth.check(request)
         if status:
@@ -251,6 +260,7 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
     app.router.add_post("/v1/nodes/{node_id}/drain", node_action("draining"))
     app.router.add_post("/v1/nodes/{node_id}/uncordon", node_action(None))
     app.router.add_post("/v1/reload", do_reload)
+    app.router.add_post(EJECTIONS_PATH, EjectionsAPI(cp, auth.router_name).handle)
     app.router.add_get("/metrics", metrics)
     if watch_handler is not None:
         app.router.add_get(WATCH_PATH, grace_aware_watch(cp, watch_handler))

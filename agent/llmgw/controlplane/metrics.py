@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from llmgw.agent.shardstate import ShardState
@@ -27,7 +27,7 @@ class FleetCollector(Collector):
     def __init__(self, cp: ControlPlane):
         self.cp = cp
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         cp = self.cp
         book = cp.reconciler.book
         node_state = GaugeMetricFamily("llmgw_node_state", "1 for the node's current lifecycle state", labels=["node", "state"])
@@ -76,6 +76,19 @@ class FleetCollector(Collector):
         share = GaugeMetricFamily("llmgw_fleet_unreachable_share", "Share of not-lost nodes that are unreachable")
         share.add_metric([], cp.evaluation.unreachable_share)
         yield from (damped, share)
+
+        reports = CounterMetricFamily("llmgw_router_ejection_reports", "Ejection reports received, by router certificate",
+                                      labels=["router"])
+        for router, n in sorted(cp.ejections.received.items()):
+            reports.add_metric([router], n)
+        replaced = CounterMetricFamily("llmgw_replicas_replaced", "Replicas judged sick and replaced, by reason",
+                                       labels=["reason"])
+        replaced.add_metric(["router_ejections"], cp.replaced_for_ejections)
+        ejected = GaugeMetricFamily("llmgw_replica_ejected_by_routers", "Routers reporting the replica ejected now",
+                                    labels=["replica"])
+        for rid, v in sorted(cp.ejection_verdicts.items()):
+            ejected.add_metric([rid], len(v.routers))
+        yield from (reports, replaced, ejected)
 
 
 def registry_for(cp: ControlPlane) -> CollectorRegistry:

@@ -271,6 +271,19 @@ class Reconciler:
         self._retire(r, "drained by an operator", now, draining=True)
         return r
 
+    def mark_sick(self, replica_id: str, reason: str) -> bool:
+        """A Ready replica judged sick from outside its shards' states: replace it, make before break.
+
+        True when this is news.  The move itself is ``_drain_nodes``'s, as for a
+        replica on a draining node: a twin first, the old one drained once the
+        twin is Ready.
+        """
+        r = self.book.replicas.get(replica_id)
+        if r is None or r.retired or r.failed_at is not None or r.sick is not None:
+            return False
+        r.sick = reason
+        return True
+
     def _shard_from_report(self, node_id: str, rep: dict[str, Any], now: float) -> Shard:
         spec = rep["spec"]
         s = Shard(shard_id=spec["shard_id"], replica_id=spec["replica_id"], rank=spec["rank"], node_id=node_id,
@@ -582,7 +595,9 @@ class Reconciler:
         twin is Ready is the old one drained (out of the router, in-flight
         requests finish, then stopped) and the twin takes its slot.  A replica
         that serves nothing has nothing to protect and is retired at once; its
-        slot is refilled elsewhere the usual way.
+        slot is refilled elsewhere the usual way.  A replica judged sick
+        (``mark_sick``) moves the same way, first; with no room for its twin it
+        is drained at once (the other replicas serve) and its slot refilled.
         """
         moving = False
         for twin in [r for r in self.book.live() if r.surge_for is not None]:
@@ -593,8 +608,8 @@ class Reconciler:
                 plan.events.append(f"{twin.replica_id}: stopping, {twin.surge_for} went away during its move")
             elif twin.state is ReplicaState.READY:
                 where = ", ".join(sorted(old.nodes()))
-                self._retire(old, f"moved off {where} (node drain): {twin.replica_id} serves in its place", now,
-                             draining=True)
+                why = f"replaced: {old.sick}" if old.sick else f"moved off {where} (node drain)"
+                self._retire(old, f"{why}: {twin.replica_id} serves in its place", now, draining=True)
                 self._stop_shards(old, nodes, plan, old.retire_reason or "retired", drain=True)
                 twin.slot, twin.surge_for = old.slot, None
                 plan.events.append(f"{old.replica_id}: draining, {twin.replica_id} on "
@@ -602,15 +617,17 @@ class Reconciler:
             else:
                 moving = True  # starting (or failed and waiting to be retired): one move at a time
         draining = {n for n, v in nodes.items() if v.cordon == "draining"}
-        if moving or not draining or ctx.in_grace:
+        sick = [r for r in self.book.live() if r.sick is not None and r.surge_for is None]
+        if moving or not (draining or sick) or ctx.in_grace:
             return
-        for r in sorted((r for r in self.book.live() if r.surge_for is None and r.nodes() & draining),
-                        key=lambda r: r.replica_id):
-            where = ", ".join(sorted(r.nodes() & draining))
+        for r in sorted((r for r in self.book.live() if r.surge_for is None and (r.nodes() & draining or r.sick)),
+                        key=lambda r: (r.sick is None, r.replica_id)):
+            where = ", ".join(sorted(r.nodes() & draining)) or r.replica_id
             if r.state is not ReplicaState.READY:
-                self._retire(r, f"node {where} drained (the replica was not serving)", now)
+                why = f"replaced: {r.sick}" if r.sick else f"node {where} drained"
+                self._retire(r, f"{why} (the replica was not serving)", now)
                 self._stop_shards(r, nodes, plan, r.retire_reason or "retired")
-                plan.events.append(f"{r.replica_id}: stopping, node {where} is drained and it was not serving")
+                plan.events.append(f"{r.replica_id}: stopping, {why} and it was not serving")
                 continue
             dep = next((d for d in catalog.deployments if d.key == r.key), None)
             if dep is None or r.slot is None:
@@ -623,12 +640,19 @@ class Reconciler:
             if not fleet:
                 fleet.append(fleet_capacity(self.book, nodes))
             result = fleet[0].place(placement_request(catalog, dep, ctx.memory_headroom, ctx.weight_sizes))
+            if result.placement is None and r.sick:
+                # no room for a twin: the sick replica goes first and its slot is refilled the usual way
+                self._retire(r, f"replaced: {r.sick} (no room to start the replacement first)", now, draining=True)
+                self._stop_shards(r, nodes, plan, r.retire_reason or "retired", drain=True)
+                plan.events.append(f"{r.replica_id}: draining, {r.sick}; no room to start its replacement first")
+                return
             if result.placement is None:
                 plan.drain_blocked[where] = f"cannot move {r.replica_id}: {result.reason or 'no placement'}"
                 return
             fleet[0].take(result.placement)
             self._create(catalog, dep, r.slot, result, r.restarts, now, plan, surge_for=r.replica_id)
-            plan.events.append(f"{r.replica_id}: moving off {where} (node drain); its replacement starts first")
+            why = f"{r.sick}" if r.sick else f"moving off {where} (node drain)"
+            plan.events.append(f"{r.replica_id}: {why}; its replacement starts first")
             return
 
     def _create(self, catalog: Catalog, dep: Deployment, slot: int, result: PlacementResult, restarts: int,

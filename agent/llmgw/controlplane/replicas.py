@@ -166,6 +166,7 @@ class Replica:
     placement_detail: str | None = None
     restarts: int = 0  # failures of this slot before this replica was placed
     surge_for: str | None = None  # a node drain's replacement for this replica, until it is Ready
+    sick: str | None = None  # judged sick while it looks Ready (routers' ejections): replaced make before break
 
     @property
     def key(self) -> str:

@@ -23,8 +23,10 @@ from typing import Any, Protocol
 
 from llmgw.catalog import SIZE_MEASURED, Catalog, SourceKind, measure_sources, weights_size
 from llmgw.controlplane.capacity import shape_of
+from llmgw.controlplane.ejections import EjectionBook, Verdict, judge
 from llmgw.controlplane.lifecycle import Evaluation, NodeClock, NodeState, ReplacementLimiter, evaluate, observe
 from llmgw.controlplane.reconciler import Context, NodeView, Plan, Reconciler, endpoints
+from llmgw.controlplane.replicas import ReplicaState
 from llmgw.hardware.types import HardwareInventory
 from llmgw.settings import Lifecycle, ServerSettings
 
@@ -137,6 +139,9 @@ class ControlPlane:
         self.evaluation = Evaluation()
         self.unplaced: dict[tuple[str, int], str] = {}
         self.drain_blocked: dict[str, str] = {}  # draining node(s) -> why the next move waits
+        self.ejections = EjectionBook()  # routers' reports (POST /v1/router/ejections), rebuilt from re-sends
+        self.ejection_verdicts: dict[str, Verdict] = {}  # replica -> the last judgement of its reports
+        self.replaced_for_ejections = 0  # replicas judged sick from routers' reports (a counter)
         self._epoch = 0
         self._kick = asyncio.Event()
         self._endpoint_listeners: list[Callable[[list[dict[str, Any]]], None]] = []
@@ -359,6 +364,37 @@ class ControlPlane:
         log.info("%s: drain requested", replica_id)
         self.kick()
 
+    def router_watching(self, router: str) -> None:
+        """A router certificate polled the endpoint watch: it counts towards the routers that watch."""
+        self.ejections.watched(router, self.clock())
+
+    def router_report(self, router: str, entries: list[dict[str, Any]], instance: str = "") -> None:
+        """A validated ejection report from one worker (``instance``) of the router certificate ``router``."""
+        self.ejections.observe(router, entries, self.clock(), instance)
+        self.kick()
+
+    def _judge_ejections(self, now: float) -> None:
+        """Routers' reports -> verdicts; a replica judged sick is marked for replacement."""
+        policy = self.settings.router_ejections
+        self.ejections.expire(now, policy.report_ttl)
+        verdicts: dict[str, Verdict] = {}
+        book = self.reconciler.book
+        for rid in list(self.ejections.reports):
+            r = book.replicas.get(rid)
+            if r is None or r.retired:
+                self.ejections.forget(rid)
+                continue
+            # an adopted replica was Ready before this control plane started: when is not known here
+            v = verdicts[rid] = judge(self.ejections, rid, None if r.adopted else r.ready_since, now, policy)
+            if rid not in self.ejection_verdicts or self.ejection_verdicts[rid].reason != v.reason:
+                log.log(logging.WARNING if v.sick else logging.INFO, "%s: %s", rid, v.reason)
+            if v.sick and r.state is ReplicaState.READY and r.surge_for is None \
+                    and self.reconciler.mark_sick(rid, v.reason):
+                self.replaced_for_ejections += 1
+                log.warning("%s: judged sick (%s); replacing it, make before break", rid, v.reason)
+                self._dirty = True
+        self.ejection_verdicts = verdicts
+
     def apply_settings(self, settings: ServerSettings, source: str | None) -> None:
         """Put a reloaded, already validated ``server.yaml`` in force."""
         old = self.settings
@@ -397,6 +433,8 @@ class ControlPlane:
         self.evaluation = ev
         if ev.transitions or (ev.in_grace, ev.damped) != (prev.in_grace, prev.damped):
             self._dirty = True
+        if self.ejections.reports or self.ejection_verdicts:
+            self._judge_ejections(now)
         for tr in ev.transitions:
             self.nodes[tr.node_id].last_reason = tr.reason
             level = logging.ERROR if tr.new is NodeState.LOST else logging.WARNING

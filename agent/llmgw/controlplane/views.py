@@ -156,6 +156,8 @@ def replica_view(cp: ControlPlane, r: Replica, now: float) -> dict[str, Any]:
         "ready_for_s": _ago(now, r.ready_since),
         "restarts": r.restarts,
         "replaces": r.surge_for,
+        "sick": r.sick,
+        "ejections": ejections_view(cp, r.replica_id, now),
         "placement": r.placement_detail,
         "endpoint": endpoint,
         "retry_in_s": (round(max(0.0, hist.next_attempt_at - now), 3)
@@ -165,6 +167,16 @@ def replica_view(cp: ControlPlane, r: Replica, now: float) -> dict[str, Any]:
             "ago_s": _ago(now, hist.last_failure.get("at"))},
         "shards": [shard_view(r.shards[k], now) for k in sorted(r.shards)],
     }
+
+
+def ejections_view(cp: ControlPlane, replica_id: str, now: float) -> dict[str, Any] | None:
+    """Which routers report the replica ejected, since when, and what the control plane makes of it."""
+    reports = cp.ejections.for_replica(replica_id)
+    if not reports:
+        return None
+    v = cp.ejection_verdicts.get(replica_id)
+    return {"routers": [rep.view(now) for rep in reports], "verdict": v.reason if v else None,
+            "routers_needed": v.needed if v else None}
 
 
 def replicas_view(cp: ControlPlane) -> dict[str, Any]:
@@ -238,10 +250,14 @@ def explain_view(cp: ControlPlane, model: str) -> dict[str, Any] | None:
             if r is not None:
                 where = "; ".join(f"r{s.rank} on {s.node_id} GPUs {','.join(map(str, s.gpu_indices))} ({s.state})"
                                   for s in sorted(r.shards.values(), key=lambda s: s.rank))
+                v = cp.ejection_verdicts.get(r.replica_id)
+                health = (f"; being replaced: {r.sick}" if r.sick else
+                          f"; routers report it ejected: {v.reason}" if v is not None else "")
                 report.append({"replica": label, "placed": True, "running": r.replica_id, "state": r.state.value,
-                               "text": f"{dep.key}: running as {r.replica_id} ({r.state.value}): {where}"
+                               "text": f"{dep.key}: running as {r.replica_id} ({r.state.value}): {where}{health}"
                                        + _history_lines(book, dep.key, slot, views),
-                               "placement": None, "reason": None, "nodes": []})
+                               "placement": None, "reason": r.sick or (v.reason if v is not None else None),
+                               "nodes": []})
             else:
                 pending.append((label, dep))
     if pending:

@@ -223,6 +223,17 @@ def cordon_lines(n: dict[str, Any]) -> list[str]:
     return [line]
 
 
+def ejection_lines(ej: dict[str, Any] | None) -> list[str]:
+    """Routers reporting a replica ejected, and the control plane's verdict."""
+    if not ej:
+        return []
+    out = [f"    ejected by {len(ej['routers'])} router(s): {ej.get('verdict') or ''}".rstrip(": ")]
+    for rep in ej["routers"]:
+        out.append(f"      router {rep['router']}: for {human_age(rep['ejected_for_s'])} ({rep['reason']}, "
+                   f"{rep['consecutive_failures']} failures in a row; reported {human_age(rep['reported_ago_s'])} ago)")
+    return out
+
+
 def format_replicas(doc: dict[str, Any]) -> list[str]:
     rows = []
     for r in doc.get("replicas", []):
@@ -237,7 +248,10 @@ def format_replicas(doc: dict[str, Any]) -> list[str]:
             retry = f" (next attempt in {r['retry_in_s']:.0f}s)" if r.get("retry_in_s") is not None else ""
             out.append(f"    {r['state']}: {r['reason']}{retry}")
         if r.get("replaces"):
-            out.append(f"    replacing {r['replaces']} (node drain): it stops once this one is Ready")
+            out.append(f"    replacing {r['replaces']}: it stops once this one is Ready")
+        if r.get("sick") and r["state"] == "ready":
+            out.append(f"    sick: {r['sick']}; its replacement starts first")
+        out.extend(ejection_lines(r.get("ejections")))
         for s in r["shards"]:
             gpus = ",".join(map(str, s.get("gpus") or [])) or "-"
             bits = [f"  r{s['rank']}", s.get("node_id") or "(not reported)", f"GPUs {gpus}", s["state"]]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Awaitable, Callable, Sequence
 
 from aiohttp import web
 
@@ -30,7 +30,8 @@ PROXY_KEY: web.AppKey[Proxy] = web.AppKey("llmgw_router_proxy", Proxy)
 
 
 def build_app(cfg: RouterSettings, table: EndpointTable, metrics: RouterMetrics | None = None,
-              pending: Callable[[str], float] | None = None) -> web.Application:
+              pending: Callable[[str], float] | None = None,
+              background: Sequence[Callable[[Routing], Awaitable[None]]] = ()) -> web.Application:
     """An application routing by ``model`` to the endpoints in ``table``.
 
     ``table`` is read on every request (one integer comparison when it did
@@ -64,11 +65,13 @@ def build_app(cfg: RouterSettings, table: EndpointTable, metrics: RouterMetrics 
     app.router.add_route("*", "/{tail:.*}", proxy.fallback)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
-        task = asyncio.create_task(run_housekeeping(routing), name="llmgw-router-housekeeping")
+        tasks = [asyncio.create_task(run_housekeeping(routing), name="llmgw-router-housekeeping")]
+        tasks += [asyncio.create_task(job(routing)) for job in background]
         yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await proxy.close()  # abandoned attempts still awaiting their engine's verdict
         await routing.close()
 

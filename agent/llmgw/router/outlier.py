@@ -30,6 +30,12 @@ class Health:
     ejections: int = 0  # consecutive ejections (the backoff multiplier)
     probation: bool = False
     last_ejection_len: float = 0.0
+    # The current episode: from the first ejection until a success clears it.  An endpoint
+    # between two ejections (on probation, not yet proven healthy) is still in it; this is
+    # what the router reports to the control plane.
+    episode_since: float | None = None
+    episode_failures: int = 0
+    last_failure: str = ""  # the outcome of the last failed attempt ("upstream_5xx", "timeout", ...)
 
     def is_ejected(self, now: float) -> bool:
         return now < self.ejected_until
@@ -47,6 +53,7 @@ class OutlierPolicy:
         h.consecutive_failures = 0
         if h.probation:
             h.probation = False
+        h.episode_since, h.episode_failures = None, 0
         if h.ejections and now - h.ejected_until >= h.last_ejection_len:
             h.ejections = 0
 
@@ -55,6 +62,7 @@ class OutlierPolicy:
         if h.is_ejected(now):
             return False  # a late result from before the ejection
         h.consecutive_failures += 1
+        h.episode_failures += 1
         threshold = 1 if h.probation else self.cfg.consecutive_errors
         if h.consecutive_failures < threshold:
             return False
@@ -66,4 +74,6 @@ class OutlierPolicy:
         h.ejected_until = now + length
         h.consecutive_failures = 0
         h.probation = True
+        if h.episode_since is None:
+            h.episode_since = now
         return True

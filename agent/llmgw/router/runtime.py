@@ -160,6 +160,7 @@ class Routing:
         now = time.monotonic()
         rt.m.attempt(outcome)
         if failure:
+            rt.health.last_failure = outcome
             if self.policy.on_failure(rt.health, now, group.ejected_count(now), len(group.members)):
                 self.metrics.ejections.labels(group.model, rt.id).inc()
                 self.metrics.ejected.labels(group.model, rt.id).set(1)

@@ -36,6 +36,7 @@ from llmgw.tls.files import private_mode_problem
 from .app import RUNNER_KWARGS, build_app
 from .endpoints import EndpointTable
 from .settings import ControlPlane, RouterSettings
+from .ejectreport import report_ejections
 from .watch import watch_endpoints
 
 log = logging.getLogger("llmgw.router")
@@ -137,8 +138,11 @@ async def serve_worker(settings: RouterSettings, sock: socket.socket, on_ready: 
         loop.add_signal_handler(sig, stop.set)
     table = EndpointTable(settings.static_endpoints or ())
     watch_task = None
+    background = []
     if settings.control_plane is not None:
         ctx = control_plane_ssl_context(settings.control_plane)
+        cp_url = settings.control_plane.url
+        background.append(lambda routing: report_ejections(cp_url, ctx, routing))
         watch_task = asyncio.create_task(watch_endpoints(settings.control_plane.url, ctx, None, table),
                                          name="llmgw-endpoint-watch")
         # Connections meanwhile wait in the listen backlog; they are not refused.
@@ -146,7 +150,7 @@ async def serve_worker(settings: RouterSettings, sock: socket.socket, on_ready: 
         if rev == 0:
             log.warning("no endpoint set from the control plane after %gs; serving with none until it answers",
                         FIRST_ENDPOINTS_WAIT)
-    app = build_app(settings, table)
+    app = build_app(settings, table, background=background)
     runner = web.AppRunner(app, shutdown_timeout=settings.timeouts.shutdown_grace, **RUNNER_KWARGS)
     await runner.setup()
     site = web.SockSite(runner, sock, backlog=settings.backlog, ssl_context=listener_ssl_context(settings))
