@@ -32,6 +32,7 @@ METRICS_TYPE = "text/plain"
 ADMIN = [{"mutualTLS": []}, {"adminToken": []}]
 OPEN: list[dict[str, list[str]]] = []
 NODE = [{"mutualTLS": []}]
+ROUTER = [{"mutualTLS": []}]  # a router certificate
 
 
 def ref(schema: str, definition: str | None = None) -> dict[str, str]:
@@ -153,6 +154,7 @@ SHAPES: dict[str, dict[str, Any]] = {
          "max_concurrency": {"type": ["integer", "null"]}},
         {"api_key": {"type": "string", "description": "only to a router certificate"}})}}),
     "OpenAPI": {"type": "object", "required": ["openapi", "info", "paths"]},
+    "EjectionsAccepted": obj({"accepted": {"type": "integer", "minimum": 0}}),
 }
 
 PARAMS: dict[str, dict[str, Any]] = {
@@ -221,6 +223,13 @@ ROUTES: tuple[Route, ...] = (
           error_shapes={400: shape("OpenAIError")},
           headers={503: {"Retry-After": {"schema": {"type": "string", "pattern": "^[0-9]+$"}}}}),
     Route("GET", OPENAPI_PATH, "This document", 200, "OpenAPI", NOT_YOURS),
+    Route("POST", "/v1/router/ejections", "A router's report of the engines it ejected after failures, re-sent "
+          "while they last (router certificate only; the router is named by its certificate)", 202,
+          "EjectionsAccepted",
+          {400: "the body is not JSON or not a report; `errors` lists each problem with its JSON pointer",
+           403: "not a router certificate", 429: "this router reports too often; again after Retry-After"},
+          security=ROUTER, body=ref("router-ejections"),
+          headers={429: {"Retry-After": {"schema": {"type": "string", "pattern": "^[0-9]+$"}}}}),
 )
 
 _PARAM = re.compile(r"{([^}]+)}")
