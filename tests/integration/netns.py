@@ -15,14 +15,24 @@ engines, over a real (virtual) link.  A cut is a pair of blackhole routes
 reset, as on a partitioned network, and one route alone cuts one direction.
 It needs only ``ip`` (iproute2) and root; netfilter and ``tc netem`` are not
 used, so it also works where those kernel modules cannot be loaded.
+
+A link is impaired with ``tc netem`` where the kernel has ``sch_netem``.
+Where it has not, ``lose`` drops a share of the node's packets at random in
+its namespace with nftables (real loss, which TCP must recover from), and
+``DelayRelay`` holds every chunk of a TCP stream for a fixed time in each
+direction (latency on the connections routed through it).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import shutil
+import socket
 import subprocess
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +147,20 @@ class Network:
                 return f"{' '.join(argv)}: {res.stderr.strip()} (the kernel's sch_netem module is needed)"
         return None
 
+    def lose(self, name: str, percent: int) -> str | None:
+        """Drop ``percent`` % of node ``name``'s packets each way at random (nftables in its
+        namespace); the reason when nftables cannot."""
+        if shutil.which("nft") is None:
+            return "nftables' `nft` is not installed"
+        rules = (f"add table inet llmgw_loss\n"
+                 f"add chain inet llmgw_loss out {{ type filter hook output priority 0; }}\n"
+                 f"add chain inet llmgw_loss in {{ type filter hook input priority 0; }}\n"
+                 f"add rule inet llmgw_loss out ip daddr {self.host} numgen random mod 100 < {percent} drop\n"
+                 f"add rule inet llmgw_loss in ip saddr {self.host} numgen random mod 100 < {percent} drop\n")
+        res = subprocess.run(["ip", "netns", "exec", self.ns[name], "nft", "-f", "-"], input=rules,
+                             capture_output=True, text=True)
+        return None if res.returncode == 0 else f"nft: {res.stderr.strip()}"
+
     def heal(self, name: str) -> None:
         if "to_cp" in self._cuts[name]:
             ip("route", "del", "blackhole", f"{self.host}/32", ns=self.ns[name])
@@ -162,3 +186,79 @@ def netns_fleet(root: Path, net: Network, nodes: dict[str, int], **kw: Any) -> F
         edit_agent_config(agent, change)
         agent.argv = net.wrap(name, agent.argv)
     return f
+
+
+class DelayRelay:
+    """A TCP relay that holds every chunk ``delay`` seconds in each direction, in order.
+
+    Latency without ``sch_netem``: connections routed through it (a client told
+    to dial ``address``) see ``2 * delay`` more round trip, and nothing else
+    changes (no reordering, no rate limit). Runs its own loop in a thread.
+    """
+
+    def __init__(self, host: str, upstream: tuple[str, int], delay: float):
+        self.upstream, self.delay = upstream, delay
+        sock = socket.socket()
+        sock.bind((host, 0))
+        self.address = sock.getsockname()
+        self._sock = sock
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self.connections = 0
+
+    def __enter__(self) -> "DelayRelay":
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._serve(), self._loop).result(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+    async def _shutdown(self) -> None:
+        self._server.close()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _serve(self) -> None:
+        self._server = await asyncio.start_server(self._relay, sock=self._sock)
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self.upstream)
+        except OSError:
+            writer.close()
+            return
+        await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer), return_exceptions=True)
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+
+        async def deliver() -> None:
+            while True:
+                due, chunk = await queue.get()
+                wait = due - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                if not chunk:
+                    writer.close()
+                    return
+                writer.write(chunk)
+                await writer.drain()
+
+        sender = asyncio.ensure_future(deliver())
+        try:
+            while True:
+                chunk = await reader.read(65536)
+                queue.put_nowait((time.monotonic() + self.delay, chunk))
+                if not chunk:
+                    break
+            await sender
+        except (OSError, asyncio.CancelledError):
+            sender.cancel()
+            writer.close()

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from fleet import gpu_owners, process_start_time, until
-from netns import Network, netem_unavailable, netns_fleet, unavailable
+from fleet import edit_agent_config, gpu_owners, process_start_time, until
+from netns import DelayRelay, Network, netem_unavailable, netns_fleet, unavailable
 
 WHY_NOT = unavailable()
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")]
@@ -115,16 +115,21 @@ def test_sixty_percent_of_nodes_cut_off_is_damped_nothing_lost_nothing_moved_and
 
 
 def test_200ms_latency_and_5_percent_loss_on_every_stream_make_no_node_flap(tmp_path):
-    why = netem_unavailable()
-    if why is not None:
-        pytest.skip(f"cannot impair a link here: {why}")
+    """netem where the kernel has it; else real random loss (nftables) and a relay holding the
+    stream's bytes 200 ms each way, which is harsher than netem's one-way 200 ms."""
     names = ["a", "b"]
+    netem = netem_unavailable() is None
     with Network(names) as net, netns_fleet(tmp_path, net, {n: 1 for n in names}, replicas=2,
-                                           lifecycle=LIFECYCLE) as f:
+                                           lifecycle=LIFECYCLE) as f, \
+            DelayRelay(net.host, (net.host, f.port), 0.2) as relay:
+        if not netem:
+            for agent in f.agents.values():
+                edit_agent_config(agent, lambda doc: doc["control_plane"].update(
+                    url=f"wss://{net.host}:{relay.address[1]}/v1/agent/stream"))
         f.start()
         before = {r["replica_id"]: shard_of(r)["process"] for r in f.wait_ready(2)}
         for n in names:
-            why = net.impair(n, "delay", "200ms", "loss", "5%")
+            why = net.impair(n, "delay", "200ms", "loss", "5%") if netem else net.lose(n, 5)
             if why is not None:
                 pytest.skip(f"cannot impair the link here: {why}")
         log_from = len(f.server.output(10 ** 8))
@@ -133,3 +138,4 @@ def test_200ms_latency_and_5_percent_loss_on_every_stream_make_no_node_flap(tmp_
         assert after == before
         log = f.server.output(10 ** 8)[log_from:]
         assert "-> unreachable" not in log and "stream closed" not in log, log[-3000:]
+        assert netem or relay.connections == len(names), "every stream went through the delay"
