@@ -8,8 +8,8 @@ fleet benchmark's harness, same deployments filling about 80 % of the GPUs),
 waits until every replica is Ready and records its answers to
 ``/v1/nodes``, ``/v1/replicas`` and ``/v1/catalog`` (kept under
 ``~/.cache/llmgw/fleet-bench/answers-N.json``, so a rerun skips the fleet).
-Those answers are then replicated ``--times`` times (node and replica ids made
-distinct per copy, deployment counts multiplied) and served from memory on
+Those answers are then replicated ``--times`` times (node, replica and shard ids
+made distinct per copy, deployment counts multiplied) and served from memory on
 loopback, and ``ansible-inventory --graph`` / ``--list`` is run ``--runs`` times
 each. What is timed is the ansible-inventory process's own CPU (user + system
 from ``os.times()`` of the waited child), which on a shared machine is steadier
@@ -68,23 +68,34 @@ def capture(n: int) -> dict[str, Any]:
 
 
 def replicate(answers: dict[str, Any], times: int) -> dict[str, bytes]:
-    """``times`` copies of the captured fleet, as one fleet: ids made distinct per copy by text substitution."""
+    """``times`` copies of the captured fleet, as one fleet: node, replica and shard ids made distinct per copy."""
     nodes = answers["/v1/nodes"]
-    ids = sorted({n["node_id"] for n in nodes["nodes"]}, key=len, reverse=True)
-    node_text = json.dumps(nodes["nodes"])
-    rep_text = json.dumps(answers["/v1/replicas"]["replicas"])
     all_nodes: list[Any] = []
     all_reps: list[Any] = []
     for k in range(times):
-        nt, rt = node_text, rep_text
-        if k:
-            for i in ids:  # node ids are quoted JSON strings or prefixes of shard/replica ids
-                nt = nt.replace(f'"{i}"', f'"{i}-c{k}"')
-                rt = rt.replace(f'"{i}"', f'"{i}-c{k}"')
-            rt = rt.replace('#', f'#c{k}.')  # replica ids MODEL/PROFILE#N...
-            nt = nt.replace('#', f'#c{k}.')  # shard ids held by GPUs
-        all_nodes += json.loads(nt)
-        all_reps += json.loads(rt)
+        def nid(i: str) -> str:
+            return i if not k else f"{i}-c{k}"
+
+        def sid(s: str | None) -> str | None:  # REPLICA/rRANK -> REPLICA-cK/rRANK
+            if not k or not s:
+                return s
+            rid, _, rank = s.rpartition("/")
+            return f"{rid}-c{k}/{rank}"
+
+        for n in json.loads(json.dumps(nodes["nodes"])):
+            n["node_id"] = nid(n["node_id"])
+            if n.get("hardware"):
+                n["hardware"]["node_id"] = n["node_id"]
+            for g in n.get("gpus") or ():
+                g["shard"] = sid(g.get("shard"))
+            all_nodes.append(n)
+        for r in json.loads(json.dumps(answers["/v1/replicas"]["replicas"])):
+            if k:
+                r["replica_id"] = f"{r['replica_id']}-c{k}"
+            for s in r.get("shards") or ():
+                s["shard_id"] = sid(s.get("shard_id"))
+                s["node_id"] = nid(s["node_id"]) if s.get("node_id") else s.get("node_id")
+            all_reps.append(r)
     catalog = json.loads(json.dumps(answers["/v1/catalog"]))
     for d in catalog.get("deployments", ()):
         d["replicas"] *= times
