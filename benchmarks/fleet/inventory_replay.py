@@ -26,20 +26,19 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "inventory"))
 
+from bench import TOKEN, serve  # noqa: E402  (the inventory benchmark's loopback server)
 from harness import Fleet  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 CACHE = Path.home() / ".cache/llmgw/fleet-bench"
-TOKEN = "replay-token"
 PATHS = ("/v1/nodes", "/v1/replicas", "/v1/catalog")
 
 
@@ -103,29 +102,6 @@ def replicate(answers: dict[str, Any], times: int) -> dict[str, bytes]:
     return {"/v1/nodes": json.dumps({**nodes, "nodes": all_nodes}).encode(),
             "/v1/replicas": json.dumps(replicas).encode(),
             "/v1/catalog": json.dumps(catalog).encode()}
-
-
-def serve(docs: dict[str, bytes]) -> tuple[ThreadingHTTPServer, str]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def do_GET(self) -> None:  # noqa: N802
-            ok = self.headers.get("Authorization") == f"Bearer {TOKEN}"
-            body = docs.get(self.path) if ok else b'{"error": "no"}'
-            if body is None:
-                body = json.dumps({"error": f"{self.path} not recorded"}).encode()
-            self.send_response(200 if ok and self.path in docs else 403 if not ok else 404)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, f"http://127.0.0.1:{server.server_address[1]}"
 
 
 def run_once(config: Path, mode: str) -> tuple[float, int, bytes]:
