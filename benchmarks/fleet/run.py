@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/fleet/run.py [--sizes 1000 5000 10000] [--procs 2]
         [--steady 60] [--phases cold steady reads storm partitions placement] [--no-write]
+        [--update [--note TEXT]]
 
 For each size, one real ``llmgw server`` (its own process: CPU and memory are
 read from /proc/<pid> alone) and ``llmgw-fleet-sim`` with that many agents on
@@ -439,7 +440,8 @@ def markdown(doc: dict[str, Any]) -> str:
         out.append(f"| placement, CPU per decision | {a / b:.2f} |")
     for u in doc.get("updated", []):
         out.append(f"Phases {', '.join(u['phases'])} at {', '.join(map(str, u['sizes']))} nodes measured again "
-                   f"{u['when']}, after the change noted in the results' history.")
+                   f"{u['when']}" + (f": {u['note']}" if u.get("note") else ", after the change noted in the results' history."))
+        out.append("")
     out += ["", "## Every size", "", "```json", json.dumps(sizes, indent=1), "```", ""]
     return "\n".join(out)
 
@@ -456,6 +458,7 @@ def main() -> int:
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--update", action="store_true",
                     help="merge the phases measured now into the existing results (same sizes), keeping the rest")
+    ap.add_argument("--note", default=None, help="with --update: what changed since the last measurement, for the results")
     args = ap.parse_args()
     doc = {"when": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{os.cpu_count()} CPUs, {platform.python_version()}",
            "procs": args.procs, "sizes": []}
@@ -469,7 +472,8 @@ def main() -> int:
             r.update(fresh.pop(r["nodes"], {}))
         old["sizes"] = sorted(old["sizes"] + list(fresh.values()), key=lambda r: r["nodes"])
         old.setdefault("updated", []).append({"when": doc["when"], "phases": args.phases,
-                                              "sizes": [r["nodes"] for r in doc["sizes"]]})
+                                              "sizes": [r["nodes"] for r in doc["sizes"]],
+                                              **({"note": args.note} if args.note else {})})
         doc = old
     if not args.no_write:
         RESULTS.mkdir(parents=True, exist_ok=True)

@@ -169,6 +169,11 @@ class AgentService:
         # thing on the stream, ahead of any start/stop the reconciler queues.
         session.send({"type": "registered", "epoch": epoch,
                       "heartbeat_interval": self.cp.lifecycle().heartbeat_interval})
+        # This coroutine lives as long as the stream: names still bound here
+        # would keep the register document (text and decoded, about 20 KB for
+        # an 8-GPU node) and the latest message alive for every node. The
+        # control plane keeps what it needs in its own records.
+        del first, msg
         expiry = None if identity is None else _close_at_expiry(session, identity)
         reason = "closed by the agent"
         try:
@@ -193,6 +198,7 @@ class AgentService:
                 if not self.cp.message(node_id, epoch, m):
                     reason = "superseded"
                     break
+                del raw, m  # not held while waiting for the next message (see above)
             else:
                 if ws.close_code is not None:
                     reason = f"closed with code {ws.close_code}"

@@ -30,6 +30,7 @@ from llmgw.controlplane.badrequests import quiet_malformed_requests
 from llmgw.controlplane.state import ControlPlane
 from llmgw.controlplane.tlssite import HandshakeLoggingSite
 from llmgw.eventloop import tune_gc
+from llmgw.memtrim import trim_periodically
 from llmgw.settings import ServerSettings, load_server_settings
 
 log = logging.getLogger("llmgw.controlplane")
@@ -203,13 +204,15 @@ async def serve(settings: ServerSettings, config_path: str | None = None,
              lc.heartbeat_interval, lc.keepalive_interval, lc.unreachable_after, lc.lost_after, lc.startup_grace)
     tune_gc()  # thousands of streams hold many objects: freeze what start-up built, collect less often
     ticker = asyncio.create_task(cp.run(), name="reconcile loop")
+    trimmer = asyncio.create_task(trim_periodically(), name="heap trim")
     try:
         await stop.wait()
     finally:
         log.info("stopping; engines keep running and agents reconnect to the next control plane")
-        ticker.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await ticker
+        for task in (ticker, trimmer):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
         for s in list(cp.sessions.values()):

@@ -10,11 +10,23 @@ hardware file and a real node's report are the same thing.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 from llmgw.hardware.gpu_health import GPUHealth
 from llmgw.hardware.topology import Topology
+
+# A control plane holds every node's inventory: at 10,000 8-GPU nodes the
+# same few NVLink peer lists recur 80,000 times, so equal ones are shared.
+_PEER_TUPLES: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+
+def _shared(peers: tuple[int, ...]) -> tuple[int, ...]:
+    """One instance per distinct peer tuple (bounded: an 8-GPU box has a handful of patterns)."""
+    if len(_PEER_TUPLES) > 4096:  # a fleet of odd topologies: stop sharing rather than grow
+        return peers
+    return _PEER_TUPLES.setdefault(peers, peers)
 
 
 @dataclass(frozen=True)
@@ -90,10 +102,10 @@ class GPU:
         return cls(
             index=int(d["index"]),
             uuid=str(d["uuid"]),
-            name=str(d["name"]),
+            name=sys.intern(str(d["name"])),
             memory_bytes=int(d["memory_bytes"]),
             pci_bus_id=str(d["pci_bus_id"]),
-            nvlink_peers=tuple(sorted(int(p) for p in d.get("nvlink_peers", ()))),
+            nvlink_peers=_shared(tuple(sorted(int(p) for p in d.get("nvlink_peers", ())))),
             processes=None if d.get("processes") is None
             else tuple(GPUProcess.from_dict(p) for p in d["processes"]),
             numa_node=None if d.get("numa_node") is None else int(d["numa_node"]),

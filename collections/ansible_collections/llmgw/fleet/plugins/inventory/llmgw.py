@@ -295,6 +295,7 @@ class InventoryModule(BaseInventoryPlugin, Constructable, Cacheable):
 
         gpu_detail = self.get_option("gpu_detail")
         inventory = self.inventory
+        host_vars_to = _unwrapped(inventory)
         inventory.add_group("llmgw_live")
         strict = self.get_option("strict")
         compose, groups, keyed = self.get_option("compose"), self.get_option("groups"), self.get_option("keyed_groups")
@@ -303,7 +304,7 @@ class InventoryModule(BaseInventoryPlugin, Constructable, Cacheable):
             inventory.add_host(host, group="llmgw_live")
             hostvars = _host_vars(node, shards_by_node.get(host, []), gpu_detail)
             for name, value in hostvars.items():
-                inventory.set_variable(host, name, value)
+                host_vars_to.set_variable(host, name, value)
             if "state" in group_by:
                 inventory.add_child(inventory.add_group(group_name("state", node["state"])), host)
             if "fabric" in group_by:
@@ -346,6 +347,18 @@ class InventoryModule(BaseInventoryPlugin, Constructable, Cacheable):
         if write_cache:
             self._cache[cache_key] = data
         return data
+
+
+def _unwrapped(inventory):
+    """The inventory data under ansible-core's proxy, for the per-host variables.
+
+    The proxy hands every value to a visitor that deep-copies it and tags every string, number and container with
+    the plugin's origin; at 10,000 nodes of 8 GPUs, skipping it took ``ansible-inventory --graph`` from 6.6 s to 2.0 s
+    of CPU and ``--list`` from 16.9 s to 12.7 s. Host variables here are built fresh from decoded JSON
+    (dicts, lists, str, int, float, bool, None: the types the visitor admits), never mutated afterwards, and never
+    marked trusted, so they stay untrusted (never templated) exactly as through the proxy; what is lost is only the
+    origin note on an error about one of these values. The ``all`` group's variable still goes through the proxy."""
+    return getattr(inventory, "__wrapped__", inventory)
 
 
 @contextlib.contextmanager
