@@ -80,7 +80,7 @@ def interpreter_from_probe(probe):
     fields = {}
     for key in ("version", "implementation", "abiflags", "machine", "libc"):
         value = probe.get(key)
-        if not isinstance(value, str) or (not value and key != "abiflags"):
+        if not isinstance(value, str) or (not value and key not in ("abiflags", "libc")):
             raise InterpreterError("interpreter/%s: expected a non-empty string, got %r" % (key, value))
         fields[key] = value
     if fields["implementation"] != "cpython":

@@ -55,7 +55,7 @@ options:
         type: str
         required: true
       libc:
-        description: C(os.confstr("CS_GNU_LIBC_VERSION")), for example C(glibc 2.41).
+        description: C(os.confstr("CS_GNU_LIBC_VERSION")), for example C(glibc 2.41); empty where that is not glibc.
         type: str
         required: true
   cache_dir:
