@@ -62,6 +62,11 @@ options:
     description: Where the sets are kept, one directory each. Created if missing.
     type: path
     required: true
+  python:
+    description:
+      - The interpreter whose pip downloads (C(python -m pip)); by default the one running this module.
+      - The llmgw role passes C(ansible_playbook_python), whose pip builds llmgw's own wheel.
+    type: path
   pip_args:
     description:
       - More C(pip download) arguments, for example an internal mirror (C([--index-url, https://pypi.example/simple]))
@@ -180,7 +185,7 @@ def download(module, interpreter, pins, dest):
     every pin is either downloaded or known missing: the operator learns of all
     of them at once.
     """
-    base = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--no-deps",
+    base = [module.params["python"] or sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--no-deps",
             "--only-binary=:all:", "--python-version", interpreter.short_version, "--implementation", "cp",
             "--abi", interpreter.abi, "--dest", dest]
     for tag in platform_tags(interpreter):
@@ -214,6 +219,7 @@ def main():
                 libc=dict(type="str", required=True),
             )),
             cache_dir=dict(type="path", required=True),
+            python=dict(type="path"),
             pip_args=dict(type="list", elements="str", default=[]),
         ),
         supports_check_mode=True,
