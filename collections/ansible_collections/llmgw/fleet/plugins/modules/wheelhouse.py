@@ -15,9 +15,10 @@ description:
     environment marker holds for O(interpreter), and downloads with C(pip download --only-binary=:all:
     --no-deps) the binary wheel of each that fits that interpreter's CPython version, ABI and manylinux
     platforms (every tag its glibc and architecture run, PEP 600), whatever Python the controller runs.
-  - The set lands in a directory of O(cache_dir) named for the interpreter and the pins, with a
-    C(requirements.txt) that pins each package to the sha256 of its wheel, for C(pip install --no-index
-    --require-hashes) on the node. The directory appears complete or not at all (it is filled under a
+  - The set lands in a directory of O(cache_dir) named for the interpreter and the pins: the wheels under
+    C(wheels/), the same in one archive C(wheels.tar) (one transfer to a node rather than one per wheel),
+    and a C(requirements.txt) that pins each package to the sha256 of its wheel, for C(pip install
+    --no-index --require-hashes) on the node. The directory appears complete or not at all (it is filled under a
     temporary name and renamed); a later run with the same pins and interpreter finds it and downloads nothing.
   - Fails, naming every package and version without a fitting wheel and the platform, when there is one.
 author:
@@ -101,7 +102,7 @@ EXAMPLES = r"""
 
 RETURN = r"""
 directory:
-  description: The set's directory in O(cache_dir) (wheels under C(wheels/), and C(requirements.txt)).
+  description: The set's directory in O(cache_dir) (C(wheels/), C(wheels.tar) and C(requirements.txt)).
   returned: success
   type: str
   sample: /root/.cache/llmgw/wheelhouse/cp313-manylinux_2_41_x86_64-3f2a91c0d4e7
@@ -139,6 +140,7 @@ import hashlib
 import os
 import shutil
 import sys
+import tarfile
 import tempfile
 import traceback
 
@@ -175,6 +177,16 @@ def _sha256(path):
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def archive(wheels, dest):
+    """The wheels in one uncompressed tar (they are zip files already), the same bytes for the same wheels."""
+    with tarfile.open(dest, "w", format=tarfile.PAX_FORMAT) as tar:
+        for name in sorted(os.listdir(wheels)):
+            info = tar.gettarinfo(os.path.join(wheels, name), arcname=name)
+            info.mtime, info.uid, info.gid, info.uname, info.gname, info.mode = 0, 0, 0, "", "", 0o644
+            with open(os.path.join(wheels, name), "rb") as f:
+                tar.addfile(info, f)
 
 
 def download(module, interpreter, pins, dest):
@@ -261,6 +273,7 @@ def main():
                 if filename is None:  # pip said it succeeded; the file must be there
                     module.fail_json(msg="pip reported %s==%s downloaded, but no wheel of it is in %s" % (name, version, wheels))
                 lines.append("%s==%s --hash=sha256:%s\n" % (name, version, _sha256(os.path.join(wheels, filename))))
+            archive(wheels, os.path.join(work, "wheels.tar"))
             with open(os.path.join(work, "requirements.txt"), "w") as f:
                 f.writelines(lines)
             os.chmod(work, 0o755)
