@@ -132,7 +132,7 @@ def parse_lock(text):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
-        spec, _, marker = line.partition(";")
+        spec, marker = (line.split(";", 1) + [""])[:2]
         match = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s=<>!~,;]+)$", spec.strip())
         if not match:
             raise ValueError("line %d: %r is not an exact pin (name==version)" % (number, raw))

@@ -12,8 +12,8 @@ short_description: Download the runtime's wheels that fit one node interpreter, 
 version_added: 0.1.0
 description:
   - Runs on the controller. Takes the pinned dependencies of the runtime (O(lock)), keeps those whose
-    environment marker holds for O(interpreter), and downloads with C(pip download --only-binary=:all:
-    --no-deps) the binary wheel of each that fits that interpreter's CPython version, ABI and manylinux
+    environment marker holds for O(interpreter), and downloads with C(pip download), binary wheels only and
+    no dependencies, the wheel of each that fits that interpreter's CPython version, ABI and manylinux
     platforms (every tag its glibc and architecture run, PEP 600), whatever Python the controller runs.
   - The set lands in a directory of O(cache_dir) named for the interpreter and the pins: the wheels under
     C(wheels/), the same in one archive C(wheels.tar) (one transfer to a node rather than one per wheel),
