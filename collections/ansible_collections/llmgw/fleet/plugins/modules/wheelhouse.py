@@ -15,7 +15,7 @@ description:
     environment marker holds for O(interpreter), and downloads with C(pip download), binary wheels only and
     no dependencies, the wheel of each that fits that interpreter's CPython version, ABI and manylinux
     platforms (every tag its glibc and architecture run, PEP 600), whatever Python the controller runs.
-  - The set lands in a directory of O(cache_dir) named for the interpreter and the pins: the wheels under
+  - The set lands in a directory of O(cache_dir) named for the interpreter and the pins - the wheels under
     C(wheels/), the same in one archive C(wheels.tar) (one transfer to a node rather than one per wheel),
     and a C(requirements.txt) that pins each package to the sha256 of its wheel, for C(pip install
     --no-index --require-hashes) on the node. The directory appears complete or not at all (it is filled under a
