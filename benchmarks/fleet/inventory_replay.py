@@ -1,7 +1,7 @@
 """``ansible-inventory`` through ``llmgw.fleet.llmgw`` at 10,000 nodes, without 10,000 simulated agents.
 
     .venv/bin/python benchmarks/fleet/inventory_replay.py [--capture 200] [--times 50]
-        [--runs 3] [--modes graph list]
+        [--runs 3] [--modes graph list drift]
 
 Starts a real control plane with ``--capture`` simulated 8-GPU agents (the
 fleet benchmark's harness, same deployments filling about 80 % of the GPUs),
@@ -15,6 +15,11 @@ each. What is timed is the ansible-inventory process's own CPU (user + system
 from ``os.times()`` of the waited child), which on a shared machine is steadier
 than its wall clock. The control plane's time to render the answers is not in
 it (the fleet benchmark's ``reads`` phase measures the whole path).
+
+``drift`` runs ``playbooks/drift.yml`` as an operator does, with a declared
+inventory of the same nodes (agents, their version, the deployments) beside
+the plugin's source; it must find no drift, and ``ansible-playbook``'s CPU
+(its forks included) is what is timed.
 """
 
 from __future__ import annotations
@@ -118,12 +123,41 @@ def run_once(config: Path, mode: str) -> tuple[float, int, bytes]:
     return cpu, len(p.stdout), p.stdout
 
 
+def declared_inventory(docs: dict[str, bytes]) -> dict[str, Any]:
+    """The static declaration an operator keeps for this fleet: every node an agent, the
+    agent version they run, the deployments the catalog holds."""
+    nodes = json.loads(docs["/v1/nodes"])["nodes"]
+    catalog = json.loads(docs["/v1/catalog"])
+    versions = {n["agent_version"] for n in nodes}
+    (version,) = versions
+    return {"all": {
+        "vars": {"llmgw_agent_version": version,
+                 "llmgw_deployments": [{k: d[k] for k in ("model", "profile", "replicas")}
+                                       for d in catalog["deployments"]]},
+        "children": {"llmgw_agents": {"hosts": {n["node_id"]: None for n in nodes}}}}}
+
+
+def run_drift(config: Path, declared: Path, report: Path) -> tuple[float, dict[str, Any]]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ANSIBLE_", "LLMGW_"))}
+    env.update(ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), ANSIBLE_INVENTORY_ANY_UNPARSED_IS_FAILED="true",
+               ANSIBLE_INVENTORY_CACHE="false", LLMGW_TOKEN=TOKEN)
+    before = os.times()
+    p = subprocess.run([str(BIN / "ansible-playbook"), "-i", str(declared), "-i", str(config),
+                        str(REPO / "playbooks" / "drift.yml"), "-e", "drift_format=json", "-e", f"drift_report={report}"],
+                       cwd=REPO, env=env, capture_output=True, timeout=1800)
+    after = os.times()
+    if p.returncode:
+        raise SystemExit(f"drift.yml failed: {p.stdout.decode()[-3000:]}{p.stderr.decode()[-2000:]}")
+    cpu = (after.children_user - before.children_user) + (after.children_system - before.children_system)
+    return cpu, json.loads(report.read_text())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--capture", type=int, default=200, help="nodes of the simulated fleet whose answers are recorded")
     ap.add_argument("--times", type=int, default=50, help="copies of it served as one fleet")
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--modes", nargs="+", choices=("graph", "list"), default=["graph", "list"])
+    ap.add_argument("--modes", nargs="+", choices=("graph", "list", "drift"), default=["graph", "list"])
     ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="a plugin option")
     args = ap.parse_args()
     docs = replicate(capture(args.capture), args.times)
@@ -135,7 +169,19 @@ def main() -> None:
             config = Path(d) / "replay.llmgw.yml"
             config.write_text(json.dumps({"plugin": "llmgw.fleet.llmgw", "url": url,
                                           **dict(o.split("=", 1) for o in args.option)}))
-            for mode in args.modes:
+            for mode in [m for m in args.modes if m == "drift"]:
+                declared = Path(d) / "declared.yml"
+                declared.write_text(json.dumps(declared_inventory(docs)))
+                cpus = []
+                for _ in range(args.runs):
+                    cpu, report = run_drift(config, declared, Path(d) / "drift.json")
+                    cpus.append(round(cpu, 2))
+                    assert report["ok"] and int(report["declared_nodes"]) == hosts, report["summary"]
+                out[mode] = {"cpu_s": cpus, "median_cpu_s": round(statistics.median(cpus), 2),
+                             "spread_s": round(max(cpus) - min(cpus), 2), "summary": report["summary"]}
+                print(f"drift.yml {hosts} nodes: CPU {cpus} s (median {out[mode]['median_cpu_s']}): "
+                      f"{report['summary']}", flush=True)
+            for mode in [m for m in args.modes if m != "drift"]:
                 cpus, size = [], 0
                 for _ in range(args.runs):
                     cpu, size, text = run_once(config, mode)

@@ -71,7 +71,8 @@ def test_runner_inventory_merges_declared_and_live_on_the_same_hosts(live, tmp_p
         (r,) = [r for r in replicas if r["shards"][0]["node_id"] == live.node(name)]
         assert (shard["replica_id"], shard["state"], shard["endpoint"], shard["gpus"]) == (
             r["replica_id"], "ready", r["endpoint"], r["shards"][0]["gpus"])
-    for group in ("llmgw_agents", "llmgw_live", "llmgw_state_ready", "llmgw_model_tiny", "llmgw_fabric_ib_a"):
+    for group in ("llmgw_agents", "llmgw_live", "llmgw_live_certified", "llmgw_state_ready", "llmgw_model_tiny",
+                  "llmgw_fabric_ib_a"):
         assert sorted(out[group]["hosts"]) == sorted(live.fleet.node_ids.values()), group
 
     one, err = ansible_runner.get_inventory(action="host", host=live.node("a"), inventories=[str(live.plugin_config)],

@@ -26,7 +26,9 @@ description:
   - Host variables are kept compact because C(ansible-inventory --list) prints every host's variables, including a
     copy of the C(all) group's, and at thousands of nodes printing them is most of its time. Keys the API left
     empty are left out of a shard.
-  - "Groups: C(llmgw_live) (every registered node), C(llmgw_state_STATE) (C(ready), C(unreachable), C(lost)),
+  - "Groups: C(llmgw_live) (every registered node), C(llmgw_live_certified) (nodes whose agent presented a client
+    certificate to the control plane, which C(playbooks/drift.yml) need not read from the node),
+    C(llmgw_state_STATE) (C(ready), C(unreachable), C(lost)),
     C(llmgw_model_MODEL) (nodes holding a live shard of the model) and C(llmgw_fabric_FABRIC) (nodes advertising
     the fabric). Characters other than letters, digits and C(_) in a name become C(_)."
   - Everything read from the API stays untrusted (shown as C(__ansible_unsafe) by C(ansible-inventory --list)),
@@ -297,11 +299,14 @@ class InventoryModule(BaseInventoryPlugin, Constructable, Cacheable):
         inventory = self.inventory
         host_vars_to = _unwrapped(inventory)
         inventory.add_group("llmgw_live")
+        inventory.add_group("llmgw_live_certified")
         strict = self.get_option("strict")
         compose, groups, keyed = self.get_option("compose"), self.get_option("groups"), self.get_option("keyed_groups")
         for node in data["nodes"]["nodes"]:
             host = node["node_id"]
             inventory.add_host(host, group="llmgw_live")
+            if (node.get("certificate") or {}).get("not_after"):
+                inventory.add_child("llmgw_live_certified", host)
             hostvars = _host_vars(node, shards_by_node.get(host, []), gpu_detail)
             for name, value in hostvars.items():
                 host_vars_to.set_variable(host, name, value)
