@@ -198,43 +198,39 @@ def find_unknown_engines(node_id: str, commands: Sequence[Sequence[str]],
     adopted_ids = {r.shard_id for r in adopted}
     my_uid = os.getuid()
     found: list[UnknownEngine] = []
-    racing: list[int] = []
-    for pid in procident.list_pids():
-        if _examine(pid, node_id, commands, protected, adopted_groups, adopted_ids, my_uid, found) == "racing":
-            racing.append(pid)
+
+    def examine(pid: int) -> bool:
+        """Add ``pid`` to ``found`` if it is an unknown engine; True when it could not be read yet."""
+        if pid in protected:
+            return False
+        st = procident.read_stat(pid)
+        if st is None or st.state in ("Z", "X") or st.pgid in adopted_groups:
+            return False
+        try:
+            if my_uid != 0 and os.stat(f"/proc/{pid}").st_uid != my_uid:
+                return False
+        except OSError:
+            return False
+        env = procident.read_environ(pid)
+        cmdline = procident.read_cmdline(pid)
+        if env is None or not cmdline:
+            return env is not None or cmdline is not None
+        if env.get(ENV_SHARD_ID) in adopted_ids and env.get(ENV_NODE_ID, node_id) == node_id:
+            return False
+        why = engine_evidence(env, cmdline, node_id, commands)
+        if why is None:
+            return False
+        ident = procident.identify(pid)
+        if ident is not None and ident.start_time == st.start_time:
+            found.append(UnknownEngine(ident, st.pgid, why, tuple(cmdline), env.get("CUDA_VISIBLE_DEVICES")))
+        return False
+
+    racing = [pid for pid in procident.list_pids() if examine(pid)]
     if racing:
         time.sleep(0.05)
         for pid in racing:
-            _examine(pid, node_id, commands, protected, adopted_groups, adopted_ids, my_uid, found)
+            examine(pid)
     return found
-
-
-def _examine(pid: int, node_id: str, commands: Sequence[Sequence[str]], protected: set[int],
-             adopted_groups: set[int], adopted_ids: set[str], my_uid: int, found: list[UnknownEngine]) -> str | None:
-    """Add ``pid`` to ``found`` if it is an unknown engine; "racing" when it could not be read yet."""
-    if pid in protected:
-        return None
-    st = procident.read_stat(pid)
-    if st is None or st.state in ("Z", "X") or st.pgid in adopted_groups:
-        return None
-    try:
-        if my_uid != 0 and os.stat(f"/proc/{pid}").st_uid != my_uid:
-            return None
-    except OSError:
-        return None
-    env = procident.read_environ(pid)
-    cmdline = procident.read_cmdline(pid)
-    if env is None or not cmdline:
-        return "racing" if env is not None or cmdline is not None else None
-    if env.get(ENV_SHARD_ID) in adopted_ids and env.get(ENV_NODE_ID, node_id) == node_id:
-        return None
-    why = engine_evidence(env, cmdline, node_id, commands)
-    if why is None:
-        return None
-    ident = procident.identify(pid)
-    if ident is not None and ident.start_time == st.start_time:
-        found.append(UnknownEngine(ident, st.pgid, why, tuple(cmdline), env.get("CUDA_VISIBLE_DEVICES")))
-    return None
 
 
 def _signal_unknown(engine: UnknownEngine, sig: int) -> None:
