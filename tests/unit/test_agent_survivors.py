@@ -17,6 +17,7 @@ import os
 import random
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,19 @@ def agent_settings(tmp: Path, node: str):
     })
 
 
+def spawn_sleep(env: dict[str, str]) -> subprocess.Popen:
+    """``sleep`` with ``env``, returned once its exec is complete: Popen returns while the kernel
+    may still show the parent's (or an empty) environment, which no scan can tell from a
+    process that is not an engine."""
+    p = subprocess.Popen(["sleep", "100000"], env=env, start_new_session=True)
+    deadline = time.monotonic() + 10
+    while (procident.read_cmdline(p.pid) != ["sleep", "100000"]
+           or ENV_NODE_ID not in (procident.read_environ(p.pid) or {})):
+        assert time.monotonic() < deadline, f"pid {p.pid} did not finish exec"
+        time.sleep(0.001)
+    return p
+
+
 @pytest.fixture
 def node() -> str:
     return f"node-{os.getpid()}-{random.randrange(1 << 30):x}"
@@ -65,7 +79,7 @@ def node() -> str:
 def stuck(node):
     """A process this node's agent takes for an unidentified engine that can see GPUs 1 and 2."""
     env = {**os.environ, ENV_SHARD_ID: "ghost.sim.1-st/r0", ENV_NODE_ID: node, "CUDA_VISIBLE_DEVICES": "1,2"}
-    p = subprocess.Popen(["sleep", "100000"], env=env, start_new_session=True)
+    p = spawn_sleep(env)
     yield p
     p.kill()
     p.wait()
@@ -166,7 +180,7 @@ def test_once_the_survivor_is_gone_the_next_register_advertises_its_gpus_again(
 def test_a_survivor_that_sees_every_gpu_leaves_the_node_with_none_and_says_so(tmp_path, node, signals_do_not_kill):
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     env.update({ENV_SHARD_ID: "ghost.sim.1-all/r0", ENV_NODE_ID: node})
-    p = subprocess.Popen(["sleep", "100000"], env=env, start_new_session=True)
+    p = spawn_sleep(env)
     try:
         settings = agent_settings(tmp_path, node)
         (survivor,) = [e for e in recover_now(settings).survivors if e.identity.pid == p.pid]
@@ -188,7 +202,7 @@ def test_a_survivor_that_sees_every_gpu_leaves_the_node_with_none_and_says_so(tm
 def test_killed_engines_withhold_nothing(tmp_path, node):
     # The real kill path: the same kind of process dies, nothing is withheld.
     env = {**os.environ, ENV_SHARD_ID: "ghost.sim.1-k/r0", ENV_NODE_ID: node, "CUDA_VISIBLE_DEVICES": "0"}
-    p = subprocess.Popen(["sleep", "100000"], env=env, start_new_session=True)
+    p = spawn_sleep(env)
     try:
         settings = agent_settings(tmp_path, node)
         result = recover_now(settings)
