@@ -66,6 +66,18 @@ def catalog(nodes: int) -> dict[str, Any]:
     }
 
 
+def declared_inventory(nodes: list[dict[str, Any]], catalog: dict[str, Any]) -> dict[str, Any]:
+    """The static declaration an operator keeps for a fleet, from the control plane's ``/v1/nodes``
+    and ``/v1/catalog`` answers: every node an agent, the agent version they run, the deployments
+    the catalog holds. drift.yml compares it with the live fleet."""
+    (version,) = {n["agent_version"] for n in nodes}
+    return {"all": {
+        "vars": {"llmgw_agent_version": version,
+                 "llmgw_deployments": [{k: d[k] for k in ("model", "profile", "replicas")}
+                                       for d in catalog["deployments"]]},
+        "children": {"llmgw_agents": {"hosts": {n["node_id"]: None for n in nodes}}}}}
+
+
 def until(pred: Callable[[], Any], what: str, timeout: float, interval: float = 1.0) -> Any:
     end = time.monotonic() + timeout
     while True:

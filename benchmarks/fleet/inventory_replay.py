@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "inventory"))
 
 from bench import TOKEN, serve  # noqa: E402  (the inventory benchmark's loopback server)
-from harness import Fleet  # noqa: E402
+from harness import Fleet, declared_inventory  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -123,20 +123,6 @@ def run_once(config: Path, mode: str) -> tuple[float, int, bytes]:
     return cpu, len(p.stdout), p.stdout
 
 
-def declared_inventory(docs: dict[str, bytes]) -> dict[str, Any]:
-    """The static declaration an operator keeps for this fleet: every node an agent, the
-    agent version they run, the deployments the catalog holds."""
-    nodes = json.loads(docs["/v1/nodes"])["nodes"]
-    catalog = json.loads(docs["/v1/catalog"])
-    versions = {n["agent_version"] for n in nodes}
-    (version,) = versions
-    return {"all": {
-        "vars": {"llmgw_agent_version": version,
-                 "llmgw_deployments": [{k: d[k] for k in ("model", "profile", "replicas")}
-                                       for d in catalog["deployments"]]},
-        "children": {"llmgw_agents": {"hosts": {n["node_id"]: None for n in nodes}}}}}
-
-
 def run_drift(config: Path, declared: Path, report: Path) -> tuple[float, dict[str, Any]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ANSIBLE_", "LLMGW_"))}
     env.update(ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), ANSIBLE_INVENTORY_ANY_UNPARSED_IS_FAILED="true",
@@ -171,7 +157,8 @@ def main() -> None:
                                           **dict(o.split("=", 1) for o in args.option)}))
             for mode in [m for m in args.modes if m == "drift"]:
                 declared = Path(d) / "declared.yml"
-                declared.write_text(json.dumps(declared_inventory(docs)))
+                declared.write_text(json.dumps(declared_inventory(json.loads(docs["/v1/nodes"])["nodes"],
+                                                                    json.loads(docs["/v1/catalog"]))))
                 cpus = []
                 for _ in range(args.runs):
                     cpu, report = run_drift(config, declared, Path(d) / "drift.json")

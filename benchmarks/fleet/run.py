@@ -19,7 +19,9 @@ some two-node replicas on InfiniBand fabrics:
 - reads: ``llmgw ctl nodes -o json`` and ``ctl replicas -o json``, 8 router
   watchers on ``/v1/router/endpoints``, ``ansible-inventory --list`` and
   ``--graph`` through ``llmgw.fleet.llmgw`` against this control plane,
-  beside ``ansible-inventory --list`` over as many bare hosts;
+  beside ``ansible-inventory --list`` over as many bare hosts, and
+  ``playbooks/drift.yml`` with a declaration of the same nodes (it must find
+  no drift);
 - storm: SIGKILL the control plane and start it again (default startup
   grace): time until every agent has re-registered and every replica is
   Ready; replicas restarted or moved, nodes lost, GPUs assigned twice;
@@ -50,7 +52,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import Fleet, catalog, until  # noqa: E402
+from harness import Fleet, catalog, declared_inventory, until  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
@@ -155,6 +157,15 @@ def reads(f: Fleet, work: Path) -> dict[str, Any]:
     out["inventory_list"] = _timed([inv, "-i", str(src), "--list"], aenv, REPO)
     out["inventory_graph"] = _timed([inv, "-i", str(src), "--graph"], aenv, REPO)
     out["inventory_list_bare_hosts"] = _timed([inv, "-i", str(bare), "--list"], aenv, REPO)
+    # drift.yml as an operator runs it: a declaration of the same nodes and deployments beside the plugin
+    declared = work / "declared.json"
+    declared.write_text(json.dumps(declared_inventory(f.get("/v1/nodes")["nodes"], f.get("/v1/catalog"))))
+    report = work / "drift.json"
+    out["drift"] = _timed([str(BIN / "ansible-playbook"), "-i", str(declared), "-i", str(src),
+                           str(REPO / "playbooks" / "drift.yml"), "-e", "drift_format=json", "-e", f"drift_report={report}"],
+                          {**aenv, "ANSIBLE_INVENTORY_ANY_UNPARSED_IS_FAILED": "true"}, REPO)
+    if report.exists():
+        out["drift"]["summary"] = json.loads(report.read_text())["summary"]
     return out
 
 
@@ -374,6 +385,7 @@ LINEAR = {
     "ctl replicas -o json": ("reads", "ctl_replicas_json", "wall_s"),
     "ansible-inventory --list, CPU": ("reads", "inventory_list", "cpu_s"),
     "ansible-inventory --graph, CPU": ("reads", "inventory_graph", "cpu_s"),
+    "drift.yml, CPU": ("reads", "drift", "cpu_s"),
 }
 
 
@@ -403,6 +415,10 @@ def targets(big: dict[str, Any]) -> list[tuple[str, str, str, Any]]:
          (g("reads", "inventory_graph", "cpu_s") or 1e9) <= 5),
         ("ansible-inventory --list (CPU)", "≤ 15 s", g("reads", "inventory_list", "cpu_s"),
          (g("reads", "inventory_list", "cpu_s") or 1e9) <= 15),
+        ("beside it: ansible-inventory --list over as many bare hosts (ansible-core's floor, CPU)", "reported",
+         g("reads", "inventory_list_bare_hosts", "cpu_s"), None),
+        ("playbooks/drift.yml, no drift found (CPU)", "≤ 60 s", g("reads", "drift", "cpu_s"),
+         g("reads", "drift", "rc") == 0 and (g("reads", "drift", "cpu_s") or 1e9) <= 60),
         ("partitions 60 %: nodes lost, replicas moved", "0, 0",
          f"{g('partitions', 'silent_60pct', 'nodes_lost_max')}, {g('partitions', 'silent_60pct', 'replicas_moved')}",
          g("partitions", "silent_60pct", "nodes_lost_max") == 0 and g("partitions", "silent_60pct", "replicas_moved") == 0),
@@ -411,7 +427,7 @@ def targets(big: dict[str, Any]) -> list[tuple[str, str, str, Any]]:
          g("partitions", "silent_5pct", "nodes_lost") == big["nodes"] // 20
          and 0 < (g("partitions", "silent_5pct", "max_replaced_in_any_60s") or 0) <= 10),
     ]
-    return [(name, want, got, "yes" if ok else "no") for name, want, got, ok in rows]
+    return [(name, want, got, "n/a" if ok is None else "yes" if ok else "no") for name, want, got, ok in rows]
 
 
 def markdown(doc: dict[str, Any]) -> str:
