@@ -265,11 +265,23 @@ def partitions(f: Fleet, lost_after: float = 60.0) -> dict[str, Any]:
     placed_at = placements_logged(f.root / "server.log", since=wall2)
     out["silent_5pct"] = {"nodes_lost": samples[-1][1], "first_lost_after_s": None if lost_at is None else round(lost_at, 1),
                           "replicas_replaced": replaced, "observed_s": round(time.monotonic() - t2, 1),
-                          "max_replaced_in_any_60s": max((sum(1 for u in placed_at if t <= u < t + 60)
-                                                          for t in placed_at), default=0),
+                          "max_replaced_in_any_60s": max_in_any_minute(placed_at),
                           "replacements_per_minute_setting": 10}
     f.sim_command("heal")
     return out
+
+
+# A pass's "placed" lines are logged once the pass has decided everything, so a
+# line's time lags its decision by up to the pass's length (half a second when
+# 250 nodes are lost at once at 5,000 nodes); the limiter counts decision times.
+LOG_LAG_S = 1.0
+
+
+def max_in_any_minute(placed_at: list[float]) -> int:
+    """Most placements logged within 60 s less ``LOG_LAG_S`` of one another: the bound
+    ``replacements_per_minute`` sets, read from log times. A limiter that let a whole
+    minute's worth through twice in a minute (a refilled token bucket) still shows."""
+    return max((sum(1 for u in placed_at if t <= u < t + 60 - LOG_LAG_S) for t in placed_at), default=0)
 
 
 def placements_logged(log_path: Path, since: float) -> list[float]:
@@ -442,6 +454,7 @@ def markdown(doc: dict[str, Any]) -> str:
            "replicas on InfiniBand fabrics. Cold start uses `startup_grace` 15 s (a fresh fleet waits for it by "
            "design); the storm restarts the control plane with the default 120 s; the partitions use "
            "`lost_after` 60 s. Everything else is the default (heartbeat 5 s, keepalive 10 s).", "",
+           *([doc["note"], ""] if doc.get("note") else []),
            f"## Targets at {big['nodes']:,} nodes", "", "| figure | target | measured | met |", "|---|---|---|---|"]
     for name, want, got, ok in targets(big):
         out.append(f"| {name} | {want} | {got} | {ok} |")
@@ -474,10 +487,10 @@ def main() -> int:
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--update", action="store_true",
                     help="merge the phases measured now into the existing results (same sizes), keeping the rest")
-    ap.add_argument("--note", default=None, help="with --update: what changed since the last measurement, for the results")
+    ap.add_argument("--note", default=None, help="what changed since the last measurement, for the results")
     args = ap.parse_args()
     doc = {"when": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{os.cpu_count()} CPUs, {platform.python_version()}",
-           "procs": args.procs, "sizes": []}
+           "procs": args.procs, "sizes": [], **({"note": args.note} if args.note and not args.update else {})}
     for n in args.sizes:
         doc["sizes"].append(run_size(n, args))
     print(json.dumps(doc, indent=1))
