@@ -208,3 +208,21 @@ def _listening(port: int) -> bool:
 
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_a_stopping_control_plane_answers_the_routers_held_watch_at_once(tmp_path):
+    """A watch poll is held for up to 30 s when nothing changes, and SIGTERM's stop waits for every
+    request in flight: the stop answers the poll 503 at once, the router keeps its endpoints and
+    asks again, and the restart is not held back by its routers (nor the API closed to agents meanwhile)."""
+    with Fleet(tmp_path, nodes={"a": 1}, replicas=1, lifecycle={"startup_grace": 1.0}) as f:
+        f.start()
+        f.wait_ready(1)
+        until(lambda: f.get("/v1/nodes")["fleet"]["startup_grace_left_s"] == 0, "the startup grace to end")
+        router, rport = standalone_router(f)
+        until(lambda: router_endpoints(rport) == 1, "the standalone router to learn the endpoint",
+              on_timeout=router.output)
+        f.server.terminate()
+        assert f.server.proc.returncode == 0, f.server.output()
+        until(lambda: "control plane stopping" in router.output(), "the held poll to be answered",
+              on_timeout=router.output)
+        assert router_endpoints(rport) == 1, "a stopping control plane empties no router"

@@ -7,6 +7,7 @@ import signal
 import threading
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
@@ -135,6 +136,25 @@ def test_saturated_endpoint_answers_429(tmp_path):
         sim.stop()
 
 
+def _stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (state first), or None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def _started_at(pid: int) -> str | None:
+    """When the process started (clock ticks since boot): with its pid, it names one process."""
+    fields = _stat(pid)
+    return fields[19] if fields else None
+
+
+def _children_of(pid: int) -> list[int]:
+    return [int(p.name) for p in Path("/proc").iterdir()
+            if p.name.isdigit() and (_stat(int(p.name)) or [None, None])[1] == str(pid)]
+
+
 def test_two_workers_share_the_port_and_metrics_and_drain_on_sigterm(tmp_path):
     [sim] = start_sims(1, env={"LLMGW_SIM_TOKEN_LATENCY": "0.02", "LLMGW_SIM_OUTPUT_TOKENS": "4"})
     try:
@@ -163,10 +183,16 @@ def test_two_workers_share_the_port_and_metrics_and_drain_on_sigterm(tmp_path):
 
             th = threading.Thread(target=drain)
             th.start()
+            children = {(pid, _started_at(pid)) for pid in _children_of(r.proc.pid)}
+            assert len(children) >= 3  # two workers and the resource tracker
             r.proc.send_signal(signal.SIGTERM)
             th.join(120)
             assert got and got[0] >= 99  # all remaining chunks (the last may carry only finish_reason)
             assert r.proc.wait(60) == 0
+            # nothing it started outlives it (workers, multiprocessing's resource tracker): what
+            # is left when the main process exits, systemd kills, and may wait out the unit's
+            # stop timeout for
+            assert {c for c in children if _started_at(c[0]) == c[1]} == set()
         finally:
             r.stop()
     finally:

@@ -131,7 +131,7 @@ def startup_grace_left(cp: ControlPlane) -> float:
     return max(0.0, cp.settings.lifecycle.startup_grace - (cp.clock() - cp.started_at))
 
 
-def grace_aware_watch(cp: ControlPlane, handler: Handler) -> Handler:
+def grace_aware_watch(cp: ControlPlane, handler: Handler, stopping: asyncio.Event | None = None) -> Handler:
     """The endpoint watch, held back while the control plane is in its startup grace.
 
     A control plane that has just started knows no replica until agents
@@ -140,6 +140,11 @@ def grace_aware_watch(cp: ControlPlane, handler: Handler) -> Handler:
     fail traffic to engines that never stopped serving.  During the grace a
     poll waits (up to ``WATCH_HOLD``) and is then answered 503, which the
     router treats as "keep what you have and ask again".
+
+    Once ``stopping`` is set, a poll still held (in the grace, or waiting
+    for a change for up to 30 s) is answered 503 at once: the server's stop
+    waits for every request in flight, so held polls would otherwise hold a
+    restart back for as long as they wait, the API refusing agents meanwhile.
     """
 
     async def held(request: web.Request) -> web.StreamResponse:
@@ -153,7 +158,23 @@ def grace_aware_watch(cp: ControlPlane, handler: Handler) -> Handler:
                                          status=503, headers={"Retry-After": str(int(left) + 1)})
         return await handler(request)
 
-    return held
+    if stopping is None:
+        return held
+
+    async def released_on_stop(request: web.Request) -> web.StreamResponse:
+        poll = asyncio.ensure_future(held(request))
+        stop = asyncio.ensure_future(stopping.wait())
+        try:
+            await asyncio.wait((poll, stop), return_when=asyncio.FIRST_COMPLETED)
+            if poll.done():
+                return poll.result()
+        finally:
+            stop.cancel()
+            poll.cancel()  # nothing when it is done; still held: the answer is the one below
+        return web.json_response({"error": "control plane stopping: ask again in a moment"},
+                                 status=503, headers={"Retry-After": "1"})
+
+    return released_on_stop
 
 
 def build_api(cp: ControlPlane, *, require_identity: bool = True,
@@ -263,7 +284,13 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
     app.router.add_post(EJECTIONS_PATH, EjectionsAPI(cp, auth.router_name).handle)
     app.router.add_get("/metrics", metrics)
     if watch_handler is not None:
-        app.router.add_get(WATCH_PATH, grace_aware_watch(cp, watch_handler))
+        stopping = asyncio.Event()
+
+        async def release_watchers(_app: web.Application) -> None:
+            stopping.set()
+
+        app.on_shutdown.append(release_watchers)
+        app.router.add_get(WATCH_PATH, grace_aware_watch(cp, watch_handler, stopping))
 
     spec: list[bytes] = []
 

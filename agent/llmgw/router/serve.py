@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import gc
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -255,6 +256,30 @@ class _Supervisor:
                 signal.signal(s, h)
             shutil.rmtree(metrics_dir, ignore_errors=True)
             os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+            self._reap_resource_tracker()
+
+    def _reap_resource_tracker(self) -> None:
+        """Exit with nothing of the router left running, the resource tracker included.
+
+        The spawn start method runs multiprocessing's resource tracker beside the
+        workers, and on its own it exits only after this process has.  systemd
+        (KillMode=mixed) then finds it in the unit and SIGKILLs it, and where it
+        cannot see the unit's cgroup empty (cgroup v1 inside a container) it waits
+        out TimeoutStopSec (shutdown_grace + 15 s) before a restart goes on.  The
+        ready queue goes first: its semaphores unregister when it is collected, or
+        the tracker would report them leaked.
+        """
+        self.ready.close()
+        self.ready.join_thread()
+        self.ready = None
+        self.procs.clear()  # their arguments hold the queue too
+        gc.collect()
+        from multiprocessing import resource_tracker
+
+        stop = getattr(resource_tracker._resource_tracker, "_stop", None)  # private; there in 3.8 to 3.13
+        if stop is not None:
+            with contextlib.suppress(Exception):
+                stop()
 
     def _await_ready(self) -> bool:
         pending = set(self.procs)
