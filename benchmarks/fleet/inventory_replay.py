@@ -147,7 +147,8 @@ def main() -> None:
     ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="a plugin option")
     args = ap.parse_args()
     docs = replicate(capture(args.capture), args.times)
-    hosts = len(json.loads(docs["/v1/nodes"])["nodes"])
+    nodes = json.loads(docs["/v1/nodes"])["nodes"]
+    hosts = len(nodes)
     server, url = serve(docs)
     out: dict[str, Any] = {"nodes": hosts, "api_bytes": sum(map(len, docs.values())), "load_before": os.getloadavg()}
     try:
@@ -157,8 +158,7 @@ def main() -> None:
                                           **dict(o.split("=", 1) for o in args.option)}))
             for mode in [m for m in args.modes if m == "drift"]:
                 declared = Path(d) / "declared.yml"
-                declared.write_text(json.dumps(declared_inventory(json.loads(docs["/v1/nodes"])["nodes"],
-                                                                    json.loads(docs["/v1/catalog"]))))
+                declared.write_text(json.dumps(declared_inventory(nodes, json.loads(docs["/v1/catalog"]))))
                 cpus = []
                 for _ in range(args.runs):
                     cpu, report = run_drift(config, declared, Path(d) / "drift.json")

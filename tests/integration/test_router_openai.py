@@ -12,6 +12,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from llmgw.agent.procident import read_stat
 from llmgw.router.auth import hash_key
 from test_router_support import RouterProcess, openai_client, router_doc, start_sims
 
@@ -136,23 +137,15 @@ def test_saturated_endpoint_answers_429(tmp_path):
         sim.stop()
 
 
-def _stat(pid: int) -> list[str] | None:
-    """/proc/PID/stat's fields after the command name (state first), or None once it is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-
-
-def _started_at(pid: int) -> str | None:
-    """When the process started (clock ticks since boot): with its pid, it names one process."""
-    fields = _stat(pid)
-    return fields[19] if fields else None
+def _identity(pid: int) -> tuple[int, int] | None:
+    """(pid, start time): one process, not whichever reuses its pid later; None once it is gone."""
+    st = read_stat(pid)
+    return None if st is None else (pid, st.start_time)
 
 
 def _children_of(pid: int) -> list[int]:
     return [int(p.name) for p in Path("/proc").iterdir()
-            if p.name.isdigit() and (_stat(int(p.name)) or [None, None])[1] == str(pid)]
+            if p.name.isdigit() and getattr(read_stat(int(p.name)), "ppid", None) == pid]
 
 
 def test_two_workers_share_the_port_and_metrics_and_drain_on_sigterm(tmp_path):
@@ -183,7 +176,7 @@ def test_two_workers_share_the_port_and_metrics_and_drain_on_sigterm(tmp_path):
 
             th = threading.Thread(target=drain)
             th.start()
-            children = {(pid, _started_at(pid)) for pid in _children_of(r.proc.pid)}
+            children = {_identity(pid) for pid in _children_of(r.proc.pid)} - {None}
             assert len(children) >= 3  # two workers and the resource tracker
             r.proc.send_signal(signal.SIGTERM)
             th.join(120)
@@ -192,7 +185,7 @@ def test_two_workers_share_the_port_and_metrics_and_drain_on_sigterm(tmp_path):
             # nothing it started outlives it (workers, multiprocessing's resource tracker): what
             # is left when the main process exits, systemd kills, and may wait out the unit's
             # stop timeout for
-            assert {c for c in children if _started_at(c[0]) == c[1]} == set()
+            assert {c for c in children if _identity(c[0]) == c} == set()
         finally:
             r.stop()
     finally:

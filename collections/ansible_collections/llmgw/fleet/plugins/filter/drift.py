@@ -51,7 +51,7 @@ def _fabric_differences(host, declared, live_fabrics):
     return out
 
 
-def _live_node_differences(host, hv, url, version):
+def _live_node_differences(host, hv, version):
     """A declared node the control plane knows: its state, fabrics and agent version."""
     out = []
     state = hv.get("llmgw_live_state")
@@ -114,7 +114,7 @@ def drift_nodes(declared, live, hostvars, url, version, now, renew_days, agent_g
             out.append(_difference("node_not_registered", host,
                                    "%s: declared, but not registered with the control plane at %s" % (host, url)))
         else:
-            out.extend(_live_node_differences(host, hv, url, version))
+            out.extend(_live_node_differences(host, hv, version))
         out.extend(_certificate_differences(host, hv, now, renew_days))
     for host in live:
         if host in declared_set:
