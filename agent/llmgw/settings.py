@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 from llmgw.agent.liveness import LivenessPolicy, policy_errors
 from llmgw.catalog import Catalog
+from llmgw.clientbounds import ClientBounds
 from llmgw.config import ConfigError, ConfigInvalid, read_yaml, schema_errors
 from llmgw.engines import ProfileError, validate_profile
 from llmgw.hardware.types import FabricDeclaration
@@ -86,6 +87,20 @@ class FetchPolicy:
 
 
 @dataclass(frozen=True)
+class ApiClients:
+    """What one client may hold of the control plane's listener (``api.clients``; see ``llmgw.clientbounds``)."""
+
+    head_timeout: float = 15.0
+    body_grace: float = 10.0
+    body_min_rate: int = 16384
+    max_connections_per_source: int = 128
+    anonymous_timeout: float = 5.0  # a connection with no client certificate: until a valid admin token
+
+    def bounds(self) -> ClientBounds:
+        return ClientBounds(self.head_timeout, self.body_grace, self.body_min_rate, self.max_connections_per_source)
+
+
+@dataclass(frozen=True)
 class ServerSettings:
     api_host: str
     api_port: int
@@ -98,6 +113,7 @@ class ServerSettings:
     memory_headroom: float
     router: dict[str, Any] | None  # validated against router.schema.json; the router parses it
     router_ejections: EjectionPolicy = EjectionPolicy()
+    api_clients: ApiClients = ApiClients()
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
 
 
@@ -325,6 +341,7 @@ def parse_server_settings(doc: Any, source: str = "server.yaml") -> ServerSettin
         memory_headroom=float(doc.get("placement", {}).get("memory_headroom", 0.2)),
         router=doc.get("router"),
         router_ejections=EjectionPolicy(**{**EjectionPolicy().__dict__, **doc.get("router_ejections", {})}),
+        api_clients=ApiClients(**api.get("clients", {})),
         raw=doc,
     )
 

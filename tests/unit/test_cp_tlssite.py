@@ -6,7 +6,8 @@ import logging
 import ssl
 
 from llmgw.controlplane import tlssite
-from llmgw.controlplane.tlssite import _RefusalLog, refusal_reason
+from llmgw import clientbounds
+from llmgw.controlplane.tlssite import _refusal_log, refusal_reason
 
 
 def test_reason_names_the_verifiers_complaint_not_openssls_source_line():
@@ -21,8 +22,8 @@ def test_reason_names_the_verifiers_complaint_not_openssls_source_line():
 
 def test_one_line_per_peer_and_reason_a_minute(caplog, monkeypatch):
     now = [1000.0]
-    monkeypatch.setattr(tlssite.time, "monotonic", lambda: now[0])
-    refused = _RefusalLog()
+    monkeypatch.setattr(clientbounds.time, "monotonic", lambda: now[0])
+    refused = _refusal_log()
     with caplog.at_level(logging.WARNING, logger="llmgw.controlplane.tls"):
         for port in range(50):  # a scanner retrying from one address
             refused(("10.0.0.9", 40000 + port), "client certificate refused: self-signed certificate")

@@ -101,8 +101,11 @@ def status(code, text='{"error":{"message":"nope","type":"x","param":null,"code"
     return b
 
 
+METRICS_TOKEN = "mt-scrape"
 BASE = {"allow_unauthenticated": True, "insecure_http": True, "access_log": False,
-        "outlier": {"consecutive_errors": 1000}}
+        "outlier": {"consecutive_errors": 1000},
+        "metrics_tokens": [{"name": "prometheus", "sha256": hash_key(METRICS_TOKEN)}]}
+SCRAPE = {"Authorization": f"Bearer {METRICS_TOKEN}"}
 
 
 class Router:
@@ -135,7 +138,7 @@ class Router:
         return await self.post(body={"model": model, "stream": True, "messages": []}, headers=headers)
 
     async def metric(self, name, **labels) -> float:
-        async with self.http.get(self.url + "/metrics") as r:
+        async with self.http.get(self.url + "/metrics", headers=SCRAPE) as r:
             text = await r.text()
         total = 0.0
         for fam in text_string_to_metric_families(text):
@@ -324,6 +327,96 @@ async def test_5xx_is_retried_elsewhere_and_reported_when_no_retry_is_left():
         assert st == 502 and err["code"] == "upstream_error" and "HTTP 500" in err["message"]
         assert set(err) == {"message", "type", "param", "code"}
     await bad.stop(); await good.stop()
+
+
+@run
+async def test_an_engines_5xx_body_stays_in_the_log_and_the_client_gets_the_request_id(caplog):
+    trace = "Traceback (most recent call last):\n  File \"/opt/vllm/engine.py\", line 42"
+    bad = await Engine(status(500, text=trace)).start()
+    async with Router(eps(bad), {"retries": {"max_attempts": 1}}) as r:
+        with caplog.at_level(logging.WARNING, logger="llmgw.router"):
+            st, headers, body = await r.post(headers={"X-Request-Id": "rid-42"})
+        err = json.loads(body)["error"]
+        assert st == 502 and err["code"] == "upstream_error" and "HTTP 500" in err["message"]
+        assert "rid-42" in err["message"] and headers["X-Request-Id"] == "rid-42"
+        assert "Traceback" not in body.decode() and "/opt/vllm" not in body.decode()
+        assert any("rid-42" in line and "/opt/vllm/engine.py" in line for line in caplog.text.splitlines())
+    await bad.stop()
+
+
+@run
+async def test_metrics_need_a_metrics_token_unless_the_router_is_open():
+    a = await Engine(healthy()).start()
+    keyed = {"allow_unauthenticated": False, "api_keys": [{"name": "k", "sha256": hash_key("sk-1")}]}
+    async with Router(eps(a), keyed) as r:
+        for headers in ({}, {"Authorization": "Bearer sk-1"}, {"Authorization": "Bearer wrong"},
+                        {"Authorization": METRICS_TOKEN}):
+            async with r.http.get(r.url + "/metrics", headers=headers) as resp:
+                assert resp.status == 401, headers
+                assert "llmgw_router" not in await resp.text()
+        async with r.http.get(r.url + "/metrics", headers=SCRAPE) as resp:
+            assert resp.status == 200 and "llmgw_router_requests_total" in await resp.text()
+    async with Router(eps(a), {**keyed, "metrics_tokens": []}) as r:  # none configured: closed
+        async with r.http.get(r.url + "/metrics", headers=SCRAPE) as resp:
+            assert resp.status == 401
+    async with Router(eps(a), {"metrics_tokens": []}) as r:  # an open router without tokens: open
+        async with r.http.get(r.url + "/metrics") as resp:
+            assert resp.status == 200
+    await a.stop()
+
+
+@run
+async def test_requests_over_a_keys_cap_get_429_with_retry_after_and_others_are_served():
+    release = asyncio.Event()
+
+    async def held(request, body):
+        await release.wait()
+        return web.json_response({"choices": []})
+    a = await Engine(held).start()
+    doc = {"allow_unauthenticated": False,
+           "api_keys": [{"name": "k1", "sha256": hash_key("sk-1")}, {"name": "k2", "sha256": hash_key("sk-2")}],
+           "clients": {"max_requests_per_key": 2, "max_requests_per_source": 0}}
+    async with Router(eps(a), doc) as r:
+        k1 = {"Authorization": "Bearer sk-1"}
+        first = [asyncio.create_task(r.post(headers=k1)) for _ in range(2)]
+        while len(a.requests) < 2:
+            await asyncio.sleep(0.01)
+        st, headers, body = await r.post(headers=k1)
+        err = json.loads(body)["error"]
+        assert st == 429 and headers["Retry-After"] == "1" and err["type"] == "rate_limit_error"
+        assert set(err) == {"message", "type", "param", "code"}
+        other = asyncio.create_task(r.post(headers={"Authorization": "Bearer sk-2"}))
+        while len(a.requests) < 3:
+            await asyncio.sleep(0.01)
+        release.set()
+        assert [x[0] for x in await asyncio.gather(*first, other)] == [200, 200, 200]
+        assert (await r.post(headers=k1))[0] == 200  # released when they ended
+    await a.stop()
+
+
+@run
+async def test_body_bytes_over_the_sources_cap_are_refused_before_they_are_read():
+    a = await Engine(healthy()).start()
+    doc = {"limits": {"max_body_bytes": 1 << 20},
+           "clients": {"max_body_bytes_per_source": 1 << 20, "body_grace": 0.3, "body_min_rate": 1 << 30}}
+    async with Router(eps(a), doc) as r:
+        host, port = r.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        size = 1 << 20
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n{" % size)  # held one byte in: the reservation stands
+        await writer.drain()
+        for _ in range(200):
+            st, headers, body = await r.post()  # 11 bytes: over the 1 MiB already reserved
+            if st == 429:
+                break
+            await asyncio.sleep(0.01)
+        assert st == 429 and headers["Retry-After"] == "1"
+        head = await asyncio.wait_for(reader.read(), 30)  # the held body is cut (408) and closed
+        assert head.startswith(b"HTTP/1.1 408")
+        writer.close()
+        assert (await r.post())[0] == 200  # its reservation went with it
+    await a.stop()
 
 
 @run
@@ -568,7 +661,7 @@ async def test_api_errors_are_openai_shaped():
             assert resp.status == 200 and (await resp.json())["revision"] == 0
         assert len(a.requests) == 0
         assert await r.metric("llmgw_router_errors_total", **{"class": "unauthorized"}) == 3
-        async with r.http.get(r.url + "/metrics") as resp:
+        async with r.http.get(r.url + "/metrics", headers=SCRAPE) as resp:
             text = await resp.text()
         assert "sk-" not in text and hash_key("sk-o") not in text and "alice" not in text
     await a.stop()

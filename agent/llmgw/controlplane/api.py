@@ -29,6 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
+from llmgw.clientbounds import ThrottledLog
 from llmgw.controlplane import views
 from llmgw.controlplane.agentservice import STREAM_PATH, AgentService, request_identity
 from llmgw.controlplane.ejections_api import EJECTIONS_PATH, EjectionsAPI
@@ -179,8 +180,15 @@ def grace_aware_watch(cp: ControlPlane, handler: Handler, stopping: asyncio.Even
 
 def build_api(cp: ControlPlane, *, require_identity: bool = True,
               reload: Callable[[], tuple[bool, list[str]]] | None = None,
-              watch_handler: Handler | None = None) -> web.Application:
-    """The aiohttp application: agent stream, admin API, metrics, health."""
+              watch_handler: Handler | None = None,
+              on_authenticated: Callable[[Any], None] | None = None) -> web.Application:
+    """The aiohttp application: agent stream, admin API, metrics, health.
+
+    ``on_authenticated(transport)``: told of each connection that proved an
+    admin token (one without a client certificate is closed unless it does).
+    Refusals are logged once a minute per peer address and reason: a client
+    repeating a refused request must not flood the log.
+    """
     auth = AdminAuth(cp, require_identity)
     if not require_identity and not cp.settings.admin_tokens:
         for line in ("*** no TLS client certificates and no api.admin_tokens: the admin API is CLOSED ***",
@@ -189,6 +197,7 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
             log.error(line)
     agents = AgentService(cp, require_identity=require_identity)
     registry = registry_for(cp)
+    refused = ThrottledLog(log, "refused %(request)s from %(host)s: %(reason)s")
 
     @web.middleware
     async def admin_only(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -201,9 +210,11 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
             return await handler(request)
         status, who = auth.check(request)
         if status:
-            log.warning("refused %s %s from %s: %s", request.method, request.path, request.remote, who)
+            refused(request.remote, who, request=f"{request.method} {request.path[:200]}")
             headers = {"WWW-Authenticate": 'Bearer realm="llmgw"'} if status == 401 else None
             return web.json_response({"error": who}, status=status, headers=headers)
+        if on_authenticated is not None:
+            on_authenticated(request.transport)
         return await handler(request)
 
     app = web.Application(middlewares=[json_refusals, admin_only], client_max_size=1 << 20)

@@ -28,7 +28,10 @@ from llmgw.config import ConfigInvalid
 from llmgw.controlplane.api import build_api, startup_grace_left
 from llmgw.controlplane.badrequests import quiet_malformed_requests
 from llmgw.controlplane.state import ControlPlane
-from llmgw.controlplane.tlssite import HandshakeLoggingSite
+from llmgw.clientbounds import (BodyTooSlow, ClientBounds, LimitedTCPSite, SourceGate, ThrottledLog,
+                                head_timeout_kwargs, read_body)
+from llmgw.controlplane.agentservice import STREAM_PATH
+from llmgw.controlplane.tlssite import AnonymousDeadline, HandshakeLoggingSite
 from llmgw.eventloop import tune_gc
 from llmgw.memtrim import trim_periodically
 from llmgw.settings import ServerSettings, load_server_settings
@@ -81,7 +84,7 @@ class RouterHook:
         self._endpoint_cls: Any = None
         self._runner_kwargs: dict[str, Any] = {}
         try:
-            from llmgw.router.app import RUNNER_KWARGS, build_app
+            from llmgw.router.app import RUNNER_KWARGS, build_app, runner_kwargs
             from llmgw.router.endpoints import Endpoint, EndpointTable
             from llmgw.router.settings import RouterSettings
             from llmgw.router.watch import endpoints_watch_handler
@@ -103,6 +106,7 @@ class RouterHook:
                 log.warning("router.workers is %d: the in-process router runs one worker; run `llmgw router` "
                             "processes against the watch API to scale out", self.router_settings.workers)
             self.app = build_app(self.router_settings, self.table, pending=pending)
+            self._runner_kwargs = runner_kwargs(self.router_settings)
 
     def update(self, eps: list[dict[str, Any]]) -> None:
         if self.table is None:
@@ -121,10 +125,12 @@ class RouterHook:
         rs = self.router_settings
         runner = web.AppRunner(self.app, shutdown_timeout=rs.timeouts.shutdown_grace, **self._runner_kwargs)
         await runner.setup()
-        from llmgw.router.serve import listener_ssl_context
+        from llmgw.clientbounds import LimitedTCPSite
+        from llmgw.router.serve import connection_gate, listener_ssl_context
 
         ssl_ctx = listener_ssl_context(rs)
-        site = web.TCPSite(runner, rs.host, rs.port, backlog=rs.backlog, reuse_address=True, ssl_context=ssl_ctx)
+        site = LimitedTCPSite(runner, rs.host, rs.port, backlog=rs.backlog, reuse_address=True, ssl_context=ssl_ctx,
+                              gate=connection_gate(rs), handshake_timeout=rs.clients.head_timeout)
         await site.start()
         for sock in getattr(site._server, "sockets", None) or ():  # port 0: say which one we got
             host, port = sock.getsockname()[:2]
@@ -170,6 +176,29 @@ def reloader(cp: ControlPlane, path: str | None) -> Callable[[], tuple[bool, lis
 API_BACKLOG = 4096
 
 
+def body_deadline(bounds: ClientBounds) -> Any:
+    """A middleware reading each request body at no less than ``bounds``' minimum rate (408 otherwise).
+
+    Admin requests carry a few kilobytes; without it a body held one byte
+    short kept its connection, and its handler, forever.  The agent stream
+    (a WebSocket) has no body and is left alone.
+    """
+    @web.middleware
+    async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.body_exists and request.path != STREAM_PATH:
+            try:
+                await read_body(request, request.content_length or request.client_max_size, bounds)
+            except BodyTooSlow as e:
+                resp = web.json_response({"error": str(e)}, status=408)
+                resp.force_close()
+                return resp
+            except web.HTTPRequestEntityTooLarge:
+                pass  # the handler's own read answers 413
+        return await handler(request)
+
+    return middleware
+
+
 async def serve(settings: ServerSettings, config_path: str | None = None,
                 stop: asyncio.Event | None = None) -> None:
     """Run until ``stop`` is set (or SIGTERM/SIGINT)."""
@@ -178,16 +207,24 @@ async def serve(settings: ServerSettings, config_path: str | None = None,
     router = RouterHook(settings, pending=lambda model: catalog_grace_left(cp, model))
     cp.on_endpoints(router.update)
     reload = reloader(cp, config_path)
-    app = build_api(cp, require_identity=ssl_ctx is not None, reload=reload, watch_handler=router.watch_handler)
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+    clients = settings.api_clients
+    bounds = clients.bounds()
+    anonymous = AnonymousDeadline(clients.anonymous_timeout)
+    app = build_api(cp, require_identity=ssl_ctx is not None, reload=reload, watch_handler=router.watch_handler,
+                    on_authenticated=anonymous.authenticated)
+    app.middlewares.insert(0, body_deadline(bounds))
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True, **head_timeout_kwargs(bounds))
     await runner.setup()
     quiet_malformed_requests()
+    gate = SourceGate(bounds.max_connections_per_source, ThrottledLog(log, "connection from %(host)s%(port)s refused: %(reason)s"))
     if ssl_ctx is not None:
         # handshakes run by the site itself, so a refused client certificate is logged with its reason
         site: web.TCPSite = HandshakeLoggingSite(runner, settings.api_host, settings.api_port, ssl_context=ssl_ctx,
-                                                 reuse_address=True, backlog=API_BACKLOG)
+                                                 reuse_address=True, backlog=API_BACKLOG, gate=gate,
+                                                 anonymous=anonymous, handshake_timeout=bounds.head_timeout)
     else:
-        site = web.TCPSite(runner, settings.api_host, settings.api_port, reuse_address=True, backlog=API_BACKLOG)
+        site = LimitedTCPSite(runner, settings.api_host, settings.api_port, reuse_address=True, backlog=API_BACKLOG,
+                              gate=gate, handshake_timeout=bounds.head_timeout)
     await site.start()
     scheme = "https" if ssl_ctx is not None else "http"
     log.info("control plane listening on %s://%s:%d (agent stream at /v1/agent/stream); pid %d",

@@ -10,6 +10,13 @@ looks.  Here each connection is accepted as plain TCP and upgraded with
 peer and the verifier's reason before the connection is dropped.  Once the
 handshake succeeds the aiohttp handler gets the TLS transport exactly as it
 would from ``create_server``.
+
+The site also bounds its clients (``llmgw.clientbounds``): connections per
+source address are counted at accept, before any handshake, and an excess
+one is aborted there; the handshake has ``head_timeout``; and a connection
+that presents no client certificate (an operator with an admin token) is
+closed ``anonymous_timeout`` seconds after its handshake unless a request on
+it has authenticated by then (``AnonymousDeadline.authenticated``).
 """
 
 from __future__ import annotations
@@ -17,17 +24,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-import time
 from typing import Any, Callable, cast
 
 from aiohttp import web
 
 from llmgw import compat
+from llmgw.clientbounds import CountedProtocol, SourceGate, ThrottledLog
 
 log = logging.getLogger("llmgw.controlplane.tls")
 
 HANDSHAKE_TIMEOUT = 30.0
-_LOG_EVERY = 60.0  # seconds between two log lines for one peer address and reason
 
 
 def refusal_reason(exc: BaseException) -> str:
@@ -41,69 +47,107 @@ def refusal_reason(exc: BaseException) -> str:
     return f"TLS handshake failed: {type(exc).__name__}: {exc}"
 
 
-class _RefusalLog:
+def _refusal_log() -> ThrottledLog:
     """One line per (peer address, reason) a minute: a scanner must not flood the log."""
+    return ThrottledLog(log, "TLS connection from %(host)s%(port)s refused: %(reason)s")
 
-    def __init__(self) -> None:
-        self._last: dict[tuple[str, str], float] = {}
 
-    def __call__(self, peer: Any, reason: str) -> None:
-        host = peer[0] if isinstance(peer, tuple) and peer else str(peer)
-        now = time.monotonic()
-        key = (host, reason)
-        if now - self._last.get(key, -_LOG_EVERY) < _LOG_EVERY:
-            return
-        if len(self._last) > 4096:
-            self._last.clear()
-        self._last[key] = now
-        port = f":{peer[1]}" if isinstance(peer, tuple) and len(peer) > 1 else ""
-        log.warning("TLS connection from %s%s refused: %s", host, port, reason)
+class AnonymousDeadline:
+    """Closes connections without a client certificate that have not authenticated in ``timeout`` seconds."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._pending: dict[asyncio.BaseTransport, asyncio.TimerHandle] = {}
+
+    def start(self, transport: asyncio.BaseTransport) -> None:
+        loop = asyncio.get_running_loop()
+        self._pending[transport] = loop.call_later(self.timeout, self._expire, transport)
+
+    def _expire(self, transport: asyncio.BaseTransport) -> None:
+        if self._pending.pop(transport, None) is not None:
+            log.debug("closing %s: no client certificate and no admin token within %gs",
+                      transport.get_extra_info("peername"), self.timeout)
+            transport.abort()  # type: ignore[attr-defined]
+
+    def authenticated(self, transport: asyncio.BaseTransport | None) -> None:
+        """A request on ``transport`` proved an admin token: it may stay (or it closed: forget it)."""
+        handle = self._pending.pop(transport, None) if transport is not None else None
+        if handle is not None:
+            handle.cancel()
+
+    def __len__(self) -> int:
+        return len(self._pending)
 
 
 class _Upgrade(asyncio.Protocol):
     """Holds an accepted TCP connection until its TLS handshake succeeds or fails."""
 
-    __slots__ = ("_factory", "_ctx", "_refused", "_transport", "_task")
+    __slots__ = ("_factory", "_ctx", "_refused", "_gate", "_anonymous", "_handshake_timeout", "_source",
+                 "_app", "_transport", "_task")
 
     def __init__(self, factory: Callable[[], asyncio.Protocol], ctx: ssl.SSLContext,
-                 refused: Callable[[Any, str], None]) -> None:
+                 refused: Callable[[Any, str], None], gate: SourceGate, anonymous: AnonymousDeadline,
+                 handshake_timeout: float) -> None:
         self._factory = factory
         self._ctx = ctx
         self._refused = refused
+        self._gate = gate
+        self._anonymous = anonymous
+        self._handshake_timeout = handshake_timeout
+        self._source: str | None = None
+        self._app: CountedProtocol | None = None
         self._transport: asyncio.Transport | None = None
         self._task: asyncio.Task[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         transport = cast(asyncio.Transport, transport)
+        self._source = self._gate.admit(transport.get_extra_info("peername"))
+        if self._source is None:  # over the cap: nothing read, no handshake, the descriptor freed now
+            transport.abort()
+            return
         compat.pause_reading_at_accept(transport)  # the ClientHello waits in the socket for start_tls
+        self._app = CountedProtocol(self._factory(), self._gate, self._source)
         self._transport = transport
         self._task = asyncio.get_running_loop().create_task(self._handshake(transport))
 
     async def _handshake(self, transport: asyncio.Transport) -> None:
         loop = asyncio.get_running_loop()
-        app = self._factory()
+        app = self._app
+        assert app is not None
         try:
             tls = await loop.start_tls(transport, app, self._ctx, server_side=True,
-                                       ssl_handshake_timeout=HANDSHAKE_TIMEOUT)
+                                       ssl_handshake_timeout=self._handshake_timeout)
         except ssl.SSLError as e:
+            app.release()
             self._refused(transport.get_extra_info("peername"), refusal_reason(e))
             transport.abort()
             return
         except (OSError, TimeoutError, asyncio.TimeoutError) as e:
             # the peer hung up or stalled mid-handshake (port scans, load-balancer checks)
+            app.release()
             log.debug("TLS handshake with %s abandoned: %s", transport.get_extra_info("peername"), e)
             transport.abort()
             return
+        except BaseException:
+            app.release()
+            raise
         if tls is None:  # the connection closed as the handshake ended
+            app.release()
             transport.abort()
             return
         _drop_peercert_dict(tls)
+        ssl_object = tls.get_extra_info("ssl_object")
+        if ssl_object is not None and ssl_object.getpeercert(binary_form=True) is None:
+            self._anonymous.start(tls)
+            app.on_lost = lambda: self._anonymous.authenticated(tls)
         app.connection_made(tls)
 
     def connection_lost(self, exc: Exception | None) -> None:
         # only before start_tls took the transport over: the peer left before the handshake began
         if self._task is not None and not self._task.done():
             self._task.cancel()
+            if self._app is not None:
+                self._app.release()
 
 
 # asyncio's TLS protocol (3.11+) allocates and zero-fills a read buffer of
@@ -141,9 +185,13 @@ class HandshakeLoggingSite(web.TCPSite):
     """``web.TCPSite`` whose TLS handshakes are run, and their refusals logged, by ``_Upgrade``."""
 
     def __init__(self, runner: web.BaseRunner, host: str | None, port: int, *, ssl_context: ssl.SSLContext,
-                 **kwargs: Any) -> None:
+                 gate: SourceGate | None = None, anonymous: AnonymousDeadline | None = None,
+                 handshake_timeout: float = HANDSHAKE_TIMEOUT, **kwargs: Any) -> None:
         super().__init__(runner, host, port, ssl_context=ssl_context, **kwargs)
-        self._refused = _RefusalLog()
+        self._refused = _refusal_log()
+        self._gate = gate or SourceGate(0, self._refused)
+        self._anonymous = anonymous or AnonymousDeadline(HANDSHAKE_TIMEOUT)
+        self._handshake_timeout = handshake_timeout
 
     async def start(self) -> None:
         cap_tls_read_buffer()
@@ -153,7 +201,8 @@ class HandshakeLoggingSite(web.TCPSite):
         ctx = self._ssl_context
         assert server is not None and ctx is not None
         self._server = await loop.create_server(
-            lambda: _Upgrade(server, ctx, self._refused), self._host, self._port,
+            lambda: _Upgrade(server, ctx, self._refused, self._gate, self._anonymous, self._handshake_timeout),
+            self._host, self._port,
             backlog=self._backlog, reuse_address=self._reuse_address, reuse_port=self._reuse_port)
         sockets = self._server.sockets
         self._bound_port = sockets[0].getsockname()[1] if sockets else self._port

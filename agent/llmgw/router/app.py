@@ -2,20 +2,29 @@
 
 There is deliberately no admin surface on this port: endpoints arrive from
 the control plane (in process, or over its authenticated watch API), never
-from router clients.
+from router clients.  ``/metrics`` names every model and replica, so it
+takes a bearer token of ``metrics_tokens`` (Prometheus'
+``authorization.credentials_file``); only an open router
+(``allow_unauthenticated``) without tokens leaves it open.
 
-Run it with ``web.AppRunner(app, **RUNNER_KWARGS)``: handler cancellation
-lets a client that hangs up abort the engine request it caused.
+Run it with ``web.AppRunner(app, **runner_kwargs(cfg))``: handler
+cancellation lets a client that hangs up abort the engine request it
+caused, and the keep-alive timer is the request-head deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 from typing import AsyncIterator, Awaitable, Callable, Sequence
 
 from aiohttp import web
 
+from llmgw.clientbounds import head_timeout_kwargs
+
+from .admission import Admission, Caps
 from .balancing import make_scorer
 from .endpoints import EndpointTable
 from .metrics import CONTENT_TYPE, RouterMetrics
@@ -23,10 +32,27 @@ from .proxy import OPENAI_POST_PATHS, Proxy
 from .runtime import Routing, run_housekeeping
 from .settings import RouterSettings
 
-__all__ = ["build_app", "RouterSettings", "RUNNER_KWARGS", "PROXY_KEY"]
+__all__ = ["build_app", "RouterSettings", "RUNNER_KWARGS", "PROXY_KEY", "runner_kwargs"]
 
 RUNNER_KWARGS = {"access_log": None, "handler_cancellation": True}
 PROXY_KEY: web.AppKey[Proxy] = web.AppKey("llmgw_router_proxy", Proxy)
+
+
+def runner_kwargs(cfg: RouterSettings) -> dict:
+    """``web.AppRunner`` arguments: ``RUNNER_KWARGS`` and the request-head deadline."""
+    return {**RUNNER_KWARGS, **head_timeout_kwargs(cfg.clients.bounds())}
+
+
+def metrics_allowed(cfg: RouterSettings, authorization: str | None) -> bool:
+    """A ``metrics_tokens`` bearer token; anything on an open router that configured none."""
+    if not cfg.metrics_tokens:
+        return cfg.allow_unauthenticated
+    scheme, _, token = (authorization or "").partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return False
+    digest = hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest()
+    return any(hmac.compare_digest(digest, t.sha256) for t in cfg.metrics_tokens)
 
 
 def build_app(cfg: RouterSettings, table: EndpointTable, metrics: RouterMetrics | None = None,
@@ -44,7 +70,11 @@ def build_app(cfg: RouterSettings, table: EndpointTable, metrics: RouterMetrics 
     scorer = make_scorer(cfg.balancing.scorer, cfg.balancing.prefix_tokens, cfg.balancing.load_bound)
     routing = Routing(table, cfg, metrics, scorer)
     proxy = Proxy(cfg, routing, metrics, pending)
-    app = web.Application(client_max_size=cfg.limits.max_body_bytes)
+    c = cfg.clients
+    admission = Admission(Caps(c.max_requests_per_key, c.max_requests_per_source, c.max_body_bytes_per_key,
+                               c.max_body_bytes_per_source), c.bounds(), proxy.keys, cfg.limits.max_body_bytes,
+                          OPENAI_POST_PATHS)
+    app = web.Application(client_max_size=cfg.limits.max_body_bytes, middlewares=[admission.middleware])
     app[PROXY_KEY] = proxy
     for path in OPENAI_POST_PATHS:
         app.router.add_post(path, proxy.handle)
@@ -57,6 +87,9 @@ def build_app(cfg: RouterSettings, table: EndpointTable, metrics: RouterMetrics 
                                   "endpoints": len(routing.runtimes()), "models": len(routing.models())})
 
     async def metrics_handler(request: web.Request) -> web.Response:
+        if not metrics_allowed(cfg, request.headers.get("Authorization")):
+            return web.Response(status=401, text="/metrics needs a bearer token of metrics_tokens\n",
+                                headers={"WWW-Authenticate": 'Bearer realm="llmgw-metrics"'})
         body = await asyncio.get_running_loop().run_in_executor(None, metrics.render)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 

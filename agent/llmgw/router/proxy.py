@@ -806,8 +806,11 @@ def _status_failure(status: int, data: bytes, ctype: str, rt: EndpointRuntime, c
         return Failed("engine_auth", RouterError(
             502, f"endpoint {rt.id} refused the router's engine key (HTTP {status})", SERVER,
             "upstream_error", klass="upstream_error"))
+    # The engine's body (a traceback, paths, its version) stays in the router's log: the client
+    # gets the request id to quote, and an operator finds the detail by it.
+    log.warning("rid=%s endpoint %s answered HTTP %d: %r", ctx.rid, rt.id, status, error_message(data))
     return Failed("status_5xx", RouterError(
-        502, f"endpoint {rt.id} answered HTTP {status}: {error_message(data)}", SERVER,
+        502, f"endpoint {rt.id} answered HTTP {status} (request id {ctx.rid})", SERVER,
         "upstream_error", klass="upstream_error"))
 
 

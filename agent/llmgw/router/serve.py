@@ -29,12 +29,13 @@ from typing import Any, Callable
 
 from aiohttp import web
 
+from llmgw.clientbounds import LimitedSockSite, SourceGate, ThrottledLog
 from llmgw.config import ConfigError, ConfigInvalid
 from llmgw.eventloop import run_loop, tune_gc
 from llmgw.tls.context import TLSConfigError, client_context, public_server_context
 from llmgw.tls.files import private_mode_problem
 
-from .app import RUNNER_KWARGS, build_app
+from .app import build_app, runner_kwargs
 from .endpoints import EndpointTable
 from .settings import ControlPlane, RouterSettings
 from .ejectreport import report_ejections
@@ -114,6 +115,12 @@ def control_plane_ssl_context(cp: ControlPlane) -> ssl.SSLContext:
     return client_context(cp.ca, cp.cert, cp.key)
 
 
+def connection_gate(settings: RouterSettings) -> SourceGate:
+    """The per-source connection cap of the client listener, its refusals logged once a minute per address."""
+    return SourceGate(settings.clients.max_connections_per_source,
+                      ThrottledLog(log, "connection from %(host)s%(port)s refused: %(reason)s"))
+
+
 def listen_socket(host: str, port: int, backlog: int, listen: bool = True) -> socket.socket:
     info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     family, addr = info[0], info[4]
@@ -152,9 +159,10 @@ async def serve_worker(settings: RouterSettings, sock: socket.socket, on_ready: 
             log.warning("no endpoint set from the control plane after %gs; serving with none until it answers",
                         FIRST_ENDPOINTS_WAIT)
     app = build_app(settings, table, background=background)
-    runner = web.AppRunner(app, shutdown_timeout=settings.timeouts.shutdown_grace, **RUNNER_KWARGS)
+    runner = web.AppRunner(app, shutdown_timeout=settings.timeouts.shutdown_grace, **runner_kwargs(settings))
     await runner.setup()
-    site = web.SockSite(runner, sock, backlog=settings.backlog, ssl_context=listener_ssl_context(settings))
+    site = LimitedSockSite(runner, sock, backlog=settings.backlog, ssl_context=listener_ssl_context(settings),
+                           gate=connection_gate(settings), handshake_timeout=settings.clients.head_timeout)
     await site.start()
     tune_gc()
     on_ready()

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from llmgw.clientbounds import ClientBounds
 from llmgw.config import ConfigError, ConfigInvalid, schema_errors
 
 from .endpoints import Endpoint, EndpointURLError
@@ -54,6 +55,29 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class Clients:
+    """What one client may hold of the router (0 disables a cap); see ``llmgw.clientbounds``."""
+
+    head_timeout: float = 15.0
+    body_grace: float = 10.0
+    body_min_rate: int = 16384
+    max_connections_per_source: int = 512
+    max_requests_per_key: int = 256
+    max_requests_per_source: int = 256
+    max_body_bytes_per_key: int = 64 * 1024 * 1024
+    max_body_bytes_per_source: int = 64 * 1024 * 1024
+
+    def bounds(self) -> ClientBounds:
+        return ClientBounds(self.head_timeout, self.body_grace, self.body_min_rate, self.max_connections_per_source)
+
+
+@dataclass(frozen=True)
+class MetricsToken:
+    name: str
+    sha256: str
+
+
+@dataclass(frozen=True)
 class Balancing:
     scorer: str = "least-outstanding"  # or "prefix-affinity"
     prefix_tokens: int = 256
@@ -93,6 +117,8 @@ class RouterSettings:
     balancing: Balancing = field(default_factory=Balancing)
     retries: Retries = field(default_factory=Retries)
     outlier: Outlier = field(default_factory=Outlier)
+    clients: Clients = field(default_factory=Clients)
+    metrics_tokens: tuple[MetricsToken, ...] = ()  # bearer tokens that may read /metrics
     access_log: bool = True
 
     @classmethod
@@ -167,6 +193,20 @@ def semantic_errors(doc: Mapping[str, Any]) -> list[ConfigError]:
     first = t.get("first_token", d.first_token)
     if first > total:
         errors.append(ConfigError("/timeouts/first_token", f"first_token ({first}) exceeds total ({total})"))
+    c = _section(doc, "clients")
+    cd = Clients()
+    limit = _section(doc, "limits").get("max_body_bytes", Limits().max_body_bytes)
+    for name in ("max_body_bytes_per_key", "max_body_bytes_per_source"):
+        cap = c.get(name, getattr(cd, name))
+        if cap and cap < limit:
+            errors.append(ConfigError(f"/clients/{name}", f"{cap} is below limits.max_body_bytes ({limit}): "
+                                      "a body of the largest size allowed could never be admitted"))
+    token_names: dict[str, int] = {}
+    for i, t in enumerate(doc.get("metrics_tokens") or []):
+        if t["name"] in token_names:
+            errors.append(ConfigError(f"/metrics_tokens/{i}/name",
+                                      f"duplicate token name {t['name']!r} (also /metrics_tokens/{token_names[t['name']]})"))
+        token_names.setdefault(t["name"], i)
     o = _section(doc, "outlier")
     od = Outlier()
     if o.get("base_ejection", od.base_ejection) > o.get("max_ejection", od.max_ejection):
@@ -208,5 +248,7 @@ def _build(doc: Mapping[str, Any]) -> RouterSettings:
         balancing=Balancing(**_section(doc, "balancing")),
         retries=Retries(**_section(doc, "retries")),
         outlier=Outlier(**_section(doc, "outlier")),
+        clients=Clients(**_section(doc, "clients")),
+        metrics_tokens=tuple(MetricsToken(t["name"], t["sha256"]) for t in doc.get("metrics_tokens") or ()),
         access_log=doc.get("access_log", True),
     )
