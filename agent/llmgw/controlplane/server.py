@@ -212,7 +212,7 @@ async def serve(settings: ServerSettings, config_path: str | None = None,
     anonymous = AnonymousDeadline(clients.anonymous_timeout)
     app = build_api(cp, require_identity=ssl_ctx is not None, reload=reload, watch_handler=router.watch_handler,
                     on_authenticated=anonymous.authenticated)
-    app.middlewares.insert(0, body_deadline(bounds))
+    app.middlewares.append(body_deadline(bounds))  # after the admin check: a refused body is never read
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True, **head_timeout_kwargs(bounds))
     await runner.setup()
     quiet_malformed_requests()

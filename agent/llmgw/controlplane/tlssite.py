@@ -189,8 +189,8 @@ class HandshakeLoggingSite(web.TCPSite):
                  handshake_timeout: float = HANDSHAKE_TIMEOUT, **kwargs: Any) -> None:
         super().__init__(runner, host, port, ssl_context=ssl_context, **kwargs)
         self._refused = _refusal_log()
-        self._gate = gate or SourceGate(0, self._refused)
-        self._anonymous = anonymous or AnonymousDeadline(HANDSHAKE_TIMEOUT)
+        self._gate = SourceGate(0, self._refused) if gate is None else gate
+        self._anonymous = AnonymousDeadline(HANDSHAKE_TIMEOUT) if anonymous is None else anonymous
         self._handshake_timeout = handshake_timeout
 
     async def start(self) -> None:

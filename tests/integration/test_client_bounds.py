@@ -1,0 +1,246 @@
+"""Bounded clients, through real processes: the router binary and ``llmgw server``.
+
+A client that opens connections and never finishes a request head, or holds
+a body one byte short, used to keep its descriptor and its buffers for as
+long as it liked: 2,000 such connections took a control plane with 1,024
+descriptors off the air, and 20 held 15 MiB bodies added 463 MiB to the
+router.  The deadlines are configured short here; every wait is on a
+condition.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+
+from fleet import ADMIN_TOKEN, Fleet, until
+from llmgw.tls.context import client_context
+from test_router_fuzz import rss_kib
+from test_router_support import RouterProcess, openai_client, router_doc, start_sims
+
+pytestmark = pytest.mark.integration
+
+HOST = "127.0.0.1"
+MSG = [{"role": "user", "content": "hello"}]
+HALF_HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"  # no blank line: the head never ends
+
+
+async def _open(port: int, n: int, data: bytes, local: str | None = None,
+                ctx: ssl.SSLContext | None = None) -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    conns = []
+    for _ in range(n):
+        r, w = await asyncio.open_connection(HOST, port, local_addr=(local, 0) if local else None, ssl=ctx,
+                                             server_hostname="localhost" if ctx else None)
+        if data:
+            w.write(data)
+        conns.append((r, w))
+    return conns
+
+
+async def _until_closed(reader: asyncio.StreamReader) -> bytes:
+    """What the server sent before it closed the connection."""
+    out = b""
+    try:
+        while chunk := await reader.read(65536):
+            out += chunk
+    except (ConnectionError, ssl.SSLError):
+        pass
+    return out
+
+
+def _serve_throughout(call, stop: threading.Event) -> list:
+    """Call ``call()`` in a thread until ``stop``; returns the results (exceptions included)."""
+    results: list = []
+
+    def loop():
+        while not stop.is_set():
+            try:
+                results.append(call())
+            except Exception as e:  # noqa: BLE001 - recorded, asserted on
+                results.append(e)
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    results.append(t)
+    return results
+
+
+def test_router_closes_2000_unfinished_heads_within_the_deadline_while_serving_others(tmp_path):
+    (sim,) = start_sims(1)
+    doc = router_doc([{"id": "e", "model": "m", "url": sim.url}],
+                     clients={"head_timeout": 1, "max_connections_per_source": 0})
+    try:
+        with RouterProcess(doc, tmp=tmp_path) as router:
+            client = openai_client(router, timeout=30)
+
+            def one():
+                return client.chat.completions.create(model="m", messages=MSG, max_tokens=2).choices[0].message
+
+            async def attack():
+                conns = await _open(router.port, 2000, HALF_HEAD)
+                stop = threading.Event()
+                served = _serve_throughout(one, stop)
+                try:
+                    sent = await asyncio.wait_for(
+                        asyncio.gather(*(_until_closed(r) for r, _ in conns)), 60)
+                finally:
+                    stop.set()
+                    served[0].join(60)
+                for _, w in conns:
+                    w.close()
+                return sent, served[1:]
+
+            sent, served = asyncio.run(attack())
+            assert sent == [b""] * 2000  # closed, nothing answered to a head that never ended
+            assert served and all(not isinstance(x, Exception) for x in served), served[:3]
+            assert one() is not None
+    finally:
+        sim.stop()
+
+
+def test_router_held_bodies_cost_at_most_the_cap_and_are_cut(tmp_path):
+    mib = 1 << 20
+    cap = 32 * mib
+    doc = router_doc([{"id": "e", "model": "m", "url": "http://127.0.0.1:9"}],
+                     limits={"max_body_bytes": 16 * mib},
+                     clients={"max_body_bytes_per_source": cap, "max_requests_per_source": 0,
+                              "body_grace": 2, "body_min_rate": 64 * mib})
+    size = 15 * mib
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % size)
+    body = b"{" + b" " * (size - 2)  # one byte short of the declared length
+    with RouterProcess(doc, tmp=tmp_path) as router:
+        router.get("/healthz")
+        before = rss_kib(router.proc.pid)
+        peak = [before]
+        done = threading.Event()
+
+        def sample():
+            while not done.is_set():
+                peak[0] = max(peak[0], rss_kib(router.proc.pid))
+                time.sleep(0.02)
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+
+        async def hold(i: int) -> bytes:
+            r, w = await asyncio.open_connection(HOST, router.port)
+            try:
+                w.write(head + body)
+                await w.drain()
+            except ConnectionError:
+                pass  # refused at its head: the router closed without reading the body
+            out = await asyncio.wait_for(_until_closed(r), 60)
+            w.close()
+            return out
+
+        async def attack():
+            return await asyncio.gather(*(hold(i) for i in range(20)))
+
+        try:
+            answers = asyncio.run(attack())
+        finally:
+            done.set()
+            sampler.join(10)
+        statuses = [a.split(b" ", 2)[1] if a.startswith(b"HTTP/1.1 ") else b"reset" for a in answers]
+        assert set(statuses) <= {b"429", b"408", b"reset"}, statuses
+        assert statuses.count(b"408") <= cap // size, statuses  # admitted: no more than the cap holds, then cut
+        assert b"429" in statuses, statuses
+        grown = (peak[0] - before) * 1024
+        assert grown <= cap + 32 * mib, f"router grew {grown / mib:.0f} MiB holding bodies (cap {cap / mib:.0f})"
+        assert router.get("/healthz")  # still serving; every reservation released
+        with httpx.Client(timeout=30) as c:
+            r = c.post(router.url + "/v1/chat/completions", content=b"x" * (15 * mib))
+            assert r.status_code == 400  # admitted (not 429): the cut bodies gave their bytes back
+
+
+def _cp(tmp_path, clients: dict) -> Fleet:
+    f = Fleet(tmp_path / "fleet", {})
+    if clients:
+        f.config["api"]["clients"] = clients
+        f.write_config()
+    return f
+
+
+def test_control_plane_answers_admins_with_1024_descriptors_while_2000_connections_hang(tmp_path):
+    with _cp(tmp_path, {"head_timeout": 2, "max_connections_per_source": 64}) as f:
+        f.start(agents=False)
+        subprocess.run(["prlimit", f"--pid={f.server.pid}", "--nofile=1024:1024"], check=True)
+        admin = f.client()
+
+        def nodes():
+            return admin.get("/v1/nodes").status_code
+
+        async def attack():
+            # TCP only, from another loopback address: not even a ClientHello
+            conns = await _open(f.port, 2000, b"", local="127.0.0.2")
+            stop = threading.Event()
+            served = _serve_throughout(nodes, stop)
+            try:
+                sent = await asyncio.wait_for(asyncio.gather(*(_until_closed(r) for r, _ in conns)), 60)
+            finally:
+                stop.set()
+                served[0].join(60)
+            for _, w in conns:
+                w.close()
+            return sent, served[1:]
+
+        sent, served = asyncio.run(attack())
+        assert len(sent) == 2000  # every one closed: over the cap at once, the rest at the handshake deadline
+        assert served and set(served) == {200}, served[:3]
+        assert nodes() == 200
+        assert "more than 64 connections from this address" in f.server.output()
+        admin.close()
+
+
+def test_control_plane_closes_anonymous_connections_that_do_not_authenticate(tmp_path):
+    with _cp(tmp_path, {"head_timeout": 60, "anonymous_timeout": 1, "body_grace": 1}) as f:
+        f.start(agents=False)
+        anon = client_context(f.pki.ca_cert)
+        request = b"GET %s HTTP/1.1\r\nHost: x\r\n%s\r\n"
+
+        async def ask(r, w, path: bytes, auth: bytes = b"") -> bytes:
+            w.write(request % (path, auth))
+            head = await r.readuntil(b"\r\n\r\n")
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            await r.readexactly(length)
+            return head.split(b" ", 2)[1]
+
+        async def scenario():
+            (r1, w1), (r2, w2) = await _open(f.port, 2, b"", ctx=anon)
+            token = b"Authorization: Bearer %s\r\n" % ADMIN_TOKEN.encode()
+            assert await ask(r2, w2, b"/v1/nodes", token) == b"200"
+            # the head deadline is a minute: only the anonymous deadline can close r1, busy as it is
+            answered = 0
+            with pytest.raises((asyncio.IncompleteReadError, ConnectionError, ssl.SSLError)):
+                for _ in range(10000):
+                    assert await ask(r1, w1, b"/healthz") == b"200"
+                    answered += 1
+                    await asyncio.sleep(0.05)
+            assert answered > 0
+            # the authenticated one outlived it and still serves
+            assert await ask(r2, w2, b"/v1/nodes", token) == b"200"
+            # a body held short is cut, after the admin check
+            w2.write(b"POST /v1/reload HTTP/1.1\r\nHost: x\r\n%sContent-Length: 100\r\n\r\n{" % token)
+            out = await asyncio.wait_for(_until_closed(r2), 60)
+            assert out.startswith(b"HTTP/1.1 408"), out[:200]
+            for w in (w1, w2):
+                w.close()
+
+        asyncio.run(scenario())
+
+
+def test_control_plane_logs_a_refused_admin_request_once_per_peer_and_reason(tmp_path):
+    with _cp(tmp_path, {}) as f:
+        f.start(agents=False)
+        with httpx.Client(base_url=f.url, verify=client_context(f.pki.ca_cert), timeout=30) as c:
+            for _ in range(200):
+                assert c.get("/v1/nodes").status_code == 401
+            assert c.get("/v1/nodes", headers={"Authorization": "Bearer nope"}).status_code == 403
+        until(lambda: "unknown admin token" in f.server.output(), "the second reason logged")
+        out = f.server.output()
+        assert out.count("refused GET /v1/nodes") == 2, out[-3000:]  # one line for each reason
