@@ -37,8 +37,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 class Caps:
     """0 disables a cap."""
 
-    requests_per_key: int = 256
-    requests_per_source: int = 256
+    requests_per_key: int = 512
+    requests_per_source: int = 1024
     body_bytes_per_key: int = 64 * 1024 * 1024
     body_bytes_per_source: int = 64 * 1024 * 1024
     retry_after: int = 1

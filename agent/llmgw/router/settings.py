@@ -61,9 +61,9 @@ class Clients:
     head_timeout: float = 15.0
     body_grace: float = 10.0
     body_min_rate: int = 16384
-    max_connections_per_source: int = 512
-    max_requests_per_key: int = 256
-    max_requests_per_source: int = 256
+    max_connections_per_source: int = 1024
+    max_requests_per_key: int = 512
+    max_requests_per_source: int = 1024
     max_body_bytes_per_key: int = 64 * 1024 * 1024
     max_body_bytes_per_source: int = 64 * 1024 * 1024
 
