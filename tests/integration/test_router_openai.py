@@ -19,6 +19,7 @@ from test_router_support import RouterProcess, openai_client, router_doc, start_
 pytestmark = pytest.mark.integration
 
 MSG = [{"role": "user", "content": "hello"}]
+METRICS_TOKEN = "prometheus-scrape-token"
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +37,10 @@ def router(sims, tmp_path_factory):
         allow_unauthenticated=False,
         api_keys=[{"name": "ops", "sha256": hash_key("sk-ops")},
                   {"name": "tenant", "sha256": hash_key("sk-tenant"), "models": ["other"]}],
+        metrics_tokens=[{"name": "prometheus", "sha256": hash_key(METRICS_TOKEN)}],
     )
     with RouterProcess(doc, tmp=tmp_path_factory.mktemp("router")) as r:
+        r.metrics_token = METRICS_TOKEN
         yield r
 
 
@@ -112,7 +115,11 @@ def test_request_id_and_health_and_metrics(router):
     assert st == 200 and len(headers["X-Request-Id"]) == 24
     assert json.loads(router.get("/healthz"))["endpoints"] == 2
     assert router.metric("llmgw_router_requests_total", model="m", status="200") >= 1
-    text = router.get("/metrics").decode()
+    for key in (None, "sk-ops"):  # it names every model and replica: not for an API key, nor for anyone
+        with pytest.raises(urllib.error.HTTPError) as e:
+            router.get("/metrics", headers={"Authorization": f"Bearer {key}"} if key else None)
+        assert e.value.code == 401
+    text = router.get("/metrics", headers={"Authorization": f"Bearer {METRICS_TOKEN}"}).decode()
     assert "sk-ops" not in text and hash_key("sk-ops") not in text
     assert "rid=" in router.output() and "key=ops" in router.output()
 

@@ -100,12 +100,16 @@ class RouterProcess:
     def base_url(self) -> str:
         return f"{self.url}/v1"
 
-    def get(self, path: str, timeout: float = 30.0) -> bytes:
-        with urllib.request.urlopen(self.url + path, timeout=timeout, context=self.ssl) as r:
+    metrics_token: str | None = None  # one of the router's metrics_tokens, where it has any
+
+    def get(self, path: str, timeout: float = 30.0, headers: dict | None = None) -> bytes:
+        req = urllib.request.Request(self.url + path, headers=headers or {})
+        with urllib.request.urlopen(req, timeout=timeout, context=self.ssl) as r:
             return r.read()
 
     def metrics(self) -> list:
-        return list(text_string_to_metric_families(self.get("/metrics").decode()))
+        headers = {"Authorization": f"Bearer {self.metrics_token}"} if self.metrics_token else None
+        return list(text_string_to_metric_families(self.get("/metrics", headers=headers).decode()))
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of the samples called ``name`` whose labels include ``labels``."""

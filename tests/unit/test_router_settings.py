@@ -125,3 +125,22 @@ def test_server_yaml_reports_the_routers_rules_inside_router():
     with pytest.raises(ConfigInvalid) as ei:
         parse_server_settings(doc)
     assert pointers(ei.value) == ["/router/tls"]
+
+
+def test_client_bounds_and_metrics_tokens():
+    base = {"allow_unauthenticated": True, "insecure_http": True}
+    s = RouterSettings.from_config({**base, "clients": {"head_timeout": 2, "max_requests_per_key": 0},
+                                    "metrics_tokens": [{"name": "prom", "sha256": hash_key("t")}]})
+    assert s.clients.head_timeout == 2 and s.clients.max_requests_per_key == 0
+    assert s.clients.bounds().head_timeout == 2 and s.metrics_tokens[0].name == "prom"
+    d = RouterSettings.from_config(base).clients
+    assert (d.head_timeout, d.max_connections_per_source, d.max_body_bytes_per_source) == (15, 1024, 64 << 20)
+    with pytest.raises(ConfigInvalid) as e:
+        RouterSettings.from_config({**base, "clients": {"head_timeout": 0, "body_min_rate": 0, "extra": 1}})
+    assert sorted(pointers(e.value)) == ["/clients/body_min_rate", "/clients/extra", "/clients/head_timeout"]
+    with pytest.raises(ConfigInvalid) as e:
+        RouterSettings.from_config({**base, "limits": {"max_body_bytes": 1 << 20},
+                                    "clients": {"max_body_bytes_per_key": 1 << 19, "max_body_bytes_per_source": 0},
+                                    "metrics_tokens": [{"name": "p", "sha256": hash_key("a")},
+                                                       {"name": "p", "sha256": hash_key("b")}]})
+    assert pointers(e.value) == ["/clients/max_body_bytes_per_key", "/metrics_tokens/1/name"]
