@@ -24,13 +24,13 @@ from typing import Any
 
 from aiohttp import web
 
+from llmgw.clientbounds import (BodyTooSlow, ClientBounds, LimitedTCPSite, SourceGate, ThrottledLog,
+                                head_timeout_kwargs, read_body)
 from llmgw.config import ConfigInvalid
+from llmgw.controlplane.agentservice import STREAM_PATH
 from llmgw.controlplane.api import build_api, startup_grace_left
 from llmgw.controlplane.badrequests import quiet_malformed_requests
 from llmgw.controlplane.state import ControlPlane
-from llmgw.clientbounds import (BodyTooSlow, ClientBounds, LimitedTCPSite, SourceGate, ThrottledLog,
-                                head_timeout_kwargs, read_body)
-from llmgw.controlplane.agentservice import STREAM_PATH
 from llmgw.controlplane.tlssite import AnonymousDeadline, HandshakeLoggingSite
 from llmgw.eventloop import tune_gc
 from llmgw.memtrim import trim_periodically
@@ -193,7 +193,10 @@ def body_deadline(bounds: ClientBounds) -> Any:
                 resp.force_close()
                 return resp
             except web.HTTPRequestEntityTooLarge:
-                pass  # the handler's own read answers 413
+                resp = web.json_response({"error": f"request body exceeds {request.client_max_size} bytes"},
+                                         status=413)
+                resp.force_close()  # the rest of the body stays unread
+                return resp
         return await handler(request)
 
     return middleware
