@@ -55,15 +55,13 @@ class _Held:
 
 
 class Admission:
-    """The caps' bookkeeping; ``middleware`` applies them to the POST paths."""
+    """The caps' bookkeeping; ``wrap`` puts a handler (the proxy's POST paths) behind them."""
 
-    def __init__(self, caps: Caps, bounds: ClientBounds, keys: KeyRing, max_body: int,
-                 paths: tuple[str, ...]) -> None:
+    def __init__(self, caps: Caps, bounds: ClientBounds, keys: KeyRing, max_body: int) -> None:
         self.caps = caps
         self.bounds = bounds
         self.keys = keys
         self.max_body = max_body
-        self.paths = frozenset(paths)
         self.by_key: dict[str, _Held] = {}
         self.by_source: dict[str, _Held] = {}
         self._refused = ThrottledLog(log, "request from %(host)s refused: %(reason)s")
@@ -92,10 +90,13 @@ class Admission:
         if held.requests <= 0:
             table.pop(name, None)
 
-    @web.middleware
-    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path not in self.paths or request.method != "POST":
-            return await handler(request)
+    def wrap(self, handler: Handler) -> Handler:
+        """``handler`` behind the caps (a plain wrapper: an aiohttp middleware would run for every path)."""
+        async def admitted(request: web.Request) -> web.StreamResponse:
+            return await self.admit(request, handler)
+        return admitted
+
+    async def admit(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             principal = self.keys.authenticate(request.headers.get("Authorization"))
         except AuthFailure:

@@ -72,12 +72,12 @@ def build_app(cfg: RouterSettings, table: EndpointTable, metrics: RouterMetrics 
     proxy = Proxy(cfg, routing, metrics, pending)
     c = cfg.clients
     admission = Admission(Caps(c.max_requests_per_key, c.max_requests_per_source, c.max_body_bytes_per_key,
-                               c.max_body_bytes_per_source), c.bounds(), proxy.keys, cfg.limits.max_body_bytes,
-                          OPENAI_POST_PATHS)
-    app = web.Application(client_max_size=cfg.limits.max_body_bytes, middlewares=[admission.middleware])
+                               c.max_body_bytes_per_source), c.bounds(), proxy.keys, cfg.limits.max_body_bytes)
+    app = web.Application(client_max_size=cfg.limits.max_body_bytes)
     app[PROXY_KEY] = proxy
+    handle = admission.wrap(proxy.handle)
     for path in OPENAI_POST_PATHS:
-        app.router.add_post(path, proxy.handle)
+        app.router.add_post(path, handle)
     app.router.add_get("/v1/models", proxy.list_models)
     app.router.add_get("/v1/models/{model}", proxy.get_model)
 
