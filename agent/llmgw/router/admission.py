@@ -118,7 +118,7 @@ class Admission:
             self._refused(source, f"{who} over its cap of {why}")
             resp = RouterError(429, f"too many requests in flight for this {who} ({why}); retry later",
                                RATE_LIMIT, "rate_limit_exceeded", klass="saturated",
-                               retry_after=caps.retry_after).response(request.headers.get("X-Request-Id"))
+                               retry_after=caps.retry_after).response()
             resp.force_close()  # the body stays unread: the connection cannot carry another request
             return resp
         held_source = self._take(self.by_source, source, length)
@@ -130,13 +130,13 @@ class Admission:
                 except BodyTooSlow as e:
                     self._refused(source, "request body too slow")
                     resp = RouterError(408, str(e), INVALID_REQUEST, "request_timeout",
-                                       klass="bad_request").response(request.headers.get("X-Request-Id"))
+                                       klass="bad_request").response()
                     resp.force_close()
                     return resp
                 except web.HTTPRequestEntityTooLarge:  # a chunked body past the limit
                     resp = RouterError(413, f"request body exceeds the limit of {self.max_body} bytes",
                                        INVALID_REQUEST, "request_too_large",
-                                       klass="too_large").response(request.headers.get("X-Request-Id"))
+                                       klass="too_large").response()
                     resp.force_close()
                     return resp
             return await handler(request)
