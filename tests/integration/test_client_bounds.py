@@ -149,7 +149,8 @@ def test_router_held_bodies_cost_at_most_the_cap_and_are_cut(tmp_path):
         statuses = [a.split(b" ", 2)[1] if a.startswith(b"HTTP/1.1 ") else b"reset" for a in answers]
         assert set(statuses) <= {b"429", b"408", b"reset"}, statuses
         assert statuses.count(b"408") <= cap // size, statuses  # admitted: no more than the cap holds, then cut
-        assert b"429" in statuses, statuses
+        # the others were refused at their head (their 429 may be lost to the reset of an unread body)
+        assert "source over its cap of 33554432 bytes of request bodies in flight" in router.output()
         grown = (peak[0] - before) * 1024
         assert grown <= cap + 32 * mib, f"router grew {grown / mib:.0f} MiB holding bodies (cap {cap / mib:.0f})"
         assert router.get("/healthz")  # still serving; every reservation released
@@ -193,7 +194,7 @@ def test_control_plane_answers_admins_with_1024_descriptors_while_2000_connectio
         assert len(sent) == 2000  # every one closed: over the cap at once, the rest at the handshake deadline
         assert served and set(served) == {200}, served[:3]
         assert nodes() == 200
-        assert "more than 64 connections from this address" in f.server.output()
+        assert "more than 64 connections from this address" in f.server.output(last=1 << 30)
         admin.close()
 
 
