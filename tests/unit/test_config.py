@@ -90,6 +90,19 @@ def test_tls_required_unless_explicitly_insecure():
     assert parse_server_settings({**doc, "insecure_no_tls": True}).tls is None
 
 
+def test_api_client_bounds_default_and_are_validated_with_their_pointer():
+    doc = {"api": {"listen": {"port": 1}}, "models": [], "profiles": [], "deployments": [], "insecure_no_tls": True}
+    c = parse_server_settings(doc).api_clients
+    assert (c.head_timeout, c.anonymous_timeout, c.max_connections_per_source) == (15, 5, 128)
+    set_ = parse_server_settings({**doc, "api": {"listen": {"port": 1}, "clients": {"anonymous_timeout": 0.5}}})
+    assert set_.api_clients.anonymous_timeout == 0.5 and set_.api_clients.bounds().head_timeout == 15
+    with pytest.raises(ConfigInvalid) as e:
+        parse_server_settings({**doc, "api": {"listen": {"port": 1},
+                                              "clients": {"head_timeout": 0, "max_connections_per_source": -1}}})
+    assert sorted(x.pointer for x in e.value.errors) == ["/api/clients/head_timeout",
+                                                         "/api/clients/max_connections_per_source"]
+
+
 def test_agent_plaintext_url_refused():
     errs = errors_of("agent-plaintext.yaml")
     assert errs == [("/control_plane/url", errs[0][1])]
