@@ -152,7 +152,9 @@ def test_router_held_bodies_cost_at_most_the_cap_and_are_cut(tmp_path):
         # the others were refused at their head (their 429 may be lost to the reset of an unread body)
         assert "source over its cap of 33554432 bytes of request bodies in flight" in router.output()
         grown = (peak[0] - before) * 1024
-        assert grown <= cap + 32 * mib, f"router grew {grown / mib:.0f} MiB holding bodies (cap {cap / mib:.0f})"
+        # a body being read grows a buffer by copying it: up to twice the reserved bytes at a moment
+        # (measured 49-57 MiB for 30 MiB held; 20 bodies held without the cap: over 300 MiB)
+        assert grown <= 2 * cap + 16 * mib, f"router grew {grown / mib:.0f} MiB holding bodies (cap {cap / mib:.0f})"
         assert router.get("/healthz")  # still serving; every reservation released
         with httpx.Client(timeout=30) as c:
             r = c.post(router.url + "/v1/chat/completions", content=b"x" * (15 * mib))
