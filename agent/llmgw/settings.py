@@ -83,6 +83,7 @@ class FetchPolicy:
     connect_timeout: float = 30.0
     progress_interval: float = 2.0
     checkpoint_bytes: int = 1 << 30
+    insecure_http_hub: bool = False  # hf:// from a plain http:// hub_endpoint
 
 
 @dataclass(frozen=True)
