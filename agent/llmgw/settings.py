@@ -70,6 +70,7 @@ class EjectionPolicy:
     min_share: float = 0.5
     sick_after: float = 20.0
     report_ttl: float = 10.0
+    replacements_per_minute: int = 2
 
 
 @dataclass(frozen=True)
