@@ -198,3 +198,29 @@ def test_an_agent_without_the_switch_fails_the_shard_of_a_plain_http_hub_with_th
                           f"to allow it")
         assert repo.gets == {}
         assert not os.path.exists(tmp_path / "a" / "models" / "hf" / f"127.0.0.1_{hub.port}" / "org" / "x" / repo.commit)
+
+
+def test_a_real_agent_fails_the_shard_of_a_hostile_hub_and_removes_nothing_outside_model_dir(tmp_path, victim):
+    """The attack as it happened, through a real fleet whose agent allows the plain-http test hub: a listing
+    that names a file outside the staging directory with another size fails the shard, and the victim stays."""
+    with HubServer() as hub, Fleet(tmp_path, nodes={"a": 1}, replicas=1) as f:
+        model_dir = tmp_path / "a" / "models"
+        hostile = "../" * staging_depth(tmp_path, model_dir, hub) + "victim"
+        repo = hub.add("org/x", dict(FILES))
+        repo.listings = [{**FILES, hostile: b"another size than the victim's"}]  # the agent's first listing
+        f.config["models"] = [{"name": "tiny", "source": "hf://org/x@main", "hub_endpoint": hub.url,
+                               "size_bytes": 1 << 20}]  # declared: the control plane does not list the tree
+        f.write_config()
+        agent_yaml = tmp_path / "a" / "agent.yaml"
+        cfg = yaml.safe_load(agent_yaml.read_text())
+        cfg["model_dir"] = str(model_dir)
+        cfg["fetch"] = {"insecure_http_hub": True}
+        agent_yaml.write_text(yaml.safe_dump(cfg))
+        f.start()
+        reason = until(lambda: next((s.get("reason") for r in f.replicas()["replicas"]
+                                     for s in r["shards"] if s["state"] == "failed"), None),
+                       "the hostile listing to fail the shard", on_timeout=f.dump)
+        assert victim.read_bytes() == b"operator's file"
+        assert reason.startswith(f"fetching hf://org/x@main: listing org/x@main at {hub.url}: the hub lists a file "
+                                 f"{hostile!r} that has '.' or '..' segments; nothing was fetched"), reason
+        assert repo.gets == {}
