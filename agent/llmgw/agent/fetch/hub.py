@@ -41,7 +41,6 @@ from llmgw.settings import FetchPolicy
 
 log = logging.getLogger(__name__)
 
-COMMIT = re.compile(r"^[0-9a-f]{40}$")
 # What the worker must not inherit: it goes online on purpose, and draws no progress bars.
 _WORKER_ENV_DROP = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_ENDPOINT")
 
@@ -84,7 +83,7 @@ async def run(job: Job) -> str:
     if problem:
         raise FetchError(problem)
     root = repo_root(job.source, job.endpoint, job.model_dir)
-    if COMMIT.match(hub.revision) and (root / hub.revision).is_dir():
+    if naming.COMMIT.match(hub.revision) and (root / hub.revision).is_dir():
         return str(root / hub.revision)  # pinned and present: no hub needed (restarts on an air-gapped node)
     worker = _Worker(hub, job, root)
     try:
@@ -116,7 +115,7 @@ class _Worker:
         self._drain = asyncio.get_running_loop().create_task(self._keep_stderr())
         resolved = await self._event("resolved")
         commit, total = resolved.get("commit"), resolved.get("total")
-        if not isinstance(commit, str) or not COMMIT.match(commit) or not isinstance(total, int):
+        if not isinstance(commit, str) or not naming.COMMIT.match(commit) or not isinstance(total, int):
             raise FetchError(f"the hub resolved {self.hub.revision!r} to {commit!r}, which is not a commit id "
                              f"(40 hex digits); nothing was fetched")
         final = self.root / commit

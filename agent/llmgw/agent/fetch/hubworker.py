@@ -32,7 +32,6 @@ import ctypes
 import hashlib
 import json
 import os
-import re
 import signal
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -40,10 +39,9 @@ from pathlib import Path
 from typing import Any
 
 from llmgw.agent.fetch import confine
+from llmgw.agent.fetch.naming import COMMIT
 from llmgw.agent.fetch.download import FetchError
 from llmgw.repository import HIDDEN, path_problem
-
-COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
 def _say(**event: Any) -> None:
