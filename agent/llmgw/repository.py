@@ -117,6 +117,9 @@ class ManifestInvalid(ValueError):
         super().__init__(f"manifest {where} is invalid: " + "; ".join(map(str, shown)) + more)
 
 
+HIDDEN = "has a segment starting with '.', which is reserved for the fetcher's scratch files"
+
+
 def path_problem(path: str) -> str | None:
     """Why ``path`` cannot name a file under the repository directory, or None."""
     if "\\" in path or "\0" in path:
@@ -129,7 +132,7 @@ def path_problem(path: str) -> str | None:
     if any(s in (".", "..") for s in segments):
         return "has '.' or '..' segments"
     if any(s.startswith(".") for s in segments):
-        return "has a segment starting with '.', which is reserved for the fetcher's scratch files"
+        return HIDDEN
     return None
 
 

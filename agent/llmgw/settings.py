@@ -71,6 +71,7 @@ class EjectionPolicy:
     min_share: float = 0.5
     sick_after: float = 20.0
     report_ttl: float = 10.0
+    replacements_per_minute: int = 2
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class FetchPolicy:
     connect_timeout: float = 30.0
     progress_interval: float = 2.0
     checkpoint_bytes: int = 1 << 30
+    insecure_http_hub: bool = False  # hf:// from a plain http:// hub_endpoint
 
 
 @dataclass(frozen=True)

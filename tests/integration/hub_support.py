@@ -13,6 +13,11 @@ as read from the library's source (``hf_api.py``, ``file_download.py``):
   sha256 and size of an LFS file), ``Range`` answered with 206.
 
 Every GET of a file is counted, so a test can tell one download from eight.
+
+Hostile modes, for the tests that the agent keeps a hub inside ``model_dir``:
+``sha`` answers the revision with any string in place of the commit, and
+``listings`` makes the n-th tree listing list other paths (sizes and bytes
+of its own) than the files served.
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ class HubRepo:
     api_calls: int = 0
     trickle: tuple[int, float] | None = None
     hold: set[str] = field(default_factory=set)  # paths whose GET stops after its first write (at most half)
+    sha: str | None = None  # what the revision endpoint says the commit is (hostile: anything)
+    listings: list[dict[str, bytes]] = field(default_factory=list)  # the n-th tree listing, then ``files``
+    tree_calls: int = 0
 
 
 class HubServer:
@@ -81,7 +89,7 @@ class HubServer:
         self._stop = asyncio.Event()
         app = web.Application()
         app.router.add_get("/api/models/{org}/{name}/revision/{rev}", self._revision)
-        app.router.add_get("/api/models/{org}/{name}/tree/{rev}", self._tree)
+        app.router.add_get("/api/models/{org}/{name}/tree/{rev:.+}", self._tree)
         app.router.add_get("/{org}/{name}/resolve/{rev}/{path:.+}", self._resolve)  # HEAD too
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
         await runner.setup()
@@ -100,8 +108,8 @@ class HubServer:
         return repo_id, repo
 
     def _commit(self, repo: HubRepo, rev: str) -> str:
-        if rev == repo.commit or rev in repo.revisions:
-            return repo.commit
+        if rev in (repo.commit, repo.sha) or rev in repo.revisions:
+            return repo.sha or repo.commit
         raise web.HTTPNotFound(headers={"X-Error-Code": "RevisionNotFound"}, text='{"error": "Invalid rev id"}')
 
     async def _revision(self, request: web.Request) -> web.Response:
@@ -115,8 +123,10 @@ class HubServer:
         _, repo = self._repo(request)
         repo.api_calls += 1
         self._commit(repo, request.match_info["rev"])
+        listed = repo.listings[repo.tree_calls] if repo.tree_calls < len(repo.listings) else repo.files
+        repo.tree_calls += 1
         out, dirs = [], set()
-        for p, data in repo.files.items():
+        for p, data in listed.items():
             parts = p.split("/")
             for k in range(1, len(parts)):
                 dirs.add("/".join(parts[:k]))

@@ -56,6 +56,7 @@ def test_a_fleet_fetches_an_hf_repository_once_for_8_shards_from_the_named_endpo
         agent_yaml = tmp_path / "a" / "agent.yaml"
         cfg = yaml.safe_load(agent_yaml.read_text())
         cfg["model_dir"] = str(tmp_path / "a" / "models")
+        cfg["fetch"] = {"insecure_http_hub": True}  # the test hub is plain http on loopback
         agent_yaml.write_text(yaml.safe_dump(cfg))
         f.start()
 
@@ -113,7 +114,7 @@ def test_a_stopped_hub_fetch_ends_its_process_and_the_next_start_keeps_the_files
 
     async def main(hub: HubServer) -> None:
         repo = hub.repos["org/slow"]
-        a = Agent(tmp_path, FetchPolicy(progress_interval=0.05))
+        a = Agent(tmp_path, FetchPolicy(progress_interval=0.05, insecure_http_hub=True))
         try:
             spec = make_spec("slow.sim.0-x/r0", source="hf://org/slow@main")
             spec["model"]["hub_endpoint"] = hub.url
@@ -158,9 +159,10 @@ DRIVER = textwrap.dedent("""
     import asyncio, sys
     from llmgw.agent.fetch import fetch_repository
     from llmgw.catalog import Model
+    from llmgw.settings import FetchPolicy
     m = Model(name="m", source=sys.argv[1], served_name="m", hub_endpoint=sys.argv[2])
-    print(asyncio.run(fetch_repository(m, sys.argv[3], progress=lambda m: None, shard_id="s/r0", node_id="n1")),
-          flush=True)
+    print(asyncio.run(fetch_repository(m, sys.argv[3], progress=lambda m: None, shard_id="s/r0", node_id="n1",
+                                       policy=FetchPolicy(insecure_http_hub=True))), flush=True)
 """)
 
 

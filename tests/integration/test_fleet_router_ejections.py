@@ -19,6 +19,7 @@ signalled after it has served, so its completions answer 500 while its
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -26,6 +27,9 @@ import time
 import pytest
 
 from fleet import Fleet, log_times, metric_samples, router_endpoints, standalone_router, until
+from llmgw.router.ejectreport import REPORT_INTERVAL
+from llmgw.tls import issue_router
+from llmgw.tls.files import write_pair
 from openai_load import OpenAIStreams
 
 pytestmark = pytest.mark.integration
@@ -145,3 +149,77 @@ def _only_routers_report_and_bad_reports_change_nothing(f: Fleet) -> None:
         # a runaway router is held to its rate and answered 429; only it is affected
         codes = [router.post("/v1/router/ejections", content=b"{").status_code for _ in range(30)]
         assert codes.count(400) >= 15 and codes[-1] == 429, codes
+
+
+def _router_cert(f: Fleet, name: str) -> tuple:
+    return write_pair(f.pki.dir / name, *issue_router(f.pki.ca, [name, "localhost"], ["127.0.0.1"]))
+
+
+def test_routers_claiming_a_long_ejection_wait_sick_after_and_replacements_are_bounded_and_16_workers_fit(tmp_path):
+    """Two router certificates report both healthy replicas ejected for an hour: nothing is replaced on their
+    first report (the count starts at the first report this control plane received); once ``sick_after`` has
+    passed, one replica is replaced and the other is held by ``replacements_per_minute``.  One of the routers
+    reports through 16 workers every 2 s, each its own ``instance``, and none of its 144 reports is refused.
+    Non-finite and absurd numbers are refused with a 400 naming them."""
+    workers, rounds = 16, 9
+    with Fleet(tmp_path, nodes={"a": 1, "b": 1, "c": 1, "d": 1}, replicas=2) as f:
+        f.config["router_ejections"] = {"sick_after": SICK_AFTER, "report_ttl": 5, "replacements_per_minute": 1}
+        f.write_config()
+        f.start()
+        ready = f.wait_ready(2)
+        rids = sorted(r["replica_id"] for r in ready)
+        body = {"ejections": [{"endpoint_id": rid, "replica_id": rid, "reason": "status_5xx",
+                               "ejected_for_s": 3600.0, "consecutive_failures": 50} for rid in rids]}
+        with f.client(cert=_router_cert(f, "router-x")) as x, f.client(cert=_router_cert(f, "router-y")) as y:
+            for field, bad, what in (("ejected_for_s", "NaN", "NaN is not a number"),
+                                     ("ejected_for_s", "1e400", "1e400 is not a finite number"),
+                                     ("consecutive_failures", "7" * 400, "a number of 400 characters")):
+                entry = ", ".join(f'"{k}": {bad if k == field else json.dumps(v)}' for k, v in body["ejections"][0].items())
+                r = x.post("/v1/router/ejections", content=f'{{"ejections": [{{{entry}}}]}}'.encode(),
+                           headers={"Content-Type": "application/json"})
+                assert r.status_code == 400 and what in r.json()["error"], r.text
+            # Ready for longer than sick_after already: only the count from the first report holds them back
+            until(lambda: all(((_replica(f, rid) or {}).get("ready_for_s") or 0) > SICK_AFTER for rid in rids),
+                  "the replicas to have been Ready for sick_after", on_timeout=f.dump)
+
+            codes: list[int] = []
+
+            def report_round() -> None:
+                for w in range(workers):
+                    codes.append(x.post("/v1/router/ejections", json={"instance": f"w{w}", **body}).status_code)
+                assert y.post("/v1/router/ejections", json={"instance": "w0", **body}).status_code == 202
+
+            report_round()
+            first = time.monotonic()
+
+            def both_seen_twice():
+                views = [_replica(f, rid) for rid in rids]
+                return views if all(v and v.get("ejections") and len(v["ejections"]["routers"]) == 2
+                                    and v["ejections"]["verdict"] for v in views) else None
+            views = until(both_seen_twice, "both routers' reports to be judged", on_timeout=f.dump)
+            if time.monotonic() - first < SICK_AFTER:  # judged before sick_after could pass since the report
+                for v in views:  # today's main: "judged sick" at once, on the routers' word
+                    assert v["sick"] is None and "waiting until 2 of them" in v["ejections"]["verdict"], v
+                    assert all(rep["ejected_for_s"] >= 3600 for rep in v["ejections"]["routers"]), v
+                assert not any(r.get("replaces") for r in f.replicas()["replicas"])
+
+            for _ in range(rounds - 1):
+                time.sleep(REPORT_INTERVAL)  # the routers' own schedule
+                report_round()
+            assert codes == [202] * (workers * rounds), codes  # a budget per router name refused 85 of 144
+
+            def one_replaced_one_held():
+                held = [v for v in (_replica(f, rid) for rid in rids) if v and v.get("ejections")
+                        and "held: 1 replica(s) replaced" in (v["ejections"]["verdict"] or "")]
+                replaced = metric_samples(f).get("llmgw_replicas_replaced_total")
+                if held and replaced:
+                    return held[0], replaced
+                report_round()
+                return None
+            held, replaced = until(one_replaced_one_held, "one replacement, the other held by the bound",
+                                   on_timeout=f.dump, interval=REPORT_INTERVAL)
+            assert replaced == [({"reason": "router_ejections"}, 1.0)]
+            assert held["sick"] is None and "replacements_per_minute is 1" in held["ejections"]["verdict"]
+            (sick,) = [rid for rid in rids if rid != held["replica_id"]]
+            log = f.server.output(400000)
+            assert log.count(": judged sick (") == 1 and f"{sick}: judged sick (" in log

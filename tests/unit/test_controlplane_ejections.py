@@ -87,14 +87,56 @@ def test_reports_expire_when_a_router_stops_sending():
     assert book.for_replica("r1") == []
 
 
-def test_a_restarted_control_plane_learns_the_whole_episode_from_the_next_reports():
-    # routers re-send every 2 s with how long the episode has lasted; a fresh book believes them at once
+def test_a_restarted_control_plane_counts_from_the_next_reports_not_from_what_routers_claim():
+    # routers re-send every 2 s with how long the episode has lasted; a fresh book does not take their word
     fresh = EjectionBook()
     fresh.observe("a", [entry("r1", 45.0)], 1000.0)
     fresh.observe("b", [entry("r1", 30.0)], 1000.5)
-    # the replica was adopted at the restart: when it became Ready is not known, the episodes count whole
+    # the replica was adopted at the restart: when it became Ready is not known
     v = judge(fresh, "r1", ready_since=None, now=1001.0, policy=POLICY)
-    assert v.sick, v.reason
+    assert not v.sick and "waiting until 2 of them" in v.reason, v.reason
+    assert [r.view(1001.0)["ejected_for_s"] for r in fresh.for_replica("r1")] == [46.0, 30.5]  # shown
+    assert [r.view(1001.0)["counted_for_s"] for r in fresh.for_replica("r1")] == [1.0, 0.5]  # counted
+    for t in range(1002, 1022, 2):
+        fresh.observe("a", [entry("r1", 45.0 + t - 1000)], float(t))
+        fresh.observe("b", [entry("r1", 30.0 + t - 1000)], t + 0.5)
+    assert not judge(fresh, "r1", None, 1020.0, POLICY).sick  # b: 19.5 s seen here
+    assert judge(fresh, "r1", None, 1020.5, POLICY).sick
+
+
+def test_two_router_certificates_claiming_an_hour_do_not_replace_a_replica_on_their_first_report():
+    book = EjectionBook()
+    book.observe("a", [entry("r1", 3600.0)], 500.0)
+    book.observe("b", [entry("r1", 3600.0)], 500.0)
+    v = judge(book, "r1", ready_since=10.0, now=500.0, policy=POLICY)
+    assert not v.sick and "waiting until 2 of them have ejected it for 20s" in v.reason
+    renew(book, "a", 480.0, 520.0)  # renewed (episode claimed from 480): counted from 500, the first report
+    renew(book, "b", 480.0, 520.0)
+    assert judge(book, "r1", ready_since=10.0, now=520.0, policy=POLICY).sick
+
+
+def test_a_router_saying_its_episode_started_over_shortens_the_count():
+    book = EjectionBook()
+    renew(book, "a", 0.0, 30.0)
+    renew(book, "b", 0.0, 30.0)
+    assert judge(book, "r1", -1.0, 30.0, POLICY).sick
+    book.observe("b", [entry("r1", 1.0)], 31.0)  # b saw a success and a new episode: 1 s so far
+    v = judge(book, "r1", -1.0, 31.0, POLICY)
+    assert not v.sick and "waiting" in v.reason
+    (_, b) = book.for_replica("r1")
+    assert b.counted_from == 30.0
+
+
+def test_first_seen_is_per_worker_so_a_new_instance_id_starts_from_its_own_first_report():
+    book = EjectionBook()
+    renew(book, "a", 0.0, 50.0)
+    book.observe("b", [entry("r1", 999.0)], 30.0, instance="w1")
+    for i in range(20):  # a router inventing instances cannot buy time with them
+        book.observe("b", [entry("r1", 999.0)], 30.0 + i, instance=f"new-{i}")
+    assert not judge(book, "r1", -1.0, 49.0, POLICY).sick
+    for t in (38.0, 46.0, 50.0):
+        book.observe("b", [entry("r1", 999.0)], t, instance="w1")
+    assert judge(book, "r1", -1.0, 50.0, POLICY).sick
 
 
 def test_reports_about_other_replicas_do_not_add_up():
@@ -138,11 +180,11 @@ def test_workers_of_one_router_count_as_one_router_with_its_longest_episode():
     assert not v.sick and v.routers == ("a",)  # two workers are still one router
     (rep,) = book.for_replica("r1")
     assert rep.since == 0.0  # w1's episode, the longest
-    book.observe("b", [entry("r1", 25.0)], 30.0, instance="w1")
+    renew(book, "b", 10.0, 30.0)
     assert judge(book, "r1", -1.0, 30.0, POLICY).sick
     # w1 of router a falls silent: w2's short episode is all a says now
     for t in (32.0, 34.0, 36.0, 38.0, 40.0, 42.0):
         book.observe("a", [entry("r1", 1.0)], t, instance="w2")
-        book.observe("b", [entry("r1", 25.0 + t - 30.0)], t, instance="w1")
+        book.observe("b", [entry("r1", t - 10.0)], t)
     book.expire(42.0, POLICY.report_ttl)
     assert not judge(book, "r1", -1.0, 42.0, POLICY).sick

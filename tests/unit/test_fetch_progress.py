@@ -181,3 +181,34 @@ def test_a_watcher_leaving_leaves_alone_and_the_last_one_cancels_the_download():
         assert not reg.active
 
     asyncio.run(main())
+
+
+def test_a_start_during_a_stopping_download_waits_for_it_to_end_and_starts_its_own():
+    """The last watcher left, the download is being stopped (its fetch process killed and reaped), and a new
+    shard wants the same source at that moment: it must get a download of its own, not the stopped one's
+    cancellation (which left it 'fetching' for ever)."""
+    async def main():
+        reg, reaped, runs = Flights(), asyncio.Event(), []
+
+        async def run(flight):
+            runs.append(flight)
+            if len(runs) > 1:
+                return "/m"
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                await reaped.wait()  # e.g. waiting for the killed fetch process
+                raise
+
+        a = asyncio.create_task(reg.join(("u", "/p"), "m", None, "a", lambda m: None, run))
+        await asyncio.sleep(0.01)
+        a.cancel()
+        await asyncio.sleep(0.01)
+        assert ("u", "/p") in reg.active  # still stopping
+        b = asyncio.create_task(reg.join(("u", "/p"), "m", None, "b", lambda m: None, run))
+        await asyncio.sleep(0.01)
+        reaped.set()
+        assert await asyncio.wait_for(b, 5) == "/m"
+        assert len(runs) == 2 and not reg.active
+
+    asyncio.run(main())

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from llmgw.catalog import SIZE_MEASURED, Catalog, SourceKind, measure_sources, weights_size
 from llmgw.controlplane.capacity import shape_of
-from llmgw.controlplane.ejections import EjectionBook, Verdict, judge
+from llmgw.controlplane.ejections import EjectionBook, Verdict, held, judge
 from llmgw.controlplane.lifecycle import Evaluation, NodeClock, NodeState, ReplacementLimiter, evaluate, observe
 from llmgw.controlplane.reconciler import Context, NodeView, Plan, Reconciler, endpoints
 from llmgw.controlplane.replicas import ReplicaState
@@ -142,6 +142,7 @@ class ControlPlane:
         self.ejections = EjectionBook()  # routers' reports (POST /v1/router/ejections), rebuilt from re-sends
         self.ejection_verdicts: dict[str, Verdict] = {}  # replica -> the last judgement of its reports
         self.replaced_for_ejections = 0  # replicas judged sick from routers' reports (a counter)
+        self.ejection_limiter = ReplacementLimiter(settings.router_ejections.replacements_per_minute)
         self._epoch = 0
         self._kick = asyncio.Event()
         self._endpoint_listeners: list[Callable[[list[dict[str, Any]]], None]] = []
@@ -385,11 +386,15 @@ class ControlPlane:
                 self.ejections.forget(rid)
                 continue
             # an adopted replica was Ready before this control plane started: when is not known here
-            v = verdicts[rid] = judge(self.ejections, rid, None if r.adopted else r.ready_since, now, policy)
+            v = judge(self.ejections, rid, None if r.adopted else r.ready_since, now, policy)
+            act = v.sick and r.state is ReplicaState.READY and r.surge_for is None and r.sick is None
+            if act and not self.ejection_limiter.available(now):  # the shared bound: judged again next pass
+                v, act = held(v, policy, len(self.ejection_limiter.made)), False
+            verdicts[rid] = v
             if rid not in self.ejection_verdicts or self.ejection_verdicts[rid].reason != v.reason:
                 log.log(logging.WARNING if v.sick else logging.INFO, "%s: %s", rid, v.reason)
-            if v.sick and r.state is ReplicaState.READY and r.surge_for is None \
-                    and self.reconciler.mark_sick(rid, v.reason):
+            if act and self.reconciler.mark_sick(rid, v.reason):
+                self.ejection_limiter.take(now)
                 self.replaced_for_ejections += 1
                 log.warning("%s: judged sick (%s); replacing it, make before break", rid, v.reason)
                 self._dirty = True
@@ -400,6 +405,7 @@ class ControlPlane:
         old = self.settings
         self.loaded = Loaded(settings, source)
         self.limiter.retune(settings.lifecycle.replacements_per_minute, self.clock())
+        self.ejection_limiter.retune(settings.router_ejections.replacements_per_minute, self.clock())
         for what, a, b in (("api.listen", (old.api_host, old.api_port), (settings.api_host, settings.api_port)),
                            ("tls", old.tls, settings.tls), ("insecure_no_tls", old.insecure_no_tls, settings.insecure_no_tls),
                            ("router", old.router, settings.router)):

@@ -229,7 +229,9 @@ def ejection_lines(ej: dict[str, Any] | None) -> list[str]:
         return []
     out = [f"    ejected by {len(ej['routers'])} router(s): {ej.get('verdict') or ''}".rstrip(": ")]
     for rep in ej["routers"]:
-        out.append(f"      router {rep['router']}: for {human_age(rep['ejected_for_s'])} ({rep['reason']}, "
+        counted = rep.get("counted_for_s")
+        seen = "" if counted is None else f", counted here for {human_age(counted)}"
+        out.append(f"      router {rep['router']}: for {human_age(rep['ejected_for_s'])}{seen} ({rep['reason']}, "
                    f"{rep['consecutive_failures']} failures in a row; reported {human_age(rep['reported_ago_s'])} ago)")
     return out
 

@@ -34,6 +34,7 @@ log = logging.getLogger("llmgw.router.ejectreport")
 EJECTIONS_PATH = "/v1/router/ejections"
 REPORT_INTERVAL = 2.0  # seconds between reports while something is ejected
 MAX_ENTRIES = 256  # the schema's bound; a router with more ejected endpoints sends the longest-ejected
+MAX_COUNT = 10**9  # the schema's bound on counts
 
 
 def ejection_entries(routing: Routing, now: float) -> list[dict[str, Any]]:
@@ -51,8 +52,8 @@ def ejection_entries(routing: Routing, now: float) -> list[dict[str, Any]]:
             "reason": h.last_failure or "failures",
             "ejected_for_s": round(max(0.0, now - h.episode_since), 3),
             "ejected_now": h.is_ejected(now),
-            "consecutive_failures": h.episode_failures,
-            "ejections": h.ejections,
+            "consecutive_failures": min(h.episode_failures, MAX_COUNT),
+            "ejections": min(h.ejections, MAX_COUNT),
         })
     out.sort(key=lambda e: -e["ejected_for_s"])
     return out[:MAX_ENTRIES]

@@ -45,6 +45,7 @@ class Flight:
     last: Snapshot | None = None
     task: asyncio.Task[str] | None = None
     reports: int = 0  # progress messages sent, all watchers together
+    stopping: bool = False  # cancelled when its last watcher left; still cleaning up (a fetch process to reap)
 
     @property
     def source(self) -> str:
@@ -81,8 +82,16 @@ class Flights:
 
     async def join(self, key: Key, file: str, sha256: str | None, shard_id: str, emit: Emit,
                    run: Runner) -> str:
-        """Wait on the download for ``key`` (starting it with ``run`` if none is in flight)."""
+        """Wait on the download for ``key`` (starting it with ``run`` if none is in flight).
+
+        A download being stopped is not joined: its end is a cancellation,
+        which would reach this caller as if it had been cancelled itself.
+        The caller waits for it to finish cleaning up and starts its own.
+        """
         flight = self.active.get(key)
+        while flight is not None and flight.stopping and flight.task is not None:
+            await asyncio.wait([flight.task])
+            flight = self.active.get(key)
         if flight is not None and flight.sha256 != sha256:
             raise FlightConflict(f"{key[0]} is already being fetched for a declaration with sha256 "
                                  f"{flight.sha256 or '(none)'}; this one declares {sha256 or '(none)'}")
@@ -105,6 +114,7 @@ class Flights:
             if not flight.watchers and not flight.task.done():
                 log.info("fetch of %s: nobody waits for it any more; stopping (the partial file stays "
                          "for a later resume)", key[0])
+                flight.stopping = True
                 flight.task.cancel()
             raise
         finally:

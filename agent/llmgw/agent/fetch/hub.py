@@ -7,6 +7,12 @@ complete or absent (staged, then renamed onto a directory named for the
 commit), every file checked against the hub's digest, progress under the
 replica.  The download runs in ``hubworker``, a process the agent can kill
 when nobody waits for it any more.
+
+The hub is not trusted with the file system: the worker checks every path
+it lists (``hubworker``, ``confine``), the commit id must be 40 hex digits
+before it names a directory or a lock, and a plain ``http://`` endpoint,
+which anyone on the network path can answer for, is refused unless the
+operator sets ``fetch.insecure_http_hub`` in agent.yaml.
 """
 
 from __future__ import annotations
@@ -35,7 +41,6 @@ from llmgw.settings import FetchPolicy
 
 log = logging.getLogger(__name__)
 
-COMMIT = re.compile(r"^[0-9a-f]{40}$")
 # What the worker must not inherit: it goes online on purpose, and draws no progress bars.
 _WORKER_ENV_DROP = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_ENDPOINT")
 
@@ -61,10 +66,24 @@ class Job:
     flight: Flight
 
 
+def endpoint_problem(endpoint: str, policy: FetchPolicy) -> str | None:
+    """Why the agent will not fetch from ``endpoint``, or None."""
+    scheme = urlsplit(endpoint).scheme
+    if scheme == "https" or (scheme == "http" and policy.insecure_http_hub):
+        return None
+    if scheme == "http":
+        return (f"hub endpoint {endpoint} is plain http: anyone on the network path could answer for it; "
+                f"use https, or set fetch.insecure_http_hub: true in agent.yaml to allow it")
+    return f"hub endpoint {endpoint!r} is not an https URL"
+
+
 async def run(job: Job) -> str:
     hub = parse_hub_source(job.source)
+    problem = endpoint_problem(job.endpoint or DEFAULT_HUB_ENDPOINT, job.policy)
+    if problem:
+        raise FetchError(problem)
     root = repo_root(job.source, job.endpoint, job.model_dir)
-    if COMMIT.match(hub.revision) and (root / hub.revision).is_dir():
+    if naming.COMMIT.match(hub.revision) and (root / hub.revision).is_dir():
         return str(root / hub.revision)  # pinned and present: no hub needed (restarts on an air-gapped node)
     worker = _Worker(hub, job, root)
     try:
@@ -95,7 +114,10 @@ class _Worker:
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         self._drain = asyncio.get_running_loop().create_task(self._keep_stderr())
         resolved = await self._event("resolved")
-        commit, total = str(resolved["commit"]), int(resolved["total"])
+        commit, total = resolved.get("commit"), resolved.get("total")
+        if not isinstance(commit, str) or not naming.COMMIT.match(commit) or not isinstance(total, int):
+            raise FetchError(f"the hub resolved {self.hub.revision!r} to {commit!r}, which is not a commit id "
+                             f"(40 hex digits); nothing was fetched")
         final = self.root / commit
         async with lock.held(self.root / naming.lock_name(commit)):
             if final.is_dir():

@@ -33,6 +33,8 @@ STAGING_SUFFIX = ".llmgw-staging"
 _TMP = re.compile(r"^(?P<of>\..+(?:\.llmgw-meta|\.llmgw-verified))\.tmp(?P<pid>\d+)$")
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
+# A hub commit id: the only thing from a hub that names a directory (and its lock and staging tree).
+COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
 class SourceURLError(ValueError):

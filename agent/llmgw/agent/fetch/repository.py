@@ -36,7 +36,7 @@ from typing import Callable
 import aiohttp
 
 from llmgw.agent.backoff import Backoff
-from llmgw.agent.fetch import download, durable, lock, naming
+from llmgw.agent.fetch import confine, download, durable, lock, naming
 from llmgw.agent.fetch.download import FetchError, gib
 from llmgw.agent.fetch.flight import Flight
 from llmgw.agent.fetch.progress import RateMeter, Snapshot
@@ -109,21 +109,24 @@ async def run(job: Job) -> str:
 
 async def _assemble(job: Job, manifest: Manifest, data: bytes, staging: Path) -> None:
     staging.mkdir(exist_ok=True)
+    confine.check_tree(staging)  # a link planted in the tree would carry a checked path elsewhere
     todo = plan(manifest, _staged(staging))
     tally = Tally(job.flight, manifest.total_bytes, len(manifest.files), label(job.source), todo.kept_bytes)
     kept = set(todo.kept)
     for f in todo.kept + todo.fetch:
         try:
-            await download.run(download.Job(url=file_url(job.source, f.path), final=staging / f.path,
+            target = confine.inside(staging, f.path, what="manifest file")
+            await download.run(download.Job(url=file_url(job.source, f.path), final=target,
                                              node_id=job.node_id, sha256=f.sha256, policy=job.policy,
                                              publish=tally.on_file(f, f in kept)))
         except FetchError as e:
             raise FetchError(f"{f.path}: {e}") from e
-        size = (staging / f.path).stat().st_size
+        size = target.stat().st_size
         if size != f.size:  # the digest matched, so the manifest's size is the wrong one
             raise FetchError(f"{f.path}: {size} bytes with the declared sha256, but the manifest says {f.size}")
         tally.done(f, f in kept)
     durable.write_atomic(staging / MANIFEST_COPY, data.decode())
+    confine.check_tree(staging)
 
 
 def _staged(staging: Path) -> dict[str, int]:
