@@ -18,7 +18,6 @@ import os
 import signal
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -69,8 +68,8 @@ class Impostor:
     """A node certificate re-registering a READY shard of an invented replica every ``every`` seconds."""
 
     def __init__(self, f: Fleet, node_id: str, spec: dict[str, Any], port: int, every: float = 0.5,
-                 hardware: dict[str, Any] | None = None):
-        self.f, self.node_id, self.every = f, node_id, every
+                 hardware: dict[str, Any] | None = None, fresh: bool = False):
+        self.f, self.node_id, self.every, self.fresh = f, node_id, every, fresh
         self.cert = f.pki.node(node_id)
         self.msg = register_message(node_id, gpus=1, shards=[{
             "spec": spec, "state": "ready", "port": port, "address": "127.0.0.1", "adopted": True,
@@ -95,6 +94,10 @@ class Impostor:
         url = self.f.url.replace("https", "wss") + "/v1/agent/stream"
         while not self._stop.is_set():
             try:
+                if self.fresh and self.msg["shards"]:  # a new invented replica every time
+                    spec = self.msg["shards"][0]["spec"]
+                    rid = f"{spec['replica_id'].rsplit('-', 1)[0]}-{self.registrations:06x}"
+                    self.msg["shards"][0]["spec"] = {**spec, "replica_id": rid, "shard_id": f"{rid}/r0"}
                 async with aiohttp.ClientSession() as s, s.ws_connect(url, ssl=ctx) as ws:
                     await ws.send_str(json.dumps(self.msg))
                     self.registrations += 1
@@ -184,7 +187,7 @@ def test_impostor_hammering_while_the_real_engine_crashes_never_gets_the_slot(tm
         f.start()
         f.wait_ready(1)
         rid, pid = rank0_pid(f)  # type: ignore[misc]
-        evil = Impostor(f, f"evil-{f.suffix}", invented(real_spec(f)), trap.port).start()
+        evil = Impostor(f, f"evil-{f.suffix}", invented(real_spec(f)), trap.port, fresh=True).start()
         until(lambda: evil.stops(), "the impostor to be told to stop", on_timeout=f.server.output)
         os.killpg(pid, signal.SIGKILL)  # the real engine crashes
         until(lambda: (rank0_pid(f) or (rid, pid))[1] != pid, "the honest slot to be served again",

@@ -190,3 +190,16 @@ def test_a_placed_replica_is_never_displaced_by_an_adopted_one():
     make_ready(f, 6.0)
     f.step(cat, 6.0)
     assert [e["replica_id"] for e in endpoints(f.rec.book, f.nodes)] == [placed.spec["replica_id"]]
+
+
+def test_state_dir_is_optional_and_must_name_a_directory():
+    from llmgw.config import ConfigInvalid
+    from llmgw.settings import parse_server_settings
+
+    base = {"api": {"listen": {"port": 8443}}, "insecure_no_tls": True, "models": [], "profiles": [],
+            "deployments": []}
+    assert parse_server_settings(base).state_dir is None
+    assert parse_server_settings({**base, "state_dir": "/var/lib/llmgw/cp"}).state_dir == "/var/lib/llmgw/cp"
+    with pytest.raises(ConfigInvalid) as e:
+        parse_server_settings({**base, "state_dir": "/var/lib/llmgw/cp/grant.key"})
+    assert [err.pointer for err in e.value.errors] == ["/state_dir"]
