@@ -151,6 +151,9 @@ def test_impostor_registering_first_after_a_control_plane_restart_is_refused_and
         f.start()
         f.wait_ready(1)
         rid, pid = rank0_pid(f)  # type: ignore[misc]
+        # the agent keeps the control plane's grant with the shard record, for this node
+        granted = real_spec(f)["grant"]
+        assert (granted["node_id"], granted["replica_id"], granted["rank"]) == (f.node_ids["a"], rid, 0)
         evil = Impostor(f, f"evil-{f.suffix}", invented(real_spec(f)), trap.port)
         agent = f.agents["a"]
         agent.signal(signal.SIGSTOP)  # the real agent comes back only after the impostor

@@ -29,7 +29,7 @@ import hashlib
 import hmac
 import json
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 GRANT_VERSION = 1
@@ -46,7 +46,7 @@ _FIELDS: dict[str, tuple[type, ...]] = {
 class GrantKeys:
     """The grant secrets in force: the first signs, every one verifies (rotation)."""
 
-    secrets: tuple[bytes, ...]
+    secrets: tuple[bytes, ...] = field(repr=False)  # never printed, never logged
     ephemeral: bool = False  # made up at start: grants do not outlive this process
 
     def __post_init__(self) -> None:
