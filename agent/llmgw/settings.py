@@ -116,6 +116,7 @@ class ServerSettings:
     router: dict[str, Any] | None  # validated against router.schema.json; the router parses it
     router_ejections: EjectionPolicy = EjectionPolicy()
     api_clients: ApiClients = ApiClients()
+    state_dir: str | None = None  # holds the grant secret; None: an ephemeral one (engines replaced at restart)
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
 
 
@@ -307,6 +308,14 @@ def _router_errors(doc: dict[str, Any]) -> list[ConfigError]:
     return [ConfigError(f"/router{e.pointer}", e.message) for e in semantic_errors(doc["router"])]
 
 
+def _state_dir_errors(doc: dict[str, Any]) -> list[ConfigError]:
+    state_dir = doc.get("state_dir")
+    if state_dir is not None and Path(state_dir).name == "grant.key":
+        return [ConfigError("/state_dir", f"names a directory, not the key file: {state_dir!r} would hold "
+                            f"{Path(state_dir) / 'grant.key'}; use {str(Path(state_dir).parent)!r}")]
+    return []
+
+
 def _server_semantic_errors(doc: Any, schema: Sequence[ConfigError] = ()) -> list[ConfigError]:
     checks: list[tuple[tuple[str, ...], Check]] = [
         (("/lifecycle",), _lifecycle_errors),
@@ -318,6 +327,7 @@ def _server_semantic_errors(doc: Any, schema: Sequence[ConfigError] = ()) -> lis
         (("/models",), _source_errors),
         (("/models", "/profiles", "/deployments"), _reference_errors),
         (("/router",), _router_errors),
+        (("/state_dir",), _state_dir_errors),
     ]
     profiles = doc.get("profiles") if isinstance(doc, dict) else None
     if isinstance(profiles, list):
@@ -344,6 +354,7 @@ def parse_server_settings(doc: Any, source: str = "server.yaml") -> ServerSettin
         router=doc.get("router"),
         router_ejections=EjectionPolicy(**{**EjectionPolicy().__dict__, **doc.get("router_ejections", {})}),
         api_clients=ApiClients(**api.get("clients", {})),
+        state_dir=doc.get("state_dir"),
         raw=doc,
     )
 

@@ -123,6 +123,7 @@ class Fleet:
                "tls": {"ca": str(self.ca.cert_path), "cert": str(self.server_pair[0]),
                        "key": str(self.server_pair[1])},
                "lifecycle": {**self.lifecycle, **lifecycle},
+               "state_dir": str(self.root / "cp-state"),  # grant.key: restarts adopt, not replace
                **catalog(self.nodes)}
         path = self.root / "server.yaml"
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))

@@ -237,6 +237,8 @@ class Fleet:
             "tls": {"ca": str(self.pki.ca_cert), "cert": str(self.pki.server[0]), "key": str(self.pki.server[1])},
             "lifecycle": {**FAST_LIFECYCLE, **(lifecycle or {})},
             "restart": {"backoff_initial": 0.5, "backoff_max": 2.0, **(restart or {})},
+            # the grant secret lives here: a restarted control plane adopts the engines it placed
+            "state_dir": str(root / "cp-state"),
             "models": [{"name": "tiny", "source": "org/tiny"}],
             "profiles": [{"name": "sim", "engine": "vllm", "start_timeout": 60, **(profile or {})}],
             "deployments": [{"model": "tiny", "profile": "sim", "replicas": replicas}],

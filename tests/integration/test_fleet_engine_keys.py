@@ -120,7 +120,7 @@ def test_engine_refuses_direct_requests_and_serves_through_routers_across_restar
         f.agents["a"].start()
         until(lambda: "adopted pid" in f.agents["a"].life_output(), "the restarted agent to adopt the engine",
               on_timeout=f.agents["a"].output)
-        # Control-plane restart: the key comes back in the agent's register, not from any store.
+        # Control-plane restart: the key is recomputed from the grant the agent presents back.
         f.server.kill()
         f.server.start()
         f.wait_healthy()

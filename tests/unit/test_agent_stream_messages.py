@@ -74,3 +74,32 @@ def test_register_carries_hardware_and_every_shard_and_passes_the_schema(tmp_pat
     assert shard == {"spec": SPEC, "state": "ready", "adopted": True, "started_at": 1.0,
                      "process": me.to_dict(), "port": 20003, "address": "10.0.0.7"}
     assert procident.is_running(me)  # detaching never signals an engine
+
+
+def test_the_grant_is_kept_with_the_shard_and_presented_in_register_and_shard_status(tmp_path):
+    from llmgw.controlplane.grants import GrantKeys, issue
+
+    grant = issue(GrantKeys((b"g" * 32,)), replica_id="m.p.1-ab", slot=1, model="m", profile="p", node_id="gpu-n1",
+                  rank=0, nnodes=1, issued_at=1.7e9, cp_epoch=3, nonce="cd" * 16)
+    spec = {**SPEC, "grant": grant}
+    assert incoming_problems({"type": "start", "spec": spec}) == []
+    me = procident.identify(os.getpid())
+
+    async def main():
+        sd = StateDir(tmp_path)
+        cfg = SupervisorConfig(node_id="gpu-n1", advertise_address="10.0.0.7", engine_bind_host="0.0.0.0",
+                               engine_ports=(20000, 20010), engine_commands={}, model_dir=str(tmp_path))
+        sup = Supervisor(cfg, sd, lambda m: None)
+        sd.write(ShardRecord(spec=spec, state="ready", process=me, port=20003, started_at=1.0))
+        (record,), unreadable = StateDir(tmp_path).load()  # what a restarted agent reads back
+        assert unreadable == []
+        shard = sup.adopt(record)
+        out = (sup.report(shard), sup.status_message(shard))
+        await sup.detach()
+        return out
+
+    report, status = asyncio.run(main())
+    assert report["spec"]["grant"] == grant, "kept in the shard record across an agent restart"
+    assert status["grant"] == grant
+    assert schema_errors({"type": "shard_status", **{k: v for k, v in status.items() if k != "type"}},
+                         "stream") == []

@@ -14,6 +14,7 @@ import pytest
 
 from llmgw.catalog import Catalog
 from llmgw.config import schema_errors
+from llmgw.controlplane.grants import GrantKeys, issue
 from llmgw.controlplane.lifecycle import NodeState, ReplacementLimiter
 from llmgw.controlplane.reconciler import (
     Context,
@@ -32,6 +33,15 @@ from llmgw.settings import RestartPolicy
 
 GIB = 1 << 30
 POLICY = RestartPolicy(backoff_initial=5, backoff_max=40)
+# The grant secret of "the" control plane: a restarted one (a new Fleet) reads the same file.
+KEYS = GrantKeys((b"s" * 32,))
+
+
+def granted(spec: dict[str, Any], node: str, keys: GrantKeys = KEYS, nonce: str = "00" * 16) -> dict[str, Any]:
+    """``spec`` with a grant for ``node``, as a control plane with ``keys`` would have issued it."""
+    return {**spec, "grant": issue(keys, replica_id=spec["replica_id"], slot=0, model=spec["model"]["name"],
+                                   profile=spec["profile"]["name"], node_id=node, rank=spec["rank"],
+                                   nnodes=spec["nnodes"], issued_at=0, cp_epoch=1, nonce=nonce)}
 
 
 def catalog(replicas: int = 2, profile: dict[str, Any] | None = None, model: str = "tiny",
@@ -58,7 +68,7 @@ class Fleet:
 
     def __init__(self, *names: str, gpus: int = 2, fabric: str | None = None, rec: Reconciler | None = None):
         counter = itertools.count()
-        self.rec = rec or Reconciler(rand=lambda: f"{next(counter):04x}")
+        self.rec = rec or Reconciler(rand=lambda: f"{next(counter):04x}", keys=KEYS)
         self.nodes: dict[str, NodeView] = {}
         self.limiter = ReplacementLimiter(per_minute=10)
         for n in names:
@@ -235,7 +245,7 @@ def test_unknown_model_is_stopped_known_one_adopted():
                         "nodes": 1, "extra_args": [], "env": {}, "start_timeout": 60}}
     gone = {**good, "shard_id": "old.sim.0-bbbb/r0", "replica_id": "old.sim.0-bbbb", "gpu_indices": [1],
             "model": {**good["model"], "name": "old"}}
-    f.register("a", [report(good), report(gone, pid=7)], 0.0)
+    f.register("a", [report(granted(good, "a")), report(granted(gone, "a"), pid=7)], 0.0)
     plan = f.step(cat, 10.0)
     assert [(a.node_id, a.shard_id) for a in stops(plan)] == [("a", "old.sim.0-bbbb/r0")]
     assert "not in the catalog" in stops(plan)[0].reason
@@ -469,10 +479,10 @@ def test_adopted_multi_node_waits_for_its_other_rank_only_during_grace():
              "model": {"name": "tiny", "source": "org/tiny", "served_name": "tiny"},
              "profile": {"name": "big", "engine": "vllm", "tensor_parallel_size": 2, "pipeline_parallel_size": 1,
                          "nodes": 2, "extra_args": [], "env": {}, "start_timeout": 900}}
-    f.register("b", [report(spec1)], 0.0)
+    f.register("b", [report(granted(spec1, "b"))], 0.0)
     assert f.step(cat, 0.0, in_grace=True).actions == []
     spec0 = {**spec1, "shard_id": "tiny.big.0-dddd/r0", "rank": 0, "master_addr": None, "master_port": None}
-    f.register("a", [report(spec0)], 1.0)
+    f.register("a", [report(granted(spec0, "a"))], 1.0)
     assert f.step(cat, 5.0).actions == []
     (r,) = f.rec.book.live()
     assert r.state is ReplicaState.READY
@@ -520,13 +530,15 @@ def test_a_restarted_control_plane_recovers_each_key_from_the_agents_reports():
     assert sorted(e["api_key"] for e in eps) == sorted(s["api_key"] for s in specs.values())
 
 
-def test_a_replica_started_before_engine_keys_is_adopted_without_one():
+def test_a_replica_started_before_grants_is_stopped_and_placed_again():
     f = Fleet("a", gpus=1)
     cat = catalog(replicas=1)
     (start,) = starts(f.step(cat, 0.0))
-    old = {k: v for k, v in start.spec.items() if k != "api_key"}
+    old = {k: v for k, v in start.spec.items() if k not in ("api_key", "grant")}
     g = Fleet("a", gpus=1)
     g.register("a", [report(old)], 5.0)
-    assert starts(g.step(cat, 5.0)) == [] and stops(g.step(cat, 6.0)) == []
-    (ep,) = endpoints(g.rec.book, g.nodes)
-    assert ep["api_key"] is None
+    (stop,) = stops(g.step(cat, 5.0))
+    assert "no grant" in stop.reason and endpoints(g.rec.book, g.nodes) == []
+    g.rec.observe_status("a", {"type": "shard_status", "shard_id": stop.shard_id, "state": "stopped"}, 6.0)
+    (again,) = starts(g.step(cat, 6.0)) + starts(g.step(cat, 7.0))
+    assert again.node_id == "a" and again.spec["grant"]["node_id"] == "a"

@@ -251,6 +251,8 @@ class Supervisor:
                        output_tail: str | None = None) -> dict[str, Any]:
         msg: dict[str, Any] = {"type": "shard_status", "shard_id": shard.shard_id,
                                "replica_id": shard.spec["replica_id"], "state": shard.state.value}
+        if shard.spec.get("grant") is not None:
+            msg["grant"] = shard.spec["grant"]  # the control plane's word for this shard, presented back
         if shard.identity is not None:
             msg["process"] = shard.identity.to_dict()
             msg["port"] = shard.port

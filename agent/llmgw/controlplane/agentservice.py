@@ -23,6 +23,8 @@ from typing import Any
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
+from llmgw.controlplane.gpuclaims import GpuOwners
+from llmgw.controlplane.lifecycle import NodeState
 from llmgw.controlplane.messages import MAX_MESSAGE, MessageProblem, dumps, parse_up
 from llmgw.controlplane.state import ControlPlane
 from llmgw.tls import IdentityError, PeerIdentity, check_node_identity, peer_identity
@@ -119,6 +121,18 @@ class AgentService:
     def __init__(self, cp: ControlPlane, require_identity: bool = True):
         self.cp = cp
         self.require_identity = require_identity
+        self.gpus = GpuOwners()
+
+    def _gpu_problem(self, node_id: str, hardware: dict[str, Any]) -> str | None:
+        """Another live node's GPU UUIDs in ``hardware`` (``gpuclaims``); records them when there are none."""
+        def holds(other: str) -> bool:
+            rec = self.cp.nodes.get(other)
+            return rec is not None and rec.clock.state is not NodeState.LOST
+
+        problem = self.gpus.problem(node_id, hardware, holds)
+        if problem is None:
+            self.gpus.record(node_id, hardware)
+        return problem
 
     async def _refuse(self, ws: web.WebSocketResponse, peer: str, reason: str, claimed: str | None) -> web.WebSocketResponse:
         log.warning("refused agent stream from %s%s: %s", peer, f" claiming {claimed!r}" if claimed else "", reason)
@@ -160,6 +174,9 @@ class AgentService:
                 check_node_identity(identity, node_id)
             except IdentityError as e:
                 return await self._refuse(ws, peer, e.reason, node_id)
+        gpu_problem = self._gpu_problem(node_id, msg["hardware"])
+        if gpu_problem is not None:
+            return await self._refuse(ws, peer, gpu_problem, node_id)
 
         session = StreamSession(ws, node_id, peer)
         epoch = self.cp.register(msg, session, peer, certificate=None if identity is None else {
@@ -190,6 +207,9 @@ class AgentService:
                     if m["type"] == "hardware" and m["hardware"].get("node_id") != node_id:
                         raise MessageProblem(f"hardware: node_id {m['hardware'].get('node_id')!r} is not this "
                                              f"stream's node {node_id!r}")
+                    if m["type"] == "hardware" and (gpu_problem := self._gpu_problem(node_id, m["hardware"])):
+                        log.error("refused hardware from %s: %s", node_id, gpu_problem)
+                        raise MessageProblem(f"hardware: {gpu_problem}")
                 except MessageProblem as e:
                     reason = str(e)
                     session.send({"type": "error", "reason": reason[:4096]})

@@ -8,9 +8,14 @@ socket or a clock, so every rule is unit-tested with explicit times.
 
 The fleet is authoritative about what runs:
 
-- a shard an agent reports that we do not know is *adopted* when its model
-  and profile are in the catalog exactly as it runs them, and stopped when
-  they are not: nothing will route to it and it holds GPUs;
+- a shard an agent reports that we do not know is *adopted* only with a
+  grant this control plane's secret verifies, issued for that very node,
+  replica, rank, model and profile (``grants``); a claim without one is
+  never routed, never competes for a slot, and is told to stop.  Its engine
+  key is recomputed from the grant, never taken from the report;
+- an adopted shard is kept when its model and profile are in the catalog
+  exactly as it runs them, and stopped when they are not: nothing will route
+  to it and it holds GPUs;
 - a shard we believe runs on a node that its registration does not list is
   let go (a registration follows a fresh connection, so anything dispatched
   over an earlier one and not reported is not running); an empty list is
@@ -29,6 +34,7 @@ from typing import Any
 
 from llmgw.catalog import Catalog, Deployment, weights_bytes
 from llmgw.controlplane.capacity import FleetCapacity
+from llmgw.controlplane.grants import Claim, GrantKeys, Verdict, engine_key, issue, new_nonce, verify
 from llmgw.controlplane.lifecycle import NodeState, ReplacementLimiter
 from llmgw.controlplane.replicas import (
     DRAINING,
@@ -47,7 +53,6 @@ from llmgw.controlplane.replicas import (
     ReplicaState,
     Shard,
     model_to_dict,
-    new_engine_key,
     new_replica_id,
     profile_to_dict,
     shard_id,
@@ -133,6 +138,8 @@ class Context:
     # Sources whose size is being probed right now: their models wait for the
     # answer (bounded) rather than be placed without a memory check.
     sizing: frozenset[str] = frozenset()
+    # Wall-clock time of this pass, stamped into the grants it issues (None: ``now``).
+    wall: float | None = None
 
 
 @dataclass
@@ -170,23 +177,43 @@ def placement_request(catalog: Catalog, dep: Deployment, headroom: float,
 
 
 def _keeper_rank(r: Replica) -> tuple:
-    # Which of two replicas competing for one slot to keep: serving beats
-    # starting beats failed; then the longer-known one.
+    # Which of two replicas competing for one slot to keep: one this control
+    # plane placed beats one it adopted (a report, even a granted one, never
+    # displaces a placement); then serving beats starting beats failed; then
+    # the longer-known one.
     order = {ReplicaState.READY: 0, ReplicaState.STARTING: 1, ReplicaState.FAILED: 2}
-    return (order.get(r.state, 3), r.created_at, r.replica_id)
+    return (r.adopted, order.get(r.state, 3), r.created_at, r.replica_id)
+
+
+def claim_of(node_id: str, spec: dict[str, Any]) -> Claim:
+    """What a reported spec claims, for ``grants.verify``."""
+    return Claim(node_id=node_id, replica_id=spec["replica_id"], rank=spec["rank"], nnodes=spec["nnodes"],
+                 model=spec["model"]["name"], profile=spec["profile"]["name"])
 
 
 class Reconciler:
-    """Holds the book; observations mutate it, ``reconcile`` decides."""
+    """Holds the book; observations mutate it, ``reconcile`` decides.
 
-    def __init__(self, book: ReplicaBook | None = None, rand: Callable[[], str] | None = None):
+    ``keys`` sign the grants of every shard placed here and verify those
+    reported back; ``cp_epoch`` names this control-plane run in them.
+    """
+
+    def __init__(self, book: ReplicaBook | None = None, rand: Callable[[], str] | None = None,
+                 keys: GrantKeys | None = None, cp_epoch: int = 0):
         self.book = book or ReplicaBook()
         self._rand = rand
+        self.keys = keys or GrantKeys.fresh()
+        self.cp_epoch = cp_epoch
 
     # ------------------------------------------------------------ observations
 
-    def observe_register(self, node_id: str, reports: list[dict[str, Any]], now: float) -> list[str]:
-        """A node registered and listed every shard it runs (possibly none)."""
+    def observe_register(self, node_id: str, reports: list[dict[str, Any]], now: float,
+                         refused: list[str] | None = None) -> list[str]:
+        """A node registered and listed every shard it runs (possibly none).
+
+        Claims refused for want of a valid grant are also appended to
+        ``refused`` (the caller logs them as errors).
+        """
         book = self.book
         events: list[str] = []
         reported = {r["spec"]["shard_id"]: r for r in reports}
@@ -203,7 +230,17 @@ class Reconciler:
                 continue
             if state in ENDED_STATES:
                 continue  # nothing runs, nothing is held
+            verdict = self._check_grant(node_id, spec)
             shard = self._shard_from_report(node_id, rep, now)
+            if not verdict.ok:
+                shard.reason = f"refused: {verdict.reason}"
+                book.add_stray(shard)
+                line = (f"{sid} on {node_id}: refused, not adopted ({verdict.reason}): never routed; will stop it")
+                events.append(line)
+                if refused is not None:
+                    refused.append(line)
+                continue
+            shard.spec = self._granted_spec(spec, verdict)
             r = book.replicas.get(spec["replica_id"])
             if r is None:
                 r = self._adopt_candidate(spec, now)
@@ -284,6 +321,19 @@ class Reconciler:
         r.sick = reason
         return True
 
+    def _check_grant(self, node_id: str, spec: dict[str, Any]) -> Verdict:
+        """Whether ``spec``'s grant is this control plane's, for exactly this node and shard."""
+        if spec["shard_id"] != shard_id(spec["replica_id"], spec["rank"]):
+            return Verdict(False, f"shard id {spec['shard_id']!r} is not rank {spec['rank']} of "
+                                  f"{spec['replica_id']!r}")
+        return verify(self.keys, spec.get("grant"), claim_of(node_id, spec))
+
+    @staticmethod
+    def _granted_spec(spec: dict[str, Any], verdict: Verdict) -> dict[str, Any]:
+        """The reported spec with the engine key recomputed from its (verified) grant."""
+        assert verdict.secret is not None
+        return {**spec, "api_key": engine_key(verdict.secret, spec["replica_id"], spec["grant"]["nonce"])}
+
     def _shard_from_report(self, node_id: str, rep: dict[str, Any], now: float) -> Shard:
         spec = rep["spec"]
         s = Shard(shard_id=spec["shard_id"], replica_id=spec["replica_id"], rank=spec["rank"], node_id=node_id,
@@ -295,7 +345,11 @@ class Reconciler:
     def _apply_report(s: Shard, rep: dict[str, Any], now: float) -> None:
         if rep["state"] != s.state:
             s.state, s.state_since, s.progress = rep["state"], now, None
-        s.spec = rep["spec"]
+        if s.spec.get("grant") is not None:
+            # A shard we placed or adopted: its grant and engine key are ours, not the report's.
+            s.spec = {**rep["spec"], "grant": s.spec["grant"], "api_key": s.spec.get("api_key")}
+        else:
+            s.spec = rep["spec"]
         s.gpu_indices = tuple(rep["spec"]["gpu_indices"])
         if s.dispatched_at is None:
             s.dispatched_at = now
@@ -584,7 +638,7 @@ class Reconciler:
             if hist.needs_replacement_token and ctx.limiter is not None:
                 ctx.limiter.take(now)
             hist.needs_replacement_token = False
-            self._create(catalog, dep, slot, result, hist.failures, now, plan)
+            self._create(catalog, dep, slot, result, hist.failures, now, plan, issued_at=ctx.wall)
 
     def _drain_nodes(self, catalog: Catalog, nodes: Mapping[str, NodeView], now: float, ctx: Context,
                      plan: Plan, fleet: list[FleetCapacity]) -> None:
@@ -650,20 +704,24 @@ class Reconciler:
                 plan.drain_blocked[where] = f"cannot move {r.replica_id}: {result.reason or 'no placement'}"
                 return
             fleet[0].take(result.placement)
-            self._create(catalog, dep, r.slot, result, r.restarts, now, plan, surge_for=r.replica_id)
+            self._create(catalog, dep, r.slot, result, r.restarts, now, plan, surge_for=r.replica_id,
+                         issued_at=ctx.wall)
             why = f"{r.sick}" if r.sick else f"moving off {where} (node drain)"
             plan.events.append(f"{r.replica_id}: {why}; its replacement starts first")
             return
 
     def _create(self, catalog: Catalog, dep: Deployment, slot: int, result: PlacementResult, restarts: int,
-                now: float, plan: Plan, surge_for: str | None = None) -> None:
+                now: float, plan: Plan, surge_for: str | None = None, issued_at: float | None = None) -> None:
         assert result.placement is not None
         rid = new_replica_id(dep.model, dep.profile, slot, self._rand)
         while rid in self.book.replicas:
             rid = new_replica_id(dep.model, dep.profile, slot, None)
         model, profile = catalog.models[dep.model], catalog.profiles[dep.profile]
         nnodes = len(result.placement.shards)
-        key = new_engine_key()  # one per replica: every rank carries it, rank 0's engine enforces it
+        # One nonce and engine key per replica: every rank carries them, rank 0's engine enforces the key,
+        # and a restarted control plane recomputes it from any rank's grant.
+        nonce = new_nonce()
+        key = engine_key(self.keys.signing, rid, nonce)
         r = Replica(replica_id=rid, model=dep.model, profile=dep.profile, nnodes=nnodes,
                     slot=None if surge_for else slot, shards={}, created_at=now,
                     placement_detail=result.placement.detail, restarts=restarts, surge_for=surge_for)
@@ -672,7 +730,11 @@ class Reconciler:
             spec = {"shard_id": sid, "replica_id": rid, "model": model_to_dict(model),
                     "profile": profile_to_dict(profile), "rank": plan_shard.rank, "nnodes": nnodes,
                     "gpu_indices": list(plan_shard.gpu_indices), "env": dict(plan_shard.env),
-                    "master_addr": None, "master_port": None, "api_key": key}
+                    "master_addr": None, "master_port": None, "api_key": key,
+                    "grant": issue(self.keys, replica_id=rid, slot=None if surge_for else slot, model=dep.model,
+                                   profile=dep.profile, node_id=plan_shard.node_id, rank=plan_shard.rank,
+                                   nnodes=nnodes, issued_at=now if issued_at is None else issued_at,
+                                   cp_epoch=self.cp_epoch, nonce=nonce)}
             r.shards[plan_shard.rank] = Shard(shard_id=sid, replica_id=rid, rank=plan_shard.rank,
                                               node_id=plan_shard.node_id, gpu_indices=tuple(plan_shard.gpu_indices),
                                               spec=spec, state=WAITING, state_since=now)

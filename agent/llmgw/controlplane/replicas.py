@@ -83,15 +83,6 @@ def new_replica_id(model: str, profile: str, slot: int, rand: Callable[[], str] 
     return f"{model}.{profile}.{slot}-{suffix}"
 
 
-def new_engine_key() -> str:
-    """A fresh per-replica engine key: 256 random bits, URL-safe (fits an HTTP header as is).
-
-    Per replica, not per fleet: a key read off one node opens one replica's
-    engine, not every GPU in the fleet.  It is never logged.
-    """
-    return secrets.token_urlsafe(32)
-
-
 _SLOT_RE = re.compile(r"(\d{1,6})-[A-Za-z0-9]+")
 
 

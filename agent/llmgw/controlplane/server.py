@@ -30,6 +30,7 @@ from llmgw.config import ConfigInvalid
 from llmgw.controlplane.agentservice import STREAM_PATH
 from llmgw.controlplane.api import build_api, startup_grace_left
 from llmgw.controlplane.badrequests import quiet_malformed_requests
+from llmgw.controlplane.grantsecret import GrantSecretError, grant_keys
 from llmgw.controlplane.state import ControlPlane
 from llmgw.controlplane.tlssite import AnonymousDeadline, HandshakeLoggingSite
 from llmgw.eventloop import tune_gc
@@ -206,7 +207,11 @@ async def serve(settings: ServerSettings, config_path: str | None = None,
                 stop: asyncio.Event | None = None) -> None:
     """Run until ``stop`` is set (or SIGTERM/SIGINT)."""
     ssl_ctx = tls_context(settings)
-    cp = ControlPlane(settings, config_path)
+    try:
+        keys = grant_keys(settings.state_dir)
+    except GrantSecretError as e:
+        raise StartupRefused(f"state_dir: {e}") from e
+    cp = ControlPlane(settings, config_path, keys=keys)
     router = RouterHook(settings, pending=lambda model: catalog_grace_left(cp, model))
     cp.on_endpoints(router.update)
     reload = reloader(cp, config_path)

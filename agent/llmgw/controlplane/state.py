@@ -24,6 +24,7 @@ from typing import Any, Protocol
 from llmgw.catalog import SIZE_MEASURED, Catalog, SourceKind, measure_sources, weights_size
 from llmgw.controlplane.capacity import shape_of
 from llmgw.controlplane.ejections import EjectionBook, Verdict, held, judge
+from llmgw.controlplane.grants import GrantKeys
 from llmgw.controlplane.lifecycle import Evaluation, NodeClock, NodeState, ReplacementLimiter, evaluate, observe
 from llmgw.controlplane.reconciler import Context, NodeView, Plan, Reconciler, endpoints
 from llmgw.controlplane.replicas import ReplicaState
@@ -127,14 +128,14 @@ class WeightSizes:
 
 class ControlPlane:
     def __init__(self, settings: ServerSettings, source: str | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, keys: GrantKeys | None = None):
         self.loaded = Loaded(settings, source)
         self.clock = clock
         self.started_at = clock()
         self.started_wall = time.time()
         self.nodes: dict[str, NodeRecord] = {}
         self.sessions: dict[str, Session] = {}
-        self.reconciler = Reconciler()
+        self.reconciler = Reconciler(keys=keys, cp_epoch=int(self.started_wall))
         self.limiter = ReplacementLimiter(settings.lifecycle.replacements_per_minute)
         self.evaluation = Evaluation()
         self.unplaced: dict[tuple[str, int], str] = {}
@@ -238,8 +239,9 @@ class ControlPlane:
         self._grown_to(len(self.nodes))
         log.info("node %s registered (epoch %d, agent %s, %d GPUs, %d shard(s) reported)",
                  node_id, epoch, rec.agent_version, len(inventory.gpus), len(msg["shards"]))
-        for line in self.reconciler.observe_register(node_id, msg["shards"], now):
-            log.info("%s", line)
+        refused: list[str] = []
+        for line in self.reconciler.observe_register(node_id, msg["shards"], now, refused):
+            log.log(logging.ERROR if line in refused else logging.INFO, "%s", line)
         self.kick()
         return epoch
 
@@ -450,7 +452,7 @@ class ControlPlane:
         self._dirty, self._last_full = False, now
         ctx = Context(restart=self.settings.restart, memory_headroom=self.settings.memory_headroom,
                       in_grace=ev.in_grace, damped=ev.damped, limiter=self.limiter,
-                      weight_sizes=dict(self.sizes.bytes), sizing=self.sizes.holding(now))
+                      weight_sizes=dict(self.sizes.bytes), sizing=self.sizes.holding(now), wall=time.time())
         views = self.node_views()
         plan = self.reconciler.reconcile(self.catalog, views, now, ctx)
         for line in plan.events:

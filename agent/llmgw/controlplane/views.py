@@ -283,4 +283,7 @@ def explain_view(cp: ControlPlane, model: str) -> dict[str, Any] | None:
                 "held": held,
                 "nodes": [{"node": v.node_id, "ok": v.ok, "reason": v.reason} for v in res.verdicts],
             })
-    return {"model": model, "replicas": report}
+    names = {d.model for d in deps} | ({model} if model in cat.models else set())
+    refused = [{"shard_id": s.shard_id, "node_id": s.node_id, "state": s.state, "reason": s.reason}
+               for s in book.strays.values() if s.spec.get("model", {}).get("name") in names]
+    return {"model": model, "replicas": report, "refused": refused}

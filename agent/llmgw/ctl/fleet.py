@@ -292,6 +292,9 @@ def format_explain(doc: dict[str, Any]) -> list[str]:
         out.extend(f"  {line}" for line in item["text"].splitlines())
     if not doc.get("replicas"):
         out.append(f"{doc.get('model')}: no deployment declares it")
+    for r in doc.get("refused", []):
+        out.append(f"claimed by {r['node_id']} and not adopted: {r['shard_id']} ({r['state']}), being stopped: "
+                   f"{r['reason']}")
     return out
 
 
