@@ -135,7 +135,30 @@ def test_every_metric_the_dashboard_queries_is_exported(live):
     assert missing == {}, f"dashboard queries metrics no process exports: {missing}"
 
 
-STOP_GRACE = 20.0  # seconds a stopped control plane may take (systemd's own default is 90)
+STOP_GRACE = 20.0  # seconds a stopped process may take here (systemd's default is 90, the router's unit 45)
+
+
+def test_sigterm_stops_the_agent_and_the_routers_within_their_grace(live):
+    """The last test on the shared fleet: it stops the agent and the standalone router (the control
+    plane and its own router are stopped by the next test's scenario, and by the fixture)."""
+    import signal
+    import subprocess
+
+    f, _, _ = live
+    procs = [*f.extra, *f.agents.values()]
+    assert len(procs) == 2
+    for p in procs:
+        p.signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.proc.wait(STOP_GRACE)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{p.name} ran on {STOP_GRACE:g}s after SIGTERM:\n{p.output(4000)}")
+    f.server.signal(signal.SIGTERM)
+    try:
+        f.server.proc.wait(STOP_GRACE)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the control plane ran on {STOP_GRACE:g}s after SIGTERM:\n{f.server.output(4000)}")
 
 
 def test_sigterm_stops_a_control_plane_while_agents_register(tmp_path):
