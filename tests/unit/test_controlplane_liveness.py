@@ -99,7 +99,7 @@ def test_a_stream_that_carries_not_even_a_ping_is_closed_once_its_node_is_unreac
     assert half_open(cp.nodes["dead"].clock, clock.t, cp.lifecycle())
 
 
-def test_registered_tells_the_agent_its_liveness_scaled_with_the_fleet():
+def test_the_liveness_told_to_agents_scales_with_the_fleet():
     lc = Lifecycle(heartbeat_interval=5, keepalive_interval=10, stream_grace=60, max_heartbeats_per_second=500)
     big = lc.for_fleet(10_000)
     assert big.heartbeat_interval == 20 and big.keepalive_interval == 40 and big.stream_grace == 75

@@ -18,8 +18,9 @@ it would only make the node look unreachable).
 
 Liveness: the agent pings every ``keepalive_interval`` and drops the stream
 only when nothing at all (a message, a pong) has come for that interval plus
-``stream_grace``, both as the control plane says in ``registered`` (the
-agent's own ``keepalive_interval`` and ``DEFAULT_GRACE`` until then).  The
+``stream_grace``, both as the control plane says in ``liveness``, right
+after ``registered`` (the agent's own ``keepalive_interval`` and
+``DEFAULT_GRACE`` until then, and with a control plane that predates it).  The
 grace is longer than the pauses a control plane can have (a GC pass, VM
 steal): a fixed pong deadline of a few seconds would turn each such pause
 into a fleet-wide reconnection storm.
@@ -52,7 +53,7 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE = 4 * 1024 * 1024
 DEFAULT_GRACE = 60.0  # seconds past a ping an agent waits for a word before ``registered`` says otherwise
 MAX_RETRY_AFTER = 300.0  # the longest Retry-After obeyed (a server's mistake must not park a node for hours)
-DOWN_TYPES = ("registered", "start", "stop", "drain", "error")
+DOWN_TYPES = ("registered", "liveness", "start", "stop", "drain", "error")
 
 Discover = Callable[[], Awaitable[HardwareInventory]]
 
@@ -192,16 +193,16 @@ class StreamClient:
             rediscovery = (asyncio.create_task(self._rediscovery(hw), name="rediscovery")
                            if self.rediscover > 0 else None)
             heartbeat: asyncio.Task[None] | None = None
-            interval, self.grace = self.keepalive, DEFAULT_GRACE  # until ``registered`` says
-            self._advertised_keepalive = None
-            pinger = asyncio.create_task(self._pinger(ws, lambda: interval), name="stream pings")
+            self._advertised_keepalive, self.grace = None, DEFAULT_GRACE  # until ``liveness`` says
+            pinger = asyncio.create_task(self._pinger(ws), name="stream pings")
             try:
                 while True:
+                    wait = self._ping_interval() + self.grace
                     try:
-                        raw = await ws.receive(timeout=interval + self.grace)
+                        raw = await ws.receive(timeout=wait)
                     except asyncio.TimeoutError:
                         log.warning("nothing from the control plane for %.0fs (ping every %gs, grace %gs); "
-                                    "dropping the stream", interval + self.grace, interval, self.grace)
+                                    "dropping the stream", wait, self._ping_interval(), self.grace)
                         break
                     if raw.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING, aiohttp.WSMsgType.CLOSED):
                         break
@@ -210,7 +211,6 @@ class StreamClient:
                     elif raw.type == aiohttp.WSMsgType.TEXT:
                         hb = self._handle_text(raw.data)
                         if hb is not None:
-                            interval = self._advertised_keepalive or self.keepalive
                             if heartbeat is not None:
                                 heartbeat.cancel()
                             heartbeat = asyncio.create_task(self._heartbeats(hb), name="heartbeats")
@@ -230,17 +230,20 @@ class StreamClient:
                 await asyncio.gather(*(t for t in (sender, heartbeat, rediscovery, pinger) if t is not None),
                                      return_exceptions=True)
 
-    _advertised_keepalive: float | None = None  # the ping interval ``registered`` asked for
+    _advertised_keepalive: float | None = None  # the ping interval ``liveness`` asked for
 
-    async def _pinger(self, ws: aiohttp.ClientWebSocketResponse, interval: Callable[[], float]) -> None:
-        """A ping every ``interval()`` seconds: the control plane's answer shows the connection is alive.
+    def _ping_interval(self) -> float:
+        return self._advertised_keepalive or self.keepalive
+
+    async def _pinger(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        """A ping every ping interval: the control plane's answer shows the connection is alive.
 
         Nothing is judged here: the receive loop drops the stream when no
         frame at all has come within the interval plus the grace.
         """
         try:
             while True:
-                await asyncio.sleep(interval())
+                await asyncio.sleep(self._ping_interval())
                 await ws.ping()
         except (ConnectionError, aiohttp.ClientError, RuntimeError):
             pass  # the receive loop sees the connection end
@@ -294,12 +297,14 @@ class StreamClient:
         if kind == "registered":
             self.epoch = int(msg["epoch"])
             self.backoff.reset()
-            self._advertised_keepalive = msg.get("keepalive_interval")
-            self.grace = float(msg.get("stream_grace", DEFAULT_GRACE))
             log.info("registered as %s (epoch %d, heartbeat every %gs)", self.node_id, self.epoch,
                      msg["heartbeat_interval"])
             return float(msg["heartbeat_interval"])
-        if kind == "start":
+        if kind == "liveness":
+            self._advertised_keepalive, self.grace = float(msg["keepalive_interval"]), float(msg["stream_grace"])
+            log.debug("pinging the control plane every %gs; waiting %gs past a ping for a word before redialling",
+                     self._advertised_keepalive, self.grace)
+        elif kind == "start":
             try:
                 self.supervisor.start(msg["spec"])
             except Exception:  # one bad start must not cost the node its stream

@@ -11,7 +11,7 @@ first bad one closes that agent's stream and nothing else.
 
 Keepalive is the agents' business: each pings every ``keepalive_interval``
 and gives the control plane ``stream_grace`` to answer, both told in
-``registered``, so a control plane that pauses for less than the grace
+``liveness`` (right after ``registered``), so a control plane that pauses for less than the grace
 costs no stream.  The control plane sends no pings of its own (its
 heartbeat is the agents'); it answers theirs and notes every frame, and a
 stream silent (not even a ping) for ``keepalive_interval + stream_grace``
@@ -148,11 +148,17 @@ class AgentService:
         return web.json_response({"error": "the control plane is admitting no more agent streams just now",
                                   "retry_after_s": retry}, status=503, headers={"Retry-After": str(retry)})
 
-    def _registered(self, epoch: int) -> dict[str, Any]:
-        """``registered``: the epoch and the liveness the agent must keep and may expect."""
+    def _registered(self, session: StreamSession, epoch: int) -> None:
+        """``registered`` (the epoch, the heartbeat interval), then ``liveness``: the pings asked for, the grace given.
+
+        ``liveness`` is a message of its own: an agent that predates it
+        ignores it (with a warning) and keeps its registration, where an
+        unknown field in ``registered`` would make it refuse the message.
+        """
         lc = self.cp.lifecycle()
-        return {"type": "registered", "epoch": epoch, "heartbeat_interval": lc.heartbeat_interval,
-                "keepalive_interval": lc.keepalive_interval, "stream_grace": lc.stream_grace}
+        session.send({"type": "registered", "epoch": epoch, "heartbeat_interval": lc.heartbeat_interval})
+        session.send({"type": "liveness", "keepalive_interval": lc.keepalive_interval,
+                      "stream_grace": lc.stream_grace})
 
     async def _keepalive(self, ws: web.WebSocketResponse, raw: Any, node_id: str, epoch: int) -> None:
         """A ping or pong: the stream is alive (not a heartbeat: the node's silence is judged on those)."""
@@ -214,7 +220,7 @@ class AgentService:
             "fingerprint_sha256": identity.fingerprint_sha256})
         # No await between register and this send: "registered" is the first
         # thing on the stream, ahead of any start/stop the reconciler queues.
-        session.send(self._registered(epoch))
+        self._registered(session, epoch)
         if self.cp.stopping:  # upgraded before the stop, registered after it: not kept open past the stop
             session.close("control plane shutting down")
         # This coroutine lives as long as the stream: names still bound here
