@@ -39,7 +39,8 @@ WAIT = 120.0
 # Short heartbeats, so the 30 s stall exceeds unreachable_after and lost_after; keepalive_interval and
 # stream_grace are the defaults (pings every 10 s).
 LIFECYCLE = {"heartbeat_interval": 1.0, "keepalive_interval": 10.0, "unreachable_after": 15.0, "lost_after": 20.0,
-             "startup_grace": 2.0, "max_unreachable_share": 0.55, "replacements_per_minute": 600}
+             "startup_grace": 2.0, "max_unreachable_share": 0.55, "replacements_per_minute": 600,
+             "stream_grace": 60.0}
 
 
 def ready(f: Fleet, sim: Sim, nodes: int, replicas: int) -> dict[str, Any]:

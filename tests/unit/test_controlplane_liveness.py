@@ -83,20 +83,19 @@ def test_the_control_planes_stall_does_not_make_its_nodes_unreachable():
     assert cp.nodes["n1"].clock.state is NodeState.UNREACHABLE
 
 
-def test_a_stream_that_carries_not_even_a_ping_is_closed_once_its_node_is_unreachable():
+def test_a_stream_that_carries_not_even_a_ping_for_two_ping_intervals_is_closed():
     clock = Clock()
-    cp = ControlPlane(settings(replicas=0, stream_grace=5), clock=clock)
+    cp = ControlPlane(settings(replicas=0, keepalive_interval=1.5), clock=clock)
     pinging, dead = FakeSession(), FakeSession()
     cp.register(register("pinging"), pinging)
     cp.register(register("dead"), dead)
-    for _ in range(8):  # heartbeats stop on both; pings go on from one
+    for _ in range(5):  # heartbeats stop on both; pings go on from one
         clock.t += 1.0
         cp.frame("pinging", pinging.epoch)
         cp.tick()
-    assert {n: r.clock.state for n, r in cp.nodes.items()} == {"pinging": NodeState.UNREACHABLE,
-                                                              "dead": NodeState.UNREACHABLE}
     assert pinging.closed is None and dead.closed and "not even a ping" in dead.closed
     assert half_open(cp.nodes["dead"].clock, clock.t, cp.lifecycle())
+    assert cp.nodes["pinging"].clock.state is NodeState.UNREACHABLE  # silent all the same: pings are not heartbeats
 
 
 def test_the_liveness_told_to_agents_scales_with_the_fleet():

@@ -101,15 +101,14 @@ def excuse(clocks: Iterable[NodeClock], stall: float, now: float) -> None:
 
 
 def half_open(clock: NodeClock, now: float, timings: Lifecycle) -> bool:
-    """An unreachable node whose stream has carried nothing, not even a ping, for longer than an agent waits.
+    """A stream that has carried nothing, not even a ping, for two ping intervals.
 
     A live agent pings every ``keepalive_interval`` even when its heartbeats
-    stop; a connection silent past ``keepalive_interval + stream_grace`` is
-    one whose other end is gone without a word (a host powered off, a cut
-    cable).
+    stop, so a connection that silent has lost its other end without a word
+    (a frozen process, a host powered off, a cut cable).  The control
+    plane's own stalls are excused from ``last_frame`` as from ``last_seen``.
     """
-    quiet = now - max(clock.last_seen, clock.last_frame)
-    return clock.state is NodeState.UNREACHABLE and quiet > timings.keepalive_interval + timings.stream_grace
+    return now - max(clock.last_seen, clock.last_frame) > 2 * timings.keepalive_interval
 
 
 def silence(clock: NodeClock, now: float, started_at: float) -> float:

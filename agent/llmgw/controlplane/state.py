@@ -161,6 +161,7 @@ class ControlPlane:
         self.looplag = LoopLag()  # this process's own stalls, not counted against agents (see tick)
         self.stalled = 0.0  # seconds of stall excused so far, for logs and tests
         self.stopping = False  # SIGTERM: no new stream is admitted, none registering is kept
+        self._half_open_checked = float("-inf")
 
     # ------------------------------------------------------------------ access
     @property
@@ -282,12 +283,15 @@ class ControlPlane:
             rec.clock.last_frame = self.clock()
 
     def _close_half_open(self, now: float, lc: Lifecycle) -> None:
-        """Close the streams of unreachable nodes that carried nothing for longer than an agent waits."""
+        """Close the streams that carried nothing, not even a ping, for two ping intervals (at most twice a ping interval)."""
+        if now - self._half_open_checked < lc.keepalive_interval / 2:
+            return
+        self._half_open_checked = now
         for node_id, rec in self.nodes.items():
-            if rec.connected and rec.clock.state is NodeState.UNREACHABLE and half_open(rec.clock, now, lc):
+            if rec.connected and half_open(rec.clock, now, lc):
                 session = self.sessions.get(node_id)
                 if session is not None:
-                    session.close(f"nothing received for over {lc.keepalive_interval + lc.stream_grace:g}s, "
+                    session.close(f"nothing received for over {2 * lc.keepalive_interval:g}s, "
                                   "not even a ping: the connection is presumed dead")
 
     def _learn_reported_size(self, node_id: str, msg: dict[str, Any]) -> None:
@@ -455,8 +459,7 @@ class ControlPlane:
         self.evaluation = ev
         if ev.transitions or (ev.in_grace, ev.damped) != (prev.in_grace, prev.damped):
             self._dirty = True
-        if ev.unreachable_share > 0:
-            self._close_half_open(now, lc)
+        self._close_half_open(now, lc)
         if self.ejections.reports or self.ejection_verdicts:
             self._judge_ejections(now)
         for tr in ev.transitions:
