@@ -27,7 +27,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from fleet import Fleet, until
+from fleet import FAST_LIFECYCLE, Fleet, until
 from llmgw.sim.fleet.throttle import Throttle
 from test_fleet_sim import Sim, assert_no_gpu_twice, nodes_doc, placement
 
@@ -134,3 +134,17 @@ def test_a_starved_control_plane_admits_what_it_can_and_every_node_registers_onc
         assert {n["registrations"] for n in nodes_doc(f)["nodes"]} == {1}
         assert "admission: refusing new agent streams" in logged
         assert "stream closed" not in logged
+
+
+def test_an_idle_stream_lives_on_the_pings_the_control_plane_asks_for(tmp_path: Path) -> None:
+    """The agent's own keepalive_interval is 10 s; the control plane asks for a ping every 1 s and gives
+    2 s of grace: the agent must ping at the interval it was told from then on, or its stream, idle but
+    for heartbeats, is dropped every 3 s."""
+    with Fleet(tmp_path, nodes={"a": 1}, replicas=1) as f:
+        f.start()
+        f.wait_ready(1)
+        agent = f.agents["a"]
+        time.sleep(4 * (FAST_LIFECYCLE["keepalive_interval"] + FAST_LIFECYCLE["stream_grace"]))
+        assert "nothing from the control plane" not in agent.life_output()
+        assert "stream closed" not in agent.life_output()
+        assert f.nodes()[f.node_ids["a"]]["registrations"] == 1

@@ -41,7 +41,7 @@ from typing import Any, Awaitable, Callable
 
 import aiohttp
 
-from llmgw import __version__
+from llmgw import __version__, compat
 from llmgw.agent import procident
 from llmgw.agent.backoff import Backoff
 from llmgw.agent.schema import definition_problems
@@ -232,6 +232,8 @@ class StreamClient:
 
     _advertised_keepalive: float | None = None  # the ping interval ``liveness`` asked for
 
+    _retime: asyncio.Event | None = None  # set when ``liveness`` changes the ping interval
+
     def _ping_interval(self) -> float:
         return self._advertised_keepalive or self.keepalive
 
@@ -241,10 +243,15 @@ class StreamClient:
         Nothing is judged here: the receive loop drops the stream when no
         frame at all has come within the interval plus the grace.
         """
+        retime = self._retime = asyncio.Event()
         try:
             while True:
-                await asyncio.sleep(self._ping_interval())
-                await ws.ping()
+                try:
+                    await compat.wait_for(retime.wait(), self._ping_interval())
+                except TimeoutError:
+                    await ws.ping()
+                else:  # ``liveness`` changed the interval: count it afresh from now
+                    retime.clear()
         except (ConnectionError, aiohttp.ClientError, RuntimeError):
             pass  # the receive loop sees the connection end
 
@@ -302,6 +309,8 @@ class StreamClient:
             return float(msg["heartbeat_interval"])
         if kind == "liveness":
             self._advertised_keepalive, self.grace = float(msg["keepalive_interval"]), float(msg["stream_grace"])
+            if self._retime is not None:
+                self._retime.set()
             log.debug("pinging the control plane every %gs; waiting %gs past a ping for a word before redialling",
                      self._advertised_keepalive, self.grace)
         elif kind == "start":
