@@ -40,7 +40,7 @@ class Lifecycle:
     replacements_per_minute: int = 10
     max_heartbeats_per_second: float = 500.0
     stream_grace: float = 60.0
-    max_registrations_per_second: float = 200.0
+    max_registrations_per_second: float = 500.0
     max_loop_lag: float = 1.0
 
     def for_fleet(self, nodes: int) -> "Lifecycle":

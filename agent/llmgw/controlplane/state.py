@@ -86,6 +86,7 @@ class Loaded:
 
 
 FULL_PASS_EVERY = 30.0  # seconds: a settled fleet is still reconciled whole this often
+STALL_EXCUSED_FROM = 0.25  # seconds of loop lateness, added up, before the nodes' deadlines are pushed back
 PASS_SHARE = 0.5  # at most this share of the event loop goes to back-to-back reconcile passes
 PROBE_TIMEOUT = 5.0  # seconds per request when sizing a URL (a HEAD, then maybe one ranged GET)
 PROBE_HOLD = 30.0  # longest a model waits for its URL's size before it is placed without one
@@ -162,6 +163,7 @@ class ControlPlane:
         self.stalled = 0.0  # seconds of stall excused so far, for logs and tests
         self.stopping = False  # SIGTERM: no new stream is admitted, none registering is kept
         self._half_open_checked = float("-inf")
+        self._stall_owed = 0.0  # loop lateness not yet excused (see _excuse_stall)
 
     # ------------------------------------------------------------------ access
     @property
@@ -500,9 +502,12 @@ class ControlPlane:
         sockets; without this, the first pass after a pause would find every
         node silent for as long as the pause and declare the fleet unreachable.
         """
-        stall = self.looplag.take()
-        if stall <= 0:
+        # A loop always runs a little late; excusing each millisecond would walk
+        # every node's clock on every pass.  Lateness adds up until it matters.
+        self._stall_owed += self.looplag.take()
+        if self._stall_owed < STALL_EXCUSED_FROM:
             return
+        stall, self._stall_owed = self._stall_owed, 0.0
         excuse(clocks.values(), stall, now)
         self.stalled += stall
         if stall >= 1.0:
