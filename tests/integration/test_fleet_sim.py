@@ -35,7 +35,8 @@ NODES = 200
 # control-plane restart, or its replicas are placed afresh; on a loaded
 # machine two hundred TLS handshakes and registers take several seconds.
 LIFECYCLE = {"heartbeat_interval": 1.0, "keepalive_interval": 3.0, "unreachable_after": 5.0, "lost_after": 8.0,
-             "startup_grace": 15.0, "max_unreachable_share": 0.55, "replacements_per_minute": 600}
+             "startup_grace": 15.0, "max_unreachable_share": 0.55, "replacements_per_minute": 600,
+             "stream_grace": 10.0}
 PROFILES = [{"name": "tp1", "engine": "vllm", "start_timeout": 60},
             {"name": "tp2", "engine": "vllm", "start_timeout": 60, "tensor_parallel_size": 2},
             {"name": "tp4", "engine": "vllm", "start_timeout": 60, "tensor_parallel_size": 4},
