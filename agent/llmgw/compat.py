@@ -13,18 +13,26 @@ its protocol's ``connection_made``: 3.10's selector transport registers its read
 ``timeout``/``timeout_at`` raise the built-in ``TimeoutError`` on expiry, as
 ``asyncio.timeout`` does since 3.11 (on 3.10 ``asyncio.TimeoutError`` is a
 different class, so ``except TimeoutError`` would miss it).
+
+``wait_for`` is ``asyncio.wait_for`` from 3.12 on.  Before 3.12 (CPython
+gh-86296) ``asyncio.wait_for`` returns the result when the awaited thing
+completes in the same loop iteration as the task is cancelled, and the
+cancellation is lost: a loop that waits on an event with a timeout, kicked
+by every agent that registers, then never stops on SIGTERM.  Here it is a
+timeout scope around the await, which lets a cancellation through; on expiry
+it raises the built-in ``TimeoutError`` on every version.
 """
 
 from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["pause_reading_at_accept", "run", "timeout", "timeout_at"]
+__all__ = ["pause_reading_at_accept", "run", "timeout", "timeout_at", "wait_for"]
 
 if sys.version_info >= (3, 11):
     from asyncio import timeout, timeout_at
@@ -98,3 +106,14 @@ else:  # Python 3.10
             task.cancel()
         if pending:
             loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+
+
+if sys.version_info >= (3, 12):
+    from asyncio import wait_for
+else:
+    async def wait_for(aw: Awaitable[T], timeout: float | None) -> T:  # noqa: F811 (the module's ``timeout``)
+        """``asyncio.wait_for`` without gh-86296: a cancellation always propagates."""
+        async with _timeout_scope(timeout):
+            return await aw
+
+    _timeout_scope = timeout

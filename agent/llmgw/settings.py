@@ -40,6 +40,9 @@ class Lifecycle:
     max_unreachable_share: float = 0.55
     replacements_per_minute: int = 10
     max_heartbeats_per_second: float = 500.0
+    stream_grace: float = 60.0
+    max_registrations_per_second: float = 500.0
+    max_loop_lag: float = 1.0
 
     def for_fleet(self, nodes: int) -> "Lifecycle":
         """The timings in force for a fleet of ``nodes``: heartbeats capped fleet-wide.
@@ -53,8 +56,10 @@ class Lifecycle:
         grown = interval - self.heartbeat_interval
         if grown <= 0:
             return self
+        keepalive = self.keepalive_interval * interval / self.heartbeat_interval
         return dataclasses.replace(self, heartbeat_interval=interval, unreachable_after=self.unreachable_after + grown,
-                                   lost_after=self.lost_after + grown)
+                                   lost_after=self.lost_after + grown, keepalive_interval=keepalive,
+                                   stream_grace=self.stream_grace + grown)
 
 
 @dataclass(frozen=True)

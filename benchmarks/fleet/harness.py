@@ -28,6 +28,7 @@ import httpx
 import yaml
 
 from llmgw.sim.fleet.client import send_command
+from llmgw.sim.fleet.throttle import Throttle
 from llmgw.tls import init_ca, issue_admin, issue_server
 from llmgw.tls.ca import load_ca
 from llmgw.tls.context import client_context
@@ -101,6 +102,8 @@ class Fleet:
     server: subprocess.Popen | None = None
     sim: subprocess.Popen | None = None
     started_at: float = 0.0
+    cpu_share: float | None = None  # hold the control plane to this share of one CPU (contention)
+    throttle: Throttle | None = None
 
     def __post_init__(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -141,9 +144,17 @@ class Fleet:
                                        start_new_session=True)
         self.started_at = time.monotonic()
         until(lambda: self._healthy(), "the control plane's /healthz", 60, 0.2)
+        if self.cpu_share is not None:
+            self.throttle = Throttle(self.server.pid, self.cpu_share).start()
+
+    def _unthrottle(self) -> None:
+        if self.throttle is not None:
+            self.throttle.stop()
+            self.throttle = None
 
     def kill_server(self) -> None:
         assert self.server is not None
+        self._unthrottle()
         self.server.send_signal(signal.SIGKILL)
         self.server.wait()
         self.close_http()
@@ -162,6 +173,7 @@ class Fleet:
             raise RuntimeError(f"fleet simulator exited {self.sim.returncode}; see {self.root / 'sim.log'}")
 
     def stop(self) -> None:
+        self._unthrottle()
         for p in (self.sim, self.server):
             if p is not None and p.poll() is None:
                 with _quiet():

@@ -28,8 +28,16 @@ some two-node replicas on InfiniBand fabrics:
 - partitions (``lost_after`` 60 s): 60 % of agents silent past it (nothing
   lost or moved, all back on heal), then 5 % silent (those nodes lost, their
   replicas placed again, no faster than ``replacements_per_minute``);
+- stall: the control plane stopped (SIGSTOP) for ``--stall`` seconds, as a
+  long GC pass or VM steal would stop it: streams dropped (registrations
+  again), nodes unreachable or lost, replicas moved;
 - placement: decisions per second of the reconciler's placement over the
   same inventory, in this process.
+
+``--cpu-share 0.5`` holds the control plane to half of one CPU for the whole
+run (``llmgw.sim.fleet.throttle``: a SIGSTOP/SIGCONT duty cycle, no cgroups),
+as on a host where other work takes the rest; cold and storm then show what
+admission control makes of the load (registrations per node, refusals).
 
 Writes benchmarks/results/fleet.json and fleet.md (targets at 10,000 nodes,
 and each figure's cost per node at the largest size over the smallest).
@@ -109,7 +117,30 @@ def cold(f: Fleet, timeout: float) -> dict[str, Any]:
                cp_cpu_s=round(f.server_cpu() - cpu0, 2), cp_rss_mib=round(f.server_rss() / 2**20, 1),
                sim_cpu_s=round(f.sim_cpu(), 2))
     got["to_ready_s"] = round(elapsed, 1) if "ready_s" in got else None
+    st = f.sim_status()
+    got.update(registrations_per_node=st.get("registrations_per_node"), refusals=st.get("refusals"),
+               connect_errors=st.get("connect_errors"))
     return got
+
+
+def stall(f: Fleet, seconds: float) -> dict[str, Any]:
+    """SIGSTOP the control plane for ``seconds``; what it cost once it runs again."""
+    import signal
+
+    assert f.server is not None
+    before, regs = f.placements(), f.sim_status().get("registrations", 0)
+    f.server.send_signal(signal.SIGSTOP)
+    time.sleep(seconds)
+    f.server.send_signal(signal.SIGCONT)
+    time.sleep(3 * 5.0)  # three default heartbeats: room for what the pause set off
+    got = wait_converged(f, 300)
+    s = got.get("summary") or f.summary()
+    after = f.placements()
+    return {"seconds": seconds, "reregistrations": f.sim_status().get("registrations", 0) - regs,
+            "nodes_unreachable": s["nodes"]["by_state"].get("unreachable", 0),
+            "nodes_lost": s["nodes"]["by_state"].get("lost", 0),
+            "replicas_moved_or_restarted": sum(1 for rid, where in before.items() if after.get(rid) != where),
+            "converged_s": got.get("ready_s")}
 
 
 def steady(f: Fleet, seconds: float) -> dict[str, Any]:
@@ -348,7 +379,7 @@ def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
     if not live:
         return res
     with tempfile.TemporaryDirectory(prefix=f"llmgw-fleet-{n}-") as tmp:
-        f = Fleet(Path(tmp), n, procs=args.procs, lifecycle=dict(LIFECYCLE))
+        f = Fleet(Path(tmp), n, procs=args.procs, lifecycle=dict(LIFECYCLE), cpu_share=args.cpu_share)
         try:
             log(f"{n}: cold start")
             came_up = cold(f, args.timeout)  # every live phase needs the fleet up; kept when asked for
@@ -361,6 +392,9 @@ def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
             if "reads" in live:
                 res["reads"] = reads(f, Path(tmp))
                 log(f"{n}: reads {res['reads']}")
+            if "stall" in live:
+                res["stall"] = stall(f, args.stall)
+                log(f"{n}: stall {res['stall']}")
             if "storm" in live:
                 f.lifecycle = {}
                 res["storm"] = storm(f, args.timeout)
@@ -481,8 +515,11 @@ def main() -> int:
     ap.add_argument("--procs", type=int, default=2)
     ap.add_argument("--steady", type=float, default=60.0)
     ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--stall", type=float, default=30.0, help="seconds the stall phase stops the control plane")
+    ap.add_argument("--cpu-share", type=float, default=None,
+                    help="hold the control plane to this share of one CPU for the whole run (contention)")
     ap.add_argument("--phases", nargs="+", default=["placement", "cold", "steady", "reads", "storm", "partitions"],
-                    choices=["placement", "cold", "steady", "reads", "storm", "partitions"])
+                    choices=["placement", "cold", "steady", "reads", "stall", "storm", "partitions"])
     ap.add_argument("--keep-logs", default=None, help="copy each size's server and simulator logs here")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--update", action="store_true",

@@ -55,7 +55,7 @@ GIB = 1 << 30
 # Short lifecycle timings so a test sees unreachable/lost in seconds.
 FAST_LIFECYCLE = {"heartbeat_interval": 0.5, "keepalive_interval": 1.0, "unreachable_after": 3.0,
                   "lost_after": 6.0, "startup_grace": 4.0, "max_unreachable_share": 0.55,
-                  "replacements_per_minute": 30}
+                  "replacements_per_minute": 30, "stream_grace": 2.0}
 
 
 

@@ -51,8 +51,11 @@ async def next_json(ws: aiohttp.ClientWebSocketResponse, want: str, timeout: flo
 
 
 def test_messages_on_a_superseded_stream_change_nothing(tmp_path):
-    # Long lifecycle: nothing but the streams can change what the API shows.
-    with Fleet(tmp_path, nodes={}, replicas=1, lifecycle={"unreachable_after": 60, "lost_after": 120}) as f:
+    # Long lifecycle: nothing but the streams can change what the API shows. A long keepalive too:
+    # these hand-made streams neither heartbeat nor ping, and a stream that carries nothing for two
+    # keepalive intervals is closed as half-open.
+    with Fleet(tmp_path, nodes={}, replicas=1,
+               lifecycle={"unreachable_after": 60, "lost_after": 120, "keepalive_interval": 20}) as f:
         f.start()
         node = f"node-stale-{f.suffix}"
         cert = f.pki.node(node)

@@ -233,6 +233,8 @@ def test_a_new_registration_supersedes_the_old_stream(cp):
                     await new.send_str(json.dumps(register("node-epochs")))
                     e2 = json.loads((await new.receive(timeout=60)).data)["epoch"]
                     closed = await old.receive(timeout=60)
+                    while closed.type == aiohttp.WSMsgType.TEXT:  # liveness, sent right after registered
+                        closed = await old.receive(timeout=60)
                     node = (await asyncio.to_thread(cp.nodes))["node-epochs"]
                     return e1, e2, closed.type, node
 

@@ -35,7 +35,8 @@ NODES = 200
 # control-plane restart, or its replicas are placed afresh; on a loaded
 # machine two hundred TLS handshakes and registers take several seconds.
 LIFECYCLE = {"heartbeat_interval": 1.0, "keepalive_interval": 3.0, "unreachable_after": 5.0, "lost_after": 8.0,
-             "startup_grace": 15.0, "max_unreachable_share": 0.55, "replacements_per_minute": 600}
+             "startup_grace": 15.0, "max_unreachable_share": 0.55, "replacements_per_minute": 600,
+             "stream_grace": 10.0}
 PROFILES = [{"name": "tp1", "engine": "vllm", "start_timeout": 60},
             {"name": "tp2", "engine": "vllm", "start_timeout": 60, "tensor_parallel_size": 2},
             {"name": "tp4", "engine": "vllm", "start_timeout": 60, "tensor_parallel_size": 4},
@@ -50,19 +51,20 @@ WAIT = 120.0
 class Sim:
     """The simulator process, its status file and its control socket."""
 
-    def __init__(self, f: Fleet, root: Path):
+    def __init__(self, f: Fleet, root: Path, nodes: int = NODES, engines: int = REAL, extra: tuple[str, ...] = ()):
         self.sock_dir = Path(tempfile.mkdtemp(prefix="fsim-"))  # unix socket paths must be short
         self.sock = self.sock_dir / "ctl.sock"
         self.status_path = root / "sim-status.json"
         argv = [sys.executable, "-m", "llmgw.sim.fleet.cli", "--url", f.stream_url,
                 "--ca-dir", str(f.pki.ca.directory), "--cert-cache", str(root / "sim-certs"),
-                "--nodes", str(NODES), "--prefix", f"fs{f.suffix.replace('-', '')}", "--seed", "7",
+                "--nodes", str(nodes), "--prefix", f"fs{f.suffix.replace('-', '')}", "--seed", "7",
                 "--start-seconds", "0.3", "--fetch-seconds", "0.3", "--progress-interval", "0.1",
                 "--stop-seconds", "0.1", "--reconnect-initial", "0.2", "--reconnect-max", "1.0",
                 "--status-file", str(self.status_path), "--status-interval", "0.5",
-                "--control", str(self.sock), "--log-level", "INFO",
-                "--engines", str(REAL), "--engine-models", "real", "--engine-command", str(f.sim),
-                "--engine-dir", str(root / "sim-engines")]
+                "--control", str(self.sock), "--log-level", "INFO", *extra]
+        if engines:
+            argv += ["--engines", str(engines), "--engine-models", "real", "--engine-command", str(f.sim),
+                     "--engine-dir", str(root / "sim-engines")]
         self.prefix = argv[argv.index("--prefix") + 1]
         self.proc = Proc("fleet-sim", argv, root / "fleet-sim.log", root)
 

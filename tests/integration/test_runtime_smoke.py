@@ -133,3 +133,61 @@ def test_every_metric_the_dashboard_queries_is_exported(live):
     assert len(wanted) >= 10
     missing = {name: sorted(panels) for name, panels in wanted.items() if name not in exported}
     assert missing == {}, f"dashboard queries metrics no process exports: {missing}"
+
+
+STOP_GRACE = 20.0  # seconds a stopped process may take here (systemd's default is 90, the router's unit 45)
+
+
+def test_sigterm_stops_the_agent_and_the_routers_within_their_grace(live):
+    """The last test on the shared fleet: it stops the agent and the standalone router (the control
+    plane and its own router are stopped by the next test's scenario, and by the fixture)."""
+    import signal
+    import subprocess
+
+    f, _, _ = live
+    procs = [*f.extra, *f.agents.values()]
+    assert len(procs) == 2
+    for p in procs:
+        p.signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.proc.wait(STOP_GRACE)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{p.name} ran on {STOP_GRACE:g}s after SIGTERM:\n{p.output(4000)}")
+    f.server.signal(signal.SIGTERM)
+    try:
+        f.server.proc.wait(STOP_GRACE)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the control plane ran on {STOP_GRACE:g}s after SIGTERM:\n{f.server.output(4000)}")
+
+
+def test_sigterm_stops_a_control_plane_while_agents_register(tmp_path):
+    """Before 3.12 ``asyncio.wait_for`` could lose the cancellation SIGTERM starts (CPython gh-86296),
+    and a control plane kicked by every registration then ran on, deaf to SIGTERM. Three stops, each in
+    the middle of a registration storm of simulated agents that keep dialling."""
+    import signal
+    import subprocess
+    import sys
+
+    from fleet import Proc
+
+    with Fleet(tmp_path, nodes={}, replicas=0) as f:
+        status = tmp_path / "sim-status.json"
+        argv = [sys.executable, "-m", "llmgw.sim.fleet.cli", "--url", f.stream_url,
+                "--ca-dir", str(f.pki.ca.directory), "--cert-cache", str(tmp_path / "certs"), "--nodes", "60",
+                "--prefix", f"st{f.suffix.replace('-', '')}", "--reconnect-initial", "0.05",
+                "--reconnect-max", "0.2", "--status-file", str(status), "--status-interval", "0.2"]
+        sim = Proc("fleet-sim", argv, tmp_path / "sim.log", tmp_path)
+        f.extra.append(sim)
+        for life in range(3):
+            f.start(agents=False)
+            if life == 0:
+                sim.start()
+            registered = f"registered (epoch"
+            until(lambda: f.server.life_output().count(registered) >= 5, "agents registering", on_timeout=f.dump)
+            f.server.signal(signal.SIGTERM)
+            try:
+                f.server.proc.wait(STOP_GRACE)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"the control plane ran on {STOP_GRACE:g}s after SIGTERM:\n{f.server.output(4000)}")
+            assert f.server.proc.returncode == 0, f.server.output(4000)

@@ -43,3 +43,13 @@ class Backoff:
 
     def reset(self) -> None:
         self.attempt = 0
+
+    def told(self, retry_after: float) -> float:
+        """The delay before the next dial when the server said ``Retry-After``: never sooner, jittered over as much again.
+
+        An overloaded control plane sizes ``retry_after`` to spread the agents
+        it refused over what it can admit; drawing from [retry_after,
+        2 x retry_after] keeps them spread instead of all back at once.
+        """
+        self.attempt += 1
+        return self.rng.uniform(retry_after, 2.0 * retry_after)

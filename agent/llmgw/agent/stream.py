@@ -15,6 +15,19 @@ contradict the register, which already says what is true now.
 Incoming messages are validated against the stream schema; an invalid one is
 logged and ignored (it is the control plane's bug, and dropping the link over
 it would only make the node look unreachable).
+
+Liveness: the agent pings every ``keepalive_interval`` and drops the stream
+only when nothing at all (a message, a pong) has come for that interval plus
+``stream_grace``, both as the control plane says in ``liveness``, right
+after ``registered`` (the agent's own ``keepalive_interval`` and
+``DEFAULT_GRACE`` until then, and with a control plane that predates it).  The
+grace is longer than the pauses a control plane can have (a GC pass, VM
+steal): a fixed pong deadline of a few seconds would turn each such pause
+into a fleet-wide reconnection storm.
+
+Admission: a control plane that answers the upgrade with 503 and
+``Retry-After`` is obeyed, with jitter (``Backoff.told``), instead of the
+usual backoff.
 """
 
 from __future__ import annotations
@@ -28,7 +41,7 @@ from typing import Any, Awaitable, Callable
 
 import aiohttp
 
-from llmgw import __version__
+from llmgw import __version__, compat
 from llmgw.agent import procident
 from llmgw.agent.backoff import Backoff
 from llmgw.agent.schema import definition_problems
@@ -38,7 +51,9 @@ from llmgw.hardware.types import HardwareInventory
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE = 4 * 1024 * 1024
-DOWN_TYPES = ("registered", "start", "stop", "drain", "error")
+DEFAULT_GRACE = 60.0  # seconds past a ping an agent waits for a word before ``registered`` says otherwise
+MAX_RETRY_AFTER = 300.0  # the longest Retry-After obeyed (a server's mistake must not park a node for hours)
+DOWN_TYPES = ("registered", "liveness", "start", "stop", "drain", "error")
 
 Discover = Callable[[], Awaitable[HardwareInventory]]
 
@@ -86,6 +101,8 @@ class StreamClient:
         self.connect_timeout = connect_timeout
         self.rediscover = rediscover  # seconds between rediscoveries while connected; 0: never
         self.epoch: int | None = None
+        self.grace = DEFAULT_GRACE  # seconds past a ping to wait for a word (``registered`` says)
+        self.refusals = 0  # upgrades refused with 503 (admission control), for logs and tests
         self.connections = 0  # successful WebSocket upgrades, for logs and tests
         self._queue: asyncio.Queue[dict[str, Any]] | None = None
         self._commands: set[asyncio.Task[Any]] = set()
@@ -129,6 +146,16 @@ class StreamClient:
                 await self._connect_once(session)
             except asyncio.CancelledError:
                 raise
+            except aiohttp.WSServerHandshakeError as e:
+                told = self._retry_after(e)
+                if told is not None:
+                    self.refusals += 1
+                    delay = self.backoff.told(told)
+                    log.info("control plane %s is admitting no more streams just now; dialling again in %.2fs "
+                             "(Retry-After %gs); engines keep running", self.url, delay, told)
+                    await asyncio.sleep(delay)
+                    continue
+                log.warning("control plane %s: %s: %s", self.url, type(e).__name__, e)
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ssl.SSLError) as e:
                 log.warning("control plane %s: %s: %s", self.url, type(e).__name__, e)
             except Exception:
@@ -138,13 +165,23 @@ class StreamClient:
                      self.url, delay, self.backoff.attempt)
             await asyncio.sleep(delay)
 
+    @staticmethod
+    def _retry_after(e: aiohttp.WSServerHandshakeError) -> float | None:
+        """The seconds a 503 refusal asked us to wait (None: not such a refusal)."""
+        if e.status != 503 or e.headers is None:
+            return None
+        try:
+            told = float(e.headers.get("Retry-After", ""))
+        except ValueError:  # an HTTP date, or garbage: the usual backoff
+            return None
+        return min(MAX_RETRY_AFTER, told) if told > 0 else None
+
     async def _connect_once(self, session: aiohttp.ClientSession) -> None:
         # Discover before dialling: the control plane gives a fresh stream only
         # so long to register, and NVML can be slow to initialise.
         hw = await self.discover()
         async with session.ws_connect(self.url, ssl=self.ssl_context if self.ssl_context is not None else True,
-                                      heartbeat=self.keepalive, max_msg_size=MAX_MESSAGE,
-                                      autoping=True) as ws:
+                                      max_msg_size=MAX_MESSAGE, autoping=False) as ws:
             self.connections += 1
             log.info("connected to %s", self.url)
             queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
@@ -156,9 +193,22 @@ class StreamClient:
             rediscovery = (asyncio.create_task(self._rediscovery(hw), name="rediscovery")
                            if self.rediscover > 0 else None)
             heartbeat: asyncio.Task[None] | None = None
+            self._advertised_keepalive, self.grace = None, DEFAULT_GRACE  # until ``liveness`` says
+            pinger = asyncio.create_task(self._pinger(ws), name="stream pings")
             try:
-                async for raw in ws:
-                    if raw.type == aiohttp.WSMsgType.TEXT:
+                while True:
+                    wait = self._ping_interval() + self.grace
+                    try:
+                        raw = await ws.receive(timeout=wait)
+                    except asyncio.TimeoutError:
+                        log.warning("nothing from the control plane for %.0fs (ping every %gs, grace %gs); "
+                                    "dropping the stream", wait, self._ping_interval(), self.grace)
+                        break
+                    if raw.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING, aiohttp.WSMsgType.CLOSED):
+                        break
+                    if raw.type == aiohttp.WSMsgType.PING:
+                        await ws.pong(raw.data)  # a control plane that pings (older ones do)
+                    elif raw.type == aiohttp.WSMsgType.TEXT:
                         hb = self._handle_text(raw.data)
                         if hb is not None:
                             if heartbeat is not None:
@@ -174,11 +224,36 @@ class StreamClient:
                 log.warning("stream closed (code %s)", ws.close_code)
             finally:
                 self._queue = None
-                for t in (sender, heartbeat, rediscovery):
+                for t in (sender, heartbeat, rediscovery, pinger):
                     if t is not None:
                         t.cancel()
-                await asyncio.gather(*(t for t in (sender, heartbeat, rediscovery) if t is not None),
+                await asyncio.gather(*(t for t in (sender, heartbeat, rediscovery, pinger) if t is not None),
                                      return_exceptions=True)
+
+    _advertised_keepalive: float | None = None  # the ping interval ``liveness`` asked for
+
+    _retime: asyncio.Event | None = None  # set when ``liveness`` changes the ping interval
+
+    def _ping_interval(self) -> float:
+        return self._advertised_keepalive or self.keepalive
+
+    async def _pinger(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        """A ping every ping interval: the control plane's answer shows the connection is alive.
+
+        Nothing is judged here: the receive loop drops the stream when no
+        frame at all has come within the interval plus the grace.
+        """
+        retime = self._retime = asyncio.Event()
+        try:
+            while True:
+                try:
+                    await compat.wait_for(retime.wait(), self._ping_interval())
+                except TimeoutError:
+                    await ws.ping()
+                else:  # ``liveness`` changed the interval: count it afresh from now
+                    retime.clear()
+        except (ConnectionError, aiohttp.ClientError, RuntimeError):
+            pass  # the receive loop sees the connection end
 
     async def _sender(self, ws: aiohttp.ClientWebSocketResponse, queue: asyncio.Queue[dict[str, Any]]) -> None:
         try:
@@ -232,7 +307,13 @@ class StreamClient:
             log.info("registered as %s (epoch %d, heartbeat every %gs)", self.node_id, self.epoch,
                      msg["heartbeat_interval"])
             return float(msg["heartbeat_interval"])
-        if kind == "start":
+        if kind == "liveness":
+            self._advertised_keepalive, self.grace = float(msg["keepalive_interval"]), float(msg["stream_grace"])
+            if self._retime is not None:
+                self._retime.set()
+            log.debug("pinging the control plane every %gs; waiting %gs past a ping for a word before redialling",
+                     self._advertised_keepalive, self.grace)
+        elif kind == "start":
             try:
                 self.supervisor.start(msg["spec"])
             except Exception:  # one bad start must not cost the node its stream

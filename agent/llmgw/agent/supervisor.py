@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 import aiohttp
 
+from llmgw import compat
 from llmgw.agent import liveness, procident
 from llmgw.agent.ports import choose_port
 from llmgw.agent.probe import base_url, completion_probe, get_text, is_loopback, probe_host
@@ -397,11 +398,11 @@ class Supervisor:
             # start instead of keeping a doomed replica alive.
             remaining = max(0.0, shard.deadline - time.monotonic())
             try:
-                return await asyncio.wait_for(
+                return await compat.wait_for(
                     fetch.fetch_weights(model, self.config.model_dir, progress=self.emit, shard_id=shard.shard_id,
                                         node_id=self.config.node_id, policy=self.config.fetch),
                     timeout=remaining)
-            except asyncio.TimeoutError:
+            except (TimeoutError, asyncio.TimeoutError):
                 timeout = float(shard.spec["profile"]["start_timeout"])
                 self._fail_before_launch(shard, f"not ready within start_timeout ({timeout:g}s): still fetching "
                                                 f"{model.source}")
@@ -556,8 +557,8 @@ class Supervisor:
                 return
             wait = min(self.config.probe_interval, max(0.0, shard.deadline - time.monotonic()))
             try:
-                await asyncio.wait_for(shard.exited.wait(), timeout=wait)
-            except asyncio.TimeoutError:
+                await compat.wait_for(shard.exited.wait(), timeout=wait)
+            except (TimeoutError, asyncio.TimeoutError):
                 pass
 
     # ------------------------------------------------------------------ liveness
@@ -577,9 +578,9 @@ class Supervisor:
         live = liveness.Liveness(last_ok=time.monotonic())
         while True:
             try:
-                await asyncio.wait_for(shard.exited.wait(), timeout=policy.interval)
+                await compat.wait_for(shard.exited.wait(), timeout=policy.interval)
                 return
-            except asyncio.TimeoutError:
+            except (TimeoutError, asyncio.TimeoutError):
                 pass
             if shard.state is not ShardState.READY or shard.end_intent is not None:
                 return

@@ -7,10 +7,19 @@ or role-less certificate is refused before the upgrade) and, once the
 Every refusal is logged with its reason and the peer address.
 
 Every message is checked (``messages.parse_up``) before it is used; the
-first bad one closes that agent's stream and nothing else.  Keepalive is
-aiohttp's WebSocket ping every ``keepalive_interval``: a half-open
-connection is closed after one missed pong, well inside the unreachable
-grace, and the node is then simply not connected.
+first bad one closes that agent's stream and nothing else.
+
+Keepalive is the agents' business: each pings every ``keepalive_interval``
+and gives the control plane ``stream_grace`` to answer, both told in
+``liveness`` (right after ``registered``), so a control plane that pauses for less than the grace
+costs no stream.  The control plane sends no pings of its own (its
+heartbeat is the agents'); it answers theirs and notes every frame, and a
+stream silent (not even a ping) for ``keepalive_interval + stream_grace``
+while its node is unreachable is taken for half-open and closed
+(``ControlPlane.tick``).
+
+Before the upgrade, admission control (``admission``) refuses new streams
+the control plane cannot serve now with 503 and a ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -23,6 +32,8 @@ from typing import Any
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
+from llmgw import compat
+from llmgw.controlplane.admission import Admission
 from llmgw.controlplane.gpuclaims import GpuOwners
 from llmgw.controlplane.lifecycle import NodeState
 from llmgw.controlplane.messages import MAX_MESSAGE, MessageProblem, dumps, parse_up
@@ -122,6 +133,7 @@ class AgentService:
         self.cp = cp
         self.require_identity = require_identity
         self.gpus = GpuOwners()
+        self.admission = Admission()
 
     def _gpu_problem(self, node_id: str, hardware: dict[str, Any]) -> str | None:
         """Another live node's GPU UUIDs in ``hardware`` (``gpuclaims``); records them when there are none."""
@@ -133,6 +145,41 @@ class AgentService:
         if problem is None:
             self.gpus.record(node_id, hardware)
         return problem
+
+    def _shed(self, peer: str) -> web.Response | None:
+        """Refuse a new stream the control plane cannot serve now (see ``admission``); None: go on."""
+        if self.cp.stopping:
+            return web.json_response({"error": "the control plane is stopping"}, status=503,
+                                     headers={"Retry-After": "1"})
+        lc = self.cp.settings.lifecycle
+        retry = self.admission.decide(self.cp.clock(), lc.max_registrations_per_second, self.cp.looplag.behind(),
+                                      lc.max_loop_lag)
+        if retry is None:
+            return None
+        if self.admission.refused % 100 == 1:  # a storm would otherwise log a line per refusal
+            log.warning("admission: refusing new agent streams for now (from %s; %d refused so far, %d admitted): "
+                        "retry after %ds", peer, self.admission.refused, self.admission.admitted, retry)
+        return web.json_response({"error": "the control plane is admitting no more agent streams just now",
+                                  "retry_after_s": retry}, status=503, headers={"Retry-After": str(retry)})
+
+    def _registered(self, session: StreamSession, epoch: int) -> None:
+        """``registered`` (the epoch, the heartbeat interval), then ``liveness``: the pings asked for, the grace given.
+
+        ``liveness`` is a message of its own: an agent that predates it
+        ignores it (with a warning) and keeps its registration, where an
+        unknown field in ``registered`` would make it refuse the message.
+        """
+        lc = self.cp.lifecycle()
+        session.send({"type": "registered", "epoch": epoch, "heartbeat_interval": lc.heartbeat_interval})
+        session.send({"type": "liveness", "keepalive_interval": lc.keepalive_interval,
+                      "stream_grace": lc.stream_grace})
+
+    async def _keepalive(self, ws: web.WebSocketResponse, raw: Any, node_id: str, epoch: int) -> None:
+        """A ping or pong: the stream is alive (not a heartbeat: the node's silence is judged on those)."""
+        self.cp.frame(node_id, epoch)
+        if raw.type == WSMsgType.PING:
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await ws.pong(raw.data)
 
     async def _refuse(self, ws: web.WebSocketResponse, peer: str, reason: str, claimed: str | None) -> web.WebSocketResponse:
         log.warning("refused agent stream from %s%s: %s", peer, f" claiming {claimed!r}" if claimed else "", reason)
@@ -153,11 +200,17 @@ class AgentService:
                 log.warning("refused agent stream from %s: %s", peer, e.reason)
                 return web.json_response({"error": e.reason}, status=403)
 
-        ws = web.WebSocketResponse(heartbeat=self.cp.settings.lifecycle.keepalive_interval,
-                                   max_msg_size=MAX_MESSAGE, autoping=True)
+        shed = self._shed(peer)
+        if shed is not None:
+            return shed
+        ws = web.WebSocketResponse(max_msg_size=MAX_MESSAGE, autoping=False)
         await ws.prepare(request)
         try:
             first = await ws.receive(timeout=REGISTER_TIMEOUT)
+            while first.type in (WSMsgType.PING, WSMsgType.PONG):  # an agent pinging before its register
+                if first.type == WSMsgType.PING:
+                    await ws.pong(first.data)
+                first = await ws.receive(timeout=REGISTER_TIMEOUT)
         except asyncio.TimeoutError:
             return await self._refuse(ws, peer, f"no register within {REGISTER_TIMEOUT:g}s", None)
         if first.type != WSMsgType.TEXT:
@@ -184,8 +237,9 @@ class AgentService:
             "fingerprint_sha256": identity.fingerprint_sha256})
         # No await between register and this send: "registered" is the first
         # thing on the stream, ahead of any start/stop the reconciler queues.
-        session.send({"type": "registered", "epoch": epoch,
-                      "heartbeat_interval": self.cp.lifecycle().heartbeat_interval})
+        self._registered(session, epoch)
+        if self.cp.stopping:  # upgraded before the stop, registered after it: not kept open past the stop
+            session.close("control plane shutting down")
         # This coroutine lives as long as the stream: names still bound here
         # would keep the register document (text and decoded, about 20 KB for
         # an 8-GPU node) and the latest message alive for every node. The
@@ -200,6 +254,9 @@ class AgentService:
                     reason = f"stream error: {ws.exception()}"
                     log.warning("closed stream of %s (epoch %d): %s", node_id, epoch, reason)
                     break
+                if raw.type in (WSMsgType.PING, WSMsgType.PONG):
+                    await self._keepalive(ws, raw, node_id, epoch)
+                    continue
                 try:
                     m = parse_up(raw.data if raw.type == WSMsgType.TEXT else bytes(raw.data or b""))
                     if m["type"] == "register":
@@ -226,11 +283,13 @@ class AgentService:
             if expiry is not None:
                 expiry.cancel()
             self.cp.disconnected(node_id, epoch)
-            if session.closing is not None:
-                # Let the writer flush the error message and close.
-                with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, Exception):
-                    await asyncio.wait_for(asyncio.shield(session.writer), timeout=2.0)
-            await session.stop()
+            try:
+                if session.closing is not None:
+                    # Let the writer flush the error message and close.
+                    with contextlib.suppress(Exception):  # the timeout included; a cancellation goes on
+                        await compat.wait_for(asyncio.shield(session.writer), timeout=2.0)
+            finally:
+                await session.stop()
             if not ws.closed:
                 await ws.close()
             log.info("stream of %s (epoch %d) ended: %s", node_id, epoch, reason)

@@ -18,6 +18,9 @@ changed, so the rules below are tested without clocks or sockets.
   When it falls, silence is counted afresh from the last damped pass, as
   after a restart: the first nodes to come back must not un-damp the fleet
   and get the others, still reconnecting, declared lost on the next pass.
+- The control plane's own stalls (its event loop not running: a GC pause,
+  VM steal, SIGSTOP) are not the nodes' silence: ``excuse`` extends every
+  deadline by the stall measured (``looplag``).
 - Replacements of lost nodes' replicas are rate-limited at all times
   (``ReplacementLimiter``), so a misjudgement moves a few replicas, not all.
 """
@@ -25,7 +28,7 @@ changed, so the rules below are tested without clocks or sockets.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -45,6 +48,7 @@ class NodeClock:
     state: NodeState
     last_seen: float
     since: float  # when it entered ``state``
+    last_frame: float = float("-inf")  # its last frame of any kind, pings included (the stream is alive)
 
     @classmethod
     def seen(cls, now: float) -> "NodeClock":
@@ -82,6 +86,29 @@ def observe(node_id: str, clock: NodeClock | None, now: float) -> tuple[NodeCloc
         return clock, None
     clock.state, clock.since = NodeState.READY, now
     return clock, Transition(node_id, old, NodeState.READY, "heard from again")
+
+
+def excuse(clocks: Iterable[NodeClock], stall: float, now: float) -> None:
+    """The control plane was stalled for ``stall`` seconds: not the nodes' silence.
+
+    Every node's last word moves forward by the stall (never past ``now``),
+    so each deadline is extended by exactly the time the control plane could
+    not read (Nomad's ``failover_heartbeat_ttl``, measured instead of fixed).
+    """
+    for c in clocks:
+        c.last_seen = min(now, c.last_seen + stall)
+        c.last_frame = min(now, c.last_frame + stall)
+
+
+def half_open(clock: NodeClock, now: float, timings: Lifecycle) -> bool:
+    """A stream that has carried nothing, not even a ping, for two ping intervals.
+
+    A live agent pings every ``keepalive_interval`` even when its heartbeats
+    stop, so a connection that silent has lost its other end without a word
+    (a frozen process, a host powered off, a cut cable).  The control
+    plane's own stalls are excused from ``last_frame`` as from ``last_seen``.
+    """
+    return now - max(clock.last_seen, clock.last_frame) > 2 * timings.keepalive_interval
 
 
 def silence(clock: NodeClock, now: float, started_at: float) -> float:

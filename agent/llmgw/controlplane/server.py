@@ -254,6 +254,7 @@ async def serve(settings: ServerSettings, config_path: str | None = None,
         await stop.wait()
     finally:
         log.info("stopping; engines keep running and agents reconnect to the next control plane")
+        cp.stopping = True  # from here a new stream is refused, and one registering now is closed at once
         for task in (ticker, trimmer):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

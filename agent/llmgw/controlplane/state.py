@@ -21,11 +21,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from llmgw import compat
 from llmgw.catalog import SIZE_MEASURED, Catalog, SourceKind, measure_sources, weights_size
 from llmgw.controlplane.capacity import shape_of
 from llmgw.controlplane.ejections import EjectionBook, Verdict, held, judge
 from llmgw.controlplane.grants import GrantKeys
-from llmgw.controlplane.lifecycle import Evaluation, NodeClock, NodeState, ReplacementLimiter, evaluate, observe
+from llmgw.controlplane.lifecycle import (Evaluation, NodeClock, NodeState, ReplacementLimiter, evaluate, excuse,
+                                          half_open, observe)
+from llmgw.controlplane.looplag import LoopLag
 from llmgw.controlplane.reconciler import Context, NodeView, Plan, Reconciler, endpoints
 from llmgw.controlplane.replicas import ReplicaState
 from llmgw.hardware.types import HardwareInventory
@@ -84,6 +87,7 @@ class Loaded:
 
 
 FULL_PASS_EVERY = 30.0  # seconds: a settled fleet is still reconciled whole this often
+STALL_EXCUSED_FROM = 0.25  # seconds of loop lateness, added up, before the nodes' deadlines are pushed back
 PASS_SHARE = 0.5  # at most this share of the event loop goes to back-to-back reconcile passes
 PROBE_TIMEOUT = 5.0  # seconds per request when sizing a URL (a HEAD, then maybe one ranged GET)
 PROBE_HOLD = 30.0  # longest a model waits for its URL's size before it is placed without one
@@ -157,6 +161,11 @@ class ControlPlane:
         self._settled = False  # the last pass left nothing to do
         self._last_full = float("-inf")
         self._fleet_size = 0  # the most nodes known at once: sizes the heartbeat interval
+        self.looplag = LoopLag()  # this process's own stalls, not counted against agents (see tick)
+        self.stalled = 0.0  # seconds of stall excused so far, for logs and tests
+        self.stopping = False  # SIGTERM: no new stream is admitted, none registering is kept
+        self._half_open_checked = float("-inf")
+        self._stall_owed = 0.0  # loop lateness not yet excused (see _excuse_stall)
 
     # ------------------------------------------------------------------ access
     @property
@@ -271,6 +280,24 @@ class ControlPlane:
             rec.inventory, rec.shape = inventory, shape_of(inventory)
             self.kick()
         return True
+
+    def frame(self, node_id: str, epoch: int) -> None:
+        """A ping or pong on the node's current stream: the connection is alive (its silence is not reset)."""
+        rec = self.nodes.get(node_id)
+        if rec is not None and rec.epoch == epoch:
+            rec.clock.last_frame = self.clock()
+
+    def _close_half_open(self, now: float, lc: Lifecycle) -> None:
+        """Close the streams that carried nothing, not even a ping, for two ping intervals (at most twice a ping interval)."""
+        if now - self._half_open_checked < lc.keepalive_interval / 2:
+            return
+        self._half_open_checked = now
+        for node_id, rec in self.nodes.items():
+            if rec.connected and half_open(rec.clock, now, lc):
+                session = self.sessions.get(node_id)
+                if session is not None:
+                    session.close(f"nothing received for over {2 * lc.keepalive_interval:g}s, "
+                                  "not even a ping: the connection is presumed dead")
 
     def _learn_reported_size(self, node_id: str, msg: dict[str, Any]) -> None:
         """An agent downloading a URL knows its length: keep it when nothing better is known."""
@@ -434,6 +461,7 @@ class ControlPlane:
         now = self.clock()
         lc = self.lifecycle()
         clocks = {n: rec.clock for n, rec in self.nodes.items()}
+        self._excuse_stall(clocks, now)
         prev = self.evaluation
         ev = evaluate(clocks, now, self.started_at, lc, prev.last_damped)
         if ev.hold_reason and ev.hold_reason != prev.hold_reason and ev.held:
@@ -441,6 +469,7 @@ class ControlPlane:
         self.evaluation = ev
         if ev.transitions or (ev.in_grace, ev.damped) != (prev.in_grace, prev.damped):
             self._dirty = True
+        self._close_half_open(now, lc)
         if self.ejections.reports or self.ejection_verdicts:
             self._judge_ejections(now)
         for tr in ev.transitions:
@@ -473,6 +502,25 @@ class ControlPlane:
         self._settled = (not plan.unplaced and not plan.drain_blocked and not plan.actions
                         and self.reconciler.book.settled())
         return plan
+
+    def _excuse_stall(self, clocks: dict[str, NodeClock], now: float) -> None:
+        """Push every node's silence deadline back by the time this process's loop was stalled.
+
+        Heartbeats that arrived while the loop was paused sit unread in the
+        sockets; without this, the first pass after a pause would find every
+        node silent for as long as the pause and declare the fleet unreachable.
+        """
+        # A loop always runs a little late; excusing each millisecond would walk
+        # every node's clock on every pass.  Lateness adds up until it matters.
+        self._stall_owed += self.looplag.take()
+        if self._stall_owed < STALL_EXCUSED_FROM:
+            return
+        stall, self._stall_owed = self._stall_owed, 0.0
+        excuse(clocks.values(), stall, now)
+        self.stalled += stall
+        if stall >= 1.0:
+            log.warning("control plane stalled for %.1fs (its event loop did not run); "
+                        "not counted against the nodes' heartbeats", stall)
 
     def _log_unplaced(self, unplaced: dict[tuple[str, int], str]) -> None:
         """One line per deployment and reason, when it changes, not one per slot.
@@ -510,13 +558,14 @@ class ControlPlane:
         Each catalog in force (at start, after every reload) first has its
         unsized URLs probed in the background (``start_sizing``).
         """
+        lag = asyncio.get_running_loop().create_task(self.looplag.run(), name="loop lag")
         try:
             while True:
                 self._start_sizing_safely()
                 period = interval or max(0.2, min(1.0, self.settings.lifecycle.heartbeat_interval / 2))
                 try:
-                    await asyncio.wait_for(self._kick.wait(), timeout=period)
-                except asyncio.TimeoutError:
+                    await compat.wait_for(self._kick.wait(), timeout=period)
+                except TimeoutError:
                     pass
                 self._kick.clear()
                 self._start_sizing_safely()
@@ -532,6 +581,7 @@ class ControlPlane:
                 if spent > 0.05:
                     await asyncio.sleep(min(5.0, spent * (1 - PASS_SHARE) / PASS_SHARE))
         finally:
+            lag.cancel()
             for task in list(self._probes):
                 task.cancel()
 

@@ -16,6 +16,8 @@ from types import MappingProxyType
 from typing import Any, Mapping
 from urllib.parse import urlsplit
 
+from llmgw import compat
+
 
 class EndpointError(ValueError):
     """An endpoint description that cannot be routed to; the message names the field."""
@@ -200,8 +202,8 @@ class EndpointTable:
             entry = (loop, fut)
             self._waiters.append(entry)
         try:
-            await asyncio.wait_for(asyncio.shield(fut), timeout)
-        except asyncio.TimeoutError:
+            await compat.wait_for(asyncio.shield(fut), timeout)
+        except (TimeoutError, asyncio.TimeoutError):
             pass
         finally:
             with self._lock:

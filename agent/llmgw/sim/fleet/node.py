@@ -82,6 +82,10 @@ class SimStreamClient(StreamClient):
             await super()._connect_once(session)
         except asyncio.CancelledError:
             raise
+        except aiohttp.WSServerHandshakeError as e:
+            if e.status != 503 and self.connections == before:  # a 503 is admission control, counted apart
+                self.connect_errors += 1
+            raise
         except Exception:
             if self.connections == before:  # failed before the WebSocket was up
                 self.connect_errors += 1

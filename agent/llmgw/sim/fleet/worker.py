@@ -211,7 +211,7 @@ class Worker:
     def stats(self) -> dict[str, Any]:
         shards: Counter = Counter({s.value: 0 for s in ShardState})
         hist: Counter = Counter()
-        connected = registered = connect_errors = connections = registrations = 0
+        connected = registered = connect_errors = connections = registrations = refusals = 0
         silenced = killed = flapping = slow = 0
         for node in self.nodes.values():
             c = node.client
@@ -221,6 +221,7 @@ class Worker:
             hist[c.registrations] += 1
             connections += c.connections
             connect_errors += c.connect_errors
+            refusals += c.refusals
             silenced += c.silenced
             killed += node.killed
             flapping += node.flapper is not None
@@ -230,7 +231,7 @@ class Worker:
         k = self.counters
         return {"nodes": len(self.nodes), "connected": connected, "registered": registered,
                 "registrations": registrations, "registrations_per_node": {str(n): v for n, v in sorted(hist.items())},
-                "connections": connections, "connect_errors": connect_errors,
+                "connections": connections, "connect_errors": connect_errors, "refusals": refusals,
                 "messages_sent": dict(self.sent), "shards": dict(shards),
                 "starts_received": k.starts, "stops_received": k.stops, "drains_received": k.drains,
                 "replicas_started": len(k.replicas), "progress_sent": k.progress, "engines_started": k.engines,

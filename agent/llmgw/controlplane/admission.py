@@ -1,0 +1,60 @@
+"""Admission control for agent streams: refuse what cannot be served, early and cheaply.
+
+A registration costs the control plane far more than a heartbeat (a TLS
+handshake, a 20 KB hardware document, a reconciler pass), and a control
+plane that takes more of them than it can process starts missing the
+heartbeats of agents already connected: they drop, dial again, and the load
+feeds itself (a metastable failure).  So new streams are admitted at most at
+``max_registrations_per_second`` (a token bucket with one second's burst),
+and none while the event loop runs later than ``max_loop_lag``; the rest
+are refused before the WebSocket upgrade with HTTP 503 and a ``Retry-After``
+sized to spread the agents refused of late over the admission rate.  Agents
+wait that long, plus jitter, before they dial again.
+
+Pure: every method takes ``now``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+MAX_RETRY_AFTER = 60  # seconds: never tell an agent to stay away longer
+
+
+@dataclass
+class Admission:
+    tokens: float = 1.0
+    updated: float | None = None
+    admitted: int = 0
+    refused: int = 0
+    retry_after: int = 1  # the delay told last
+    _recent: deque = field(default_factory=deque)  # [second, refusals in it], the last MAX_RETRY_AFTER seconds
+
+    def decide(self, now: float, rate: float, lag: float, max_lag: float) -> int | None:
+        """None: admit one stream now.  Otherwise the Retry-After (whole seconds) to answer with."""
+        burst = max(1.0, rate)
+        if self.updated is None:
+            self.tokens = burst
+        else:
+            self.tokens = min(burst, self.tokens + (now - self.updated) * rate)
+        self.updated = now
+        if lag <= max_lag and self.tokens >= 1.0:
+            self.tokens -= 1.0
+            self.admitted += 1
+            return None
+        self.refused += 1
+        second = int(now)
+        if self._recent and self._recent[-1][0] == second:
+            self._recent[-1][1] += 1
+        else:
+            self._recent.append([second, 1])
+        while self._recent and self._recent[0][0] <= second - MAX_RETRY_AFTER:
+            self._recent.popleft()
+        # The agents refused within the last delay told will be back around
+        # the same time: spread them over the admission rate.
+        waiting = sum(n for s, n in self._recent if s > second - self.retry_after)
+        delay = max(waiting / rate, lag - max_lag if lag > max_lag else 0.0)
+        self.retry_after = max(1, min(MAX_RETRY_AFTER, math.ceil(delay)))
+        return self.retry_after

@@ -1,0 +1,150 @@
+"""A control plane that pauses or is starved of CPU costs no stream, and sheds what it cannot serve.
+
+Simulated agents (``llmgw-fleet-sim``, the agent's own stream client over
+mutual TLS) against a real ``llmgw server``:
+
+- stall: the control plane is stopped (SIGSTOP) for 10 s and then for 30 s,
+  as a long GC pass or VM steal would stop it.  No agent may drop its
+  stream, no node may go unreachable, no replica may move: the agents give
+  the control plane the grace it advertised, and the control plane does not
+  count its own pause against the agents' heartbeats.
+- contention: the control plane held to a fraction of one CPU
+  (``llmgw.sim.fleet.throttle``) while a fleet dials it cold, with an
+  admission rate below what the fleet asks for: the excess is refused with
+  503 and Retry-After, the agents come back when told, and every node ends
+  up registered once.
+
+Everything asserted is a count, read from the control plane's API and log
+and from the simulator's status file; nothing here measures speed.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from fleet import FAST_LIFECYCLE, Fleet, until
+from llmgw.sim.fleet.throttle import Throttle
+from test_fleet_sim import Sim, assert_no_gpu_twice, nodes_doc, placement
+
+pytestmark = pytest.mark.integration
+
+NODES = 24
+REPLICAS = 12
+WAIT = 120.0
+# Short heartbeats, so the 30 s stall exceeds unreachable_after and lost_after; keepalive_interval and
+# stream_grace are the defaults (pings every 10 s).
+LIFECYCLE = {"heartbeat_interval": 1.0, "keepalive_interval": 10.0, "unreachable_after": 15.0, "lost_after": 20.0,
+             "startup_grace": 2.0, "max_unreachable_share": 0.55, "replacements_per_minute": 600,
+             "stream_grace": 60.0}
+
+
+def ready(f: Fleet, sim: Sim, nodes: int, replicas: int) -> dict[str, Any]:
+    def settled() -> dict[str, Any] | None:
+        st = sim.status()
+        if not st or st["registered"] != nodes:
+            return None
+        doc = nodes_doc(f)
+        if doc is None or len(doc["nodes"]) != nodes or any(n["state"] != "ready" for n in doc["nodes"]):
+            return None
+        reps = f.try_get("/v1/replicas")
+        if reps is None or len(reps["replicas"]) != replicas or any(r["state"] != "ready" for r in reps["replicas"]):
+            return None
+        return reps
+
+    return until(settled, "every node registered and every replica ready", WAIT, interval=0.5,
+                 on_timeout=lambda: f"{sim.status()}\n--- server ---\n{f.server.output(6000)}")
+
+
+@pytest.fixture(scope="module")
+def stalled_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Fleet, Sim]]:
+    root = tmp_path_factory.mktemp("stall")
+    f = Fleet(root, nodes={}, replicas=REPLICAS, lifecycle=LIFECYCLE)
+    sim = Sim(f, root, nodes=NODES, engines=0)
+    f.extra.append(sim.proc)
+    try:
+        f.start(agents=False)
+        sim.proc.start()
+        yield f, sim
+    finally:
+        sim.close()
+        f.close()
+
+
+@pytest.mark.parametrize("pause", [10.0, 30.0])
+def test_a_control_plane_pause_costs_no_stream(stalled_fleet: tuple[Fleet, Sim], pause: float) -> None:
+    f, sim = stalled_fleet
+    before = placement(ready(f, sim, NODES, REPLICAS))
+    regs = sim.status()["registrations"]
+    cp_regs = {n["node_id"]: n["registrations"] for n in nodes_doc(f)["nodes"]}
+    log_from = len(f.server.life_output())
+
+    f.server.signal(signal.SIGSTOP)
+    try:
+        time.sleep(pause)
+    finally:
+        f.server.signal(signal.SIGCONT)
+
+    # Back: every node heard from since the pause (its heartbeats read), and a lifecycle pass made after that.
+    def caught_up() -> bool:
+        doc = nodes_doc(f)
+        return doc is not None and all(n["last_seen_s"] < 2 * LIFECYCLE["heartbeat_interval"] for n in doc["nodes"])
+
+    until(caught_up, "every node heard from after the pause", WAIT, interval=0.5, on_timeout=lambda: f.server.output(6000))
+    time.sleep(2 * LIFECYCLE["heartbeat_interval"])  # room for a wrong transition or a dropped stream to show
+    logged = f.server.life_output()[log_from:]
+    st = sim.status()
+    assert st["registrations"] == regs and st["registered"] == NODES, "an agent dropped its stream and registered again"
+    assert "stream closed" not in logged, "an agent's stream was closed by the pause"
+    assert " -> unreachable " not in logged, "a node was judged unreachable for the control plane's own pause"
+    doc = nodes_doc(f)
+    assert {n["node_id"]: n["registrations"] for n in doc["nodes"]} == cp_regs
+    assert all(n["state"] == "ready" and n["connected"] for n in doc["nodes"])
+    after = f.replicas()
+    assert placement(after) == before, "a replica moved or restarted"
+    assert_no_gpu_twice(after)
+    assert "stalled for" in logged, "the control plane did not notice its own pause"
+
+
+def test_a_starved_control_plane_admits_what_it_can_and_every_node_registers_once(tmp_path: Path) -> None:
+    nodes, replicas = 40, 8
+    lifecycle = {**LIFECYCLE, "max_registrations_per_second": 5.0}
+    with Fleet(tmp_path, nodes={}, replicas=replicas, lifecycle=lifecycle) as f:
+        f.start(agents=False)
+        throttle = Throttle(f.server.pid, share=0.3, period=0.1).start()
+        sim = Sim(f, tmp_path, nodes=nodes, engines=0)
+        f.extra.append(sim.proc)
+        try:
+            sim.proc.start()
+            ready(f, sim, nodes, replicas)
+            st = sim.status()
+            logged = f.server.life_output()
+        finally:
+            throttle.stop()
+            sim.close()
+        assert throttle.cycles > 0
+        # admission control refused some dials, and the agents waited as told instead of churning
+        assert st["refusals"] > 0, st
+        assert st["registrations"] == nodes, f"registrations per node: {st['registrations_per_node']}"
+        assert st["registrations_per_node"] == {"1": nodes}
+        assert {n["registrations"] for n in nodes_doc(f)["nodes"]} == {1}
+        assert "admission: refusing new agent streams" in logged
+        assert "stream closed" not in logged
+
+
+def test_an_idle_stream_lives_on_the_pings_the_control_plane_asks_for(tmp_path: Path) -> None:
+    """The agent's own keepalive_interval is 10 s; the control plane asks for a ping every 1 s and gives
+    2 s of grace: the agent must ping at the interval it was told from then on, or its stream, idle but
+    for heartbeats, is dropped every 3 s."""
+    with Fleet(tmp_path, nodes={"a": 1}, replicas=1) as f:
+        f.start()
+        f.wait_ready(1)
+        agent = f.agents["a"]
+        time.sleep(4 * (FAST_LIFECYCLE["keepalive_interval"] + FAST_LIFECYCLE["stream_grace"]))
+        assert "nothing from the control plane" not in agent.life_output()
+        assert "stream closed" not in agent.life_output()
+        assert f.nodes()[f.node_ids["a"]]["registrations"] == 1

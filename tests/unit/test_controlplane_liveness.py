@@ -1,0 +1,137 @@
+"""Liveness apart from the control plane's loop latency: stall accounting, admission, stopping on time."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import aiohttp
+import pytest
+
+from llmgw.agent.backoff import Backoff
+from llmgw.agent.stream import MAX_RETRY_AFTER, StreamClient
+from llmgw.controlplane.admission import Admission
+from llmgw.controlplane.lifecycle import NodeClock, NodeState, evaluate, excuse, half_open
+from llmgw.controlplane.looplag import LoopLag
+from llmgw.controlplane.state import ControlPlane
+from llmgw.settings import Lifecycle
+from test_controlplane_state import Clock, FakeSession, register, settings
+
+
+def test_a_cancellation_that_lands_with_a_kick_still_stops_the_loop():
+    """CPython gh-86296: before 3.12, ``asyncio.wait_for`` lost a cancellation that came in the same
+    iteration as the awaited event; the control plane then ran on after SIGTERM while agents registered."""
+    async def scenario() -> int:
+        stopped = 0
+        for _ in range(30):
+            cp = ControlPlane(settings(replicas=0))
+            task = asyncio.get_running_loop().create_task(cp.run(interval=5.0))
+            for _ in range(3):
+                await asyncio.sleep(0)
+            cp.kick()  # the event the loop waits on is set ...
+            task.cancel()  # ... and the stop comes in the same iteration
+            done, _ = await asyncio.wait({task}, timeout=2.0)
+            if done and task.cancelled():
+                stopped += 1
+            else:
+                task.cancel()
+                await asyncio.wait({task}, timeout=2.0)
+        return stopped
+
+    assert asyncio.run(scenario()) == 30
+
+
+def test_a_wake_up_overdue_now_is_counted_once():
+    clock = Clock()
+    lag = LoopLag(period=0.25, clock=clock)
+    assert lag.take() == 0.0
+    lag._due = clock.t + 0.25  # the sampler is asleep
+    clock.t += 30.25  # ... and the process was stopped for 30 s
+    assert lag.take() == pytest.approx(30.0)
+    assert lag.behind() == pytest.approx(30.0)
+    clock.t += 0.5
+    assert lag.take() == pytest.approx(0.5)  # only what is new since
+    lag._woke(lag._due)  # the sampler runs at last: nothing it measured is handed out twice
+    assert lag.take() == 0.0 and lag.lag == pytest.approx(30.5)
+
+
+def test_a_stall_extends_every_deadline_by_itself():
+    lc = Lifecycle(unreachable_after=30, lost_after=120, startup_grace=0)
+    clocks = {"a": NodeClock.seen(100.0), "b": NodeClock.seen(80.0)}
+    excuse(clocks.values(), 40.0, now=145.0)  # the control plane stopped for 40 s
+    ev = evaluate(clocks, 145.0, 0.0, lc)
+    assert ev.transitions == ()  # a was silent 5 s of its own, b 25 s
+    ev = evaluate(clocks, 151.0, 0.0, lc)
+    assert [(t.node_id, t.new) for t in ev.transitions] == [("b", NodeState.UNREACHABLE)]
+    assert clocks["a"].last_seen == 140.0 and clocks["b"].last_seen == 120.0
+    excuse(clocks.values(), 1000.0, now=151.0)
+    assert clocks["a"].last_seen == 151.0  # never past now
+
+
+def test_the_control_planes_stall_does_not_make_its_nodes_unreachable():
+    clock = Clock()
+    cp = ControlPlane(settings(replicas=0), clock=clock)
+    cp.looplag = LoopLag(clock=clock)
+    cp.register(register("n1"), FakeSession())
+    cp.looplag._due = clock.t + 0.25
+    clock.t += 60.0  # stopped for a minute: past unreachable_after (3 s) and lost_after (6 s)
+    cp.tick()
+    assert cp.nodes["n1"].clock.state is NodeState.READY and cp.stalled == pytest.approx(59.75)
+    cp.looplag._woke(cp.looplag._due)  # the sampler wakes, and keeps time from now on
+    clock.t += 4.0  # then a silence of its own
+    cp.tick()
+    assert cp.nodes["n1"].clock.state is NodeState.UNREACHABLE
+
+
+def test_a_stream_that_carries_not_even_a_ping_for_two_ping_intervals_is_closed():
+    clock = Clock()
+    cp = ControlPlane(settings(replicas=0, keepalive_interval=1.5), clock=clock)
+    pinging, dead = FakeSession(), FakeSession()
+    cp.register(register("pinging"), pinging)
+    cp.register(register("dead"), dead)
+    for _ in range(5):  # heartbeats stop on both; pings go on from one
+        clock.t += 1.0
+        cp.frame("pinging", pinging.epoch)
+        cp.tick()
+    assert pinging.closed is None and dead.closed and "not even a ping" in dead.closed
+    assert half_open(cp.nodes["dead"].clock, clock.t, cp.lifecycle())
+    assert cp.nodes["pinging"].clock.state is NodeState.UNREACHABLE  # silent all the same: pings are not heartbeats
+
+
+def test_the_liveness_told_to_agents_scales_with_the_fleet():
+    lc = Lifecycle(heartbeat_interval=5, keepalive_interval=10, stream_grace=60, max_heartbeats_per_second=500)
+    big = lc.for_fleet(10_000)
+    assert big.heartbeat_interval == 20 and big.keepalive_interval == 40 and big.stream_grace == 75
+    assert lc.for_fleet(100) is lc
+
+
+def test_admission_admits_at_its_rate_and_sizes_the_retry_to_the_crowd():
+    a = Admission()
+    admitted = [a.decide(0.0, rate=10, lag=0.0, max_lag=1.0) for _ in range(30)]
+    assert admitted[:10] == [None] * 10  # one second's burst
+    refused = admitted[10:]
+    assert all(r is not None and r >= 1 for r in refused) and refused[-1] == 2  # 20 waiting / 10 a second
+    assert a.decide(0.5, rate=10, lag=0.0, max_lag=1.0) is None  # half a second refills five
+    assert a.admitted == 11 and a.refused == 20
+
+
+def test_admission_refuses_while_the_loop_runs_late():
+    a = Admission()
+    assert a.decide(0.0, rate=100, lag=3.5, max_lag=1.0) == 3
+    assert a.decide(0.1, rate=100, lag=0.2, max_lag=1.0) is None
+
+
+def test_a_refused_agent_waits_as_told_with_jitter():
+    b = Backoff(1.0, 30.0, rng=random.Random(3))
+    delays = [b.told(4.0) for _ in range(200)]
+    assert min(delays) >= 4.0 and max(delays) <= 8.0 and max(delays) - min(delays) > 2.0
+
+    def refusal(status: int, retry: str | None) -> aiohttp.WSServerHandshakeError:
+        return aiohttp.WSServerHandshakeError(None, (), status=status,  # type: ignore[arg-type]
+                                              headers={} if retry is None else {"Retry-After": retry})
+
+    assert StreamClient._retry_after(refusal(503, "7")) == 7.0
+    assert StreamClient._retry_after(refusal(503, "99999")) == MAX_RETRY_AFTER
+    assert StreamClient._retry_after(refusal(503, "Wed, 21 Oct 2015 07:28:00 GMT")) is None
+    assert StreamClient._retry_after(refusal(503, None)) is None
+    assert StreamClient._retry_after(refusal(403, "7")) is None
