@@ -98,6 +98,7 @@ class ServerSettings:
     memory_headroom: float
     router: dict[str, Any] | None  # validated against router.schema.json; the router parses it
     router_ejections: EjectionPolicy = EjectionPolicy()
+    state_dir: str | None = None  # cordons, drains, epoch, grant secret; None: memory only
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
 
 
@@ -325,6 +326,7 @@ def parse_server_settings(doc: Any, source: str = "server.yaml") -> ServerSettin
         memory_headroom=float(doc.get("placement", {}).get("memory_headroom", 0.2)),
         router=doc.get("router"),
         router_ejections=EjectionPolicy(**{**EjectionPolicy().__dict__, **doc.get("router_ejections", {})}),
+        state_dir=doc.get("state_dir"),
         raw=doc,
     )
 

@@ -28,6 +28,7 @@ from llmgw.config import ConfigInvalid
 from llmgw.controlplane.api import build_api, startup_grace_left
 from llmgw.controlplane.badrequests import quiet_malformed_requests
 from llmgw.controlplane.state import ControlPlane
+from llmgw.controlplane.store import StoreError, open_store
 from llmgw.controlplane.tlssite import HandshakeLoggingSite
 from llmgw.eventloop import tune_gc
 from llmgw.memtrim import trim_periodically
@@ -174,7 +175,11 @@ async def serve(settings: ServerSettings, config_path: str | None = None,
                 stop: asyncio.Event | None = None) -> None:
     """Run until ``stop`` is set (or SIGTERM/SIGINT)."""
     ssl_ctx = tls_context(settings)
-    cp = ControlPlane(settings, config_path)
+    try:
+        store = open_store(settings.state_dir)
+    except StoreError as e:
+        raise StartupRefused(f"state_dir: {e}") from e
+    cp = ControlPlane(settings, config_path, store=store)
     router = RouterHook(settings, pending=lambda model: catalog_grace_left(cp, model))
     cp.on_endpoints(router.update)
     reload = reloader(cp, config_path)

@@ -1,12 +1,14 @@
 """The control plane's in-memory state and the loop that acts on it.
 
 This is the glue between the stream (``agentservice``), the pure rules
-(``lifecycle``, ``reconciler``) and the router's endpoint table.  It holds
-nothing that survives a restart on purpose: nodes, epochs and replicas are
-rebuilt from registrations.
+(``lifecycle``, ``reconciler``) and the router's endpoint table.  Nodes and
+replicas are rebuilt from registrations on purpose; only what no agent can
+report back (operators' cordons and drains, the epoch reached) is kept in
+the ``store`` (``controlplane/store.py``), written before it takes effect.
 
-Epochs: every registration gets a new, globally increasing epoch, and the
-node's previous stream is closed.  Whatever arrives on a superseded stream
+Epochs: every registration gets a new, globally increasing epoch (increasing
+across restarts too, when the store is durable), and the node's previous
+stream is closed.  Whatever arrives on a superseded stream
 afterwards is dropped here, so a half-dead connection can never undo what
 a newer one reported.
 """
@@ -27,6 +29,7 @@ from llmgw.controlplane.ejections import EjectionBook, Verdict, judge
 from llmgw.controlplane.lifecycle import Evaluation, NodeClock, NodeState, ReplacementLimiter, evaluate, observe
 from llmgw.controlplane.reconciler import Context, NodeView, Plan, Reconciler, endpoints
 from llmgw.controlplane.replicas import ReplicaState
+from llmgw.controlplane.store import ControlPlaneStore, MemoryBackend
 from llmgw.hardware.types import HardwareInventory
 from llmgw.settings import Lifecycle, ServerSettings
 
@@ -59,7 +62,7 @@ class NodeRecord:
     certificate: dict[str, Any] | None = None  # what the agent presented: serial, not_after, fingerprint
     last_reason: str | None = None  # why it changed state last
     shape: str = ""  # capacity.shape_of(inventory), computed once per registration
-    cordon: str | None = None  # None, "cordoned" or "draining" (an operator's; kept across registrations)
+    cordon: str | None = None  # None, "cordoned" or "draining" (an operator's; kept across registrations and, in the store, restarts)
     _view: NodeView | None = field(default=None, repr=False, compare=False)
 
     def view(self) -> NodeView:
@@ -127,8 +130,9 @@ class WeightSizes:
 
 class ControlPlane:
     def __init__(self, settings: ServerSettings, source: str | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, store: ControlPlaneStore | None = None):
         self.loaded = Loaded(settings, source)
+        self.store = store or ControlPlaneStore(MemoryBackend())
         self.clock = clock
         self.started_at = clock()
         self.started_wall = time.time()
@@ -142,7 +146,6 @@ class ControlPlane:
         self.ejections = EjectionBook()  # routers' reports (POST /v1/router/ejections), rebuilt from re-sends
         self.ejection_verdicts: dict[str, Verdict] = {}  # replica -> the last judgement of its reports
         self.replaced_for_ejections = 0  # replicas judged sick from routers' reports (a counter)
-        self._epoch = 0
         self._kick = asyncio.Event()
         self._endpoint_listeners: list[Callable[[list[dict[str, Any]]], None]] = []
         self._last_endpoints: list[dict[str, Any]] | None = None
@@ -212,8 +215,7 @@ class ControlPlane:
         """
         now = self.clock()
         node_id = msg["node_id"]
-        self._epoch += 1
-        epoch = self._epoch
+        epoch = self.store.next_epoch()  # first: a StoreError refuses this registration and changes nothing
         session.epoch = epoch
         old = self.sessions.get(node_id)
         self.sessions[node_id] = session
@@ -222,7 +224,7 @@ class ControlPlane:
         inventory = HardwareInventory.from_dict(msg["hardware"])
         rec = self.nodes.get(node_id)
         if rec is None:
-            rec = NodeRecord(node_id, inventory, NodeClock.seen(now), epoch)
+            rec = NodeRecord(node_id, inventory, NodeClock.seen(now), epoch, cordon=self.store.cordon_of(node_id))
             self.nodes[node_id] = rec
         else:
             _, tr = observe(node_id, rec.clock, now)
@@ -351,18 +353,57 @@ class ControlPlane:
 
     # ---------------------------------------------------------------- actions
     def cordon(self, node_id: str, state: str | None) -> str | None:
-        """Set a node's cordon (None, "cordoned", "draining"); returns the previous one. KeyError: unknown node."""
-        rec = self.nodes[node_id]
-        old, rec.cordon = rec.cordon, state
+        """Set a node's cordon (None, "cordoned", "draining"); returns the previous one.
+
+        KeyError: a node that has not registered and has no stored cordon (one
+        kept from before a restart can be lifted before its node is back).
+        StoreError: the cordon could not be made durable; nothing changed.
+        """
+        rec = self.nodes.get(node_id)
+        if rec is None and self.store.cordon_of(node_id) is None:
+            raise KeyError(node_id)
+        old = rec.cordon if rec is not None else self.store.cordon_of(node_id)
+        self.store.set_cordon(node_id, state)
+        if rec is not None:
+            rec.cordon = state
         if old != state:
             log.info("node %s: %s by an operator", node_id, state or "uncordoned")
             self.kick()
         return old
 
     def drain(self, replica_id: str) -> None:
+        """An operator drains a replica. KeyError, ValueError: see ``Reconciler.drain``; StoreError: nothing changed."""
+        r = self.reconciler.book.replicas.get(replica_id)
+        if r is None:
+            raise KeyError(replica_id)
+        if r.retired:
+            raise ValueError(f"replica {replica_id} is already {r.state.value}")
+        self.store.add_drain(replica_id)
         self.reconciler.drain(replica_id, self.clock())
         log.info("%s: drain requested", replica_id)
         self.kick()
+
+    def _resume_drains(self, in_grace: bool) -> None:
+        """Replica drains kept from before a restart: drain each again once its replica is back.
+
+        One whose replica is not in the book after the startup grace has
+        finished (or its node never came back) and is forgotten.
+        """
+        book, gone = self.reconciler.book, set()
+        for rid in self.store.intent.drains:
+            r = book.replicas.get(rid)
+            if r is None:
+                if not in_grace:
+                    gone.add(rid)
+            elif not r.retired:
+                self.reconciler.drain(rid, self.clock())
+                log.info("%s: draining again (drained by an operator before a restart)", rid)
+                self._dirty = True
+        if gone:
+            try:
+                self.store.forget_drains(gone)
+            except Exception as e:  # retried on the next pass; nothing is lost by keeping them
+                log.warning("cannot forget finished drains in %s: %s", self.store.backend.where, e)
 
     def router_watching(self, router: str) -> None:
         """A router certificate polled the endpoint watch: it counts towards the routers that watch."""
@@ -402,7 +443,7 @@ class ControlPlane:
         self.limiter.retune(settings.lifecycle.replacements_per_minute, self.clock())
         for what, a, b in (("api.listen", (old.api_host, old.api_port), (settings.api_host, settings.api_port)),
                            ("tls", old.tls, settings.tls), ("insecure_no_tls", old.insecure_no_tls, settings.insecure_no_tls),
-                           ("router", old.router, settings.router)):
+                           ("router", old.router, settings.router), ("state_dir", old.state_dir, settings.state_dir)):
             if a != b:
                 log.warning("reload: %s changed; it takes effect at the next restart", what)
         if old.tls is None and not settings.admin_tokens:
@@ -435,6 +476,8 @@ class ControlPlane:
             self._dirty = True
         if self.ejections.reports or self.ejection_verdicts:
             self._judge_ejections(now)
+        if self.store.intent.drains:
+            self._resume_drains(ev.in_grace)
         for tr in ev.transitions:
             self.nodes[tr.node_id].last_reason = tr.reason
             level = logging.ERROR if tr.new is NodeState.LOST else logging.WARNING
