@@ -10,10 +10,12 @@ error; every error is reported at once.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
+from urllib.parse import urlsplit
 
 from llmgw.agent.liveness import LivenessPolicy, policy_errors
 from llmgw.catalog import Catalog
@@ -73,6 +75,28 @@ class EjectionPolicy:
 
 
 @dataclass(frozen=True)
+class HASettings:
+    """Leader election among control planes (``server.yaml`` ``ha``)."""
+
+    endpoints: tuple[str, ...]
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    prefix: str = "/llmgw"
+    name: str = ""  # "" = the host name
+    advertise_url: str | None = None
+    lease_ttl: int = 10
+    renew_interval: float = 2.0
+
+    @classmethod
+    def from_config(cls, d: dict[str, Any]) -> "HASettings":
+        etcd = d["etcd"]
+        return cls(tuple(etcd["endpoints"]), etcd.get("ca"), etcd.get("cert"), etcd.get("key"),
+                   etcd.get("prefix", "/llmgw"), d.get("name", ""), d.get("advertise_url"),
+                   int(d.get("lease_ttl", 10)), float(d.get("renew_interval", 2.0)))
+
+
+@dataclass(frozen=True)
 class FetchPolicy:
     """How the agent downloads https:// model sources (``agent.yaml`` ``fetch``)."""
 
@@ -99,6 +123,7 @@ class ServerSettings:
     router: dict[str, Any] | None  # validated against router.schema.json; the router parses it
     router_ejections: EjectionPolicy = EjectionPolicy()
     state_dir: str | None = None  # cordons, drains, epoch, grant secret; None: memory only
+    ha: HASettings | None = None  # leader election on etcd; None: the only control plane
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
 
 
@@ -301,11 +326,42 @@ def _server_semantic_errors(doc: Any, schema: Sequence[ConfigError] = ()) -> lis
         (("/models",), _source_errors),
         (("/models", "/profiles", "/deployments"), _reference_errors),
         (("/router",), _router_errors),
+        (("/ha",), _ha_errors),
     ]
     profiles = doc.get("profiles") if isinstance(doc, dict) else None
     if isinstance(profiles, list):
         checks += [((f"/profiles/{i}",), _profile_errors(i)) for i in range(len(profiles))]
     return _run_checks(doc, schema, checks)
+
+
+def _ha_errors(doc: dict[str, Any]) -> list[ConfigError]:
+    ha = doc.get("ha")
+    if ha is None:
+        return []
+    out = []
+    ttl, renew = ha.get("lease_ttl", 10), ha.get("renew_interval", 2)
+    if renew * 2 > ttl:
+        out.append(ConfigError("/ha/renew_interval", f"must be at most half of lease_ttl ({ttl}): the leader "
+                                                       "must renew at least twice before it steps down"))
+    etcd = ha["etcd"]
+    tls = [url for url in etcd["endpoints"] if url.startswith("https://")]
+    if tls and "ca" not in etcd:
+        out.append(ConfigError("/ha/etcd/ca", f"required: endpoint {tls[0]} is https://"))
+    for i, url in enumerate(etcd["endpoints"]):
+        host = urlsplit(url).hostname or ""
+        if url.startswith("http://") and not _loopback(host):
+            out.append(ConfigError(f"/ha/etcd/endpoints/{i}", f"{url} is plaintext on a non-loopback address; "
+                                                               "use https:// with ca, cert and key"))
+    if ("cert" in etcd) != ("key" in etcd):
+        out.append(ConfigError("/ha/etcd/" + ("key" if "cert" in etcd else "cert"), "cert and key go together"))
+    return out
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def parse_server_settings(doc: Any, source: str = "server.yaml") -> ServerSettings:
@@ -327,6 +383,7 @@ def parse_server_settings(doc: Any, source: str = "server.yaml") -> ServerSettin
         router=doc.get("router"),
         router_ejections=EjectionPolicy(**{**EjectionPolicy().__dict__, **doc.get("router_ejections", {})}),
         state_dir=doc.get("state_dir"),
+        ha=HASettings.from_config(doc["ha"]) if "ha" in doc else None,
         raw=doc,
     )
 

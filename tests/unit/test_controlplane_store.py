@@ -137,3 +137,22 @@ def test_a_kept_cordon_can_be_lifted_before_its_node_is_back(tmp_path):
     with pytest.raises(KeyError):
         cp.cordon("never-seen", "cordoned")
     assert ControlPlaneStore(DirBackend(tmp_path)).intent.cordons == {}
+
+
+def test_ha_settings_are_validated_with_pointers():
+    from llmgw.config import ConfigInvalid
+
+    doc = dict(settings().raw)
+    ok = parse_server_settings({**doc, "ha": {"etcd": {"endpoints": ["http://127.0.0.1:2379"]},
+                                              "lease_ttl": 6, "renew_interval": 1}}).ha
+    assert ok.endpoints == ("http://127.0.0.1:2379",) and ok.lease_ttl == 6 and ok.renew_interval == 1.0
+    assert ok.prefix == "/llmgw"
+    bad = {"etcd": {"endpoints": ["https://10.0.0.1:2379", "http://10.0.0.2:2379"], "cert": "c.crt"},
+           "lease_ttl": 4, "renew_interval": 3}
+    with pytest.raises(ConfigInvalid) as e:
+        parse_server_settings({**doc, "ha": bad})
+    text = str(e.value)
+    for pointer in ("/ha/renew_interval", "/ha/etcd/ca", "/ha/etcd/endpoints/1", "/ha/etcd/key"):
+        assert pointer in text, (pointer, text)
+    with pytest.raises(ConfigInvalid, match="/ha/lease_ttl"):
+        parse_server_settings({**doc, "ha": {"etcd": {"endpoints": ["http://127.0.0.1:1"]}, "lease_ttl": 1}})

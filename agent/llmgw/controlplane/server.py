@@ -175,6 +175,8 @@ async def serve(settings: ServerSettings, config_path: str | None = None,
                 stop: asyncio.Event | None = None) -> None:
     """Run until ``stop`` is set (or SIGTERM/SIGINT)."""
     ssl_ctx = tls_context(settings)
+    if settings.ha is not None:
+        raise StartupRefused("ha: leader election is not served by this version yet; remove the ha section")
     try:
         store = open_store(settings.state_dir)
     except StoreError as e:

@@ -18,7 +18,8 @@ for and what the control plane promised itself:
 Backends, one job each: ``MemoryBackend`` (no ``state_dir``: today's
 behaviour, and a warning at start), ``DirBackend`` (``state_dir``: one file
 per key, 0600 in a 0700 directory, written with ``llmgw.durable.write_atomic``
-so a crash leaves the old value or the new one, never half).  Every write is
+so a crash leaves the old value or the new one, never half), ``EtcdBackend``
+(``ha``: shared by the control planes, each write fenced on leadership).  Every write is
 made durable before the change it records takes effect, so a caller that got
 an answer never loses what it asked for; a write that fails leaves memory as
 it was and the caller is told.
@@ -32,7 +33,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from llmgw.durable import PRIVATE_MODE, write_atomic
 
@@ -115,6 +116,43 @@ class DirBackend:
             raise StoreError(f"{p}: {e.strerror or e}") from e
 
 
+class EtcdBackend:
+    """Keys under ``<prefix>/store/`` in etcd; with ``fence``, a write lands only while we lead.
+
+    ``fence`` returns the txn compares that hold only while this control
+    plane leads (``Elector.fence``), or raises ``StoreError`` when it does not:
+    a deposed leader that wakes cannot overwrite its successor's intent.
+    Calls block for one etcd round trip (milliseconds): the store writes
+    only on operators' actions and once per ``EPOCH_BLOCK`` registrations.
+    """
+
+    def __init__(self, etcd: Any, prefix: str, fence: Callable[[], list[dict[str, Any]]] | None = None):
+        self.etcd = etcd
+        self.prefix = prefix.rstrip("/") + "/store/"
+        self.fence = fence
+        self.where = f"etcd {', '.join(etcd.endpoints)} {self.prefix}"
+
+    def get(self, key: str) -> bytes | None:
+        from llmgw.controlplane.etcd import EtcdUnavailable
+
+        try:
+            kv = self.etcd.get(self.prefix + _check_key(key))
+        except EtcdUnavailable as e:
+            raise StoreError(f"{self.where}{key}: {e}") from e
+        return None if kv is None else kv.value
+
+    def put(self, key: str, value: bytes) -> None:
+        from llmgw.controlplane.etcd import EtcdUnavailable
+
+        compare = self.fence() if self.fence is not None else []
+        try:
+            ok, _ = self.etcd.txn(compare, [self.etcd.put_op(self.prefix + _check_key(key), value)])
+        except EtcdUnavailable as e:
+            raise StoreError(f"{self.where}{key}: {e}") from e
+        if not ok:
+            raise StoreError(f"{self.where}{key}: not written: this control plane no longer leads")
+
+
 @dataclass
 class Intent:
     """What operators asked for that no agent can report back."""
@@ -161,8 +199,12 @@ class ControlPlaneStore:
 
     def __init__(self, backend: Backend):
         self.backend = backend
-        data = backend.get(INTENT_KEY)
-        self.intent = Intent() if data is None else Intent.from_json(data, f"{backend.where}/{INTENT_KEY}")
+        self.reload()
+
+    def reload(self) -> None:
+        """Read everything again: a control plane taking over leads from what its predecessor wrote."""
+        data = self.backend.get(INTENT_KEY)
+        self.intent = Intent() if data is None else Intent.from_json(data, f"{self.backend.where}/{INTENT_KEY}")
         self._epoch = self._reserved = self._read_epoch()
 
     @property
