@@ -150,6 +150,7 @@ class AgentSettings:
     fetch: FetchPolicy = field(default_factory=FetchPolicy)
     health: LivenessPolicy = field(default_factory=LivenessPolicy)
     rediscover_interval: float = 60.0  # discovery.interval: 0 = only when (re)connecting
+    control_plane_urls: tuple[str, ...] = ()  # every control plane (ha); control_plane_url is the first
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
 
 
@@ -397,11 +398,15 @@ def _agent_tls_errors(doc: dict[str, Any]) -> list[ConfigError]:
 def _agent_url_errors(doc: dict[str, Any]) -> list[ConfigError]:
     insecure = bool(doc.get("insecure_no_tls"))
     url = doc["control_plane"]["url"]
-    if not insecure and url.startswith("ws://"):
-        return [ConfigError("/control_plane/url", "ws:// is plaintext; use wss:// (or set insecure_no_tls for development)")]
-    if insecure and url.startswith("wss://"):
-        return [ConfigError("/control_plane/url", "insecure_no_tls is set but the URL is wss://")]
-    return []
+    urls = [("/control_plane/url", url)] if isinstance(url, str) else [
+        (f"/control_plane/url/{i}", u) for i, u in enumerate(url)]
+    out = []
+    for pointer, u in urls:
+        if not insecure and u.startswith("ws://"):
+            out.append(ConfigError(pointer, "ws:// is plaintext; use wss:// (or set insecure_no_tls for development)"))
+        if insecure and u.startswith("wss://"):
+            out.append(ConfigError(pointer, "insecure_no_tls is set but the URL is wss://"))
+    return out
 
 
 def _reconnect_errors(doc: dict[str, Any]) -> list[ConfigError]:
@@ -464,7 +469,8 @@ def parse_agent_settings(doc: Any, source: str = "agent.yaml") -> AgentSettings:
     ports = doc.get("engine_ports", {"first": 20000, "last": 20999})
     return AgentSettings(
         node_id=doc["node_id"],
-        control_plane_url=doc["control_plane"]["url"],
+        control_plane_url=_urls(doc["control_plane"]["url"])[0],
+        control_plane_urls=_urls(doc["control_plane"]["url"]),
         reconnect_initial=float(doc["control_plane"].get("reconnect_initial", 1)),
         reconnect_max=float(doc["control_plane"].get("reconnect_max", 30)),
         keepalive_interval=float(doc["control_plane"].get("keepalive_interval", 10)),
@@ -489,6 +495,10 @@ def parse_agent_settings(doc: Any, source: str = "agent.yaml") -> AgentSettings:
         rediscover_interval=float(disc.get("interval", 60)),
         raw=doc,
     )
+
+
+def _urls(url: str | list[str]) -> tuple[str, ...]:
+    return (url,) if isinstance(url, str) else tuple(url)
 
 
 def load_server_settings(path: str | Path) -> ServerSettings:

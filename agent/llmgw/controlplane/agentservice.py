@@ -168,7 +168,7 @@ class AgentService:
         # No await between register and this send: "registered" is the first
         # thing on the stream, ahead of any start/stop the reconciler queues.
         session.send({"type": "registered", "epoch": epoch,
-                      "heartbeat_interval": self.cp.lifecycle().heartbeat_interval})
+                      "heartbeat_interval": self.cp.lifecycle().heartbeat_interval, **self.cp.leader_fields()})
         # This coroutine lives as long as the stream: names still bound here
         # would keep the register document (text and decoded, about 20 KB for
         # an 8-GPU node) and the latest message alive for every node. The

@@ -181,8 +181,11 @@ class Elector:
 
     async def resign(self) -> None:
         """Give the key up now (a clean stop): a standby takes over at once, not after the TTL."""
-        lease, self._lease = (self.term.lease if self.term else self._lease), None
-        self._lost("resigning")
+        lease = self.term.lease if self.term else self._lease
+        if self.term is not None:
+            log.warning("giving the lead up (term %d)", self.term.epoch)
+        # not _lost(): a resignation is this process's own choice, not news for on_change
+        self.term, self._deadline, self._lease = None, float("-inf"), None
         if lease is not None:
             try:
                 await self.etcd.revoke(lease)

@@ -18,6 +18,8 @@ import contextlib
 import logging
 import os
 import signal
+import socket
+import ssl
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,7 +30,11 @@ from llmgw.config import ConfigInvalid
 from llmgw.controlplane.api import build_api, startup_grace_left
 from llmgw.controlplane.badrequests import quiet_malformed_requests
 from llmgw.controlplane.state import ControlPlane
-from llmgw.controlplane.store import StoreError, open_store
+from llmgw.controlplane.etcd import AsyncEtcd, BlockingEtcd
+from llmgw.controlplane.etcd import tls_context as etcd_tls
+from llmgw.controlplane.leader import Elector
+from llmgw.controlplane.standby import DEPOSED_EXIT, stamp_leader_epoch, standby_gate
+from llmgw.controlplane.store import ControlPlaneStore, EtcdBackend, StoreError, open_store
 from llmgw.controlplane.tlssite import HandshakeLoggingSite
 from llmgw.eventloop import tune_gc
 from llmgw.memtrim import trim_periodically
@@ -175,17 +181,40 @@ async def serve(settings: ServerSettings, config_path: str | None = None,
                 stop: asyncio.Event | None = None) -> None:
     """Run until ``stop`` is set (or SIGTERM/SIGINT)."""
     ssl_ctx = tls_context(settings)
-    if settings.ha is not None:
-        raise StartupRefused("ha: leader election is not served by this version yet; remove the ha section")
+    stop = stop or asyncio.Event()
+    elector = make_elector(settings) if settings.ha is not None else None
     try:
-        store = open_store(settings.state_dir)
+        store = open_store(settings.state_dir) if elector is None else ha_store(settings, elector)
     except StoreError as e:
-        raise StartupRefused(f"state_dir: {e}") from e
+        raise StartupRefused(f"{'ha' if elector else 'state_dir'}: {e}") from e
     cp = ControlPlane(settings, config_path, store=store)
+    deposed = False
+    if elector is not None:
+        cp.authority = lambda: elector.is_leader
+
+        def leadership(leading: bool, epoch: int) -> None:
+            nonlocal deposed
+            if leading:
+                try:
+                    cp.take_over(epoch)
+                except StoreError as e:  # cannot read what the last leader wrote: do not lead blind
+                    log.error("cannot read the store on taking over: %s; giving the lead up", e)
+                    asyncio.get_running_loop().create_task(elector.resign())
+                return
+            # Never a standby in place: the book is from a term that ended. Exit; the service manager
+            # starts a fresh standby.
+            log.error("no longer the leader: exiting (status %d) to start again as a standby", DEPOSED_EXIT)
+            deposed = True
+            stop.set()
+
+        elector.on_change = leadership
     router = RouterHook(settings, pending=lambda model: catalog_grace_left(cp, model))
     cp.on_endpoints(router.update)
     reload = reloader(cp, config_path)
-    app = build_api(cp, require_identity=ssl_ctx is not None, reload=reload, watch_handler=router.watch_handler)
+    watch = router.watch_handler if elector is None else stamp_leader_epoch(router.watch_handler, cp)
+    app = build_api(cp, require_identity=ssl_ctx is not None, reload=reload, watch_handler=watch)
+    if elector is not None:
+        app.middlewares.insert(0, standby_gate(elector))
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
     quiet_malformed_requests()
@@ -202,7 +231,6 @@ async def serve(settings: ServerSettings, config_path: str | None = None,
     router_runner = await router.start()
 
     loop = asyncio.get_running_loop()
-    stop = stop or asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, lambda: (log.info("SIGHUP: reloading %s", config_path), reload()))
@@ -212,14 +240,19 @@ async def serve(settings: ServerSettings, config_path: str | None = None,
     tune_gc()  # thousands of streams hold many objects: freeze what start-up built, collect less often
     ticker = asyncio.create_task(cp.run(), name="reconcile loop")
     trimmer = asyncio.create_task(trim_periodically(), name="heap trim")
+    campaign = None if elector is None else asyncio.create_task(elector.run(stop), name="leader election")
     try:
         await stop.wait()
     finally:
         log.info("stopping; engines keep running and agents reconnect to the next control plane")
-        for task in (ticker, trimmer):
+        for task in (ticker, trimmer, campaign):
+            if task is None:
+                continue
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if elector is not None and not deposed:
+            await elector.resign()  # a standby takes over now, not a lease later
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
         for s in list(cp.sessions.values()):
@@ -227,6 +260,34 @@ async def serve(settings: ServerSettings, config_path: str | None = None,
         if router_runner is not None:
             await router_runner.cleanup()
         await runner.cleanup()
+    if deposed:
+        raise Deposed()
+
+
+class Deposed(Exception):
+    """This process led and no longer does; it exits so that it starts again as a standby."""
+
+
+def make_elector(settings: ServerSettings) -> Elector:
+    ha = settings.ha
+    assert ha is not None
+    try:
+        tls = etcd_tls(ha.ca, ha.cert, ha.key)
+    except (OSError, ssl.SSLError) as e:
+        raise StartupRefused(f"ha.etcd: cannot load its TLS files: {e}") from e
+    url = ha.advertise_url or f"{'https' if settings.tls else 'http'}://{settings.api_host}:{settings.api_port}"
+    return Elector(AsyncEtcd(ha.endpoints, tls, timeout=max(0.5, ha.renew_interval)), ha.prefix,
+                   ha.name or socket.gethostname(), url, ha.lease_ttl, ha.renew_interval)
+
+
+def ha_store(settings: ServerSettings, elector: Elector) -> ControlPlaneStore:
+    """Intent and epochs in etcd, shared by the control planes; every write fenced on leading."""
+    ha = settings.ha
+    assert ha is not None
+    if settings.state_dir is not None:
+        log.info("ha: cordons, drains and the epoch are kept in etcd, not in state_dir %s", settings.state_dir)
+    client = BlockingEtcd(ha.endpoints, etcd_tls(ha.ca, ha.cert, ha.key), timeout=max(0.5, ha.renew_interval))
+    return ControlPlaneStore(EtcdBackend(client, ha.prefix, fence=elector.fence))
 
 
 def run_server(settings: ServerSettings, config_path: str | None = None) -> int:
@@ -240,6 +301,8 @@ def run_server(settings: ServerSettings, config_path: str | None = None) -> int:
     except StartupRefused as e:
         log.error("refusing to start: %s", e)
         return 2
+    except Deposed:
+        return DEPOSED_EXIT
     except ConfigInvalid as e:
         log.error("refusing to start:\n%s", e)
         return 2

@@ -133,6 +133,10 @@ class ControlPlane:
                  clock: Callable[[], float] = time.monotonic, store: ControlPlaneStore | None = None):
         self.loaded = Loaded(settings, source)
         self.store = store or ControlPlaneStore(MemoryBackend())
+        # With ``ha``: whether this process leads now (Elector.is_leader), and its term, stamped on
+        # what it tells agents so that one deposed cannot be obeyed.  Without: always, and no stamp.
+        self.authority: Callable[[], bool] = lambda: True
+        self.leader_epoch = 0
         self.clock = clock
         self.started_at = clock()
         self.started_wall = time.time()
@@ -371,6 +375,29 @@ class ControlPlane:
             self.kick()
         return old
 
+    def leader_fields(self) -> dict[str, int]:
+        """What every message to an agent carries with ``ha``: the term it was sent in."""
+        return {"leader_epoch": self.leader_epoch} if self.leader_epoch else {}
+
+    def take_over(self, epoch: int) -> None:
+        """This process now leads (term ``epoch``): start from what the store says, with a failover grace.
+
+        Intent is read again (the previous leader may have changed it), and
+        the startup grace counts from now: agents are still moving over from
+        the old leader, and none may be judged lost, nor anything placed,
+        before they have had the grace to register here.
+        """
+        self.store.reload()
+        for node_id, rec in self.nodes.items():
+            rec.cordon = self.store.cordon_of(node_id)
+        self.leader_epoch = epoch
+        self.started_at = self.clock()
+        self.evaluation = Evaluation()
+        log.warning("leading as term %d: %d cordon(s), %d drain(s) from the store; failover grace %gs",
+                    epoch, len(self.store.intent.cordons), len(self.store.intent.drains),
+                    self.settings.lifecycle.startup_grace)
+        self.kick()
+
     def drain(self, replica_id: str) -> None:
         """An operator drains a replica. KeyError, ValueError: see ``Reconciler.drain``; StoreError: nothing changed."""
         r = self.reconciler.book.replicas.get(replica_id)
@@ -464,6 +491,8 @@ class ControlPlane:
         of thousands of nodes then costs a lifecycle pass per tick, not a
         reconcile of every replica.
         """
+        if not self.authority():
+            return Plan()  # a standby (or a leader past its lease) acts on nothing
         now = self.clock()
         lc = self.lifecycle()
         clocks = {n: rec.clock for n, rec in self.nodes.items()}
@@ -497,7 +526,7 @@ class ControlPlane:
         self.drain_blocked = plan.drain_blocked
         for action in plan.actions:
             session = self.sessions.get(action.node_id)
-            if session is None or not session.send(action.message()):
+            if session is None or not session.send({**action.message(), **self.leader_fields()}):
                 log.warning("%s for %s: node %s has no open stream; its next registration will settle it",
                             type(action).__name__.lower(), getattr(action, "shard_id", None) or
                             action.spec["shard_id"], action.node_id)  # type: ignore[union-attr]

@@ -24,10 +24,11 @@ class ApiKey:
 
 @dataclass(frozen=True)
 class ControlPlane:
-    url: str
+    url: str  # the first of urls
     ca: str
     cert: str
     key: str
+    urls: tuple[str, ...] = ()  # every control plane (ha), tried in turn
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,10 @@ class RouterSettings:
         if errors:
             raise ConfigInvalid(source, errors)
         return _build(doc)
+
+
+def _first(url: str | list[str]) -> str:
+    return url if isinstance(url, str) else url[0]
 
 
 def _section(doc: Mapping[str, Any], key: str) -> Mapping[str, Any]:
@@ -202,7 +207,8 @@ def _build(doc: Mapping[str, Any]) -> RouterSettings:
         api_keys=keys,
         allow_unauthenticated=doc.get("allow_unauthenticated", False),
         static_endpoints=static,
-        control_plane=ControlPlane(cp["url"], cp["ca"], cp["cert"], cp["key"]) if cp else None,
+        control_plane=ControlPlane(_first(cp["url"]), cp["ca"], cp["cert"], cp["key"],
+                                   (cp["url"],) if isinstance(cp["url"], str) else tuple(cp["url"])) if cp else None,
         timeouts=Timeouts(**_section(doc, "timeouts")),
         limits=Limits(**_section(doc, "limits")),
         balancing=Balancing(**_section(doc, "balancing")),
