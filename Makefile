@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # What the virtualenv gets: the runtime, the controller's tools and the tests'.
 EXTRAS ?= controller,test
 
-.PHONY: quickstart llamacpp-vars fleet-down test unit integration ansible molecule pythons prometheus venv clean engines
+.PHONY: quickstart llamacpp-vars fleet-down test unit integration ansible molecule pythons prometheus etcd venv clean engines
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,7 +51,7 @@ fleet-down:
 ## the checkout), unit, then integration (real processes), then the Ansible collection, then
 ## the oldest and newest Python (`pythons`), then the collection's molecule scenarios on
 ## podman test hosts.
-test: $(STAMP) engines
+test: $(STAMP) engines etcd
 	$(PY) -m pytest tests/unit -q
 	$(PY) -m pytest tests/integration -q
 	$(MAKE) --no-print-directory ansible
@@ -69,7 +69,7 @@ engines: $(STAMP)
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit -q
 
-integration: $(STAMP)
+integration: $(STAMP) etcd
 	$(PY) -m pytest tests/integration -q
 
 ## The llmgw.fleet collection: real ansible-playbook runs (site.yml on this machine,
@@ -83,6 +83,13 @@ ansible: $(STAMP) prometheus
 prometheus:
 	@command -v prometheus >/dev/null || { apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
+
+## Debian's etcd (etcd-server, 3.4), which the store and leader-election tests start
+## themselves on loopback (free ports, a temporary data directory). Installed only when
+## missing; without it those tests skip, saying so.
+etcd:
+	@command -v etcd >/dev/null || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends etcd-server; }
 
 ## Multi-host rollouts on podman containers booting systemd (needs root): builds the
 ## test-host image once (tests/hosts/build-image), then runs every scenario.

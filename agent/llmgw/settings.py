@@ -10,10 +10,12 @@ error; every error is reported at once.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
+from urllib.parse import urlsplit
 
 from llmgw.agent.liveness import LivenessPolicy, policy_errors
 from llmgw.catalog import Catalog
@@ -80,6 +82,28 @@ class EjectionPolicy:
 
 
 @dataclass(frozen=True)
+class HASettings:
+    """Leader election among control planes (``server.yaml`` ``ha``)."""
+
+    endpoints: tuple[str, ...]
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    prefix: str = "/llmgw"
+    name: str = ""  # "" = the host name
+    advertise_url: str | None = None
+    lease_ttl: int = 10
+    renew_interval: float = 2.0
+
+    @classmethod
+    def from_config(cls, d: dict[str, Any]) -> "HASettings":
+        etcd = d["etcd"]
+        return cls(tuple(etcd["endpoints"]), etcd.get("ca"), etcd.get("cert"), etcd.get("key"),
+                   etcd.get("prefix", "/llmgw"), d.get("name", ""), d.get("advertise_url"),
+                   int(d.get("lease_ttl", 10)), float(d.get("renew_interval", 2.0)))
+
+
+@dataclass(frozen=True)
 class FetchPolicy:
     """How the agent downloads https:// model sources (``agent.yaml`` ``fetch``)."""
 
@@ -121,7 +145,8 @@ class ServerSettings:
     router: dict[str, Any] | None  # validated against router.schema.json; the router parses it
     router_ejections: EjectionPolicy = EjectionPolicy()
     api_clients: ApiClients = ApiClients()
-    state_dir: str | None = None  # holds the grant secret; None: an ephemeral one (engines replaced at restart)
+    state_dir: str | None = None  # cordons, drains, epoch, grant secret; None: memory only (and an ephemeral grant secret)
+    ha: HASettings | None = None  # leader election on etcd; None: the only control plane
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
 
 
@@ -148,6 +173,7 @@ class AgentSettings:
     fetch: FetchPolicy = field(default_factory=FetchPolicy)
     health: LivenessPolicy = field(default_factory=LivenessPolicy)
     rediscover_interval: float = 60.0  # discovery.interval: 0 = only when (re)connecting
+    control_plane_urls: tuple[str, ...] = ()  # every control plane (ha); control_plane_url is the first
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
 
 
@@ -333,11 +359,42 @@ def _server_semantic_errors(doc: Any, schema: Sequence[ConfigError] = ()) -> lis
         (("/models", "/profiles", "/deployments"), _reference_errors),
         (("/router",), _router_errors),
         (("/state_dir",), _state_dir_errors),
+        (("/ha",), _ha_errors),
     ]
     profiles = doc.get("profiles") if isinstance(doc, dict) else None
     if isinstance(profiles, list):
         checks += [((f"/profiles/{i}",), _profile_errors(i)) for i in range(len(profiles))]
     return _run_checks(doc, schema, checks)
+
+
+def _ha_errors(doc: dict[str, Any]) -> list[ConfigError]:
+    ha = doc.get("ha")
+    if ha is None:
+        return []
+    out = []
+    ttl, renew = ha.get("lease_ttl", 10), ha.get("renew_interval", 2)
+    if renew * 2 > ttl:
+        out.append(ConfigError("/ha/renew_interval", f"must be at most half of lease_ttl ({ttl}): the leader "
+                                                       "must renew at least twice before it steps down"))
+    etcd = ha["etcd"]
+    tls = [url for url in etcd["endpoints"] if url.startswith("https://")]
+    if tls and "ca" not in etcd:
+        out.append(ConfigError("/ha/etcd/ca", f"required: endpoint {tls[0]} is https://"))
+    for i, url in enumerate(etcd["endpoints"]):
+        host = urlsplit(url).hostname or ""
+        if url.startswith("http://") and not _loopback(host):
+            out.append(ConfigError(f"/ha/etcd/endpoints/{i}", f"{url} is plaintext on a non-loopback address; "
+                                                               "use https:// with ca, cert and key"))
+    if ("cert" in etcd) != ("key" in etcd):
+        out.append(ConfigError("/ha/etcd/" + ("key" if "cert" in etcd else "cert"), "cert and key go together"))
+    return out
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def parse_server_settings(doc: Any, source: str = "server.yaml") -> ServerSettings:
@@ -360,6 +417,7 @@ def parse_server_settings(doc: Any, source: str = "server.yaml") -> ServerSettin
         router_ejections=EjectionPolicy(**{**EjectionPolicy().__dict__, **doc.get("router_ejections", {})}),
         api_clients=ApiClients(**api.get("clients", {})),
         state_dir=doc.get("state_dir"),
+        ha=HASettings.from_config(doc["ha"]) if "ha" in doc else None,
         raw=doc,
     )
 
@@ -373,11 +431,15 @@ def _agent_tls_errors(doc: dict[str, Any]) -> list[ConfigError]:
 def _agent_url_errors(doc: dict[str, Any]) -> list[ConfigError]:
     insecure = bool(doc.get("insecure_no_tls"))
     url = doc["control_plane"]["url"]
-    if not insecure and url.startswith("ws://"):
-        return [ConfigError("/control_plane/url", "ws:// is plaintext; use wss:// (or set insecure_no_tls for development)")]
-    if insecure and url.startswith("wss://"):
-        return [ConfigError("/control_plane/url", "insecure_no_tls is set but the URL is wss://")]
-    return []
+    urls = [("/control_plane/url", url)] if isinstance(url, str) else [
+        (f"/control_plane/url/{i}", u) for i, u in enumerate(url)]
+    out = []
+    for pointer, u in urls:
+        if not insecure and u.startswith("ws://"):
+            out.append(ConfigError(pointer, "ws:// is plaintext; use wss:// (or set insecure_no_tls for development)"))
+        if insecure and u.startswith("wss://"):
+            out.append(ConfigError(pointer, "insecure_no_tls is set but the URL is wss://"))
+    return out
 
 
 def _reconnect_errors(doc: dict[str, Any]) -> list[ConfigError]:
@@ -440,7 +502,8 @@ def parse_agent_settings(doc: Any, source: str = "agent.yaml") -> AgentSettings:
     ports = doc.get("engine_ports", {"first": 20000, "last": 20999})
     return AgentSettings(
         node_id=doc["node_id"],
-        control_plane_url=doc["control_plane"]["url"],
+        control_plane_url=_urls(doc["control_plane"]["url"])[0],
+        control_plane_urls=_urls(doc["control_plane"]["url"]),
         reconnect_initial=float(doc["control_plane"].get("reconnect_initial", 1)),
         reconnect_max=float(doc["control_plane"].get("reconnect_max", 30)),
         keepalive_interval=float(doc["control_plane"].get("keepalive_interval", 10)),
@@ -465,6 +528,10 @@ def parse_agent_settings(doc: Any, source: str = "agent.yaml") -> AgentSettings:
         rediscover_interval=float(disc.get("interval", 60)),
         raw=doc,
     )
+
+
+def _urls(url: str | list[str]) -> tuple[str, ...]:
+    return (url,) if isinstance(url, str) else tuple(url)
 
 
 def load_server_settings(path: str | Path) -> ServerSettings:

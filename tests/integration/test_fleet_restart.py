@@ -226,3 +226,30 @@ def test_a_stopping_control_plane_answers_the_routers_held_watch_at_once(tmp_pat
         until(lambda: "control plane stopping" in router.output(), "the held poll to be answered",
               on_timeout=router.output)
         assert router_endpoints(rport) == 1, "a stopping control plane empties no router"
+
+
+def test_a_cordon_survives_a_control_plane_crash_and_nothing_new_lands_there(tmp_path):
+    """A node under maintenance stays cordoned through a control-plane crash (state_dir)."""
+    with Fleet(tmp_path, nodes={"a": 1, "b": 1}, replicas=1, lifecycle={"startup_grace": 2.0}) as f:
+        f.config["state_dir"] = str(tmp_path / "cp-state")
+        f.write_config()
+        f.start()
+        (replica,) = f.wait_ready(1)
+        busy = replica["shards"][0]["node_id"]
+        (idle,) = [n for n in f.node_ids.values() if n != busy]
+        assert "cordoned" in f.ctl("cordon", idle).stdout
+        f.server.kill()  # SIGKILL: nothing is written on the way out
+        f.config["deployments"][0]["replicas"] = 2  # the only room for a second replica is the cordoned node
+        f.write_config()
+        f.server.start()
+        f.wait_healthy()
+        until(lambda: len(f.nodes()) == 2 and all(n["connected"] for n in f.nodes().values()),
+              "both agents to re-register", on_timeout=f.dump)
+        until(lambda: f.get("/v1/nodes")["fleet"]["startup_grace_left_s"] == 0, "the startup grace to end")
+        assert f"{idle}: cordoned" in f.ctl("nodes").stdout
+        until(lambda: any("not schedulable" in u["reason"] for u in f.replicas()["unplaced"]),
+              "the second replica to be held back by the cordon", on_timeout=f.dump)
+        assert [r["shards"][0]["node_id"] for r in f.replicas()["replicas"]] == [busy]
+        assert not any(n == idle for n, _ in filter(None, map(engine_gpus, f.engine_pids())))
+        assert "schedulable" in f.ctl("uncordon", idle).stdout
+        f.wait_ready(2)  # and lifting it works as before

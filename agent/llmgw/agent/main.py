@@ -197,7 +197,7 @@ async def agent_main(settings: AgentSettings, stop: asyncio.Event | None = None)
     shown = discovery.advertised(inventory, await asyncio.to_thread(discovery.health_of, inventory))
     if len(shown.gpus) < len(inventory.gpus):
         log.error("advertising %d of %d GPU(s): %s", len(shown.gpus), len(inventory.gpus), shown.gpu_reason)
-    stream = StreamClient(url=settings.control_plane_url, node_id=settings.node_id,
+    stream = StreamClient(url=settings.control_plane_urls or settings.control_plane_url, node_id=settings.node_id,
                           address=settings.advertise_address, ssl_context=ssl_context,
                           supervisor=supervisor, discover=discovery,
                           reconnect_initial=settings.reconnect_initial, reconnect_max=settings.reconnect_max,

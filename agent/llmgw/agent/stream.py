@@ -37,13 +37,14 @@ import json
 import logging
 import ssl
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Sequence
 
 import aiohttp
 
 from llmgw import __version__, compat
 from llmgw.agent import procident
 from llmgw.agent.backoff import Backoff
+from llmgw.agent.controlplanes import Addresses, DeposedLeader, LeaderFence, leader_hint
 from llmgw.agent.schema import definition_problems
 from llmgw.agent.supervisor import Supervisor
 from llmgw.hardware.types import HardwareInventory
@@ -86,11 +87,13 @@ def stream_session(connect_timeout: float = 15.0, connector: aiohttp.BaseConnect
 class StreamClient:
     """One agent's connection loop.  ``send`` is safe to call at any time."""
 
-    def __init__(self, *, url: str, node_id: str, address: str, ssl_context: ssl.SSLContext | None,
+    def __init__(self, *, url: str | Sequence[str], node_id: str, address: str, ssl_context: ssl.SSLContext | None,
                  supervisor: Supervisor, discover: Discover, reconnect_initial: float,
                  reconnect_max: float, keepalive: float = 10.0, connect_timeout: float = 15.0,
                  rediscover: float = 0.0):
-        self.url = url
+        self.addresses = Addresses(url)  # several control planes (ha): the next after a failure
+        self.url = self.addresses.current
+        self.fence = LeaderFence()  # the highest leader term seen; a lower one is refused
         self.node_id = node_id
         self.address = address
         self.ssl_context = ssl_context
@@ -147,8 +150,9 @@ class StreamClient:
             except asyncio.CancelledError:
                 raise
             except aiohttp.WSServerHandshakeError as e:
-                told = self._retry_after(e)
-                if told is not None:
+                told, hint = self._retry_after(e), leader_hint(e)
+                standby = e.headers is not None and e.headers.get("X-Llmgw-Role") == "standby"
+                if told is not None and not standby:  # shed by the leader: the same address, later
                     self.refusals += 1
                     delay = self.backoff.told(told)
                     log.info("control plane %s is admitting no more streams just now; dialling again in %.2fs "
@@ -156,8 +160,10 @@ class StreamClient:
                     await asyncio.sleep(delay)
                     continue
                 log.warning("control plane %s: %s: %s", self.url, type(e).__name__, e)
-            except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ssl.SSLError) as e:
+                self.url = self.addresses.next_after_failure(hint)
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ssl.SSLError, DeposedLeader) as e:
                 log.warning("control plane %s: %s: %s", self.url, type(e).__name__, e)
+                self.url = self.addresses.next_after_failure(leader_hint(e))
             except Exception:
                 log.exception("stream to %s failed", self.url)
             delay = self.backoff.next_delay()
@@ -300,6 +306,7 @@ class StreamClient:
         if problems:
             log.warning("ignoring invalid control-plane message %.200s: %s", data, "; ".join(problems))
             return None
+        self.fence.admit(msg)  # DeposedLeader ends this stream
         kind = msg["type"]
         if kind == "registered":
             self.epoch = int(msg["epoch"])

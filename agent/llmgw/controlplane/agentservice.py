@@ -170,7 +170,8 @@ class AgentService:
         unknown field in ``registered`` would make it refuse the message.
         """
         lc = self.cp.lifecycle()
-        session.send({"type": "registered", "epoch": epoch, "heartbeat_interval": lc.heartbeat_interval})
+        session.send({"type": "registered", "epoch": epoch, "heartbeat_interval": lc.heartbeat_interval,
+                      **self.cp.leader_fields()})
         session.send({"type": "liveness", "keepalive_interval": lc.keepalive_interval,
                       "stream_grace": lc.stream_grace})
 

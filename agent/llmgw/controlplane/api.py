@@ -36,6 +36,7 @@ from llmgw.controlplane.ejections_api import EJECTIONS_PATH, EjectionsAPI
 from llmgw.controlplane.metrics import CONTENT_TYPE, registry_for, render
 from llmgw.controlplane.openapi import OPENAPI_PATH, document
 from llmgw.controlplane.state import ControlPlane
+from llmgw.controlplane.store import StoreError
 from llmgw.router.watch import REVEAL_KEYS, WATCH_PATH
 from llmgw.tls import IdentityError, check_admin_identity, check_router_identity
 
@@ -250,6 +251,9 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
             return web.json_response({"error": f"no replica {rid!r}"}, status=404)
         except ValueError as e:
             return web.json_response({"error": str(e)}, status=409)
+        except StoreError as e:
+            log.error("%s: cannot record the drain: %s", rid, e)
+            return web.json_response({"error": f"cannot record it, nothing changed: {e}"}, status=503)
         r = cp.reconciler.book.replicas[rid]
         return web.json_response({"replica": views.replica_view(cp, r, cp.clock())}, status=202)
 
@@ -262,10 +266,14 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
                 known = ", ".join(sorted(cp.nodes)) or "none"
                 return web.json_response({"error": f"no node {node_id!r} has registered; known: {known}"},
                                          status=404)
+            except StoreError as e:
+                log.error("%s: cannot record %s: %s", node_id, state or "uncordon", e)
+                return web.json_response({"error": f"cannot record it, nothing changed: {e}"}, status=503)
             log.info("%s %s by %s (was %s)", node_id, state or "uncordoned", auth.check(request)[1],
                      before or "schedulable")
-            return web.json_response({"node": views.node_cordon_view(cp, node_id), "was": before},
-                                     status=202 if state == "draining" else 200)
+            node = (views.node_cordon_view(cp, node_id) if node_id in cp.nodes
+                    else {"node_id": node_id, "cordon": state})  # lifted before its node came back
+            return web.json_response({"node": node, "was": before}, status=202 if state == "draining" else 200)
         return act
 
     async def do_reload(request: web.Request) -> web.Response:

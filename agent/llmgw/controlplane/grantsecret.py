@@ -23,6 +23,7 @@ import stat
 from pathlib import Path
 
 from llmgw.controlplane.grants import GrantKeys
+from llmgw.controlplane.store import GRANT_SECRET_KEY, ControlPlaneStore
 from llmgw.durable import PRIVATE_MODE, write_atomic
 
 log = logging.getLogger("llmgw.controlplane")
@@ -96,3 +97,20 @@ def grant_keys(state_dir: str | None) -> GrantKeys:
                     "after a restart every running engine is replaced instead of adopted")
         return GrantKeys.fresh()
     return load_or_create(state_dir)
+
+
+def from_store(store: ControlPlaneStore) -> GrantKeys:
+    """The grant secrets shared by several control planes through their store (``ha``), made on first need.
+
+    Read when this process takes the lead, so every leader signs and verifies
+    with the same secrets and a takeover adopts the engines the last leader
+    placed.  The write is the store's, fenced on leading like every other.
+    """
+    raw = store.secret(GRANT_SECRET_KEY)
+    if raw is None:
+        store.put_secret(GRANT_SECRET_KEY, (secrets.token_hex(32) + "\n").encode())
+        log.info("created the grant secret in %s", store.backend.where)
+        raw = store.secret(GRANT_SECRET_KEY)
+    if raw is None:
+        raise GrantSecretError(f"{store.backend.where}: the grant secret just written cannot be read back")
+    return GrantKeys(parse(raw.decode("ascii", "replace"), f"{store.backend.where} {GRANT_SECRET_KEY}"))

@@ -63,6 +63,7 @@ OPT_STR = {"type": ["string", "null"]}
 OPT_SECONDS = {"type": ["number", "null"], "minimum": 0}
 COUNTS = {"type": "object", "additionalProperties": {"type": "integer", "minimum": 0}}
 TIMINGS = {"heartbeat_interval_s": SECONDS, "unreachable_after_s": SECONDS, "lost_after_s": SECONDS}
+UNRECORDED = "the store (state_dir or etcd) could not record it; nothing changed"
 CORDON = {"enum": [None, "cordoned", "draining"]}
 
 # The answers' shapes.  Where the answer carries something a schema file already
@@ -200,13 +201,14 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/v1/explain/{model}", "Where each declared replica of a model runs, or why it cannot be placed",
           200, "Explain", {**NOT_YOURS, 404: "the model is not in the catalog"}),
     Route("POST", "/v1/replicas/{replica_id}/drain", "Take a replica out of the router, stop it and replace it",
-          202, "ReplicaDrain", {**NOT_YOURS, 404: "no such replica", 409: "the replica cannot be drained now"}),
+          202, "ReplicaDrain", {**NOT_YOURS, 404: "no such replica", 409: "the replica cannot be drained now",
+                                      503: UNRECORDED}),
     Route("POST", "/v1/nodes/{node_id}/cordon", "Place nothing new on a node (what runs there stays)", 200,
-          "NodeAction", {**NOT_YOURS, 404: "no such node has registered"}),
+          "NodeAction", {**NOT_YOURS, 404: "no such node has registered", 503: UNRECORDED}),
     Route("POST", "/v1/nodes/{node_id}/drain", "Cordon a node and move its replicas elsewhere, make before break",
-          202, "NodeAction", {**NOT_YOURS, 404: "no such node has registered"}),
+          202, "NodeAction", {**NOT_YOURS, 404: "no such node has registered", 503: UNRECORDED}),
     Route("POST", "/v1/nodes/{node_id}/uncordon", "Make a cordoned or draining node schedulable again", 200,
-          "NodeAction", {**NOT_YOURS, 404: "no such node has registered"}),
+          "NodeAction", {**NOT_YOURS, 404: "no such node has registered", 503: UNRECORDED}),
     Route("POST", "/v1/reload", "Re-read server.yaml; a file that fails validation is refused, the catalog stays",
           200, "Reloaded", {**NOT_YOURS, 400: "server.yaml failed validation (every error listed)",
                             409: "started without a config file"},

@@ -18,6 +18,8 @@ import contextlib
 import logging
 import os
 import signal
+import socket
+import ssl
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,12 @@ from llmgw.controlplane.api import build_api, startup_grace_left
 from llmgw.controlplane.badrequests import quiet_malformed_requests
 from llmgw.controlplane.grantsecret import GrantSecretError, grant_keys
 from llmgw.controlplane.state import ControlPlane
+from llmgw.controlplane.etcd import AsyncEtcd, BlockingEtcd
+from llmgw.controlplane.etcd import tls_context as etcd_tls
+from llmgw.controlplane.grants import GrantKeys
+from llmgw.controlplane.leader import Elector
+from llmgw.controlplane.standby import DEPOSED_EXIT, stamp_leader_epoch, standby_gate
+from llmgw.controlplane.store import ControlPlaneStore, EtcdBackend, StoreError, open_store
 from llmgw.controlplane.tlssite import AnonymousDeadline, HandshakeLoggingSite
 from llmgw.eventloop import tune_gc
 from llmgw.memtrim import trim_periodically
@@ -207,19 +215,50 @@ async def serve(settings: ServerSettings, config_path: str | None = None,
                 stop: asyncio.Event | None = None) -> None:
     """Run until ``stop`` is set (or SIGTERM/SIGINT)."""
     ssl_ctx = tls_context(settings)
+    stop = stop or asyncio.Event()
+    elector = make_elector(settings) if settings.ha is not None else None
     try:
-        keys = grant_keys(settings.state_dir)
+        store = open_store(settings.state_dir) if elector is None else ha_store(settings, elector)
+    except StoreError as e:
+        raise StartupRefused(f"{'ha' if elector else 'state_dir'}: {e}") from e
+    try:
+        # With ha the secret is the store's, shared by every control plane and read on taking the lead:
+        # a standby signs and verifies nothing until then.
+        keys = grant_keys(settings.state_dir) if elector is None else GrantKeys.fresh()
     except GrantSecretError as e:
         raise StartupRefused(f"state_dir: {e}") from e
-    cp = ControlPlane(settings, config_path, keys=keys)
+    cp = ControlPlane(settings, config_path, keys=keys, store=store)
+    deposed = False
+    if elector is not None:
+        cp.authority = lambda: elector.is_leader
+
+        def leadership(leading: bool, epoch: int) -> None:
+            nonlocal deposed
+            if leading:
+                try:
+                    cp.take_over(epoch)
+                except (StoreError, GrantSecretError) as e:  # cannot read what the last leader wrote: do not lead blind
+                    log.error("cannot read the store on taking over: %s; giving the lead up", e)
+                    asyncio.get_running_loop().create_task(elector.resign())
+                return
+            # Never a standby in place: the book is from a term that ended. Exit; the service manager
+            # starts a fresh standby.
+            log.error("no longer the leader: exiting (status %d) to start again as a standby", DEPOSED_EXIT)
+            deposed = True
+            stop.set()
+
+        elector.on_change = leadership
     router = RouterHook(settings, pending=lambda model: catalog_grace_left(cp, model))
     cp.on_endpoints(router.update)
     reload = reloader(cp, config_path)
     clients = settings.api_clients
     bounds = clients.bounds()
     anonymous = AnonymousDeadline(clients.anonymous_timeout)
-    app = build_api(cp, require_identity=ssl_ctx is not None, reload=reload, watch_handler=router.watch_handler,
+    watch = router.watch_handler if elector is None else stamp_leader_epoch(router.watch_handler, cp)
+    app = build_api(cp, require_identity=ssl_ctx is not None, reload=reload, watch_handler=watch,
                     on_authenticated=anonymous.authenticated)
+    if elector is not None:
+        app.middlewares.insert(0, standby_gate(elector))
     app.middlewares.append(body_deadline(bounds))  # after the admin check: a refused body is never read
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True, **head_timeout_kwargs(bounds))
     await runner.setup()
@@ -240,7 +279,6 @@ async def serve(settings: ServerSettings, config_path: str | None = None,
     router_runner = await router.start()
 
     loop = asyncio.get_running_loop()
-    stop = stop or asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, lambda: (log.info("SIGHUP: reloading %s", config_path), reload()))
@@ -250,15 +288,20 @@ async def serve(settings: ServerSettings, config_path: str | None = None,
     tune_gc()  # thousands of streams hold many objects: freeze what start-up built, collect less often
     ticker = asyncio.create_task(cp.run(), name="reconcile loop")
     trimmer = asyncio.create_task(trim_periodically(), name="heap trim")
+    campaign = None if elector is None else asyncio.create_task(elector.run(stop), name="leader election")
     try:
         await stop.wait()
     finally:
         log.info("stopping; engines keep running and agents reconnect to the next control plane")
         cp.stopping = True  # from here a new stream is refused, and one registering now is closed at once
-        for task in (ticker, trimmer):
+        for task in (ticker, trimmer, campaign):
+            if task is None:
+                continue
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if elector is not None and not deposed:
+            await elector.resign()  # a standby takes over now, not a lease later
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
         for s in list(cp.sessions.values()):
@@ -266,6 +309,34 @@ async def serve(settings: ServerSettings, config_path: str | None = None,
         if router_runner is not None:
             await router_runner.cleanup()
         await runner.cleanup()
+    if deposed:
+        raise Deposed()
+
+
+class Deposed(Exception):
+    """This process led and no longer does; it exits so that it starts again as a standby."""
+
+
+def make_elector(settings: ServerSettings) -> Elector:
+    ha = settings.ha
+    assert ha is not None
+    try:
+        tls = etcd_tls(ha.ca, ha.cert, ha.key)
+    except (OSError, ssl.SSLError) as e:
+        raise StartupRefused(f"ha.etcd: cannot load its TLS files: {e}") from e
+    url = ha.advertise_url or f"{'https' if settings.tls else 'http'}://{settings.api_host}:{settings.api_port}"
+    return Elector(AsyncEtcd(ha.endpoints, tls, timeout=max(0.5, ha.renew_interval)), ha.prefix,
+                   ha.name or socket.gethostname(), url, ha.lease_ttl, ha.renew_interval)
+
+
+def ha_store(settings: ServerSettings, elector: Elector) -> ControlPlaneStore:
+    """Intent and epochs in etcd, shared by the control planes; every write fenced on leading."""
+    ha = settings.ha
+    assert ha is not None
+    if settings.state_dir is not None:
+        log.info("ha: cordons, drains and the epoch are kept in etcd, not in state_dir %s", settings.state_dir)
+    client = BlockingEtcd(ha.endpoints, etcd_tls(ha.ca, ha.cert, ha.key), timeout=max(0.5, ha.renew_interval))
+    return ControlPlaneStore(EtcdBackend(client, ha.prefix, fence=elector.fence))
 
 
 def run_server(settings: ServerSettings, config_path: str | None = None) -> int:
@@ -279,6 +350,8 @@ def run_server(settings: ServerSettings, config_path: str | None = None) -> int:
     except StartupRefused as e:
         log.error("refusing to start: %s", e)
         return 2
+    except Deposed:
+        return DEPOSED_EXIT
     except ConfigInvalid as e:
         log.error("refusing to start:\n%s", e)
         return 2

@@ -1,12 +1,14 @@
 """The control plane's in-memory state and the loop that acts on it.
 
 This is the glue between the stream (``agentservice``), the pure rules
-(``lifecycle``, ``reconciler``) and the router's endpoint table.  It holds
-nothing that survives a restart on purpose: nodes, epochs and replicas are
-rebuilt from registrations.
+(``lifecycle``, ``reconciler``) and the router's endpoint table.  Nodes and
+replicas are rebuilt from registrations on purpose; only what no agent can
+report back (operators' cordons and drains, the epoch reached) is kept in
+the ``store`` (``controlplane/store.py``), written before it takes effect.
 
-Epochs: every registration gets a new, globally increasing epoch, and the
-node's previous stream is closed.  Whatever arrives on a superseded stream
+Epochs: every registration gets a new, globally increasing epoch (increasing
+across restarts too, when the store is durable), and the node's previous
+stream is closed.  Whatever arrives on a superseded stream
 afterwards is dropped here, so a half-dead connection can never undo what
 a newer one reported.
 """
@@ -25,12 +27,14 @@ from llmgw import compat
 from llmgw.catalog import SIZE_MEASURED, Catalog, SourceKind, measure_sources, weights_size
 from llmgw.controlplane.capacity import shape_of
 from llmgw.controlplane.ejections import EjectionBook, Verdict, held, judge
+from llmgw.controlplane import grantsecret
 from llmgw.controlplane.grants import GrantKeys
 from llmgw.controlplane.lifecycle import (Evaluation, NodeClock, NodeState, ReplacementLimiter, evaluate, excuse,
                                           half_open, observe)
 from llmgw.controlplane.looplag import LoopLag
 from llmgw.controlplane.reconciler import Context, NodeView, Plan, Reconciler, endpoints
 from llmgw.controlplane.replicas import ReplicaState
+from llmgw.controlplane.store import ControlPlaneStore, MemoryBackend
 from llmgw.hardware.types import HardwareInventory
 from llmgw.settings import Lifecycle, ServerSettings
 
@@ -63,7 +67,7 @@ class NodeRecord:
     certificate: dict[str, Any] | None = None  # what the agent presented: serial, not_after, fingerprint
     last_reason: str | None = None  # why it changed state last
     shape: str = ""  # capacity.shape_of(inventory), computed once per registration
-    cordon: str | None = None  # None, "cordoned" or "draining" (an operator's; kept across registrations)
+    cordon: str | None = None  # None, "cordoned" or "draining" (an operator's; kept across registrations and, in the store, restarts)
     _view: NodeView | None = field(default=None, repr=False, compare=False)
 
     def view(self) -> NodeView:
@@ -132,14 +136,20 @@ class WeightSizes:
 
 class ControlPlane:
     def __init__(self, settings: ServerSettings, source: str | None = None,
-                 clock: Callable[[], float] = time.monotonic, keys: GrantKeys | None = None):
+                 clock: Callable[[], float] = time.monotonic, keys: GrantKeys | None = None,
+                 store: ControlPlaneStore | None = None):
         self.loaded = Loaded(settings, source)
+        self.store = store or ControlPlaneStore(MemoryBackend())
+        # With ``ha``: whether this process leads now (Elector.is_leader), and its term, stamped on
+        # what it tells agents so that one deposed cannot be obeyed.  Without: always, and no stamp.
+        self.authority: Callable[[], bool] = lambda: True
+        self.leader_epoch = 0
         self.clock = clock
         self.started_at = clock()
         self.started_wall = time.time()
         self.nodes: dict[str, NodeRecord] = {}
         self.sessions: dict[str, Session] = {}
-        self.reconciler = Reconciler(keys=keys, cp_epoch=int(self.started_wall))
+        self.reconciler = Reconciler(keys=keys, cp_epoch=self.store.epoch)
         self.limiter = ReplacementLimiter(settings.lifecycle.replacements_per_minute)
         self.evaluation = Evaluation()
         self.unplaced: dict[tuple[str, int], str] = {}
@@ -148,7 +158,6 @@ class ControlPlane:
         self.ejection_verdicts: dict[str, Verdict] = {}  # replica -> the last judgement of its reports
         self.replaced_for_ejections = 0  # replicas judged sick from routers' reports (a counter)
         self.ejection_limiter = ReplacementLimiter(settings.router_ejections.replacements_per_minute)
-        self._epoch = 0
         self._kick = asyncio.Event()
         self._endpoint_listeners: list[Callable[[list[dict[str, Any]]], None]] = []
         self._last_endpoints: list[dict[str, Any]] | None = None
@@ -223,8 +232,7 @@ class ControlPlane:
         """
         now = self.clock()
         node_id = msg["node_id"]
-        self._epoch += 1
-        epoch = self._epoch
+        epoch = self.store.next_epoch()  # first: a StoreError refuses this registration and changes nothing
         session.epoch = epoch
         old = self.sessions.get(node_id)
         self.sessions[node_id] = session
@@ -233,7 +241,7 @@ class ControlPlane:
         inventory = HardwareInventory.from_dict(msg["hardware"])
         rec = self.nodes.get(node_id)
         if rec is None:
-            rec = NodeRecord(node_id, inventory, NodeClock.seen(now), epoch)
+            rec = NodeRecord(node_id, inventory, NodeClock.seen(now), epoch, cordon=self.store.cordon_of(node_id))
             self.nodes[node_id] = rec
         else:
             _, tr = observe(node_id, rec.clock, now)
@@ -381,18 +389,81 @@ class ControlPlane:
 
     # ---------------------------------------------------------------- actions
     def cordon(self, node_id: str, state: str | None) -> str | None:
-        """Set a node's cordon (None, "cordoned", "draining"); returns the previous one. KeyError: unknown node."""
-        rec = self.nodes[node_id]
-        old, rec.cordon = rec.cordon, state
+        """Set a node's cordon (None, "cordoned", "draining"); returns the previous one.
+
+        KeyError: a node that has not registered and has no stored cordon (one
+        kept from before a restart can be lifted before its node is back).
+        StoreError: the cordon could not be made durable; nothing changed.
+        """
+        rec = self.nodes.get(node_id)
+        if rec is None and self.store.cordon_of(node_id) is None:
+            raise KeyError(node_id)
+        old = rec.cordon if rec is not None else self.store.cordon_of(node_id)
+        self.store.set_cordon(node_id, state)
+        if rec is not None:
+            rec.cordon = state
         if old != state:
             log.info("node %s: %s by an operator", node_id, state or "uncordoned")
             self.kick()
         return old
 
+    def leader_fields(self) -> dict[str, int]:
+        """What every message to an agent carries with ``ha``: the term it was sent in."""
+        return {"leader_epoch": self.leader_epoch} if self.leader_epoch else {}
+
+    def take_over(self, epoch: int) -> None:
+        """This process now leads (term ``epoch``): start from what the store says, with a failover grace.
+
+        Intent is read again (the previous leader may have changed it), and
+        the startup grace counts from now: agents are still moving over from
+        the old leader, and none may be judged lost, nor anything placed,
+        before they have had the grace to register here.
+        """
+        self.store.reload()
+        self.reconciler.keys = grantsecret.from_store(self.store)
+        for node_id, rec in self.nodes.items():
+            rec.cordon = self.store.cordon_of(node_id)
+        self.leader_epoch = epoch
+        self.started_at = self.clock()
+        self.evaluation = Evaluation()
+        log.warning("leading as term %d: %d cordon(s), %d drain(s) from the store; failover grace %gs",
+                    epoch, len(self.store.intent.cordons), len(self.store.intent.drains),
+                    self.settings.lifecycle.startup_grace)
+        self.kick()
+
     def drain(self, replica_id: str) -> None:
+        """An operator drains a replica. KeyError, ValueError: see ``Reconciler.drain``; StoreError: nothing changed."""
+        r = self.reconciler.book.replicas.get(replica_id)
+        if r is None:
+            raise KeyError(replica_id)
+        if r.retired:
+            raise ValueError(f"replica {replica_id} is already {r.state.value}")
+        self.store.add_drain(replica_id)
         self.reconciler.drain(replica_id, self.clock())
         log.info("%s: drain requested", replica_id)
         self.kick()
+
+    def _resume_drains(self, in_grace: bool) -> None:
+        """Replica drains kept from before a restart: drain each again once its replica is back.
+
+        One whose replica is not in the book after the startup grace has
+        finished (or its node never came back) and is forgotten.
+        """
+        book, gone = self.reconciler.book, set()
+        for rid in self.store.intent.drains:
+            r = book.replicas.get(rid)
+            if r is None:
+                if not in_grace:
+                    gone.add(rid)
+            elif not r.retired:
+                self.reconciler.drain(rid, self.clock())
+                log.info("%s: draining again (drained by an operator before a restart)", rid)
+                self._dirty = True
+        if gone:
+            try:
+                self.store.forget_drains(gone)
+            except Exception as e:  # retried on the next pass; nothing is lost by keeping them
+                log.warning("cannot forget finished drains in %s: %s", self.store.backend.where, e)
 
     def router_watching(self, router: str) -> None:
         """A router certificate polled the endpoint watch: it counts towards the routers that watch."""
@@ -437,7 +508,7 @@ class ControlPlane:
         self.ejection_limiter.retune(settings.router_ejections.replacements_per_minute, self.clock())
         for what, a, b in (("api.listen", (old.api_host, old.api_port), (settings.api_host, settings.api_port)),
                            ("tls", old.tls, settings.tls), ("insecure_no_tls", old.insecure_no_tls, settings.insecure_no_tls),
-                           ("router", old.router, settings.router)):
+                           ("router", old.router, settings.router), ("state_dir", old.state_dir, settings.state_dir)):
             if a != b:
                 log.warning("reload: %s changed; it takes effect at the next restart", what)
         if old.tls is None and not settings.admin_tokens:
@@ -458,6 +529,8 @@ class ControlPlane:
         of thousands of nodes then costs a lifecycle pass per tick, not a
         reconcile of every replica.
         """
+        if not self.authority():
+            return Plan()  # a standby (or a leader past its lease) acts on nothing
         now = self.clock()
         lc = self.lifecycle()
         clocks = {n: rec.clock for n, rec in self.nodes.items()}
@@ -472,6 +545,8 @@ class ControlPlane:
         self._close_half_open(now, lc)
         if self.ejections.reports or self.ejection_verdicts:
             self._judge_ejections(now)
+        if self.store.intent.drains:
+            self._resume_drains(ev.in_grace)
         for tr in ev.transitions:
             self.nodes[tr.node_id].last_reason = tr.reason
             level = logging.ERROR if tr.new is NodeState.LOST else logging.WARNING
@@ -491,7 +566,7 @@ class ControlPlane:
         self.drain_blocked = plan.drain_blocked
         for action in plan.actions:
             session = self.sessions.get(action.node_id)
-            if session is None or not session.send(action.message()):
+            if session is None or not session.send({**action.message(), **self.leader_fields()}):
                 log.warning("%s for %s: node %s has no open stream; its next registration will settle it",
                             type(action).__name__.lower(), getattr(action, "shard_id", None) or
                             action.spec["shard_id"], action.node_id)  # type: ignore[union-attr]

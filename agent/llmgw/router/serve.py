@@ -151,7 +151,8 @@ async def serve_worker(settings: RouterSettings, sock: socket.socket, on_ready: 
         ctx = control_plane_ssl_context(settings.control_plane)
         cp_url = settings.control_plane.url
         background.append(lambda routing: report_ejections(cp_url, ctx, routing))
-        watch_task = asyncio.create_task(watch_endpoints(settings.control_plane.url, ctx, None, table),
+        watch_task = asyncio.create_task(watch_endpoints(settings.control_plane.urls or settings.control_plane.url, ctx,
+                                                         None, table),
                                          name="llmgw-endpoint-watch")
         # Connections meanwhile wait in the listen backlog; they are not refused.
         rev, _ = await table.wait_changed(table.revision, FIRST_ENDPOINTS_WAIT)

@@ -25,10 +25,11 @@ class ApiKey:
 
 @dataclass(frozen=True)
 class ControlPlane:
-    url: str
+    url: str  # the first of urls
     ca: str
     cert: str
     key: str
+    urls: tuple[str, ...] = ()  # every control plane (ha), tried in turn
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,10 @@ class RouterSettings:
         return _build(doc)
 
 
+def _first(url: str | list[str]) -> str:
+    return url if isinstance(url, str) else url[0]
+
+
 def _section(doc: Mapping[str, Any], key: str) -> Mapping[str, Any]:
     return doc.get(key) or {}
 
@@ -242,7 +247,8 @@ def _build(doc: Mapping[str, Any]) -> RouterSettings:
         api_keys=keys,
         allow_unauthenticated=doc.get("allow_unauthenticated", False),
         static_endpoints=static,
-        control_plane=ControlPlane(cp["url"], cp["ca"], cp["cert"], cp["key"]) if cp else None,
+        control_plane=ControlPlane(_first(cp["url"]), cp["ca"], cp["cert"], cp["key"],
+                                   (cp["url"],) if isinstance(cp["url"], str) else tuple(cp["url"])) if cp else None,
         timeouts=Timeouts(**_section(doc, "timeouts")),
         limits=Limits(**_section(doc, "limits")),
         balancing=Balancing(**_section(doc, "balancing")),

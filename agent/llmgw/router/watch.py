@@ -17,7 +17,7 @@ import asyncio
 import logging
 import random
 import ssl
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import aiohttp
 from aiohttp import web
@@ -104,8 +104,35 @@ def parse_watch_response(doc: Any) -> tuple[int, str, list[Endpoint]]:
     return rev, epoch, eps
 
 
+LEADER_EPOCH_HEADER = "X-Llmgw-Leader-Epoch"
+
+
+class LeaderTerms:
+    """The highest control-plane leader term seen on a watch answer; a lower one is refused.
+
+    A leader paused past its lease (then deposed) that wakes must not be
+    believed about which engines exist.  Answers without the header (a
+    control plane without ``ha``) pass.
+    """
+
+    def __init__(self) -> None:
+        self.highest = 0
+
+    def admit(self, value: str | None) -> None:
+        if value is None:
+            return
+        try:
+            term = int(value)
+        except ValueError:
+            raise WatchError(f"{LEADER_EPOCH_HEADER}: not an integer: {value[:40]!r}") from None
+        if term < self.highest:
+            raise WatchError(f"answer from a deposed control-plane leader (term {term}; term {self.highest} "
+                             "leads now): ignored")
+        self.highest = term
+
+
 async def watch_endpoints(
-    url: str,
+    url: str | Sequence[str],
     ssl_context: ssl.SSLContext | None,
     headers: Mapping[str, str] | None,
     table: EndpointTable,
@@ -119,7 +146,10 @@ async def watch_endpoints(
     exponential backoff; the table keeps its last good content meanwhile.
     Cancel the task to stop.
     """
-    target = url.rstrip("/") + WATCH_PATH
+    targets = [u.rstrip("/") + WATCH_PATH for u in ((url,) if isinstance(url, str) else url)]
+    turn = 0
+    target = targets[0]
+    terms = LeaderTerms()
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=WATCH_WAIT_S + 15)
     connector = aiohttp.TCPConnector(limit=2, ssl=ssl_context if ssl_context is not None else True)
     after, epoch = -1, ""
@@ -132,6 +162,7 @@ async def watch_endpoints(
                     if r.status != 200:
                         text = (await r.content.read(300)).decode("utf-8", "replace")
                         raise WatchError(f"HTTP {r.status}: {text}")
+                    terms.admit(r.headers.get(LEADER_EPOCH_HEADER))
                     doc = await r.json(content_type=None)
                 rev, new_epoch, eps = parse_watch_response(doc)
                 if (rev, new_epoch) != (after, epoch):
@@ -148,5 +179,9 @@ async def watch_endpoints(
                 log.warning("endpoint watch %s failed (%s: %s); keeping %d known endpoint(s), retrying in %.1fs",
                             target, type(e).__name__, e, len(table.snapshot()[1]), sleep)
                 failing_since_logged = True
+                if len(targets) > 1:  # several control planes: ask the next (one stands by, or is gone)
+                    turn = (turn + 1) % len(targets)
+                    target = targets[turn]
+                    after, epoch = -1, ""  # another process: its revisions are its own
                 await asyncio.sleep(sleep)
                 delay = min(delay * 2, backoff_max)

@@ -1,0 +1,175 @@
+"""etcd v3 over its gRPC gateway's JSON (``/v3/...``), with the HTTP client llmgw already has.
+
+Why not a client library: the maintained Python etcd clients lag etcd or pull
+in grpc; what the control plane needs (a lease, its keep-alive, a
+compare-and-put, a read) is five JSON calls, about 2.5 ms each on loopback.
+
+Keys and values travel base64-encoded; 64-bit integers as JSON strings;
+fields at their zero value are left out of answers (a failed txn has no
+``succeeded``, an empty range no ``kvs``, an expired lease's keep-alive no
+``TTL``).  ``EtcdClient`` tries the configured endpoints in turn and sticks
+to the last one that answered.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import ssl
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+
+class EtcdUnavailable(Exception):
+    """No endpoint answered, or the answer was an error; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    key: str
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    lease: int
+
+
+def b64(data: str | bytes) -> str:
+    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
+
+
+def _kv(d: dict[str, Any]) -> KeyValue:
+    return KeyValue(base64.b64decode(d["key"]).decode(), base64.b64decode(d.get("value", "")),
+                    int(d.get("create_revision", 0)), int(d.get("mod_revision", 0)), int(d.get("lease", 0)))
+
+
+def tls_context(ca: str | None, cert: str | None, key: str | None) -> ssl.SSLContext | None:
+    """A client context for https:// endpoints: the etcd CA, and our certificate when etcd asks for one."""
+    if ca is None:
+        return None
+    ctx = ssl.create_default_context(cafile=ca)
+    if cert and key:
+        ctx.load_cert_chain(cert, key)
+    return ctx
+
+
+class _Calls:
+    """The request bodies and answer parsing, shared by the blocking and the asyncio client."""
+
+    @staticmethod
+    def txn_body(compare: list[dict[str, Any]], success: list[dict[str, Any]],
+                 failure: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        return {"compare": compare, "success": success, "failure": failure or []}
+
+    @staticmethod
+    def put_op(key: str, value: bytes, lease: int = 0) -> dict[str, Any]:
+        op: dict[str, Any] = {"key": b64(key), "value": b64(value)}
+        if lease:
+            op["lease"] = str(lease)
+        return {"request_put": op}
+
+    @staticmethod
+    def range_op(key: str) -> dict[str, Any]:
+        return {"request_range": {"key": b64(key)}}
+
+    @staticmethod
+    def first_kv(answer: dict[str, Any]) -> KeyValue | None:
+        kvs = answer.get("kvs") or []
+        return _kv(kvs[0]) if kvs else None
+
+    @staticmethod
+    def txn_ranges(answer: dict[str, Any]) -> list[KeyValue | None]:
+        out: list[KeyValue | None] = []
+        for r in answer.get("responses") or []:
+            if "response_range" in r:
+                out.append(_Calls.first_kv(r["response_range"]))
+        return out
+
+
+def _check(endpoint: str, path: str, r: httpx.Response) -> dict[str, Any]:
+    try:
+        doc = r.json()
+    except ValueError:
+        doc = None
+    if r.status_code != 200 or not isinstance(doc, dict):
+        raise EtcdUnavailable(f"{endpoint}{path}: HTTP {r.status_code}: {r.text[:200]}")
+    if "error" in doc and "result" not in doc:
+        raise EtcdUnavailable(f"{endpoint}{path}: {doc.get('error') or doc}")
+    return doc
+
+
+class AsyncEtcd(_Calls):
+    """The control plane's asyncio client: election, keep-alive, fenced writes."""
+
+    def __init__(self, endpoints: tuple[str, ...], tls: ssl.SSLContext | None = None, timeout: float = 2.0):
+        self.endpoints = list(endpoints)
+        self._client = httpx.AsyncClient(verify=tls if tls is not None else True, timeout=timeout)
+
+    async def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        errors = []
+        for i, endpoint in enumerate(list(self.endpoints)):
+            try:
+                r = await self._client.post(endpoint.rstrip("/") + path, content=json.dumps(body))
+                doc = _check(endpoint, path, r)
+            except (httpx.HTTPError, EtcdUnavailable) as e:
+                errors.append(f"{endpoint}: {str(e) or type(e).__name__}")
+                continue
+            if i:  # stick to the one that answered
+                self.endpoints.insert(0, self.endpoints.pop(i))
+            return doc
+        raise EtcdUnavailable("; ".join(errors))
+
+    async def grant(self, ttl: int) -> int:
+        return int((await self.call("/v3/lease/grant", {"TTL": ttl}))["ID"])
+
+    async def keepalive(self, lease: int) -> int:
+        """The lease's TTL after renewing it; 0 when it has expired (or was revoked)."""
+        doc = await self.call("/v3/lease/keepalive", {"ID": str(lease)})
+        return int((doc.get("result") or {}).get("TTL", 0))
+
+    async def revoke(self, lease: int) -> None:
+        await self.call("/v3/lease/revoke", {"ID": str(lease)})
+
+    async def get(self, key: str) -> KeyValue | None:
+        return self.first_kv(await self.call("/v3/kv/range", {"key": b64(key)}))
+
+    async def txn(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
+                  failure: list[dict[str, Any]] | None = None) -> tuple[bool, dict[str, Any]]:
+        doc = await self.call("/v3/kv/txn", self.txn_body(compare, success, failure))
+        return bool(doc.get("succeeded")), doc
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+class BlockingEtcd(_Calls):
+    """The store's blocking client: a read at start, a write per operator action (milliseconds)."""
+
+    def __init__(self, endpoints: tuple[str, ...], tls: ssl.SSLContext | None = None, timeout: float = 2.0):
+        self.endpoints = list(endpoints)
+        self._client = httpx.Client(verify=tls if tls is not None else True, timeout=timeout)
+
+    def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        errors = []
+        for i, endpoint in enumerate(list(self.endpoints)):
+            try:
+                doc = _check(endpoint, path, self._client.post(endpoint.rstrip("/") + path, content=json.dumps(body)))
+            except (httpx.HTTPError, EtcdUnavailable) as e:
+                errors.append(f"{endpoint}: {str(e) or type(e).__name__}")
+                continue
+            if i:
+                self.endpoints.insert(0, self.endpoints.pop(i))
+            return doc
+        raise EtcdUnavailable("; ".join(errors))
+
+    def get(self, key: str) -> KeyValue | None:
+        return self.first_kv(self.call("/v3/kv/range", {"key": b64(key)}))
+
+    def txn(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
+            failure: list[dict[str, Any]] | None = None) -> tuple[bool, dict[str, Any]]:
+        doc = self.call("/v3/kv/txn", self.txn_body(compare, success, failure))
+        return bool(doc.get("succeeded")), doc
+
+    def close(self) -> None:
+        self._client.close()

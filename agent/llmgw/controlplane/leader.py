@@ -1,0 +1,219 @@
+"""Which control plane leads: an etcd lease, a key created under it, and fencing by revision.
+
+Campaign: grant a lease, then a txn that creates the leader key under it
+only if the key does not exist (compare ``create_revision == 0``).  The one
+whose txn succeeds leads; the key's create revision is its **term**: etcd
+revisions only grow, so every later leader has a higher term, and the term
+is the epoch the leader stamps on what it tells agents and routers.
+
+Renew: a keep-alive every ``renew_interval``.  A leader that cannot renew
+steps down *before* its lease can lapse at etcd: ``is_leader`` turns false
+``lease_ttl - renew_interval`` seconds after the last keep-alive that was
+sent and answered, computed on the monotonic clock at every call, so a
+process that was paused (SIGSTOP, a long GC, VM steal) and wakes past that
+point is no longer leader before it can act, whatever its loop was doing.
+A keep-alive answered with TTL 0 (the lease expired or was revoked) and a
+leader key no longer ours end the term at once.
+
+Fenced writes: ``fenced`` wraps operations in a txn that compares the
+leader key's mod revision with the one this leader wrote; a deposed leader's
+write fails at etcd, whatever its clock believed, and the failure deposes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from llmgw.controlplane.etcd import AsyncEtcd, EtcdUnavailable, KeyValue, b64
+from llmgw.controlplane.store import StoreError
+
+log = logging.getLogger("llmgw.controlplane.leader")
+
+LEADER_KEY = "leader"
+
+
+@dataclass(frozen=True)
+class Term:
+    """One leadership as etcd recorded it."""
+
+    epoch: int  # the leader key's create revision: higher for every later leader
+    mod_revision: int  # what fenced writes compare
+    lease: int
+
+
+@dataclass(frozen=True)
+class LeaderInfo:
+    """Who leads, as the leader key says (for standbys' redirects and for people)."""
+
+    name: str
+    url: str | None
+    epoch: int
+
+    @classmethod
+    def from_kv(cls, kv: KeyValue) -> "LeaderInfo":
+        try:
+            doc = json.loads(kv.value)
+            return cls(str(doc.get("name", "?")), doc.get("url"), kv.create_revision)
+        except (ValueError, AttributeError):
+            return cls("?", None, kv.create_revision)
+
+
+class Elector:
+    """Campaign for, hold and give up the leader key; ``is_leader`` is the only authority."""
+
+    def __init__(self, etcd: AsyncEtcd, prefix: str, name: str, url: str | None, lease_ttl: int,
+                 renew_interval: float, clock: Callable[[], float] = time.monotonic,
+                 on_change: Callable[[bool, int], None] | None = None):
+        if not 0 < renew_interval * 2 <= lease_ttl:
+            raise ValueError(f"renew_interval {renew_interval} must be at most half of lease_ttl {lease_ttl}")
+        self.etcd = etcd
+        self.key = prefix.rstrip("/") + "/" + LEADER_KEY
+        self.name, self.url = name, url
+        self.ttl, self.renew = int(lease_ttl), float(renew_interval)
+        self.clock = clock
+        self.on_change = on_change
+        self.term: Term | None = None
+        self.leader: LeaderInfo | None = None  # the last leader seen (ourselves included)
+        self._deadline = float("-inf")  # is_leader is false from then on unless a renewal moves it
+        self._lease: int | None = None
+        self.highest_epoch = 0  # the highest term seen, ours or another's
+
+    # ------------------------------------------------------------ authority
+    @property
+    def is_leader(self) -> bool:
+        if self.term is None:
+            return False
+        if self.clock() >= self._deadline:
+            self._lost("could not renew the lease in time (lease_ttl - renew_interval since the last renewal)")
+            return False
+        return True
+
+    @property
+    def epoch(self) -> int:
+        """This leader's term; 0 while it does not lead."""
+        return self.term.epoch if self.is_leader and self.term else 0
+
+    def _lost(self, why: str) -> None:
+        if self.term is None:
+            return
+        log.warning("stepping down as leader (term %d): %s", self.term.epoch, why)
+        self.term = None
+        self._deadline = float("-inf")
+        self._lease = None  # a fresh lease for the next campaign: the old one may still hold the key at etcd
+        if self.on_change is not None:
+            self.on_change(False, 0)
+
+    def _compare_ours(self, term: Term | None = None) -> dict[str, Any]:
+        term = term or self.term
+        assert term is not None
+        return {"key": b64(self.key), "target": "MOD", "mod_revision": str(term.mod_revision)}
+
+    # ------------------------------------------------------------- one step
+    async def campaign_once(self) -> bool:
+        """One attempt at the leader key; True when this process now leads."""
+        sent = self.clock()
+        if self._lease is None or await self.etcd.keepalive(self._lease) <= 0:
+            sent = self.clock()
+            self._lease = await self.etcd.grant(self.ttl)
+        value = json.dumps({"name": self.name, "url": self.url}).encode()
+        ok, doc = await self.etcd.txn(
+            [{"key": b64(self.key), "target": "CREATE", "create_revision": "0"}],
+            [self.etcd.put_op(self.key, value, self._lease)],
+            [self.etcd.range_op(self.key)])
+        if ok:
+            rev = int(doc["header"]["revision"])
+            self.term = Term(rev, rev, self._lease)
+            self._deadline = sent + self.ttl - self.renew
+            self.leader = LeaderInfo(self.name, self.url, rev)
+            self.highest_epoch = max(self.highest_epoch, rev)
+            log.warning("leading the control planes (term %d, lease %ds, renewed every %gs)", rev, self.ttl, self.renew)
+            if self.on_change is not None:
+                self.on_change(True, rev)
+            return True
+        (kv,) = self.etcd.txn_ranges(doc) or [None]
+        if kv is not None:
+            seen = LeaderInfo.from_kv(kv)
+            if seen != self.leader:
+                log.info("standing by: %s leads (term %d)%s", seen.name, seen.epoch,
+                         f" at {seen.url}" if seen.url else "")
+            self.leader = seen
+            self.highest_epoch = max(self.highest_epoch, seen.epoch)
+        return False
+
+    async def renew_once(self) -> bool:
+        """Renew the lease and check the key is still ours; False (and stepped down) when not."""
+        term = self.term
+        if term is None:
+            return False
+        sent = self.clock()
+        ttl = await self.etcd.keepalive(term.lease)
+        if ttl <= 0:
+            self._lost("the lease expired at etcd")
+            return False
+        ok, _ = await self.etcd.txn([self._compare_ours(term)], [])
+        if not ok and self.term is term:
+            self._lost("the leader key is no longer ours")
+            return False
+        if self.term is term:  # not deposed while we waited
+            self._deadline = sent + min(ttl, self.ttl) - self.renew
+        return self.is_leader
+
+    def fence(self) -> list[dict[str, Any]]:
+        """The compares that hold only while this control plane leads (``EtcdBackend``'s fence)."""
+        if not self.is_leader:
+            raise StoreError("not written: this control plane does not lead")
+        return [self._compare_ours()]
+
+    async def fenced(self, ops: list[dict[str, Any]]) -> bool:
+        """Apply ``ops`` only while the leader key is still the one we wrote; False (and stepped down) if not."""
+        if not self.is_leader:
+            return False
+        ok, _ = await self.etcd.txn([self._compare_ours()], ops)
+        if not ok:
+            self._lost("a fenced write found the leader key changed")
+        return ok
+
+    async def resign(self) -> None:
+        """Give the key up now (a clean stop): a standby takes over at once, not after the TTL."""
+        lease = self.term.lease if self.term else self._lease
+        if self.term is not None:
+            log.warning("giving the lead up (term %d)", self.term.epoch)
+        # not _lost(): a resignation is this process's own choice, not news for on_change
+        self.term, self._deadline, self._lease = None, float("-inf"), None
+        if lease is not None:
+            try:
+                await self.etcd.revoke(lease)
+            except EtcdUnavailable as e:
+                log.warning("could not revoke the lease (it lapses by itself within %ds): %s", self.ttl, e)
+
+    # ----------------------------------------------------------------- loop
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        """Campaign while not leading, renew while leading, until ``stop``; etcd errors are retried."""
+        stop = stop or asyncio.Event()
+        warned = None
+        while not stop.is_set():
+            try:
+                if self.is_leader:
+                    await self.renew_once()
+                else:
+                    await self.campaign_once()
+                warned = None
+            except (EtcdUnavailable, KeyError, ValueError) as e:
+                why = str(e)
+                if why != warned:
+                    log.warning("etcd: %s%s", why, "; still leading until the lease's deadline" if self.term else "")
+                warned = why
+                self.is_leader  # noqa: B018 (steps down once the deadline has passed)
+            wait = self.renew
+            if self.term is not None:  # wake in time to notice the deadline, not a renew interval later
+                wait = max(0.0, min(wait, self._deadline - self.clock()))
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=wait)
+            except asyncio.TimeoutError:
+                pass
