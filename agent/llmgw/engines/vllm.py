@@ -22,9 +22,11 @@ leaves /health, /metrics and /version open.
 
 TLS: with the node's engine certificate in the launch context, rank 0 gets
 ``--ssl-keyfile``/``--ssl-certfile`` (FrontendArgs, handed to uvicorn), so
-prompts and the engine key never cross the node network in clear text.  The
-ssl flags are owned: ``--ssl-ca-certs``/``--ssl-cert-reqs`` would demand client
-certificates routers do not present.
+prompts and the engine key never cross the node network in clear text, and
+``--enable-ssl-refresh``, so a certificate renewed on disk is served without
+a restart (a replica outliving its certificate would be refused by every
+router).  The ssl flags are owned: ``--ssl-ca-certs``/``--ssl-cert-reqs`` would
+demand client certificates routers do not present.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ _OWNED = (
     OwnedFlag(("--ssl-certfile",), USE_TLS),
     OwnedFlag(("--ssl-ca-certs",), USE_TLS),
     OwnedFlag(("--ssl-cert-reqs",), USE_TLS),
+    OwnedFlag(("--enable-ssl-refresh", "--no-enable-ssl-refresh"), USE_TLS),
     # A YAML file of flags could set any of the above out of sight.
     OwnedFlag(("--config",), USE_LISTED),
 )
@@ -120,7 +123,7 @@ class VLLMAdapter(Adapter):
         if ctx.rank == 0:
             args += ["--host", ctx.host, "--port", str(ctx.port)]
         if self.serves_tls(ctx):
-            args += ["--ssl-keyfile", str(ctx.tls_key), "--ssl-certfile", str(ctx.tls_cert)]
+            args += ["--ssl-keyfile", str(ctx.tls_key), "--ssl-certfile", str(ctx.tls_cert), "--enable-ssl-refresh"]
         args += [
             "--served-model-name", model.served_name,
             "--tensor-parallel-size", str(profile.tensor_parallel_size),
