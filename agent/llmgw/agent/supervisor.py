@@ -650,12 +650,14 @@ class Supervisor:
         if not shard.tls:
             return None
         if self._tls_client is None:
+            import ssl
+
             from llmgw.tls.context import client_context
 
-            if not self.config.engine_ca:
-                raise RuntimeError("an engine serves TLS but the agent has no fleet CA (tls.ca) to verify it")
-            self._tls_client = EngineTLSClient(client_context(self.config.engine_ca),
-                                               self.config.advertise_address)
+            # No fleet CA (an adopted TLS engine after tls was removed from agent.yaml): the system's
+            # CAs, which fail the check with the verification error rather than trusting anything.
+            context = client_context(self.config.engine_ca) if self.config.engine_ca else ssl.create_default_context()
+            self._tls_client = EngineTLSClient(context, self.config.advertise_address)
         return self._tls_client
 
     def _http(self) -> aiohttp.ClientSession:
