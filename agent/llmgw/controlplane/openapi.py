@@ -125,7 +125,8 @@ SHAPES: dict[str, dict[str, Any]] = {
         "state": {"enum": ["starting", "ready", "failed", "stopping", "draining"]},
         "reason": OPT_STR, "adopted": BOOL, "age_s": OPT_SECONDS, "ready_for_s": OPT_SECONDS,
         "restarts": {"type": "integer", "minimum": 0}, "replaces": OPT_STR, "placement": {},
-        "endpoint": OPT_STR, "clear_text": {"type": ["boolean", "null"]}, "retry_in_s": OPT_SECONDS, "last_failure": {"type": ["object", "null"]},
+        "endpoint": OPT_STR, "clear_text": {"type": ["boolean", "null"]}, "retry_in_s": OPT_SECONDS,
+        "last_failure": {"type": ["object", "null"]},
         "shards": {"type": "array", "items": shape("Shard")},
     }),
     "Replicas": obj({

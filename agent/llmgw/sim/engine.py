@@ -198,7 +198,8 @@ async def serve(cfg: SimConfig, knobs: Knobs) -> int:
     if cfg.dialect == "sglang":
         log.info("http_server.py:1214", "The server is fired up and ready to roll!")
     elif cfg.dialect == "llamacpp":
-        log.info("server.cpp:5481", f"main: server is listening on {scheme}://{host}:{cfg.port} - starting the main loop")
+        log.info("server.cpp:5481",
+                 f"main: server is listening on {scheme}://{host}:{cfg.port} - starting the main loop")
     sys.stdout.write("INFO:     Application startup complete.\n")
     sys.stdout.flush()
     await stop.wait()
