@@ -151,6 +151,15 @@ class ServerSettings:
 
 
 @dataclass(frozen=True)
+class EngineTLS:
+    """agent.yaml ``engine_tls``: the node's engine serving certificate and the engines given it."""
+
+    cert: str
+    key: str
+    engines: tuple[str, ...] = ("vllm", "llamacpp")
+
+
+@dataclass(frozen=True)
 class AgentSettings:
     node_id: str
     control_plane_url: str
@@ -174,6 +183,7 @@ class AgentSettings:
     health: LivenessPolicy = field(default_factory=LivenessPolicy)
     rediscover_interval: float = 60.0  # discovery.interval: 0 = only when (re)connecting
     control_plane_urls: tuple[str, ...] = ()  # every control plane (ha); control_plane_url is the first
+    engine_tls: EngineTLS | None = None  # None: engines serve plain HTTP
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
 
 
@@ -428,6 +438,13 @@ def _agent_tls_errors(doc: dict[str, Any]) -> list[ConfigError]:
     return []
 
 
+def _engine_tls_errors(doc: dict[str, Any]) -> list[ConfigError]:
+    if "engine_tls" in doc and "tls" not in doc:
+        return [ConfigError("/engine_tls", "needs the tls section: routers and the agent verify engines "
+                                           "against its ca, the fleet CA that issued the engine certificate")]
+    return []
+
+
 def _agent_url_errors(doc: dict[str, Any]) -> list[ConfigError]:
     insecure = bool(doc.get("insecure_no_tls"))
     url = doc["control_plane"]["url"]
@@ -483,6 +500,7 @@ def _fabric_errors(doc: dict[str, Any]) -> list[ConfigError]:
 def _agent_semantic_errors(doc: Any, schema: Sequence[ConfigError] = ()) -> list[ConfigError]:
     return _run_checks(doc, schema, [
         (("/insecure_no_tls", "/tls"), _agent_tls_errors),
+        (("/tls", "/engine_tls"), _engine_tls_errors),
         (("/insecure_no_tls", "/control_plane/url"), _agent_url_errors),
         (("/control_plane/reconnect_initial", "/control_plane/reconnect_max"), _reconnect_errors),
         (("/fetch",), _fetch_errors),
@@ -500,6 +518,8 @@ def parse_agent_settings(doc: Any, source: str = "agent.yaml") -> AgentSettings:
     state_dir = doc["state_dir"]
     disc = doc.get("discovery", {})
     ports = doc.get("engine_ports", {"first": 20000, "last": 20999})
+    advertise = doc.get("advertise_address", "127.0.0.1")
+    etls = doc.get("engine_tls")
     return AgentSettings(
         node_id=doc["node_id"],
         control_plane_url=_urls(doc["control_plane"]["url"])[0],
@@ -511,8 +531,9 @@ def parse_agent_settings(doc: Any, source: str = "agent.yaml") -> AgentSettings:
         insecure_no_tls=bool(doc.get("insecure_no_tls", False)),
         state_dir=state_dir,
         model_dir=doc.get("model_dir", str(Path(state_dir) / "models")),
-        advertise_address=doc.get("advertise_address", "127.0.0.1"),
-        engine_bind_host=doc.get("engine_bind_host", "0.0.0.0"),
+        advertise_address=advertise,
+        # the fleet address, not every interface: nothing else on the node's networks reaches an engine
+        engine_bind_host=doc.get("engine_bind_host", advertise),
         allow_keyless_engines=bool(doc.get("allow_keyless_engines", False)),
         engine_ports=(ports["first"], ports["last"]),
         gpu_source=disc.get("gpus", "nvml"),
@@ -526,6 +547,8 @@ def parse_agent_settings(doc: Any, source: str = "agent.yaml") -> AgentSettings:
         fetch=FetchPolicy(**doc.get("fetch", {})),
         health=LivenessPolicy(**{k: float(v) for k, v in doc.get("health", {}).items()}),
         rediscover_interval=float(disc.get("interval", 60)),
+        engine_tls=EngineTLS(etls["cert"], etls["key"], tuple(etls.get("engines", EngineTLS.engines)))
+        if etls else None,
         raw=doc,
     )
 

@@ -2,6 +2,7 @@
 
     python benchmarks/router/run.py [--quick] [--skip litellm,nginx] [--out benchmarks/results/router]
     python benchmarks/router/run.py --only nginx,aiohttp-bare,llmgw-1w --workloads stream-64 --repeat 3
+    python benchmarks/router/run.py --engine-tls --only llmgw-1w,llmgw-1w-tls --workloads stream-64 --repeat 5
 
 Everything runs on loopback as child processes of this script and is
 stopped at the end: two simulators (``fast``: no token latency, ``slow``:
@@ -14,6 +15,11 @@ its own and the simulators and load generator on the others, the way
 clients, router and engines are separate hosts in a fleet; then the
 256-stream workload is measured again with every process free to run on
 every CPU, so the report also shows what contention on one small host does.
+
+``--engine-tls`` adds ``llmgw-1w-tls``: the same router to two more simulators
+serving HTTPS with an engine certificate of a throwaway fleet CA, which the
+router verifies (``engine_ca``), as a fleet with engine TLS runs; set beside
+``llmgw-1w`` it gives what TLS to the engine costs per chunk.
 
 Writes ``<out>.json`` (every number) and ``<out>.md`` (tables, ratios, the
 targets and whether they were met).  LiteLLM lives in its own virtualenv
@@ -31,6 +37,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -55,13 +62,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
+def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, log: Path | None = None,
+              context: ssl.SSLContext | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"{url}: process exited {proc.returncode}\n{log.read_text()[-3000:] if log else ''}")
         try:
-            with urllib.request.urlopen(url, timeout=2) as r:
+            with urllib.request.urlopen(url, timeout=2, context=context) as r:
                 if r.status < 500:
                     return
         except urllib.error.HTTPError as e:
@@ -204,12 +212,37 @@ class Target:
     api_key: str = "bench"
 
 
-def start_sim(model: str, env: dict, workdir: Path, cpus: str | None) -> tuple[Proc, str]:
+@dataclass(frozen=True)
+class EnginePki:
+    """A throwaway fleet CA and an engine certificate for HOST, as the pki role issues them."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+
+def engine_pki(workdir: Path) -> EnginePki:
+    from llmgw.tls import init_ca
+    from llmgw.tls.files import write_pair
+    from llmgw.tls.issue import issue_engine
+
+    ca = init_ca(workdir / "engine-ca")
+    cert, key = write_pair(workdir / "engine", *issue_engine(ca, [], [HOST]))
+    return EnginePki(ca.cert_path, cert, key)
+
+
+def start_sim(model: str, env: dict, workdir: Path, cpus: str | None,
+              tls: EnginePki | None = None) -> tuple[Proc, str]:
+    """A simulator of ``model``; with ``tls``, serving HTTPS with the engine certificate (vLLM's flags)."""
     port = free_port()
-    p = spawn(f"sim-{model}-{port}", [PY, "-m", "llmgw.sim.engine", "serve", model, "--host", HOST, "--port",
-                                      str(port), "--max-num-seqs", "4096"], workdir, env, cpus)
-    url = f"http://{HOST}:{port}"
-    wait_http(url + "/health", 60, p.proc, p.log)
+    argv = [PY, "-m", "llmgw.sim.engine", "serve", model, "--host", HOST, "--port", str(port),
+            "--max-num-seqs", "4096"]
+    if tls is not None:
+        argv += ["--ssl-keyfile", str(tls.key), "--ssl-certfile", str(tls.cert)]
+    p = spawn(f"sim-{model}-{port}{'-tls' if tls else ''}", argv, workdir, env, cpus)
+    url = f"{'https' if tls else 'http'}://{HOST}:{port}"
+    context = ssl.create_default_context(cafile=str(tls.ca)) if tls is not None else None
+    wait_http(url + "/health", 60, p.proc, p.log, context)
     return p, url
 
 
@@ -327,6 +360,18 @@ def start_llmgw(name: str, endpoints: list[dict], workers: int, workdir: Path, c
     url = f"http://{HOST}:{port}"
     wait_http(url + "/healthz", 120, p.proc, p.log)
     return Target(name, url, p, f"llmgw router, {workers} worker(s), access_log off")
+
+
+def start_llmgw_tls(workdir: Path, cpus_up: str | None, cpus_proxy: str | None, procs: list[Proc]) -> Target:
+    """llmgw-1w to its own two simulators serving HTTPS, verified against the engine CA."""
+    pki = engine_pki(workdir)
+    fast_p, fast = start_sim("fast", {}, workdir, cpus_up, pki)
+    slow_p, slow = start_sim("slow", {"LLMGW_SIM_TOKEN_LATENCY": "0.02"}, workdir, cpus_up, pki)
+    procs += [fast_p, slow_p]
+    eps = [{"id": "fast0", "model": "fast", "url": fast}, {"id": "slow0", "model": "slow", "url": slow}]
+    t = start_llmgw("llmgw-1w-tls", eps, 1, workdir, cpus_proxy, {"engine_ca": str(pki.ca)})
+    t.note = "llmgw router, 1 worker, access_log off, HTTPS to the simulators (engine certificate verified)"
+    return t
 
 
 # ---------------------------------------------------------------- workloads
@@ -759,6 +804,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="measure each workload N times per target, the targets taken in turn each round (to see "
                          "the noise); the report keeps the median run by CPU per chunk (per request for "
                          "non-streaming; of two, the higher) and lists every run's figure")
+    ap.add_argument("--engine-tls", action="store_true",
+                    help="add llmgw-1w-tls: the router to simulators serving HTTPS with an engine certificate it "
+                         "verifies against the CA (compare with llmgw-1w for what TLS to the engine costs)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "router"))
     ap.add_argument("--report-only", metavar="JSON", help="rebuild the .md (and checks) from an earlier .json")
     ap.add_argument("--layout", choices=("both", "isolated", "shared"), default="both",
@@ -776,8 +824,11 @@ def main(argv: list[str] | None = None) -> int:
     skip = {s for s in args.skip.split(",") if s}
     only = {s for s in args.only.split(",") if s}
     if only:
-        skip |= {n for n in ("direct", "nginx", "litellm", "aiohttp-bare", "llmgw-1w", "llmgw-2w", "prefix")
+        skip |= {n for n in ("direct", "nginx", "litellm", "aiohttp-bare", "llmgw-1w", "llmgw-2w", "llmgw-1w-tls",
+                             "prefix")
                  if n not in only}
+    if not args.engine_tls:
+        skip.add("llmgw-1w-tls")
     allowed = sorted(os.sched_getaffinity(0))
     ncpu = len(allowed)
     layouts = {"both": ["isolated", "shared"], "isolated": ["isolated"], "shared": ["shared"]}[args.layout]
@@ -821,6 +872,7 @@ def main(argv: list[str] | None = None) -> int:
             ("aiohttp-bare", lambda: start_bare(fast, slow, workdir, cpus_proxy)),
             ("llmgw-1w", lambda: start_llmgw("llmgw-1w", eps, 1, workdir, cpus_proxy)),
             ("llmgw-2w", lambda: start_llmgw("llmgw-2w", eps, 2, workdir, cpus_proxy)),
+            ("llmgw-1w-tls", lambda: start_llmgw_tls(workdir, cpus_up, cpus_proxy, procs)),
         ]
         wls = workloads(args.quick)
         if args.workloads:
@@ -892,6 +944,8 @@ def _flags(args: argparse.Namespace) -> str:
     out = ""
     if args.quick:
         out += " --quick"
+    if args.engine_tls:
+        out += " --engine-tls"
     for name in ("skip", "only", "workloads"):
         if getattr(args, name):
             out += f" --{name} {getattr(args, name)}"

@@ -170,6 +170,13 @@ def test_certificates_carry_the_roles_the_runtime_reads(pristine):
         assert uris.get_values_for_type(x509.UniformResourceIdentifier) == [f"urn:llmgw:node:{agent}"]
         bc = node.extensions.get_extension_for_class(x509.BasicConstraints)
         assert bc.critical and not bc.value.ca
+        # the engines' serving certificate: serverAuth only, at the node's fleet address (its host name here)
+        engine = cert(root, agent, "engine")
+        assert certificate_role(engine) == "engine"
+        assert list(engine.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value) == [
+            ExtendedKeyUsageOID.SERVER_AUTH]
+        names = engine.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert names.get_values_for_type(x509.DNSName) == [agent]
     router = cert(root, ROUTER, "router")
     assert certificate_role(router) == "router"
     assert router.subject.rfc4514_string() == f"CN={ROUTER},OU=router,O=llmgw"

@@ -549,3 +549,39 @@ def test_forced_tool_calls_come_back_in_the_tool_call_shape_and_auto_is_refused(
     assert chunks[-1].choices[0].finish_reason == "stop"
     with pytest.raises(openai.BadRequestError, match="enable-auto-tool-choice"):
         c.chat.completions.create(model="m", messages=msgs, tools=WEATHER)
+
+
+def test_serves_https_with_vllms_ssl_flags_and_refuses_a_pair_it_cannot_load(tmp_path):
+    """``--ssl-keyfile/--ssl-certfile`` as vLLM takes them: HTTPS only, with that certificate."""
+    import ssl
+
+    from llmgw.tls import init_ca
+    from llmgw.tls.files import write_pair
+    from llmgw.tls.issue import issue_engine
+
+    ca = init_ca(tmp_path / "ca")
+    crt, key = write_pair(tmp_path / "engine", *issue_engine(ca, [], ["127.0.0.1"]))
+    port = free_port()
+    sim = start_sim("m", port=port, extra_args=["--ssl-keyfile", str(key), "--ssl-certfile", str(crt)],
+                    wait=False, log_dir=tmp_path)
+    try:
+        verify = ssl.create_default_context(cafile=str(ca.cert_path))
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                r = httpx.post(f"https://127.0.0.1:{port}/v1/completions", verify=verify, timeout=10,
+                               json={"model": "m", "prompt": "hi", "max_tokens": 1})
+                break
+            except httpx.ConnectError:
+                assert sim.alive() and time.monotonic() < deadline, sim.output()
+                time.sleep(0.1)
+        assert r.status_code == 200 and r.json()["choices"]
+        assert f"on https://127.0.0.1:{port}" in sim.output()
+        with pytest.raises(httpx.HTTPError):  # plain HTTP on the TLS port gets no answer
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).raise_for_status()
+    finally:
+        sim.stop()
+    bad = start_sim("m", extra_args=["--ssl-keyfile", str(key), "--ssl-certfile", str(key)], wait=False,
+                    log_dir=tmp_path)
+    assert bad.proc.wait(timeout=60) == 1
+    assert "cannot load --ssl-certfile/--ssl-keyfile" in bad.output()

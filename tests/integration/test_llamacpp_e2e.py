@@ -7,7 +7,9 @@ model is a local path, the other an https:// URL on a local test server whose fi
 response stalls halfway, so the weight fetcher resumes, checks the digest and renames
 before a real engine loads what it wrote. Everything the simulator could only imitate
 is the engine's own behaviour here: its readiness, its answers, its exit on SIGTERM,
-its error messages.
+its error messages. The engines serve TLS with the node's engine certificate (llama-server's
+``--ssl-key-file``/``--ssl-cert-file``, built with OpenSSL), which the agent's probe and
+checks and the router verify against the fleet CA.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from pathlib import Path
 import pytest
 
 from llmgw.agent.fetch import naming, target_path
-from fleet import Fleet, shard_identities, until
+from fleet import Fleet, edit_agent_config, shard_identities, until
+from llmgw.tls.files import write_pair
+from llmgw.tls.issue import issue_engine
 from realengine import LLAMA, client, cmdline, engine_log, exe, llama_fleet, needs_llama_server, shard_of
 from test_fetch_support import WeightsServer, tls_server_context
 from tinymodel import write_model
@@ -59,6 +63,8 @@ def served(tmp_path_factory):
                         deployments=[{"model": "tiny", "profile": "cpu", "replicas": 1},
                                      {"model": "tiny-url", "profile": "cpu", "replicas": 1}],
                         agent={"fetch": FETCH, "health": HEALTH})
+        crt, key = write_pair(root / "engine", *issue_engine(f.pki.ca, [], ["127.0.0.1"]))
+        edit_agent_config(f.agents["a"], lambda d: d.update(engine_tls={"cert": str(crt), "key": str(key)}))
         with f:
             f.start()
             f.wait_ready(2)
@@ -77,6 +83,15 @@ def test_replicas_are_real_llama_servers_ready_only_after_they_completed_the_pro
         # served before Ready is the agent's probe (/health alone never makes a replica Ready).
         log = served.logs_at_ready[name]
         assert "print_timing" in log and "eval time" in log and "stop processing" in log, log[-3000:]
+
+
+def test_llama_server_serves_tls_with_the_engine_certificate(served):
+    f = served.f
+    for r in f.ready_replicas():
+        s = r["shards"][0]
+        argv = cmdline(s["pid"])
+        assert argv[argv.index("--ssl-cert-file") + 1] == str(f.root / "engine.crt")
+        assert (r["endpoint"], r["clear_text"]) == (f"https://127.0.0.1:{s['port']}", False)
 
 
 def test_liveness_reads_the_engines_metrics_and_sends_it_no_completions(served):

@@ -38,6 +38,9 @@ def _cases(engine: str, model_path: str) -> list[tuple[Profile, LaunchContext]]:
     cases = [
         (Profile("one", engine), LaunchContext(**HTTP, model_path=model_path, gpu_indices=(0,))),
         (Profile("tp", engine, tensor_parallel_size=2), LaunchContext(**HTTP, model_path=model_path, gpu_indices=(0, 1))),
+        # the node's engine certificate: HTTPS where the adapter can serve it
+        (Profile("tls", engine), LaunchContext(**HTTP, model_path=model_path, gpu_indices=(0,),
+                                               tls_cert="/etc/llmgw/engine.crt", tls_key="/etc/llmgw/engine.key")),
     ]
     if engine != "llamacpp":
         pp = Profile("pp", engine, tensor_parallel_size=2, pipeline_parallel_size=2)

@@ -38,7 +38,7 @@ from llmgw.agent.stream import StreamClient
 from llmgw.agent.supervisor import Supervisor, SupervisorConfig
 from llmgw.hardware.gpu_health import GPUHealth, NvmlHealth
 from llmgw.hardware.types import HardwareInventory
-from llmgw.settings import AgentSettings
+from llmgw.settings import AgentSettings, EngineTLS
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,8 @@ def preflight_problems(settings: AgentSettings) -> list[str]:
         if key_path.is_file() and os.stat(key_path).st_mode & 0o077:
             problems.append(f"tls.key: {key_path} is readable by group or others "
                             f"(mode {os.stat(key_path).st_mode & 0o777:04o}); run: chmod 600 {key_path}")
+    if settings.engine_tls is not None:
+        problems += engine_tls_problems(settings.engine_tls)
     if settings.gpu_source == "simulated" and settings.hardware_file and not Path(settings.hardware_file).is_file():
         problems.append(f"discovery.hardware_file: {settings.hardware_file} does not exist")
     for engine, cmd in settings.engine_commands.items():
@@ -65,6 +67,20 @@ def preflight_problems(settings: AgentSettings) -> list[str]:
     except OSError as e:
         problems.append(f"state_dir: cannot use {settings.state_dir}: {e.strerror or e}")
     return problems
+
+
+def engine_tls_problems(etls: EngineTLS) -> list[str]:
+    """The engine certificate must load, or every TLS engine would fail minutes into its start."""
+    import ssl
+
+    for key in ("cert", "key"):
+        if not Path(getattr(etls, key)).is_file():
+            return [f"engine_tls.{key}: {getattr(etls, key)} does not exist"]
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(etls.cert, etls.key)
+    except (OSError, ssl.SSLError) as e:
+        return [f"engine_tls: cannot load certificate {etls.cert} with key {etls.key}: {e}"]
+    return []
 
 
 def _discover_sync(settings: AgentSettings) -> HardwareInventory:

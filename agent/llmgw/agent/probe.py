@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import ssl
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 
@@ -44,12 +46,32 @@ def is_loopback(bind_host: str) -> bool:
         return False
 
 
-def base_url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+def base_url(host: str, port: int, scheme: str = "http") -> str:
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+
+
+@dataclass(frozen=True)
+class EngineTLSClient:
+    """How the agent verifies an engine serving TLS: the fleet CA, and the name its certificate holds.
+
+    The name is the node's fleet address (the engine certificate's SAN), also when
+    the probe dials 127.0.0.1 because engines bind every interface.
+    """
+
+    context: ssl.SSLContext
+    server_hostname: str
+
+    def request_kwargs(self) -> dict[str, Any]:
+        return {"ssl": self.context, "server_hostname": self.server_hostname}
+
+
+def _tls_kwargs(tls: EngineTLSClient | None) -> dict[str, Any]:
+    return tls.request_kwargs() if tls is not None else {}
 
 
 async def completion_probe(session: aiohttp.ClientSession, url: str, served_name: str,
-                           timeout: float, api_key: str | None = None) -> ProbeResult:
+                           timeout: float, api_key: str | None = None,
+                           tls: EngineTLSClient | None = None) -> ProbeResult:
     """One attempt: does the engine at ``url`` complete one token for ``served_name``?
 
     With the replica's engine key, as the router sends it: a probe that got
@@ -59,7 +81,7 @@ async def completion_probe(session: aiohttp.ClientSession, url: str, served_name
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     try:
         async with session.post(f"{url}/v1/completions", json=body, headers=headers,
-                                timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                                timeout=aiohttp.ClientTimeout(total=timeout), **_tls_kwargs(tls)) as resp:
             text = await resp.text(errors="replace")
             if resp.status != 200:
                 return ProbeResult(False, f"completion probe: HTTP {resp.status}: {text[:300]}")
@@ -78,14 +100,16 @@ async def completion_probe(session: aiohttp.ClientSession, url: str, served_name
 
 
 async def get_text(session: aiohttp.ClientSession, url: str, timeout: float,
-                   what: str, api_key: str | None = None) -> tuple[int | None, str]:
+                   what: str, api_key: str | None = None,
+                   tls: EngineTLSClient | None = None) -> tuple[int | None, str]:
     """(status, body) of a GET; (None, what went wrong) when no answer came within ``timeout``.
 
     With ``api_key`` the engine key goes along: llama-server keeps ``/metrics`` behind it.
     """
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     try:
-        async with session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        async with session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout),
+                               **_tls_kwargs(tls)) as resp:
             return resp.status, await resp.text(errors="replace")
     except asyncio.TimeoutError:
         return None, f"{what}: no answer within {timeout:g}s"

@@ -40,12 +40,12 @@ import aiohttp
 from llmgw import compat
 from llmgw.agent import liveness, procident
 from llmgw.agent.ports import choose_port
-from llmgw.agent.probe import base_url, completion_probe, get_text, is_loopback, probe_host
+from llmgw.agent.probe import EngineTLSClient, base_url, completion_probe, get_text, is_loopback, probe_host
 from llmgw.agent.procident import ProcessIdentity
 from llmgw.agent.shardstate import ShardState, check_transition, exit_outcome
 from llmgw.agent.statedir import ShardRecord, StateDir
 from llmgw.catalog import Model, Profile, SourceKind, source_kind
-from llmgw.settings import FetchPolicy
+from llmgw.settings import EngineTLS, FetchPolicy
 from llmgw.tls.files import write_atomic
 
 log = logging.getLogger(__name__)
@@ -83,6 +83,8 @@ class SupervisorConfig:
     tail_bytes: int = 16384
     fetch: FetchPolicy = FetchPolicy()  # downloading URL sources (agent.yaml ``fetch``)
     health: liveness.LivenessPolicy = liveness.LivenessPolicy()  # Ready shards (agent.yaml ``health``)
+    engine_tls: EngineTLS | None = None  # agent.yaml ``engine_tls``: engines that can serve HTTPS do
+    engine_ca: str | None = None  # the fleet CA (agent.yaml ``tls.ca``) the probes verify engines against
 
     @classmethod
     def from_settings(cls, settings: Any, **overrides: Any) -> "SupervisorConfig":
@@ -96,6 +98,8 @@ class SupervisorConfig:
             allow_keyless_engines=settings.allow_keyless_engines,
             fetch=settings.fetch,
             health=settings.health,
+            engine_tls=settings.engine_tls,
+            engine_ca=settings.tls.ca if settings.tls is not None else None,
             **overrides,
         )
 
@@ -114,6 +118,7 @@ class Shard:
     port: int | None = None
     master_port: int | None = None
     argv: tuple[str, ...] = ()
+    tls: bool = False  # rank 0 serves HTTPS (with the node's engine certificate)
     launch_marker: str = ""
     log_offset: int | None = None  # size of the engine's log at launch: this life's output follows
     # Set by whoever decides the engine must end (stop, drain, timeout): the
@@ -144,6 +149,10 @@ class Shard:
     @property
     def launched(self) -> bool:
         return self.identity is not None
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls else "http"
 
 
 def spec_model(spec: dict[str, Any]) -> Model:
@@ -230,6 +239,7 @@ class Supervisor:
         self.emit = emit
         self.shards: dict[str, Shard] = {}
         self._session: aiohttp.ClientSession | None = None
+        self._tls_client: EngineTLSClient | None = None
 
     # ------------------------------------------------------------------ reports
     def live_shards(self) -> list[Shard]:
@@ -243,6 +253,8 @@ class Supervisor:
             r["process"] = shard.identity.to_dict()
             r["port"] = shard.port
             r["address"] = self.config.advertise_address
+            if shard.tls:  # only when https: a control plane older than engine TLS knows no scheme
+                r["scheme"] = shard.scheme
         return r
 
     def reports(self) -> list[dict[str, Any]]:
@@ -259,6 +271,8 @@ class Supervisor:
             msg["port"] = shard.port
             msg["master_port"] = shard.master_port
             msg["address"] = self.config.advertise_address
+            if shard.tls:
+                msg["scheme"] = shard.scheme
         if reason:
             msg["reason"] = reason[:MAX_REASON]
         if output_tail is not None:
@@ -300,7 +314,8 @@ class Supervisor:
             master_port=shard.master_port, address=self.config.advertise_address,
             started_at=shard.started_at,
             start_deadline=shard.deadline if shard.state is ShardState.STARTING else None,
-            argv=shard.argv, extra={"launch_marker": shard.launch_marker, "log_offset": shard.log_offset}))
+            argv=shard.argv, extra={"launch_marker": shard.launch_marker, "log_offset": shard.log_offset,
+                                    "tls": shard.tls}))
 
     def _fail_before_launch(self, shard: Shard, reason: str) -> None:
         self._transition(shard, ShardState.FAILED, reason, output_tail="")
@@ -490,7 +505,8 @@ class Supervisor:
                 extra_env=dict(spec.get("env", {})),
                 command=self.config.engine_commands.get(profile.engine),
                 api_key=spec.get("api_key") or None,
-                secret_dir=str(self.statedir.secret_dir(shard.shard_id))))
+                secret_dir=str(self.statedir.secret_dir(shard.shard_id)),
+                **self._tls_files(profile)))
         except (ProfileError, LaunchContextError) as e:
             self._fail_before_launch(shard, str(e))
             return False
@@ -519,6 +535,7 @@ class Supervisor:
             identity = ProcessIdentity(popen.pid, 0, procident.boot_id())
         shard.popen, shard.identity, shard.argv = popen, identity, tuple(launch.argv)
         shard.port = launch.port if launch.serves_http else None
+        shard.tls = launch.tls
         shard.master_port = master_port if rank == 0 and nnodes > 1 else None
         self._transition(shard, ShardState.STARTING)  # persists the record with pid + start time
         shard.watcher = asyncio.get_running_loop().create_task(self._watch_child(shard),
@@ -534,7 +551,7 @@ class Supervisor:
         download progress included, ever moves it.
         """
         served = str(shard.spec["model"]["served_name"])
-        url = base_url(probe_host(self.config.engine_bind_host), shard.port) if shard.port else ""
+        url = self._engine_url(shard) if shard.port else ""
         while shard.state is ShardState.STARTING and shard.end_intent is None:
             remaining = shard.deadline - time.monotonic()
             if remaining <= 0:
@@ -546,7 +563,7 @@ class Supervisor:
                 return
             if shard.port:
                 res = await completion_probe(self._http(), url, served, min(self.config.probe_timeout, remaining),
-                                             shard.spec.get("api_key"))
+                                             shard.spec.get("api_key"), self._engine_tls(shard))
                 ok, shard.last_probe = res.ok, res.detail
             else:  # ranks > 0 serve no HTTP: liveness is all there is to check
                 ok = shard.identity is not None and procident.is_running(shard.identity)
@@ -605,21 +622,46 @@ class Supervisor:
             st = procident.read_stat(shard.identity.pid) if procident.is_same_process(shard.identity) else None
             return liveness.judge_process(st.state if st is not None else None)
         timeout = self.config.health.timeout
-        url = base_url(probe_host(self.config.engine_bind_host), shard.port)
-        status, body = await get_text(self._http(), f"{url}/health", timeout, "health")
+        url, tls = self._engine_url(shard), self._engine_tls(shard)
+        status, body = await get_text(self._http(), f"{url}/health", timeout, "health", tls=tls)
         if status is None or status != 200:
             detail = body if status is None else f"health: HTTP {status}: {body[:300]}"
             return liveness.judge_engine(False, detail, before, None)
         engine = str(shard.spec["profile"]["engine"])
         status, body = await get_text(self._http(), f"{url}/metrics", timeout, "metrics",
-                                      shard.spec.get("api_key"))
+                                      shard.spec.get("api_key"), tls)
         progress = (liveness.progress_from_samples(liveness.parse_samples(body), engine)
                     if status == 200 else None)
         if progress is None:  # nothing to read progress from: serving one token is the proof
             res = await completion_probe(self._http(), url, str(shard.spec["model"]["served_name"]), timeout,
-                                         shard.spec.get("api_key"))
+                                         shard.spec.get("api_key"), tls)
             return liveness.Check(res.ok, res.detail)
         return liveness.judge_engine(True, "ok", before, progress)
+
+    def _tls_files(self, profile: Profile) -> dict[str, str]:
+        """The engine certificate for the adapter, when this node has one and gives it to this engine."""
+        etls = self.config.engine_tls
+        if etls is None or profile.engine not in etls.engines:
+            return {}
+        return {"tls_cert": etls.cert, "tls_key": etls.key}
+
+    def _engine_url(self, shard: Shard) -> str:
+        return base_url(probe_host(self.config.engine_bind_host), int(shard.port or 0), shard.scheme)
+
+    def _engine_tls(self, shard: Shard) -> EngineTLSClient | None:
+        """How to verify this shard's engine: the fleet CA and the fleet address, as a router does."""
+        if not shard.tls:
+            return None
+        if self._tls_client is None:
+            import ssl
+
+            from llmgw.tls.context import client_context
+
+            # No fleet CA (an adopted TLS engine after tls was removed from agent.yaml): the system's
+            # CAs, which fail the check with the verification error rather than trusting anything.
+            context = client_context(self.config.engine_ca) if self.config.engine_ca else ssl.create_default_context()
+            self._tls_client = EngineTLSClient(context, self.config.advertise_address)
+        return self._tls_client
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -805,6 +847,7 @@ class Supervisor:
         shard = Shard(spec=record.spec, state=state, started_at=record.started_at or time.time(),
                       deadline=deadline, adopted=True, identity=record.process, port=record.port,
                       master_port=record.master_port, argv=record.argv,
+                      tls=record.extra.get("tls") is True,
                       launch_marker=str(record.extra.get("launch_marker", "")),
                       log_offset=_offset(record.extra.get("log_offset")))
         self.shards[shard.shard_id] = shard

@@ -280,6 +280,8 @@ class Reconciler:
         for key in ("process", "port", "master_port", "address"):
             if msg.get(key) is not None:
                 setattr(s, key, msg[key])
+        if msg.get("port") is not None:  # each report of an endpoint says how it serves (absent: http)
+            s.scheme = msg.get("scheme", "http")
         return [f"{sid} on {node_id}: {state}" + (f" ({msg['reason']})" if msg.get("reason") else "")]
 
     def observe_progress(self, node_id: str, msg: dict[str, Any], now: float) -> None:
@@ -356,6 +358,8 @@ class Reconciler:
         for key in ("process", "port", "address"):
             if rep.get(key) is not None:
                 setattr(s, key, rep[key])
+        if rep.get("port") is not None:
+            s.scheme = rep.get("scheme", "http")
         if rep.get("adopted"):
             s.adopted = True
 
@@ -770,6 +774,6 @@ def endpoints(book: ReplicaBook, nodes: Mapping[str, NodeView]) -> list[dict[str
         model = r0.spec.get("model", {})
         profile = r0.spec.get("profile", {})
         out.append({"id": r.replica_id, "model": model.get("served_name") or r.model,
-                    "url": f"http://{host}:{r0.port}", "replica_id": r.replica_id, "draining": draining,
+                    "url": f"{r0.scheme}://{host}:{r0.port}", "replica_id": r.replica_id, "draining": draining,
                     "max_concurrency": profile.get("max_concurrency"), "api_key": r0.spec.get("api_key")})
     return out

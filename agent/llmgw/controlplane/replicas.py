@@ -114,6 +114,7 @@ class Shard:
     port: int | None = None
     master_port: int | None = None
     address: str | None = None
+    scheme: str = "http"  # "https": rank 0 serves TLS with its node's engine certificate
     adopted: bool = False
     dispatched_at: float | None = None
     state_since: float = 0.0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -106,6 +107,9 @@ class RouterHook:
         self.watch_handler = endpoints_watch_handler(self.table)
         if settings.router is not None:
             self.router_settings = RouterSettings.from_config(settings.router, source="server.yaml /router")
+            if self.router_settings.engine_ca is None and settings.tls is not None:
+                # engines serving TLS hold certificates of the fleet CA this control plane trusts
+                self.router_settings = dataclasses.replace(self.router_settings, engine_ca=settings.tls.ca)
             from llmgw.router.serve import tls_errors
 
             problems = tls_errors(self.router_settings, "/router")

@@ -131,6 +131,7 @@ def shard_view(s: Shard, now: float) -> dict[str, Any]:
         "port": s.port,
         "master_port": s.master_port,
         "address": s.address,
+        "scheme": s.scheme if s.port else None,
         "adopted": s.adopted,
         "progress": None if s.progress is None else {k: v for k, v in s.progress.items() if k != "at"},
     }
@@ -143,7 +144,9 @@ def replica_view(cp: ControlPlane, r: Replica, now: float) -> dict[str, Any]:
     endpoint = None
     if r0 is not None and r0.port and r0.node_id and not r0.released:
         host = r0.address or (cp.nodes[r0.node_id].address if r0.node_id in cp.nodes else None)
-        endpoint = f"http://{host}:{r0.port}" if host else None
+        if host and ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        endpoint = f"{r0.scheme}://{host}:{r0.port}" if host else None
     return {
         "replica_id": r.replica_id,
         "model": r.model,
@@ -160,6 +163,8 @@ def replica_view(cp: ControlPlane, r: Replica, now: float) -> dict[str, Any]:
         "ejections": ejections_view(cp, r.replica_id, now),
         "placement": r.placement_detail,
         "endpoint": endpoint,
+        # prompts and the engine key cross the node network in clear text to this replica
+        "clear_text": None if endpoint is None else r0.scheme != "https",
         "retry_in_s": (round(max(0.0, hist.next_attempt_at - now), 3)
                        if hist is not None and r.failed_at is not None else None),
         "last_failure": None if hist is None or hist.last_failure is None else {

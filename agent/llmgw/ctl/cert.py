@@ -77,7 +77,7 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 @_guarded
 def cmd_hosts(args: argparse.Namespace) -> int:
-    """``server`` and ``router``: certificates naming the hosts and addresses they are dialed at."""
+    """``server``, ``router`` and ``engine``: certificates naming the hosts and addresses they are dialed at."""
     ca = load_ca(args.dir)
     cert_pem, key_pem = issue_server(ca, args.host, args.ip, args.days, key_type=args.key_type, role=args.role)
     crt, key = write_pair(args.out or Path(args.dir) / args.role, cert_pem, key_pem)
@@ -259,6 +259,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     _host_args(p, "clients")
     _out(p, "DIR/router")
     p.set_defaults(func=cmd_hosts, role="router")
+
+    p = sub.add_parser("engine", help="issue a node's engine serving certificate (SANs: the node's fleet address)")
+    _common(p, "engine")
+    _host_args(p, "routers")
+    _out(p, "DIR/engine")
+    p.set_defaults(func=cmd_hosts, role="engine")
 
     p = sub.add_parser("node", help="issue a node's client certificate (CN = node id)")
     p.add_argument("node_id", metavar="NODE_ID")

@@ -79,6 +79,10 @@ class LaunchContext:
     # line where the engine can read it from its environment or a file.
     api_key: str | None = field(default=None, repr=False)
     secret_dir: str | None = None  # a 0700 directory of this shard's, for key files
+    # The node's engine serving certificate and key (PEM paths), or None: serve
+    # TLS with them where the engine can; one that cannot keeps plain HTTP.
+    tls_cert: str | None = None
+    tls_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -96,3 +100,4 @@ class LaunchSpec:
     serves_http: bool  # rank 0 serves HTTP; worker ranks are checked by liveness
     port: int | None
     files: tuple[SecretFile, ...] = ()
+    tls: bool = False  # rank 0 serves HTTPS with the context's certificate (the endpoint is https://)

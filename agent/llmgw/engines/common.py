@@ -51,6 +51,8 @@ USE_ORDER = ("placement numbers GPUs as NVML does, in PCI bus order, and the ada
              "the same way (CUDA_DEVICE_ORDER=PCI_BUS_ID)")
 USE_LISTED = "list the flags in extra_args instead, so they can be checked"
 USE_TCP = "the router reaches every engine over TCP at the agent-assigned host:port"
+USE_TLS = ("the agent serves TLS with the node's engine certificate (engine_tls in agent.yaml) and routers "
+           "verify it against the fleet CA; routers present no client certificate")
 USE_KEY = ("the control plane issues each replica its own engine key, which only the router and the agent's "
            "probe use")
 
@@ -314,6 +316,9 @@ class Adapter:
     # shows in ``ps``.  Adapters without a key variable override ``key_launch``.
     key_flags: tuple[OwnedFlag, ...] = ()
     key_env: str | None = None
+    # Whether the pinned release can serve HTTPS (the adapter then emits its
+    # certificate flags in ``engine_args`` when the context carries a pair).
+    tls_capable: bool = False
 
     # -- what subclasses describe -------------------------------------------------
     def owned_flags(self, profile: Profile) -> tuple[OwnedFlag, ...]:
@@ -343,6 +348,10 @@ class Adapter:
         if self.key_env is None:
             raise LaunchContextError(f"the {self.name} adapter has no way to pass an engine key")
         return [], {self.key_env: ctx.api_key}, ()
+
+    def serves_tls(self, ctx: LaunchContext) -> bool:
+        """Whether this shard serves HTTPS: an engine that can, rank 0, and a certificate to serve."""
+        return self.tls_capable and self.serves_http(ctx) and bool(ctx.tls_cert and ctx.tls_key)
 
     def key_env_owned(self) -> dict[str, str]:
         return {self.key_env: USE_KEY} if self.key_env else {}
@@ -392,4 +401,5 @@ class Adapter:
             serves_http=serves,
             port=ctx.port if serves else None,
             files=files,
+            tls=self.serves_tls(ctx),
         )

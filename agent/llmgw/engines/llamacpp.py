@@ -19,6 +19,14 @@ the env names of owned flags are refused in a profile's env as well.
 The engine key goes in ``LLAMA_ARG_API_KEY`` (``--api-key``'s environment
 variable in common/arg.cpp), never on the command line; ``--api-key`` and
 ``--api-key-file`` are owned.
+
+TLS: ``--ssl-key-file``/``--ssl-cert-file`` (both owned, and their
+``LLAMA_ARG_SSL_*`` variables) are parsed by every build but served only by a
+llama-server built with OpenSSL (``LLAMA_OPENSSL``, on by default when the
+OpenSSL headers are present, as in tests/engines/build-llama-server); one
+built without refuses to start with "the server is built without SSL
+support".  An operator with such a build leaves ``llamacpp`` out of
+``engine_tls.engines`` in agent.yaml, and its endpoints stay ``http://``.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from llmgw.engines.common import (
     USE_SERVED,
     USE_SOURCE,
     USE_TCP,
+    USE_TLS,
     Adapter,
     FlagSyntax,
     OwnedFlag,
@@ -64,6 +73,8 @@ _OWNED = (
     OwnedFlag(("-ts", "--tensor-split"), _USE_SPLIT),
     OwnedFlag(("-dev", "--device"), USE_GPUS),
     OwnedFlag(("--rpc",), _USE_SINGLE),
+    OwnedFlag(("--ssl-key-file",), USE_TLS),
+    OwnedFlag(("--ssl-cert-file",), USE_TLS),
 )
 
 _FORBIDDEN_ENV = {
@@ -83,6 +94,8 @@ _FORBIDDEN_ENV = {
     "LLAMA_ARG_TENSOR_SPLIT": _USE_SPLIT,
     "LLAMA_ARG_DEVICE": USE_GPUS,
     "LLAMA_ARG_RPC": _USE_SINGLE,
+    "LLAMA_ARG_SSL_KEY_FILE": USE_TLS,
+    "LLAMA_ARG_SSL_CERT_FILE": USE_TLS,
 }
 
 
@@ -93,6 +106,7 @@ class LlamaCppAdapter(Adapter):
     forbidden_env = _FORBIDDEN_ENV
     key_flags = (OwnedFlag(("--api-key",), USE_KEY), OwnedFlag(("--api-key-file",), USE_KEY))
     key_env = "LLAMA_ARG_API_KEY"
+    tls_capable = True
 
     def owned_flags(self, profile: Profile) -> tuple[OwnedFlag, ...]:
         return _OWNED
@@ -148,6 +162,8 @@ class LlamaCppAdapter(Adapter):
             # would be a completion queued behind the slots' own requests.
             "--metrics",
         ]
+        if self.serves_tls(ctx):
+            args += ["--ssl-key-file", str(ctx.tls_key), "--ssl-cert-file", str(ctx.tls_cert)]
         if model.max_model_len is not None:
             args += ["-c", str(model.max_model_len)]
         tp = profile.tensor_parallel_size

@@ -18,6 +18,11 @@ file into them inside the process (server_args_config_parser.py).  So the
 adapter writes ``api-key: <key>`` to a 0600 file in the shard's private
 directory and passes ``--config <file>``: the key never shows in ``ps``.
 ``--config`` was already owned, so a profile cannot bring its own.
+
+No TLS: the pinned release (0.5.5) has no ``--ssl-*`` flags (its uvicorn is
+started without any), so an SGLang rank 0 serves plain HTTP on the node's
+fleet address even when the agent has an engine certificate, and the
+control plane shows its endpoint as ``http://``.
 """
 
 from __future__ import annotations

@@ -19,6 +19,14 @@ envs.VLLM_API_KEY``): an argument would show in ``ps`` and in vLLM's own
 "non-default args" log line.  vLLM then answers 401 ``{"error":
 "Unauthorized"}`` on /v1 paths without ``Authorization: Bearer <key>`` and
 leaves /health, /metrics and /version open.
+
+TLS: with the node's engine certificate in the launch context, rank 0 gets
+``--ssl-keyfile``/``--ssl-certfile`` (FrontendArgs, handed to uvicorn), so
+prompts and the engine key never cross the node network in clear text, and
+``--enable-ssl-refresh``, so a certificate renewed on disk is served without
+a restart (a replica outliving its certificate would be refused by every
+router).  The ssl flags are owned: ``--ssl-ca-certs``/``--ssl-cert-reqs`` would
+demand client certificates routers do not present.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from llmgw.engines.common import (
     USE_SERVED,
     USE_SOURCE,
     USE_TCP,
+    USE_TLS,
     USE_TP,
     Adapter,
     FlagSyntax,
@@ -74,6 +83,11 @@ _OWNED = (
     OwnedFlag(("--data-parallel-backend", "-dpb"), USE_REPLICAS),
     OwnedFlag(("--data-parallel-hybrid-lb", "-dph"), USE_REPLICAS),
     OwnedFlag(("--data-parallel-external-lb", "-dpe"), USE_REPLICAS),
+    OwnedFlag(("--ssl-keyfile",), USE_TLS),
+    OwnedFlag(("--ssl-certfile",), USE_TLS),
+    OwnedFlag(("--ssl-ca-certs",), USE_TLS),
+    OwnedFlag(("--ssl-cert-reqs",), USE_TLS),
+    OwnedFlag(("--enable-ssl-refresh", "--no-enable-ssl-refresh"), USE_TLS),
     # A YAML file of flags could set any of the above out of sight.
     OwnedFlag(("--config",), USE_LISTED),
 )
@@ -94,6 +108,7 @@ class VLLMAdapter(Adapter):
     syntax = FlagSyntax(underscores=True, abbreviations=True, attached_short=True)
     key_flags = (OwnedFlag(("--api-key",), USE_KEY),)
     key_env = "VLLM_API_KEY"
+    tls_capable = True
 
     def owned_flags(self, profile: Profile) -> tuple[OwnedFlag, ...]:
         return _OWNED + (_MULTI_NODE_OWNED if profile.nodes > 1 else ())
@@ -107,6 +122,8 @@ class VLLMAdapter(Adapter):
         args = ["serve", ctx.model_path]
         if ctx.rank == 0:
             args += ["--host", ctx.host, "--port", str(ctx.port)]
+        if self.serves_tls(ctx):
+            args += ["--ssl-keyfile", str(ctx.tls_key), "--ssl-certfile", str(ctx.tls_cert), "--enable-ssl-refresh"]
         args += [
             "--served-model-name", model.served_name,
             "--tensor-parallel-size", str(profile.tensor_parallel_size),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -26,11 +27,23 @@ from .upstream import Pool
 log = logging.getLogger("llmgw.router")
 
 
+def engine_ssl_context(settings: RouterSettings) -> ssl.SSLContext | None:
+    """How https:// engines are verified: the fleet CA (engine_ca, else control_plane.ca), hostname
+    against the certificate's SANs; None: the system's CAs (an engine of the operator's own)."""
+    ca = settings.engine_ca_file
+    if ca is None:
+        return None
+    from llmgw.tls.context import client_context
+
+    return client_context(ca)
+
+
 class EndpointRuntime:
     __slots__ = ("id", "key", "endpoint", "outstanding", "limit", "health", "pool", "retired", "m",
-                 "_settings")
+                 "_settings", "_ssl")
 
-    def __init__(self, ep: Endpoint, settings: RouterSettings, metrics: RouterMetrics) -> None:
+    def __init__(self, ep: Endpoint, settings: RouterSettings, metrics: RouterMetrics,
+                 engine_ssl: ssl.SSLContext | None = None) -> None:
         self.id = ep.id
         self.key = (ep.id, ep.url, ep.model, ep.api_key)
         self.endpoint = ep
@@ -41,6 +54,7 @@ class EndpointRuntime:
         self.retired = False
         self.m = EndpointMetrics(metrics, ep.model, ep.id)
         self._settings = settings
+        self._ssl = engine_ssl
 
     def update(self, ep: Endpoint) -> None:
         self.endpoint = ep
@@ -51,7 +65,7 @@ class EndpointRuntime:
         if pool is None or pool.closed:
             s = self._settings
             pool = self.pool = Pool(self.endpoint.url, s.timeouts.connect, s.limits.upstream_keepalive,
-                                    self.endpoint.api_key)
+                                    self.endpoint.api_key, self._ssl)
         return pool
 
     async def close(self) -> None:
@@ -78,6 +92,7 @@ class Routing:
         self.metrics = metrics
         self.scorer = scorer
         self.policy = OutlierPolicy(settings.outlier)
+        self.engine_ssl = engine_ssl_context(settings)  # loaded once: a bad CA file fails the start
         self._rev = -1
         self._groups: dict[str, ModelGroup] = {}
         # keyed by (id, url, model, engine key): a changed key is a new pool, never a mixed one
@@ -96,7 +111,7 @@ class Routing:
             key = (ep.id, ep.url, ep.model, ep.api_key)
             rt = self._runtimes.get(key)
             if rt is None:
-                rt = EndpointRuntime(ep, self.settings, self.metrics)
+                rt = EndpointRuntime(ep, self.settings, self.metrics, self.engine_ssl)
             else:
                 rt.update(ep)
             runtimes[key] = rt

@@ -113,6 +113,8 @@ class RouterSettings:
     allow_unauthenticated: bool = False
     static_endpoints: tuple[Endpoint, ...] | None = None  # None: not configured
     control_plane: ControlPlane | None = None
+    # verifies engines serving TLS; None: control_plane.ca, else the system's CAs (see engine_ca_file)
+    engine_ca: str | None = None
     timeouts: Timeouts = field(default_factory=Timeouts)
     limits: Limits = field(default_factory=Limits)
     balancing: Balancing = field(default_factory=Balancing)
@@ -121,6 +123,13 @@ class RouterSettings:
     clients: Clients = field(default_factory=Clients)
     metrics_tokens: tuple[MetricsToken, ...] = ()  # bearer tokens that may read /metrics
     access_log: bool = True
+
+    @property
+    def engine_ca_file(self) -> str | None:
+        """The CA that https:// engines must chain to: engine_ca, else the fleet CA of the watch."""
+        if self.engine_ca is not None:
+            return self.engine_ca
+        return self.control_plane.ca if self.control_plane is not None else None
 
     @classmethod
     def from_config(cls, doc: Mapping[str, Any] | None, source: str = "router config") -> "RouterSettings":
@@ -249,6 +258,7 @@ def _build(doc: Mapping[str, Any]) -> RouterSettings:
         static_endpoints=static,
         control_plane=ControlPlane(_first(cp["url"]), cp["ca"], cp["cert"], cp["key"],
                                    (cp["url"],) if isinstance(cp["url"], str) else tuple(cp["url"])) if cp else None,
+        engine_ca=doc.get("engine_ca"),
         timeouts=Timeouts(**_section(doc, "timeouts")),
         limits=Limits(**_section(doc, "limits")),
         balancing=Balancing(**_section(doc, "balancing")),

@@ -322,7 +322,8 @@ class Pool:
     size limit here: the router's per-endpoint concurrency gate bounds it.
     """
 
-    def __init__(self, url: str, connect_timeout: float, keepalive: float, api_key: str | None = None) -> None:
+    def __init__(self, url: str, connect_timeout: float, keepalive: float, api_key: str | None = None,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self.url = url
         # The engine's key rides on every request this pool sends; a client's own
         # Authorization header (its router key) never reaches an engine.
@@ -338,7 +339,10 @@ class Pool:
         self.connect_timeout = connect_timeout
         self.keepalive = keepalive
         self._idle: list[Connection] = []
-        self._ssl: ssl.SSLContext | None = ssl.create_default_context() if parts.scheme == "https" else None
+        # https: verified against ``ssl_context`` (the fleet CA for engines serving TLS with a node's
+        # engine certificate), else the system's CAs; the address is checked against the SANs either way
+        self._ssl: ssl.SSLContext | None = (
+            (ssl_context or ssl.create_default_context()) if parts.scheme == "https" else None)
         self.closed = False
 
     async def request(self, target: bytes, headers: bytes, body: bytes) -> Connection:
@@ -400,6 +404,10 @@ class Pool:
                     server_hostname=self.host if self._ssl else None)
         except TimeoutError:
             raise ConnectError("connect timeout") from None
+        except ssl.SSLError as e:  # the engine's certificate is not the fleet CA's, or not for this address
+            verify = getattr(e, "verify_message", None)
+            detail = f"certificate verify failed: {verify}" if verify else e.reason or type(e).__name__
+            raise ConnectError(f"TLS handshake failed: {detail}") from e
         except OSError as e:  # refused, unreachable, DNS (socket.gaierror), TLS handshake
             reason = os.strerror(e.errno) if isinstance(e.errno, int) and e.errno > 0 else None
             raise ConnectError(reason or e.strerror or type(e).__name__) from e

@@ -20,6 +20,7 @@ import dataclasses
 import os
 import signal
 import socket
+import ssl
 import sys
 import time
 from typing import Sequence
@@ -129,6 +130,18 @@ async def _headless(cfg: SimConfig, knobs: Knobs, stop: asyncio.Event, log: Log)
     return 0
 
 
+def _ssl_context(cfg: SimConfig) -> ssl.SSLContext | None:
+    """The serving context for ``--ssl-keyfile``/``--ssl-certfile``, as uvicorn builds it; None: plain HTTP.
+
+    Loaded before the port is bound, so a bad pair fails the start at once, as vLLM does.
+    """
+    if not (cfg.ssl_keyfile or cfg.ssl_certfile):
+        return None
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(cfg.ssl_certfile or "", cfg.ssl_keyfile)
+    return ctx
+
+
 async def serve(cfg: SimConfig, knobs: Knobs) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -140,6 +153,12 @@ async def serve(cfg: SimConfig, knobs: Knobs) -> int:
     if cfg.headless:
         return await _headless(cfg, knobs, stop, log)
 
+    try:
+        ssl_context = _ssl_context(cfg)
+    except (OSError, ssl.SSLError) as e:
+        sys.stderr.write(f"ssl.SSLError: cannot load --ssl-certfile/--ssl-keyfile: {e}\n")
+        sys.stderr.flush()
+        return 1
     try:
         sock = _bind(cfg)
     except OSError as e:
@@ -165,20 +184,22 @@ async def serve(cfg: SimConfig, knobs: Knobs) -> int:
         runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None,
                                shutdown_timeout=1.0)
         await runner.setup()
-        site = web.SockSite(runner, sock)
+        site = web.SockSite(runner, sock, ssl_context=ssl_context)
         await site.start()
         _arm_fault(loop, state, knobs)
     except BaseException:
         sock.close()
         raise
     host = cfg.host or "0.0.0.0"
-    log.info("api_server.py:1912", f"Starting vLLM API server 0 on http://{host}:{cfg.port}")
+    scheme = "https" if ssl_context is not None else "http"
+    log.info("api_server.py:1912", f"Starting vLLM API server 0 on {scheme}://{host}:{cfg.port}")
     log.info("launcher.py:34", "Available routes are: /health, /v1/models, /metrics, /version, "
              "/v1/chat/completions, /v1/completions, /v1/embeddings")
     if cfg.dialect == "sglang":
         log.info("http_server.py:1214", "The server is fired up and ready to roll!")
     elif cfg.dialect == "llamacpp":
-        log.info("server.cpp:5481", f"main: server is listening on http://{host}:{cfg.port} - starting the main loop")
+        log.info("server.cpp:5481",
+                 f"main: server is listening on {scheme}://{host}:{cfg.port} - starting the main loop")
     sys.stdout.write("INFO:     Application startup complete.\n")
     sys.stdout.flush()
     await stop.wait()

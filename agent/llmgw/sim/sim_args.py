@@ -52,6 +52,10 @@ class SimConfig:
     block_size: int = 16
     max_num_seqs: int = 256
     enable_prompt_tokens_details: bool = False
+    # PEM paths: serve HTTPS with them (vLLM's --ssl-keyfile/--ssl-certfile,
+    # llama-server's --ssl-key-file/--ssl-cert-file); None: plain HTTP
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
     non_default: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -114,6 +118,11 @@ def _vllm_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--enable-log-requests", action=bool_opt, default=False)
     p.add_argument("--disable-log-requests", action="store_true", default=False)
     p.add_argument("--enable-force-include-usage", action=bool_opt, default=False)
+    p.add_argument("--ssl-keyfile", type=str, default=None)
+    p.add_argument("--ssl-certfile", type=str, default=None)
+    p.add_argument("--ssl-ca-certs", type=str, default=None)
+    p.add_argument("--enable-ssl-refresh", action=bool_opt, default=False)
+    p.add_argument("--ssl-cert-reqs", type=int, default=0)
     # Model
     p.add_argument("--served-model-name", type=str, nargs="+", default=None)
     p.add_argument("--tokenizer", type=str, default=None)
@@ -223,6 +232,8 @@ def parse_vllm(args: Sequence[str], prog: str = "vllm serve") -> SimConfig:
         block_size=ns.block_size or 16,
         max_num_seqs=ns.max_num_seqs or 256,
         enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
+        ssl_keyfile=ns.ssl_keyfile,
+        ssl_certfile=ns.ssl_certfile,
         non_default=non_default,
     )
 
@@ -355,6 +366,8 @@ def _llama_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("-s", "--seed", type=int, default=-1)
     p.add_argument("--api-key", type=str, default=os.environ.get("LLAMA_ARG_API_KEY"))
     p.add_argument("--api-key-file", type=str, default=None)
+    p.add_argument("--ssl-key-file", type=str, default=os.environ.get("LLAMA_ARG_SSL_KEY_FILE"))
+    p.add_argument("--ssl-cert-file", type=str, default=os.environ.get("LLAMA_ARG_SSL_CERT_FILE"))
     p.add_argument("--embedding", "--embeddings", action="store_true")
     p.add_argument("--metrics", action="store_true")
     p.add_argument("--jinja", action="store_true")
@@ -389,6 +402,9 @@ def parse_llamacpp(args: Sequence[str], prog: str = "llama-server") -> SimConfig
         api_keys=keys,
         enable_prefix_caching=ns.cache_prompt,
         max_num_seqs=ns.parallel or 4,
+        # llama-server serves TLS only with both files (and only when built with OpenSSL)
+        ssl_keyfile=ns.ssl_key_file if ns.ssl_key_file and ns.ssl_cert_file else None,
+        ssl_certfile=ns.ssl_cert_file if ns.ssl_key_file and ns.ssl_cert_file else None,
         non_default=_non_default(vars(ns), defaults),
     )
 

@@ -10,7 +10,8 @@ form carries the extended key usage.
 A role needs both halves: ``OU=node`` *and* the clientAuth usage for a node,
 ``OU=admin`` *and* clientAuth for an operator, ``OU=server`` *and* serverAuth
 for the control plane, ``OU=router`` *and* both usages for a standalone
-router. An OU alone, or a usage alone, is no role at all.
+router, ``OU=engine`` *and* serverAuth for a node's engines serving TLS. An
+OU alone, or a usage alone, is no role at all.
 """
 
 from __future__ import annotations
@@ -93,8 +94,8 @@ def certificate_role(cert: x509.Certificate) -> str | None:
     usages = certificate_usages(cert)
     if ou in ("node", "admin") and "clientAuth" in usages:
         return ou
-    if ou == "server" and "serverAuth" in usages:
-        return "server"
+    if ou in ("server", "engine") and "serverAuth" in usages:
+        return ou
     if ou == "router" and "serverAuth" in usages and "clientAuth" in usages:
         return "router"
     return None

@@ -12,6 +12,11 @@
   plane's endpoint watch, the one caller given the engines' keys). A role of
   its own so that neither a node nor an operator certificate can obtain
   engine keys, and a router certificate can do nothing else.
+- ``engine``: the engines of one GPU node serving TLS. EKU serverAuth only, SANs
+  the node's fleet address. Its key is read by engine processes (vLLM takes a
+  key file), which run third-party model code, so it is a role of its own: it
+  opens no stream, reads no watch and cannot pose as the control plane or a
+  router (wrong OU), unlike the node certificate the agent keeps to itself.
 
 Subjects are always ``O=llmgw, OU=<role>, CN=<name>``; the role is read back
 from OU together with the EKU (see ``identity.py``).
@@ -40,10 +45,10 @@ from .ca import (
     utcnow,
 )
 
-ROLES = ("server", "node", "admin", "router")
-DEFAULT_DAYS = {"server": 90, "node": 90, "admin": 30, "router": 90}
+ROLES = ("server", "node", "admin", "router", "engine")
+DEFAULT_DAYS = {"server": 90, "node": 90, "admin": 30, "router": 90, "engine": 90}
 # Roles whose certificates name hosts (SANs) rather than a node or a person.
-HOST_ROLES = ("server", "router")
+HOST_ROLES = ("server", "router", "engine")
 CLOCK_SKEW = dt.timedelta(minutes=5)
 NODE_URI_PREFIX = "urn:llmgw:node:"
 
@@ -52,6 +57,7 @@ ROLE_EKU: dict[str, tuple[x509.ObjectIdentifier, ...]] = {
     "node": (ExtendedKeyUsageOID.CLIENT_AUTH,),
     "admin": (ExtendedKeyUsageOID.CLIENT_AUTH,),
     "router": (ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH),
+    "engine": (ExtendedKeyUsageOID.SERVER_AUTH,),
 }
 
 # A node id is a lowercase DNS name: dot-separated labels of [a-z0-9_-], each
@@ -301,6 +307,12 @@ def issue_router(ca: CertificateAuthority, hosts: Sequence[str], ips: Sequence[s
                  days: int | None = None, **kw) -> tuple[bytes, bytes]:
     """(cert_pem, key_pem) for a router: serves clients at the hosts/IPs given, reads the watch."""
     return issue_server(ca, hosts, ips, days, role="router", **kw)
+
+
+def issue_engine(ca: CertificateAuthority, hosts: Sequence[str], ips: Sequence[str] = (),
+                 days: int | None = None, **kw) -> tuple[bytes, bytes]:
+    """(cert_pem, key_pem) for a node's engines: they serve TLS at the node's fleet address."""
+    return issue_server(ca, hosts, ips, days, role="engine", **kw)
 
 
 def issue_node(

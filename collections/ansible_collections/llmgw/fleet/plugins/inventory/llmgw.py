@@ -18,7 +18,8 @@ description:
     variables on one host.
   - Every variable it sets starts with C(llmgw_live_). Per host, C(llmgw_live_state), C(llmgw_live_agent_version),
     C(llmgw_live_certificate) (the certificate the agent presented to the control plane), a summary of the GPUs
-    (see O(gpu_detail)), C(llmgw_live_fabrics), C(llmgw_live_shards) and more; on the C(all) group,
+    (see O(gpu_detail)), C(llmgw_live_fabrics), C(llmgw_live_shards) (a rank 0 with its C(endpoint) and
+    C(clear_text), true when routers reach that engine over plain HTTP) and more; on the C(all) group,
     C(llmgw_live_fleet), a summary whose size does not grow with the fleet's (the control plane, node counts by
     state, and for each deployment of the live catalog, keyed C(MODEL/PROFILE), its replica count, how many are
     Ready, the replicas that are not, the unplaced slots and, for a deployment short of Ready replicas, the placement
@@ -407,6 +408,8 @@ def _shard_vars(replica, shard):
         "reason": shard.get("reason"),
         "replica_state": replica.get("state"),
         "endpoint": replica.get("endpoint") if shard.get("rank") == 0 else None,
+        # true: prompts and the engine key reach this engine in clear text (no TLS: SGLang, no engine_tls)
+        "clear_text": replica.get("clear_text") if shard.get("rank") == 0 else None,
         "gpus": shard.get("gpus", []),
         "progress": shard.get("progress"),
     })
