@@ -36,7 +36,8 @@ from llmgw.controlplane.metrics import CONTENT_TYPE, registry_for, render
 from llmgw.controlplane.openapi import OPENAPI_PATH, document
 from llmgw.controlplane.state import ControlPlane
 from llmgw.router.watch import REVEAL_KEYS, WATCH_PATH
-from llmgw.tls import IdentityError, check_admin_identity, check_router_identity
+from llmgw.controlplane.revocation import install, unless_revoked
+from llmgw.tls import IdentityError, Revocations, RevokedError, check_admin_identity, check_router_identity
 
 log = logging.getLogger("llmgw.controlplane.api")
 
@@ -79,6 +80,8 @@ class AdminAuth:
         if self.require_identity:
             try:
                 identity = request_identity(request)
+            except RevokedError as e:
+                return 403, e.reason  # a revoked certificate is refused whatever else comes with it
             except IdentityError:
                 identity = None  # no certificate: a token may still do
             if identity is not None:
@@ -179,8 +182,11 @@ def grace_aware_watch(cp: ControlPlane, handler: Handler, stopping: asyncio.Even
 
 def build_api(cp: ControlPlane, *, require_identity: bool = True,
               reload: Callable[[], tuple[bool, list[str]]] | None = None,
-              watch_handler: Handler | None = None) -> web.Application:
-    """The aiohttp application: agent stream, admin API, metrics, health."""
+              watch_handler: Handler | None = None, revocations: Revocations | None = None) -> web.Application:
+    """The aiohttp application: agent stream, admin API, metrics, health.
+
+    ``revocations``: the certificates refused although the CA signed them,
+    checked on every request (``controlplane.revocation``)."""
     auth = AdminAuth(cp, require_identity)
     if not require_identity and not cp.settings.admin_tokens:
         for line in ("*** no TLS client certificates and no api.admin_tokens: the admin API is CLOSED ***",
@@ -198,7 +204,12 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
         if router is not None:
             request[REVEAL_KEYS] = True
             cp.router_watching(router)
-            return await handler(request)
+            answer = await unless_revoked(request, handler(request), lambda: auth.router_name(request) is not None)
+            if answer is None or auth.router_name(request) is None:  # revoked while the poll was held: no keys
+                log.warning("refused %s %s from %s: router certificate %r revoked during the poll",
+                            request.method, request.path, request.remote, router)
+                return web.json_response({"error": f"router certificate {router!r} is revoked"}, status=403)
+            return answer
         status, who = auth.check(request)
         if status:
             log.warning("refused %s %s from %s: %s", request.method, request.path, request.remote, who)
@@ -207,6 +218,8 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
         return await handler(request)
 
     app = web.Application(middlewares=[json_refusals, admin_only], client_max_size=1 << 20)
+    if revocations is not None:
+        install(app, revocations)
 
     async def healthz(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})

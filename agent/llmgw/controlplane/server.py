@@ -4,7 +4,9 @@ One mutual-TLS listener carries the agent stream and the admin API; the
 router listens on its own port and is fed the rank-0 endpoints of Ready
 replicas whenever they change.  SIGHUP (or ``POST /v1/reload``) re-reads
 ``server.yaml``; a file that fails validation is refused, logged with
-every error, and the running catalog stays in force.
+every error, and the running catalog stays in force.  The same reload
+re-reads the revocation list (``tls.revoked``) and closes the streams of
+nodes whose certificates it now names.
 
 Identity is on by default: without a ``tls`` section the server refuses to
 start unless ``insecure_no_tls`` is set, and then says so loudly at every
@@ -27,11 +29,13 @@ from aiohttp import web
 from llmgw.config import ConfigInvalid
 from llmgw.controlplane.api import build_api, startup_grace_left
 from llmgw.controlplane.badrequests import quiet_malformed_requests
+from llmgw.controlplane.revocation import close_revoked_streams
 from llmgw.controlplane.state import ControlPlane
 from llmgw.controlplane.tlssite import HandshakeLoggingSite
 from llmgw.eventloop import tune_gc
 from llmgw.memtrim import trim_periodically
 from llmgw.settings import ServerSettings, load_server_settings
+from llmgw.tls.revocation import RevocationError, Revocations
 
 log = logging.getLogger("llmgw.controlplane")
 
@@ -147,7 +151,33 @@ def catalog_grace_left(cp: ControlPlane, model: str) -> float:
     return left if any(model == m.served_name for m in cp.catalog.models.values()) else 0.0
 
 
-def reloader(cp: ControlPlane, path: str | None) -> Callable[[], tuple[bool, list[str]]]:
+def revocations_for(settings: ServerSettings) -> Revocations:
+    """The revocation list ``tls.revoked`` names (empty when none); ``StartupRefused`` when it cannot be read."""
+    try:
+        return Revocations(settings.tls.revoked if settings.tls is not None else None)
+    except RevocationError as e:
+        raise StartupRefused(f"tls.revoked: {e}") from e
+
+
+def reload_revocations(cp: ControlPlane, revocations: Revocations, path: str | None) -> None:
+    """Re-read the revocation list (``path``: ``tls.revoked`` of the reloaded file) and close revoked streams.
+
+    Runs whether or not the rest of ``server.yaml`` reloads: revoking a key
+    must not wait on an unrelated typo in the catalog.
+    """
+    if path != revocations.path:
+        if path is None:
+            log.warning("reload: tls.revoked removed; the list %s stays in force until the next restart",
+                        revocations.path)
+        else:
+            log.info("reload: tls.revoked is now %s (was %s)", path, revocations.path)
+            revocations.path = path
+    revocations.reload()
+    close_revoked_streams(cp, revocations)
+
+
+def reloader(cp: ControlPlane, path: str | None,
+             revocations: Revocations | None = None) -> Callable[[], tuple[bool, list[str]]]:
     def reload() -> tuple[bool, list[str]]:
         if path is None:
             return False, ["started without a config file: nothing to reload"]
@@ -156,7 +186,11 @@ def reloader(cp: ControlPlane, path: str | None) -> Callable[[], tuple[bool, lis
         except ConfigInvalid as e:
             errors = [str(x) for x in e.errors]
             log.error("reload refused, the running catalog stays in force:\n%s", e)
+            if revocations is not None:
+                reload_revocations(cp, revocations, revocations.path)
             return False, errors
+        if revocations is not None:
+            reload_revocations(cp, revocations, new.tls.revoked if new.tls is not None else None)
         cp.apply_settings(new, path)
         return True, []
     return reload
@@ -174,11 +208,13 @@ async def serve(settings: ServerSettings, config_path: str | None = None,
                 stop: asyncio.Event | None = None) -> None:
     """Run until ``stop`` is set (or SIGTERM/SIGINT)."""
     ssl_ctx = tls_context(settings)
+    revocations = revocations_for(settings)
     cp = ControlPlane(settings, config_path)
     router = RouterHook(settings, pending=lambda model: catalog_grace_left(cp, model))
     cp.on_endpoints(router.update)
-    reload = reloader(cp, config_path)
-    app = build_api(cp, require_identity=ssl_ctx is not None, reload=reload, watch_handler=router.watch_handler)
+    reload = reloader(cp, config_path, revocations)
+    app = build_api(cp, require_identity=ssl_ctx is not None, reload=reload, watch_handler=router.watch_handler,
+                    revocations=revocations)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
     quiet_malformed_requests()

@@ -28,6 +28,7 @@ class ControlPlane:
     ca: str
     cert: str
     key: str
+    revoked: str | None = None  # revocation list: a control plane whose certificate is on it is refused
 
 
 @dataclass(frozen=True)
@@ -202,7 +203,7 @@ def _build(doc: Mapping[str, Any]) -> RouterSettings:
         api_keys=keys,
         allow_unauthenticated=doc.get("allow_unauthenticated", False),
         static_endpoints=static,
-        control_plane=ControlPlane(cp["url"], cp["ca"], cp["cert"], cp["key"]) if cp else None,
+        control_plane=ControlPlane(cp["url"], cp["ca"], cp["cert"], cp["key"], cp.get("revoked")) if cp else None,
         timeouts=Timeouts(**_section(doc, "timeouts")),
         limits=Limits(**_section(doc, "limits")),
         balancing=Balancing(**_section(doc, "balancing")),
