@@ -94,7 +94,9 @@ def test_revoked_certificates_are_refused_after_a_reload(fleet):
     with f.client(cert=successor) as c:
         assert [n["connected"] for n in c.get("/v1/nodes").json()["nodes"] if n["node_id"] == node_id] == [False]
 
-    # the router's watch polls are refused
+    # the poll the router held is ended unanswered by the reload, and its next polls are refused
+    until(lambda: "revoked during the poll" in f.server.output(), "the held watch poll ended",
+          on_timeout=f.server.output)
     until(lambda: "/v1/router/endpoints" in f.server.output() and "router certificate" in f.server.output()
           and f"serial {serial(f.pki.router)}) is revoked" in f.server.output(),
           "the revoked router's watch refused", on_timeout=f.server.output)
