@@ -34,9 +34,9 @@ from llmgw.controlplane.agentservice import STREAM_PATH, AgentService, request_i
 from llmgw.controlplane.ejections_api import EJECTIONS_PATH, EjectionsAPI
 from llmgw.controlplane.metrics import CONTENT_TYPE, registry_for, render
 from llmgw.controlplane.openapi import OPENAPI_PATH, document
+from llmgw.controlplane.revocation import install, unless_revoked
 from llmgw.controlplane.state import ControlPlane
 from llmgw.router.watch import REVEAL_KEYS, WATCH_PATH
-from llmgw.controlplane.revocation import install, unless_revoked
 from llmgw.tls import IdentityError, Revocations, RevokedError, check_admin_identity, check_router_identity
 
 log = logging.getLogger("llmgw.controlplane.api")
