@@ -30,6 +30,7 @@ class TLSFiles:
     ca: str
     cert: str
     key: str
+    revoked: str | None = None  # the revocation list (llmgw.tls.revocation); None: revoke nothing
 
 
 @dataclass(frozen=True)
@@ -188,7 +189,7 @@ class AgentSettings:
 
 
 def _tls(d: dict[str, Any] | None) -> TLSFiles | None:
-    return TLSFiles(d["ca"], d["cert"], d["key"]) if d else None
+    return TLSFiles(d["ca"], d["cert"], d["key"], d.get("revoked")) if d else None
 
 
 # A semantic check runs only when the schema accepted every value it reads,

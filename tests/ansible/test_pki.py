@@ -331,3 +331,41 @@ def test_the_router_certificate_serves_clients_and_reads_the_watch(pristine):
         listener.close()
         if server_role == "server":
             check_router_identity(seen["client"])
+
+
+def _listed(path: Path) -> set[int]:
+    from llmgw.tls.revocation import load_revocations
+
+    return set(load_revocations(path).serials)
+
+
+def test_a_rekey_revokes_what_it_replaced_and_every_host_gets_the_list(fleet, tmp_path):
+    before = serials(fleet)
+    run = run_playbook(PKI, tmp_path / "runs", inventory=write_inventory(fleet), extravars={"llmgw_pki_rekey": True})
+    assert run.rc == 0, run.explain()
+    after = serials(fleet)
+    assert all(after[k] != before[k] for k in before)
+    assert _listed(fleet / "ca" / "revoked.txt") == set(before.values())
+    for host in ("cp", ROUTER, *AGENTS):
+        assert (tls(fleet, host) / "revoked.txt").read_bytes() == (fleet / "ca" / "revoked.txt").read_bytes()
+    facts = {r.host: r.res["ansible_facts"]["pki_revocations_changed"]
+             for r in run.task("Record whether this host's revocation list changed, for the services to reload")}
+    assert facts == {h: True for h in ("cp", ROUTER, *AGENTS)}
+
+
+def test_revoke_on_request_by_name_and_serial(fleet, tmp_path):
+    before = serials(fleet)
+    inv = write_inventory(fleet)
+    run = run_playbook(PKI, tmp_path / "runs", inventory=inv, extravars={"llmgw_pki_revoke": "gpu-a1,0xDEAD:BEEF"})
+    assert run.rc == 0, run.explain()
+    assert _listed(fleet / "ca" / "revoked.txt") == {before["gpu-a1"], 0xDEADBEEF}
+    after = serials(fleet)
+    assert after["gpu-a1"] != before["gpu-a1"]  # the named host was given a new certificate
+    assert after["gpu-a2"] == before["gpu-a2"] and after["cp"] == before["cp"]
+    assert _listed(tls(fleet, "gpu-a2") / "revoked.txt") == {before["gpu-a1"], 0xDEADBEEF}
+
+    listed = (fleet / "ca" / "revoked.txt").read_bytes()
+    bad = run_playbook(PKI, tmp_path / "runs", inventory=inv, extravars={"llmgw_pki_revoke": ["no-such-host"]})
+    assert bad.rc != 0
+    assert "no-such-host is neither the inventory name of a host in this play" in bad.explain()
+    assert (fleet / "ca" / "revoked.txt").read_bytes() == listed and serials(fleet) == after  # refused before acting

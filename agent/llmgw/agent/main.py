@@ -22,6 +22,7 @@ kill the engines itself.)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -172,13 +173,19 @@ class _Discovery:
 
 async def agent_main(settings: AgentSettings, stop: asyncio.Event | None = None) -> int:
     from llmgw.config import ConfigInvalid
-    from llmgw.tls import TLSConfigError, client_context
+    from llmgw.tls import RevocationError, Revocations, TLSConfigError, control_plane_context
 
     problems = preflight_problems(settings)
     ssl_context = None
+    revocations = Revocations(None)
     if settings.tls is not None and not problems:
         try:
-            ssl_context = client_context(settings.tls.ca, settings.tls.cert, settings.tls.key)
+            revocations = Revocations(settings.tls.revoked)
+            # the control plane must hold the server role and not be revoked, checked before register
+            ssl_context = control_plane_context(settings.tls.ca, settings.tls.cert, settings.tls.key,
+                                                revocations=revocations)
+        except RevocationError as e:
+            problems.append(f"tls.revoked: {e}")
         except TLSConfigError as e:
             problems.append(f"tls: {e}")
     if settings.insecure_no_tls:
@@ -226,6 +233,9 @@ async def agent_main(settings: AgentSettings, stop: asyncio.Event | None = None)
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):
             pass
+    with contextlib.suppress(NotImplementedError, RuntimeError):
+        # SIGHUP re-reads the revocation list (checked at the next handshake); it used to end the agent
+        loop.add_signal_handler(signal.SIGHUP, revocations.reload)
     log.info("agent %s: %d engine(s) adopted, %d record(s) removed, %d unidentified engine(s) killed",
              settings.node_id, len(recovered.adopted), len(recovered.removed), len(recovered.killed))
     runner = asyncio.create_task(stream.run_forever(), name="stream")

@@ -37,8 +37,9 @@ from llmgw.controlplane.admission import Admission
 from llmgw.controlplane.gpuclaims import GpuOwners
 from llmgw.controlplane.lifecycle import NodeState
 from llmgw.controlplane.messages import MAX_MESSAGE, MessageProblem, dumps, parse_up
+from llmgw.controlplane.revocation import checked_identity
 from llmgw.controlplane.state import ControlPlane
-from llmgw.tls import IdentityError, PeerIdentity, check_node_identity, peer_identity
+from llmgw.tls import IdentityError, PeerIdentity, check_node_identity
 
 log = logging.getLogger("llmgw.controlplane.agents")
 
@@ -107,11 +108,9 @@ def _peer(request: web.Request) -> str:
 
 
 def request_identity(request: web.Request) -> PeerIdentity:
-    """The verified client certificate's identity, or ``IdentityError`` (none presented, unparsable)."""
-    ssl_object = request.transport.get_extra_info("ssl_object") if request.transport else None
-    if ssl_object is None:
-        raise IdentityError("the connection is not TLS")
-    return peer_identity(ssl_object)
+    """The verified client certificate's identity, or ``IdentityError`` (none presented, unparsable,
+    or ``RevokedError``: on the revocation list)."""
+    return checked_identity(request)
 
 
 def _close_at_expiry(session: StreamSession, identity: PeerIdentity) -> asyncio.TimerHandle:

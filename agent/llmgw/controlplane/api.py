@@ -35,10 +35,11 @@ from llmgw.controlplane.agentservice import STREAM_PATH, AgentService, request_i
 from llmgw.controlplane.ejections_api import EJECTIONS_PATH, EjectionsAPI
 from llmgw.controlplane.metrics import CONTENT_TYPE, registry_for, render
 from llmgw.controlplane.openapi import OPENAPI_PATH, document
+from llmgw.controlplane.revocation import install, unless_revoked
 from llmgw.controlplane.state import ControlPlane
 from llmgw.controlplane.store import StoreError
 from llmgw.router.watch import REVEAL_KEYS, WATCH_PATH
-from llmgw.tls import IdentityError, check_admin_identity, check_router_identity
+from llmgw.tls import IdentityError, Revocations, RevokedError, check_admin_identity, check_router_identity
 
 log = logging.getLogger("llmgw.controlplane.api")
 
@@ -81,6 +82,8 @@ class AdminAuth:
         if self.require_identity:
             try:
                 identity = request_identity(request)
+            except RevokedError as e:
+                return 403, e.reason  # a revoked certificate is refused whatever else comes with it
             except IdentityError:
                 identity = None  # no certificate: a token may still do
             if identity is not None:
@@ -182,13 +185,16 @@ def grace_aware_watch(cp: ControlPlane, handler: Handler, stopping: asyncio.Even
 def build_api(cp: ControlPlane, *, require_identity: bool = True,
               reload: Callable[[], tuple[bool, list[str]]] | None = None,
               watch_handler: Handler | None = None,
-              on_authenticated: Callable[[Any], None] | None = None) -> web.Application:
+              on_authenticated: Callable[[Any], None] | None = None,
+              revocations: Revocations | None = None) -> web.Application:
     """The aiohttp application: agent stream, admin API, metrics, health.
 
     ``on_authenticated(transport)``: told of each connection that proved an
     admin token (one without a client certificate is closed unless it does).
     Refusals are logged once a minute per peer address and reason: a client
     repeating a refused request must not flood the log.
+    ``revocations``: the certificates refused although the CA signed them,
+    checked on every request (``controlplane.revocation``).
     """
     auth = AdminAuth(cp, require_identity)
     if not require_identity and not cp.settings.admin_tokens:
@@ -208,7 +214,12 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
         if router is not None:
             request[REVEAL_KEYS] = True
             cp.router_watching(router)
-            return await handler(request)
+            answer = await unless_revoked(request, handler(request), lambda: auth.router_name(request) is not None)
+            if answer is None or auth.router_name(request) is None:  # revoked while the poll was held: no keys
+                log.warning("refused %s %s from %s: router certificate %r revoked during the poll",
+                            request.method, request.path, request.remote, router)
+                return web.json_response({"error": f"router certificate {router!r} is revoked"}, status=403)
+            return answer
         status, who = auth.check(request)
         if status:
             refused(request.remote, who, request=f"{request.method} {request.path[:200]}")
@@ -219,6 +230,8 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
         return await handler(request)
 
     app = web.Application(middlewares=[json_refusals, admin_only], client_max_size=1 << 20)
+    if revocations is not None:
+        install(app, revocations)
 
     async def healthz(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})

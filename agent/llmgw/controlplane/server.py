@@ -4,7 +4,9 @@ One mutual-TLS listener carries the agent stream and the admin API; the
 router listens on its own port and is fed the rank-0 endpoints of Ready
 replicas whenever they change.  SIGHUP (or ``POST /v1/reload``) re-reads
 ``server.yaml``; a file that fails validation is refused, logged with
-every error, and the running catalog stays in force.
+every error, and the running catalog stays in force.  The same reload
+re-reads the revocation list (``tls.revoked``) and closes the streams of
+nodes whose certificates it now names.
 
 Identity is on by default: without a ``tls`` section the server refuses to
 start unless ``insecure_no_tls`` is set, and then says so loudly at every
@@ -33,18 +35,20 @@ from llmgw.config import ConfigInvalid
 from llmgw.controlplane.agentservice import STREAM_PATH
 from llmgw.controlplane.api import build_api, startup_grace_left
 from llmgw.controlplane.badrequests import quiet_malformed_requests
-from llmgw.controlplane.grantsecret import GrantSecretError, grant_keys
-from llmgw.controlplane.state import ControlPlane
 from llmgw.controlplane.etcd import AsyncEtcd, BlockingEtcd
 from llmgw.controlplane.etcd import tls_context as etcd_tls
 from llmgw.controlplane.grants import GrantKeys
+from llmgw.controlplane.grantsecret import GrantSecretError, grant_keys
 from llmgw.controlplane.leader import Elector
+from llmgw.controlplane.revocation import close_revoked_streams
 from llmgw.controlplane.standby import DEPOSED_EXIT, stamp_leader_epoch, standby_gate
+from llmgw.controlplane.state import ControlPlane
 from llmgw.controlplane.store import ControlPlaneStore, EtcdBackend, StoreError, open_store
 from llmgw.controlplane.tlssite import AnonymousDeadline, HandshakeLoggingSite
 from llmgw.eventloop import tune_gc
 from llmgw.memtrim import trim_periodically
 from llmgw.settings import ServerSettings, load_server_settings
+from llmgw.tls.revocation import RevocationError, Revocations
 
 log = logging.getLogger("llmgw.controlplane")
 
@@ -166,7 +170,33 @@ def catalog_grace_left(cp: ControlPlane, model: str) -> float:
     return left if any(model == m.served_name for m in cp.catalog.models.values()) else 0.0
 
 
-def reloader(cp: ControlPlane, path: str | None) -> Callable[[], tuple[bool, list[str]]]:
+def revocations_for(settings: ServerSettings) -> Revocations:
+    """The revocation list ``tls.revoked`` names (empty when none); ``StartupRefused`` when it cannot be read."""
+    try:
+        return Revocations(settings.tls.revoked if settings.tls is not None else None)
+    except RevocationError as e:
+        raise StartupRefused(f"tls.revoked: {e}") from e
+
+
+def reload_revocations(cp: ControlPlane, revocations: Revocations, path: str | None) -> None:
+    """Re-read the revocation list (``path``: ``tls.revoked`` of the reloaded file) and close revoked streams.
+
+    Runs whether or not the rest of ``server.yaml`` reloads: revoking a key
+    must not wait on an unrelated typo in the catalog.
+    """
+    if path != revocations.path:
+        if path is None:
+            log.warning("reload: tls.revoked removed; the list %s stays in force until the next restart",
+                        revocations.path)
+        else:
+            log.info("reload: tls.revoked is now %s (was %s)", path, revocations.path)
+            revocations.path = path
+    revocations.reload()
+    close_revoked_streams(cp, revocations)
+
+
+def reloader(cp: ControlPlane, path: str | None,
+             revocations: Revocations | None = None) -> Callable[[], tuple[bool, list[str]]]:
     def reload() -> tuple[bool, list[str]]:
         if path is None:
             return False, ["started without a config file: nothing to reload"]
@@ -175,7 +205,11 @@ def reloader(cp: ControlPlane, path: str | None) -> Callable[[], tuple[bool, lis
         except ConfigInvalid as e:
             errors = [str(x) for x in e.errors]
             log.error("reload refused, the running catalog stays in force:\n%s", e)
+            if revocations is not None:
+                reload_revocations(cp, revocations, revocations.path)
             return False, errors
+        if revocations is not None:
+            reload_revocations(cp, revocations, new.tls.revoked if new.tls is not None else None)
         cp.apply_settings(new, path)
         return True, []
     return reload
@@ -231,6 +265,7 @@ async def serve(settings: ServerSettings, config_path: str | None = None,
         keys = grant_keys(settings.state_dir) if elector is None else GrantKeys.fresh()
     except GrantSecretError as e:
         raise StartupRefused(f"state_dir: {e}") from e
+    revocations = revocations_for(settings)
     cp = ControlPlane(settings, config_path, keys=keys, store=store)
     deposed = False
     if elector is not None:
@@ -254,13 +289,13 @@ async def serve(settings: ServerSettings, config_path: str | None = None,
         elector.on_change = leadership
     router = RouterHook(settings, pending=lambda model: catalog_grace_left(cp, model))
     cp.on_endpoints(router.update)
-    reload = reloader(cp, config_path)
+    reload = reloader(cp, config_path, revocations)
     clients = settings.api_clients
     bounds = clients.bounds()
     anonymous = AnonymousDeadline(clients.anonymous_timeout)
     watch = router.watch_handler if elector is None else stamp_leader_epoch(router.watch_handler, cp)
     app = build_api(cp, require_identity=ssl_ctx is not None, reload=reload, watch_handler=watch,
-                    on_authenticated=anonymous.authenticated)
+                    on_authenticated=anonymous.authenticated, revocations=revocations)
     if elector is not None:
         app.middlewares.insert(0, standby_gate(elector))
     app.middlewares.append(body_deadline(bounds))  # after the admin check: a refused body is never read

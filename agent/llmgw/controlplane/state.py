@@ -20,6 +20,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -36,7 +37,7 @@ from llmgw.controlplane.reconciler import Context, NodeView, Plan, Reconciler, e
 from llmgw.controlplane.replicas import ReplicaState
 from llmgw.controlplane.store import ControlPlaneStore, MemoryBackend
 from llmgw.hardware.types import HardwareInventory
-from llmgw.settings import Lifecycle, ServerSettings
+from llmgw.settings import Lifecycle, ServerSettings, TLSFiles
 
 log = logging.getLogger("llmgw.controlplane")
 
@@ -132,6 +133,11 @@ class WeightSizes:
     def describe(self, model: Any) -> dict[str, Any]:
         size, origin = weights_size(model, self.bytes, self.origin)
         return {"bytes": size, "source": origin}
+
+
+def _files(tls: TLSFiles | None) -> TLSFiles | None:
+    """The TLS files a restart picks up (the revocation list is reloaded in place)."""
+    return None if tls is None else dataclasses.replace(tls, revoked=None)
 
 
 class ControlPlane:
@@ -507,7 +513,8 @@ class ControlPlane:
         self.limiter.retune(settings.lifecycle.replacements_per_minute, self.clock())
         self.ejection_limiter.retune(settings.router_ejections.replacements_per_minute, self.clock())
         for what, a, b in (("api.listen", (old.api_host, old.api_port), (settings.api_host, settings.api_port)),
-                           ("tls", old.tls, settings.tls), ("insecure_no_tls", old.insecure_no_tls, settings.insecure_no_tls),
+                           ("tls", _files(old.tls), _files(settings.tls)),
+                           ("insecure_no_tls", old.insecure_no_tls, settings.insecure_no_tls),
                            ("router", old.router, settings.router), ("state_dir", old.state_dir, settings.state_dir)):
             if a != b:
                 log.warning("reload: %s changed; it takes effect at the next restart", what)

@@ -2,7 +2,9 @@
 
 Issuing is a command rather than remembered openssl invocations so that
 every certificate in the fleet has the same extensions, the same subject
-layout and SANs that were checked before signing.
+layout and SANs that were checked before signing.  ``cert revoke`` edits
+the revocation list (``llmgw.tls.revocation``) the control plane, routers
+and agents enforce.
 """
 
 from __future__ import annotations
@@ -10,16 +12,19 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes
+from cryptography.x509.oid import NameOID
 
 from llmgw.tls.ca import DEFAULT_KEY_TYPE, KEY_TYPE_ALIASES, KEY_TYPES, CAError, init_ca, load_ca
 from llmgw.tls.files import write_pair, write_public
 from llmgw.tls.identity import certificate_role, certificate_usages
+from llmgw.tls.revocation import RevocationError, add_revocations, normalise
 from llmgw.tls.issue import (
     DEFAULT_DAYS,
     ROLES,
@@ -142,6 +147,57 @@ def cmd_show(args: argparse.Namespace) -> int:
             print()
         for line in describe_lines(cert):
             print(line)
+    return 0
+
+
+DEFAULT_REVOKED = "~/.local/share/llmgw/pki/revoked.txt"  # beside the collection's default CA directory
+
+
+def _load_any(path: Path) -> list[x509.Certificate]:
+    data = path.read_bytes()
+    try:
+        return x509.load_pem_x509_certificates(data)
+    except ValueError:
+        try:
+            return [x509.load_der_x509_certificate(data)]
+        except ValueError:
+            raise RevocationError(f"{path}: no PEM or DER certificate found") from None
+
+
+def revocation_entries(targets: Sequence[str], reason: str = "") -> list[tuple[str, str, str]]:
+    """``(kind, value, comment)`` for each SERIAL or certificate file; ``RevocationError`` for anything else."""
+    entries = []
+    for target in targets:
+        path = Path(target).expanduser()
+        if path.is_file():
+            for cert in _load_any(path):
+                ident = certificate_role(cert) or "no-role"
+                cn = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+                name = cn[0].value if cn else "?"
+                comment = f"{ident} {name}, expires {cert.not_valid_after_utc:%Y-%m-%d}" + (f": {reason}" if reason else "")
+                entries.append(("serial", format(cert.serial_number, "x"), comment))
+            continue
+        try:
+            entries.append(("serial", normalise("serial", target), reason))
+        except ValueError:
+            raise RevocationError(f"{target!r} is neither a certificate file nor a hexadecimal serial") from None
+    return entries
+
+
+@_guarded
+def cmd_revoke(args: argparse.Namespace) -> int:
+    """Add certificates to the revocation list, atomically; the processes reading it pick it up on SIGHUP."""
+    path = Path(args.list or os.environ.get("LLMGW_REVOKED") or DEFAULT_REVOKED).expanduser()
+    try:
+        added = add_revocations(path, revocation_entries(args.targets, args.reason or ""))
+    except (RevocationError, ValueError) as e:
+        return _fail(str(e))
+    for line in added:
+        print(f"revoked: {line}")
+    if len(added) < len(args.targets):
+        print(f"{len(args.targets) - len(added)} already on the list")
+    print(f"{path}: install it where tls.revoked points and send SIGHUP (systemctl reload) to the control plane, "
+          f"routers and agents")
     return 0
 
 
@@ -289,6 +345,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--ip", action="extend", nargs="+", default=[], metavar="ADDR")
     p.add_argument("--out", type=Path, required=True, metavar="FILE", help="where to write the certificate")
     p.set_defaults(func=cmd_sign)
+
+    p = sub.add_parser("revoke", help="add certificates (by serial or file) to the revocation list")
+    p.add_argument("targets", metavar="SERIAL|CERTFILE", nargs="+",
+                   help="a serial in hex (as `cert show` prints it) or a certificate file")
+    p.add_argument("--list", metavar="FILE", default=None,
+                   help=f"the revocation list to edit (default $LLMGW_REVOKED, else {DEFAULT_REVOKED})")
+    p.add_argument("--reason", default=None, help="a note kept beside the entry")
+    p.set_defaults(func=cmd_revoke)
 
     p = sub.add_parser("show", help="print a certificate's subject, role, SANs, usages and expiry")
     p.add_argument("file", metavar="FILE")

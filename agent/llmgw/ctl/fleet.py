@@ -2,9 +2,12 @@
 
 A synchronous httpx client to the control-plane API, authenticated with an
 admin certificate (``--cert/--key``) or an admin token (``--token``), the
-server verified against the fleet CA (``--ca``).  Every flag has an
+server verified against the fleet CA (``--ca``) and required to hold the
+``server`` role, not a router's or anyone else's certificate, before the
+token is sent (and not to be on ``--revoked``).  Every flag has an
 environment variable (``LLMGW_URL``, ``LLMGW_CA``, ``LLMGW_CERT``,
-``LLMGW_KEY``, ``LLMGW_TOKEN``) so scripts and shells set them once.
+``LLMGW_KEY``, ``LLMGW_TOKEN``, ``LLMGW_REVOKED``) so scripts and shells set
+them once.
 
 Tables are for people; ``-o json`` prints the API's answer unchanged.
 """
@@ -20,7 +23,8 @@ from typing import Any
 
 import httpx
 
-ENV = {"url": "LLMGW_URL", "ca": "LLMGW_CA", "cert": "LLMGW_CERT", "key": "LLMGW_KEY", "token": "LLMGW_TOKEN"}
+ENV = {"url": "LLMGW_URL", "ca": "LLMGW_CA", "cert": "LLMGW_CERT", "key": "LLMGW_KEY", "token": "LLMGW_TOKEN",
+       "revoked": "LLMGW_REVOKED"}
 
 
 class CtlError(Exception):
@@ -36,6 +40,8 @@ def add_connection_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cert", help=f"admin client certificate (env {ENV['cert']})")
     g.add_argument("--key", help=f"admin client key (env {ENV['key']})")
     g.add_argument("--token", help=f"admin bearer token instead of a certificate (env {ENV['token']})")
+    g.add_argument("--revoked", help=f"revocation list: refuse a control plane whose certificate is on it "
+                                     f"(env {ENV['revoked']})")
     g.add_argument("--timeout", type=float, default=30.0, help="seconds per request (default 30)")
 
 
@@ -56,11 +62,13 @@ def make_client(args: argparse.Namespace) -> httpx.Client:
             raise CtlError("--cert and --key go together")
         if ca is None:
             raise CtlError(f"--ca (or {ENV['ca']}) is required: the server is verified against the fleet CA only")
-        from llmgw.tls import TLSConfigError, client_context
+        from llmgw.tls import RevocationError, Revocations, TLSConfigError, control_plane_context
 
         try:
-            verify = client_context(ca, cert, key)
-        except TLSConfigError as e:
+            # only the control plane's own certificate (role server, not revoked) gets the token
+            revoked = _opt(args, "revoked")
+            verify = control_plane_context(ca, cert, key, revocations=Revocations(revoked) if revoked else None)
+        except (TLSConfigError, RevocationError) as e:
             raise CtlError(str(e)) from e
     if cert is None and token is None:
         raise CtlError("no credentials: pass --cert/--key (admin certificate) or --token")

@@ -5,7 +5,10 @@ endpoint table and connection pools; the kernel spreads new connections
 across them.  One Python process saturates around one core of SSE relaying,
 so workers are how the router scales.  The parent only supervises: it
 restarts a worker that died, and on SIGTERM asks every worker to finish its
-in-flight requests (up to ``timeouts.shutdown_grace``) before exiting.
+in-flight requests (up to ``timeouts.shutdown_grace``) before exiting.  On
+SIGHUP it has every worker re-read the revocation list
+(``control_plane.revoked``), which each checks at its next handshake with
+the control plane.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from aiohttp import web
 from llmgw.clientbounds import LimitedSockSite, SourceGate, ThrottledLog
 from llmgw.config import ConfigError, ConfigInvalid
 from llmgw.eventloop import run_loop, tune_gc
-from llmgw.tls.context import TLSConfigError, client_context, public_server_context
+from llmgw.tls.context import TLSConfigError, control_plane_context, public_server_context
+from llmgw.tls.revocation import RevocationError, Revocations, load_revocations
 from llmgw.tls.files import private_mode_problem
 
 from .app import build_app, runner_kwargs
@@ -106,13 +110,19 @@ def standalone_errors(settings: RouterSettings) -> list[ConfigError]:
         errors.append(ConfigError("", "a standalone router needs static_endpoints or control_plane"))
     if settings.control_plane is not None:
         errors += file_errors(settings.control_plane, ("ca", "cert", "key"), "/control_plane")
+        if settings.control_plane.revoked is not None:
+            try:
+                load_revocations(settings.control_plane.revoked)
+            except RevocationError as e:
+                errors.append(ConfigError("/control_plane/revoked", str(e)))
     return errors
 
 
-def control_plane_ssl_context(cp: ControlPlane) -> ssl.SSLContext:
-    """Client context for the watch API: the control plane verified against the fleet CA
-    (and nothing else), our certificate presented."""
-    return client_context(cp.ca, cp.cert, cp.key)
+def control_plane_ssl_context(cp: ControlPlane, revocations: Revocations | None = None) -> ssl.SSLContext:
+    """Client context for the watch API and ejection reports: the control plane verified against
+    the fleet CA (and nothing else), holding the ``server`` role and not revoked; our certificate
+    presented only then."""
+    return control_plane_context(cp.ca, cp.cert, cp.key, revocations=revocations)
 
 
 def connection_gate(settings: RouterSettings) -> SourceGate:
@@ -148,7 +158,9 @@ async def serve_worker(settings: RouterSettings, sock: socket.socket, on_ready: 
     watch_task = None
     background = []
     if settings.control_plane is not None:
-        ctx = control_plane_ssl_context(settings.control_plane)
+        revocations = Revocations(settings.control_plane.revoked)
+        loop.add_signal_handler(signal.SIGHUP, revocations.reload)  # checked at each handshake
+        ctx = control_plane_ssl_context(settings.control_plane, revocations)
         cp_url = settings.control_plane.url
         background.append(lambda routing: report_ejections(cp_url, ctx, routing))
         watch_task = asyncio.create_task(watch_endpoints(settings.control_plane.urls or settings.control_plane.url, ctx,
@@ -192,6 +204,7 @@ def _die_with_parent() -> None:
 
 def _worker_entry(doc: Any, source: str, port: int, index: int, ready: Any, log_level: str) -> None:
     _die_with_parent()
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until serve_worker handles it: a reload must not kill it
     configure_logging(log_level)
     settings = RouterSettings.from_config(doc, source)
     sock = listen_socket(settings.host, port, settings.backlog)
@@ -235,10 +248,18 @@ class _Supervisor:
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.stopping = True
 
+    def _on_hangup(self, signum: int, frame: Any) -> None:
+        """SIGHUP (``systemctl reload``): every worker re-reads what it reloads (the revocation list)."""
+        for p in self.procs.values():
+            if p.pid is not None and p.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGHUP)
+
     def run(self) -> int:
         metrics_dir = tempfile.mkdtemp(prefix="llmgw-router-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        old[signal.SIGHUP] = signal.signal(signal.SIGHUP, self._on_hangup)
         reserve = None
         try:
             if self.port == 0:

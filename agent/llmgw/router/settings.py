@@ -30,6 +30,7 @@ class ControlPlane:
     cert: str
     key: str
     urls: tuple[str, ...] = ()  # every control plane (ha), tried in turn
+    revoked: str | None = None  # revocation list: a control plane whose certificate is on it is refused
 
 
 @dataclass(frozen=True)
@@ -257,7 +258,8 @@ def _build(doc: Mapping[str, Any]) -> RouterSettings:
         allow_unauthenticated=doc.get("allow_unauthenticated", False),
         static_endpoints=static,
         control_plane=ControlPlane(_first(cp["url"]), cp["ca"], cp["cert"], cp["key"],
-                                   (cp["url"],) if isinstance(cp["url"], str) else tuple(cp["url"])) if cp else None,
+                                   urls=(cp["url"],) if isinstance(cp["url"], str) else tuple(cp["url"]),
+                                   revoked=cp.get("revoked")) if cp else None,
         engine_ca=doc.get("engine_ca"),
         timeouts=Timeouts(**_section(doc, "timeouts")),
         limits=Limits(**_section(doc, "limits")),

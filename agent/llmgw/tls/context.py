@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import ssl
+from typing import Any
 from pathlib import Path
 
 PathLike = str | os.PathLike[str]
@@ -110,4 +111,73 @@ def client_context(
     ctx.verify_mode = ssl.CERT_REQUIRED
     if cert_file is not None and key_file is not None:
         _load_pair(ctx, cert_file, key_file)
+    return ctx
+
+
+class PeerRefused(ssl.SSLCertVerificationError):
+    """The server's certificate verified against the fleet CA but is not one this client may talk to."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = self.verify_message = reason
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+def _check_peer(conn: ssl.SSLObject | ssl.SSLSocket) -> None:
+    check = getattr(conn.context, "llmgw_peer_check", None)
+    if check is not None:
+        check(conn)
+
+
+class _CheckedSSLObject(ssl.SSLObject):
+    """asyncio's TLS (aiohttp): the peer check runs the moment the handshake completes."""
+
+    def do_handshake(self) -> None:
+        super().do_handshake()
+        _check_peer(self)
+
+
+class _CheckedSSLSocket(ssl.SSLSocket):
+    """Blocking sockets (httpx in ``llmgw ctl``): the same check, at the same point."""
+
+    def do_handshake(self, block: bool = False) -> None:
+        super().do_handshake(block)
+        _check_peer(self)
+
+
+def control_plane_context(
+    ca_file: PathLike,
+    cert_file: PathLike | None = None,
+    key_file: PathLike | None = None,
+    *,
+    revocations: Any = None,
+) -> ssl.SSLContext:
+    """``client_context`` for talking to the control plane: the server must hold the fleet CA's
+    ``server`` role and must not be on ``revocations`` (a ``Revocations``, read at each handshake).
+
+    The CA and the hostname prove only that the peer holds *some* fleet
+    certificate for that name; a router's certificate is serverAuth too and
+    carries the addresses clients dial.  The check runs inside the
+    handshake call, before the HTTP request, the WebSocket upgrade, a
+    bearer token or a ``register`` is written, so a peer that fails it is
+    told nothing.
+    """
+    ctx = client_context(ca_file, cert_file, key_file)
+    ctx.sslobject_class = _CheckedSSLObject
+    ctx.sslsocket_class = _CheckedSSLSocket
+
+    def check(conn: ssl.SSLObject | ssl.SSLSocket) -> None:
+        from .identity import IdentityError, check_server_identity, peer_identity
+
+        try:
+            identity = peer_identity(conn)
+            check_server_identity(identity)
+            if revocations is not None:
+                revocations.check(identity)
+        except IdentityError as e:
+            raise PeerRefused(f"refusing the control plane's certificate: {e.reason}") from None
+
+    ctx.llmgw_peer_check = check  # type: ignore[attr-defined]
     return ctx

@@ -141,6 +141,9 @@ def peer_identity(source: PeerSource) -> PeerIdentity:
     )
 
 
+_WANTED_USAGES = {"router": "serverAuth and clientAuth", "server": "serverAuth"}
+
+
 def _role_refusal(identity: PeerIdentity, wanted: str, action: str) -> IdentityError:
     if identity.role is not None:
         return IdentityError(f"certificate role {identity.role!r} cannot {action}")
@@ -148,7 +151,7 @@ def _role_refusal(identity: PeerIdentity, wanted: str, action: str) -> IdentityE
     return IdentityError(
         f"certificate {identity.name!r} carries no role (OU {identity.organizational_unit!r}, "
         f"extended key usage {usages}); {action} needs OU={wanted} with "
-        f"{'serverAuth and clientAuth' if wanted == 'router' else 'clientAuth'}"
+        f"{_WANTED_USAGES.get(wanted, 'clientAuth')}"
     )
 
 
@@ -172,6 +175,21 @@ def check_router_identity(identity: PeerIdentity) -> None:
     """Refuse unless the peer holds a router certificate (the only role given engine keys)."""
     if identity.role != "router":
         raise _role_refusal(identity, "router", "read engine keys as a router")
+
+
+def check_server_identity(identity: PeerIdentity) -> None:
+    """Refuse unless the peer holds the control plane's certificate (OU=server with serverAuth).
+
+    Clients of the control plane check this before they send anything: a
+    router's certificate is serverAuth too and lists addresses clients dial,
+    so the CA and the hostname alone would let a router (or whoever holds
+    its key) collect an operator's bearer token or a node's registration.
+    """
+    if identity.role != "server":
+        if identity.role is not None:
+            raise IdentityError(f"the peer's certificate {identity.describe()} is not the control plane's "
+                                f"(role {identity.role!r}; a control plane holds OU=server)")
+        raise _role_refusal(identity, "server", "serve as the control plane")
 
 
 def check_admin_identity(identity: PeerIdentity) -> None:
