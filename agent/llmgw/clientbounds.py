@@ -136,6 +136,17 @@ class CountedProtocol(asyncio.Protocol):
             self._open = True
         self._inner.connection_made(transport)
 
+    def vouched(self) -> None:
+        """A verified client certificate: the connection stops counting against its source address.
+
+        The cap is for clients that have proved nothing yet. Agents behind one
+        NAT address or a TCP load balancer share a source, and each presents a
+        certificate of its own: counting them would cap the fleet, not a client.
+        """
+        if self._open and self._source is not None:
+            self._gate.release(self._source)
+            self._source = None
+
     def release(self) -> bool:
         """Give the connection's place back, once; True the first time."""
         if not self._open:

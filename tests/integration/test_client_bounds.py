@@ -200,6 +200,20 @@ def test_control_plane_answers_admins_with_1024_descriptors_while_2000_connectio
         admin.close()
 
 
+def test_control_plane_does_not_count_verified_certificates_against_their_address(tmp_path):
+    """Agents behind one NAT address each present a certificate: the per-address cap must not cap the fleet."""
+    with _cp(tmp_path, {"max_connections_per_source": 4}) as f:
+        f.start(agents=False)
+        clients = [f.client() for _ in range(12)]  # each keeps its own connection open (keep-alive)
+        try:
+            assert [c.get("/v1/nodes").status_code for c in clients] == [200] * 12
+            assert [c.get("/v1/nodes").status_code for c in clients] == [200] * 12  # and they stayed open
+        finally:
+            for c in clients:
+                c.close()
+        assert "more than 4 connections from this address" not in f.server.output(last=1 << 30)
+
+
 def test_control_plane_closes_anonymous_connections_that_do_not_authenticate(tmp_path):
     with _cp(tmp_path, {"head_timeout": 60, "anonymous_timeout": 1, "body_grace": 1}) as f:
         f.start(agents=False)

@@ -13,7 +13,9 @@ would from ``create_server``.
 
 The site also bounds its clients (``llmgw.clientbounds``): connections per
 source address are counted at accept, before any handshake, and an excess
-one is aborted there; the handshake has ``head_timeout``; and a connection
+one is aborted there; a connection whose client certificate the handshake
+verified stops counting (agents behind one NAT address each prove who they
+are, and must not cap each other); the handshake has ``head_timeout``; and a connection
 that presents no client certificate (an operator with an admin token) is
 closed ``anonymous_timeout`` seconds after its handshake unless a request on
 it has authenticated by then (``AnonymousDeadline.authenticated``).
@@ -137,10 +139,13 @@ class _Upgrade(asyncio.Protocol):
             return
         _drop_peercert_dict(tls)
         ssl_object = tls.get_extra_info("ssl_object")
-        if ssl_object is not None and ssl_object.getpeercert(binary_form=True) is None:
+        certified = ssl_object is not None and ssl_object.getpeercert(binary_form=True) is not None
+        if not certified:
             self._anonymous.start(tls)
             app.on_lost = lambda: self._anonymous.authenticated(tls)
         app.connection_made(tls)
+        if certified:  # the CA vouched for it: a node, router or operator, known by identity, not address
+            app.vouched()
 
     def connection_lost(self, exc: Exception | None) -> None:
         # only before start_tls took the transport over: the peer left before the handshake began
