@@ -341,11 +341,14 @@ def _listed(path: Path) -> set[int]:
 
 def test_a_rekey_revokes_what_it_replaced_and_every_host_gets_the_list(fleet, tmp_path):
     before = serials(fleet)
+    engines_before = {a: cert(fleet, a, "engine").serial_number for a in AGENTS}
     run = run_playbook(PKI, tmp_path / "runs", inventory=write_inventory(fleet), extravars={"llmgw_pki_rekey": True})
     assert run.rc == 0, run.explain()
     after = serials(fleet)
     assert all(after[k] != before[k] for k in before)
-    assert _listed(fleet / "ca" / "revoked.txt") == set(before.values())
+    assert all(cert(fleet, a, "engine").serial_number != engines_before[a] for a in AGENTS)
+    # every certificate the rekey replaced, the engines' serving certificates included
+    assert _listed(fleet / "ca" / "revoked.txt") == set(before.values()) | set(engines_before.values())
     for host in ("cp", ROUTER, *AGENTS):
         assert (tls(fleet, host) / "revoked.txt").read_bytes() == (fleet / "ca" / "revoked.txt").read_bytes()
     facts = {r.host: r.res["ansible_facts"]["pki_revocations_changed"]
@@ -355,14 +358,18 @@ def test_a_rekey_revokes_what_it_replaced_and_every_host_gets_the_list(fleet, tm
 
 def test_revoke_on_request_by_name_and_serial(fleet, tmp_path):
     before = serials(fleet)
+    engine_before = cert(fleet, "gpu-a1", "engine").serial_number
     inv = write_inventory(fleet)
     run = run_playbook(PKI, tmp_path / "runs", inventory=inv, extravars={"llmgw_pki_revoke": "gpu-a1,0xDEAD:BEEF"})
     assert run.rc == 0, run.explain()
-    assert _listed(fleet / "ca" / "revoked.txt") == {before["gpu-a1"], 0xDEADBEEF}
+    # every certificate the named host holds: its node certificate and its engines' serving certificate
+    revoked = {before["gpu-a1"], engine_before, 0xDEADBEEF}
+    assert _listed(fleet / "ca" / "revoked.txt") == revoked
     after = serials(fleet)
     assert after["gpu-a1"] != before["gpu-a1"]  # the named host was given a new certificate
+    assert cert(fleet, "gpu-a1", "engine").serial_number != engine_before
     assert after["gpu-a2"] == before["gpu-a2"] and after["cp"] == before["cp"]
-    assert _listed(tls(fleet, "gpu-a2") / "revoked.txt") == {before["gpu-a1"], 0xDEADBEEF}
+    assert _listed(tls(fleet, "gpu-a2") / "revoked.txt") == revoked
 
     listed = (fleet / "ca" / "revoked.txt").read_bytes()
     bad = run_playbook(PKI, tmp_path / "runs", inventory=inv, extravars={"llmgw_pki_revoke": ["no-such-host"]})
