@@ -112,8 +112,22 @@ if sys.version_info >= (3, 12):
     from asyncio import wait_for
 else:
     async def wait_for(aw: Awaitable[T], timeout: float | None) -> T:  # noqa: F811 (the module's ``timeout``)
-        """``asyncio.wait_for`` without gh-86296: a cancellation always propagates."""
-        async with _timeout_scope(timeout):
-            return await aw
+        """``asyncio.wait_for`` without gh-86296: a cancellation always propagates.
 
-    _timeout_scope = timeout
+        Built on ``asyncio.wait``, which never cancels the waiter itself: a
+        timeout scope (``async_timeout`` on 3.10) that fires in the same
+        iteration as an outside cancellation turns that cancellation into
+        its own timeout, and a loop that waits with a short period then
+        never stops.
+        """
+        task = asyncio.ensure_future(aw)
+        try:
+            done, _ = await asyncio.wait({task}, timeout=timeout)
+        except BaseException:  # cancelled from outside: take the inner wait down too, and go on cancelling
+            task.cancel()
+            raise
+        if done:
+            return task.result()
+        task.cancel()
+        await asyncio.wait({task})  # let it unwind; a cancellation from outside still raises here
+        raise TimeoutError()
