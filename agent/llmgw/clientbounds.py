@@ -167,6 +167,19 @@ def gated(factory: Callable[[], asyncio.Protocol], gate: SourceGate) -> Callable
     return lambda: CountedProtocol(factory(), gate)
 
 
+async def _create_gated_server(site: web.BaseSite, gate: SourceGate, handshake_timeout: float,
+                               **where: Any) -> asyncio.AbstractServer:
+    """What ``TCPSite.start``/``SockSite.start`` do, with each connection behind ``gate`` and a handshake deadline.
+
+    aiohttp has no hook for the protocol factory, so the site's own settings are read here, in one place."""
+    await web.BaseSite.start(site)
+    server = site._runner.server
+    assert server is not None
+    tls = {"ssl_handshake_timeout": handshake_timeout} if site._ssl_context is not None else {}
+    return await asyncio.get_running_loop().create_server(gated(server, gate), ssl=site._ssl_context,
+                                                          backlog=site._backlog, **where, **tls)
+
+
 class LimitedSockSite(web.SockSite):
     """``web.SockSite`` with a per-source connection cap and a TLS handshake deadline."""
 
@@ -177,13 +190,7 @@ class LimitedSockSite(web.SockSite):
         self._handshake_timeout = handshake_timeout
 
     async def start(self) -> None:
-        await web.BaseSite.start(self)
-        loop = asyncio.get_running_loop()
-        server = self._runner.server
-        assert server is not None
-        tls = {"ssl_handshake_timeout": self._handshake_timeout} if self._ssl_context is not None else {}
-        self._server = await loop.create_server(gated(server, self._gate), sock=self._sock,
-                                                ssl=self._ssl_context, backlog=self._backlog, **tls)
+        self._server = await _create_gated_server(self, self._gate, self._handshake_timeout, sock=self._sock)
 
 
 class LimitedTCPSite(web.TCPSite):
@@ -196,14 +203,9 @@ class LimitedTCPSite(web.TCPSite):
         self._handshake_timeout = handshake_timeout
 
     async def start(self) -> None:
-        await web.BaseSite.start(self)
-        loop = asyncio.get_running_loop()
-        server = self._runner.server
-        assert server is not None
-        tls = {"ssl_handshake_timeout": self._handshake_timeout} if self._ssl_context is not None else {}
-        self._server = await loop.create_server(
-            gated(server, self._gate), self._host, self._port, ssl=self._ssl_context, backlog=self._backlog,
-            reuse_address=self._reuse_address, reuse_port=self._reuse_port, **tls)
+        self._server = await _create_gated_server(self, self._gate, self._handshake_timeout, host=self._host,
+                                                  port=self._port, reuse_address=self._reuse_address,
+                                                  reuse_port=self._reuse_port)
         sockets = self._server.sockets
         self._bound_port = sockets[0].getsockname()[1] if sockets else self._port
 

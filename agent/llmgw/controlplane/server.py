@@ -142,7 +142,6 @@ class RouterHook:
         rs = self.router_settings
         runner = web.AppRunner(self.app, shutdown_timeout=rs.timeouts.shutdown_grace, **self._runner_kwargs)
         await runner.setup()
-        from llmgw.clientbounds import LimitedTCPSite
         from llmgw.router.serve import connection_gate, listener_ssl_context
 
         ssl_ctx = listener_ssl_context(rs)
