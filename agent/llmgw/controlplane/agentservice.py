@@ -133,6 +133,18 @@ class AgentService:
         self.require_identity = require_identity
         self.gpus = GpuOwners()
         self.admission = Admission()
+        # Handlers of upgraded streams whose register has not come yet: ended at shutdown, so
+        # that a silent (or slow) agent does not hold the process for REGISTER_TIMEOUT.
+        self._unregistered: set[asyncio.Task[Any]] = set()
+
+    async def shutdown(self, _app: web.Application | None = None) -> None:
+        """End the streams still waiting for their register (``app.on_shutdown``).
+
+        The registered ones are closed by the server with a reason; these have
+        none to hear it, and aiohttp would otherwise wait out their handlers.
+        """
+        for task in list(self._unregistered):
+            task.cancel()
 
     def _gpu_problem(self, node_id: str, hardware: dict[str, Any]) -> str | None:
         """Another live node's GPU UUIDs in ``hardware`` (``gpuclaims``); records them when there are none."""
@@ -205,6 +217,9 @@ class AgentService:
             return shed
         ws = web.WebSocketResponse(max_msg_size=MAX_MESSAGE, autoping=False)
         await ws.prepare(request)
+        me = asyncio.current_task()
+        if me is not None:
+            self._unregistered.add(me)
         try:
             first = await ws.receive(timeout=REGISTER_TIMEOUT)
             while first.type in (WSMsgType.PING, WSMsgType.PONG):  # an agent pinging before its register
@@ -213,6 +228,8 @@ class AgentService:
                 first = await ws.receive(timeout=REGISTER_TIMEOUT)
         except asyncio.TimeoutError:
             return await self._refuse(ws, peer, f"no register within {REGISTER_TIMEOUT:g}s", None)
+        finally:
+            self._unregistered.discard(me)  # type: ignore[arg-type]
         if first.type != WSMsgType.TEXT:
             return await self._refuse(ws, peer, f"expected a register text frame, got {first.type.name}", None)
         try:

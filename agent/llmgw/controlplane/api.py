@@ -230,6 +230,7 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
         return await handler(request)
 
     app = web.Application(middlewares=[json_refusals, admin_only], client_max_size=1 << 20)
+    app.on_shutdown.append(agents.shutdown)
     if revocations is not None:
         install(app, revocations)
 
