@@ -51,12 +51,19 @@ fleet-down:
 ## the checkout), unit, then integration (real processes), then the Ansible collection, then
 ## the oldest and newest Python (`pythons`), then the collection's molecule scenarios on
 ## podman test hosts.
+##
+## Each step is timed (tests/ci/stage: `tests/ci/stage --table` prints where the time went), each
+## pytest run names its slowest tests, and a test that hangs fails on its own after pyproject's
+## per-test timeout instead of holding the whole run. Unit tests run on UNIT_WORKERS processes.
+STAGE        := tests/ci/stage
+DURATIONS    ?= --durations=15
+UNIT_WORKERS ?= 2
 test: $(STAMP) engines etcd
-	$(PY) -m pytest tests/unit -q
-	$(PY) -m pytest tests/integration -q
+	$(STAGE) unit $(PY) -m pytest tests/unit -q -n $(UNIT_WORKERS) $(DURATIONS)
+	$(STAGE) integration $(PY) -m pytest tests/integration -q $(DURATIONS)
 	$(MAKE) --no-print-directory ansible
 	$(MAKE) --no-print-directory pythons
-	$(MAKE) --no-print-directory molecule
+	$(STAGE) molecule $(MAKE) --no-print-directory molecule
 
 ## What the real-engine tests and the flag drift checks read, at the versions pinned in
 ## tests/engines/versions: llama-server built from source (minutes, once per version) and the
@@ -67,7 +74,7 @@ engines: $(STAMP)
 	$(PY) tests/engines/fetch-engine-source sglang
 
 unit: $(STAMP)
-	$(PY) -m pytest tests/unit -q
+	$(PY) -m pytest tests/unit -q -n $(UNIT_WORKERS) $(DURATIONS)
 
 integration: $(STAMP) etcd
 	$(PY) -m pytest tests/integration -q
@@ -75,8 +82,8 @@ integration: $(STAMP) etcd
 ## The llmgw.fleet collection: real ansible-playbook runs (site.yml on this machine,
 ## every module and role), then ansible-lint and ansible-test sanity.
 ansible: $(STAMP) prometheus
-	$(PY) -m pytest tests/ansible tests/inventory -q -p no:cacheprovider
-	VENV=$(abspath $(VENV)) bash tests/ansible/lint.sh lint sanity
+	$(STAGE) ansible $(PY) -m pytest tests/ansible tests/inventory -q -p no:cacheprovider $(DURATIONS)
+	$(STAGE) ansible-lint env VENV=$(abspath $(VENV)) bash tests/ansible/lint.sh lint sanity
 
 ## Debian's Prometheus, which the monitoring role's test runs (on loopback, from the
 ## test itself) against a local fleet. Installed only when missing.
@@ -106,13 +113,13 @@ NEWEST_PYTHON  ?= 3.13
 pythons:
 	PY=$$(ls -d $(PYENV_VERSIONS)/$(OLDEST_PYTHON).*/bin/python 2>/dev/null | sort -V | tail -1); \
 	  test -n "$$PY" || { echo "no Python $(OLDEST_PYTHON) under $(PYENV_VERSIONS)"; exit 1; }; \
-	  $(MAKE) --no-print-directory PYTHON=$$PY VENV=$(VENV)-$(OLDEST_PYTHON) EXTRAS=test unit
-	$(VENV)-$(OLDEST_PYTHON)/bin/python -m pytest tests/integration/test_runtime_smoke.py -q
+	  $(STAGE) "unit $(OLDEST_PYTHON)" $(MAKE) --no-print-directory PYTHON=$$PY VENV=$(VENV)-$(OLDEST_PYTHON) EXTRAS=test unit
+	$(STAGE) "smoke $(OLDEST_PYTHON)" $(VENV)-$(OLDEST_PYTHON)/bin/python -m pytest tests/integration/test_runtime_smoke.py -q
 	PY=$$(ls -d $(PYENV_VERSIONS)/$(NEWEST_PYTHON).*/bin/python 2>/dev/null | sort -V | tail -1); \
 	  test -n "$$PY" || { echo "no Python $(NEWEST_PYTHON) under $(PYENV_VERSIONS)"; exit 1; }; \
-	  $(MAKE) --no-print-directory PYTHON=$$PY VENV=$(VENV)-$(NEWEST_PYTHON) unit
+	  $(STAGE) "unit $(NEWEST_PYTHON)" $(MAKE) --no-print-directory PYTHON=$$PY VENV=$(VENV)-$(NEWEST_PYTHON) unit
 	$(MAKE) --no-print-directory VENV=$(VENV)-$(NEWEST_PYTHON) fleet-down
-	$(MAKE) --no-print-directory VENV=$(VENV)-$(NEWEST_PYTHON) quickstart; rc=$$?; \
+	$(STAGE) "quickstart $(NEWEST_PYTHON)" $(MAKE) --no-print-directory VENV=$(VENV)-$(NEWEST_PYTHON) quickstart; rc=$$?; \
 	  $(MAKE) --no-print-directory VENV=$(VENV)-$(NEWEST_PYTHON) fleet-down; exit $$rc
 
 clean:
