@@ -23,6 +23,7 @@ from typing import Any
 
 from llmgw import __version__
 from llmgw.config import load_schema
+from llmgw.controlplane.listquery import MAX_LIMIT, NODE_STATES
 
 OPENAPI_PATH = "/openapi.json"
 JSON = "application/json"
@@ -101,7 +102,8 @@ SHAPES: dict[str, dict[str, Any]] = {
     }, {"replicas_left": {"type": "integer", "minimum": 0}, "drained": BOOL, "drain_blocked": OPT_STR}),
     "Nodes": obj({"nodes": {"type": "array", "items": shape("Node")}, "fleet": obj({
         "startup_grace_left_s": SECONDS, "unreachable_share": NUM, "damped": BOOL, "hold_reason": OPT_STR,
-        **TIMINGS})}),
+        **TIMINGS})}, {"next": {"type": ["string", "null"], "description": "with `limit`: the `after` of the next "
+                                                                           "page; null on the last"}}),
     "Summary": obj({
         "nodes": obj({"total": INT, "connected": INT, "by_state": COUNTS}),
         "replicas": obj({"total": INT, "by_state": COUNTS, "desired": INT, "unplaced": INT}),
@@ -194,11 +196,24 @@ ROUTES: tuple[Route, ...] = (
           security=OPEN),
     Route("GET", "/v1/agent/stream", "The agent stream (WebSocket, node certificate only); its messages are "
           "components.schemas.stream", 101, None, {403: "not a node certificate"}, security=NODE),
-    Route("GET", "/v1/nodes", "Every node: lifecycle state, hardware, GPUs and what holds them", 200, "Nodes",
-          NOT_YOURS),
+    Route("GET", "/v1/nodes", "Every node (or a page of them, or those in some states): lifecycle state, "
+          "hardware, GPUs and what holds them", 200, "Nodes",
+          {**NOT_YOURS, 400: "a query parameter that is unknown, repeated or out of range"},
+          query=({"name": "state", "in": "query", "required": False, "style": "form", "explode": False,
+                  "schema": {"type": "array", "items": {"enum": list(NODE_STATES)}},
+                  "description": "only nodes in these lifecycle states (comma-separated, or repeated)"},
+                 {"name": "limit", "in": "query", "required": False,
+                  "schema": {"type": "integer", "minimum": 1, "maximum": MAX_LIMIT},
+                  "description": "at most this many nodes (by node id); `next` in the answer names the next page"},
+                 {"name": "after", "in": "query", "required": False, "schema": {"type": "string", "minLength": 1},
+                  "description": "start after this node id (the previous page's `next`)"})),
+    Route("GET", "/v1/nodes/{node_id}", "One node, as an element of GET /v1/nodes", 200, "Node",
+          {**NOT_YOURS, 404: "no such node has registered"}),
     Route("GET", "/v1/summary", "The fleet in counts (cheap to poll)", 200, "Summary", NOT_YOURS),
     Route("GET", "/v1/replicas", "Every replica with its shards, failures and download progress", 200, "Replicas",
           NOT_YOURS),
+    Route("GET", "/v1/replicas/{replica_id}", "One replica, as an element of GET /v1/replicas", 200, "Replica",
+          {**NOT_YOURS, 404: "the control plane knows no such replica"}),
     Route("GET", "/v1/catalog", "The catalog in force: models, profiles, deployments", 200, "Catalog", NOT_YOURS),
     Route("GET", "/v1/explain/{model}", "Where each declared replica of a model runs, or why it cannot be placed",
           200, "Explain", {**NOT_YOURS, 404: "the model is not in the catalog"}),
