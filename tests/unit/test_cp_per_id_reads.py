@@ -174,3 +174,19 @@ def test_the_parser_takes_comma_separated_states():
     assert parse_node_query({}) == NodeQuery()
     with pytest.raises(QueryError):
         parse_node_query({"limit": ["５"]})  # a digit, but not an ASCII one
+
+
+def test_admin_requests_are_counted_by_route_template_not_by_path():
+    cp = control_plane("gpu-a", "gpu-b")
+
+    async def main():
+        async with TestClient(TestServer(build_api(cp, require_identity=False))) as client:
+            for path in ("/v1/nodes/gpu-a", "/v1/nodes/gpu-b", "/v1/nodes", "/v1/no-such-route"):
+                await client.get(path, headers=ADMIN)
+            await client.get("/v1/nodes")  # refused: not counted
+            return await (await client.get("/metrics", headers=ADMIN)).text()
+    text = asyncio.run(main())
+    assert 'llmgw_admin_requests_total{method="GET",route="/v1/nodes/{node_id}"} 2.0' in text
+    assert 'llmgw_admin_requests_total{method="GET",route="/v1/nodes"} 1.0' in text
+    assert 'llmgw_admin_requests_total{method="GET",route="(no route)"} 1.0' in text
+    assert "gpu-a" not in "".join(line for line in text.splitlines() if "admin_requests" in line)

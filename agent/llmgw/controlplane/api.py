@@ -36,6 +36,7 @@ from llmgw.controlplane.ejections_api import EJECTIONS_PATH, EjectionsAPI
 from llmgw.controlplane.listquery import QueryError, parse_node_query
 from llmgw.controlplane.metrics import CONTENT_TYPE, registry_for, render
 from llmgw.controlplane.openapi import OPENAPI_PATH, document
+from llmgw.controlplane.requestcount import AdminRequests
 from llmgw.controlplane.revocation import install, unless_revoked
 from llmgw.controlplane.state import ControlPlane
 from llmgw.controlplane.store import StoreError
@@ -205,6 +206,8 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
             log.error(line)
     agents = AgentService(cp, require_identity=require_identity)
     registry = registry_for(cp)
+    admin_requests = AdminRequests()
+    registry.register(admin_requests)
     refused = ThrottledLog(log, "refused %(request)s from %(host)s: %(reason)s")
 
     @web.middleware
@@ -228,6 +231,7 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
             return web.json_response({"error": who}, status=status, headers=headers)
         if on_authenticated is not None:
             on_authenticated(request.transport)
+        admin_requests.count(request)
         return await handler(request)
 
     app = web.Application(middlewares=[json_refusals, admin_only], client_max_size=1 << 20)

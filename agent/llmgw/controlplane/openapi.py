@@ -200,7 +200,7 @@ ROUTES: tuple[Route, ...] = (
           "hardware, GPUs and what holds them", 200, "Nodes",
           {**NOT_YOURS, 400: "a query parameter that is unknown, repeated or out of range"},
           query=({"name": "state", "in": "query", "required": False, "style": "form", "explode": False,
-                  "schema": {"type": "array", "items": {"enum": list(NODE_STATES)}},
+                  "schema": {"type": "array", "minItems": 1, "items": {"enum": list(NODE_STATES)}},
                   "description": "only nodes in these lifecycle states (comma-separated, or repeated)"},
                  {"name": "limit", "in": "query", "required": False,
                   "schema": {"type": "integer", "minimum": 1, "maximum": MAX_LIMIT},

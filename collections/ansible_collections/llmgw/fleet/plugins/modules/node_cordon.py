@@ -147,12 +147,9 @@ class Api:
             raise ApiError(f"{method} {path}: cannot reach {self.base}: {e}")
 
     def node(self, node_id):
-        nodes = self.call("GET", "/v1/nodes").get("nodes", [])
-        for n in nodes:
-            if n["node_id"] == node_id:
-                return {k: n.get(k) for k in ("node_id", "cordon", "replicas_left", "drained", "drain_blocked")}
-        known = ", ".join(sorted(n["node_id"] for n in nodes)) or "none"
-        raise ApiError(f"no node {node_id!r} has registered with the control plane; known: {known}")
+        """The node's cordon, read from GET /v1/nodes/NODE: one node, not the fleet's list, every poll."""
+        n = self.call("GET", "/v1/nodes/" + urllib.parse.quote(node_id, safe=""))
+        return {k: n.get(k) for k in ("node_id", "cordon", "replicas_left", "drained", "drain_blocked")}
 
 
 def main():
