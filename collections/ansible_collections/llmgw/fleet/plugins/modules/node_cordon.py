@@ -17,7 +17,11 @@ description:
     before the old replica is drained (make before break). With O(wait) the task returns once no replica
     is left on the node, and fails after O(timeout) with what the drain is waiting for.
   - V(schedulable) lifts a cordon (and stops a drain; a move under way finishes).
-  - The control plane holds cordons in memory; after it restarts, run the task again.
+  - The control plane records a cordon in its C(state_dir) (the collection sets it) before it answers, so the cordon
+    survives a control-plane restart; a control plane without C(state_dir) holds cordons in memory only, and after it
+    restarts the task must run again.
+  - Reads only the one node (C(GET /v1/nodes/NODE)), also every O(poll_interval) while it waits for a drain,
+    never the fleet's list, whatever the fleet's size.
 author:
   - llmgw maintainers (!UNKNOWN)
 options:
