@@ -100,15 +100,18 @@ def test_admin_token_works_and_a_node_certificate_is_refused(live, tmp_path):
     assert "certificate role 'node' cannot act as an admin" in err
 
 
-def test_the_nodes_are_read_in_pages_and_make_the_same_inventory(live, tmp_path):
-    def list_reads() -> float:
-        return sum(v for labels, v in metric_samples(live.fleet).get("llmgw_admin_requests_total", [])
-                   if labels == {"method": "GET", "route": "/v1/nodes"})
+def test_nodes_and_replicas_are_read_in_pages_and_make_the_same_inventory(live, tmp_path):
+    def list_reads() -> dict[str, float]:
+        return {labels["route"]: v for labels, v in metric_samples(live.fleet).get("llmgw_admin_requests_total", [])
+                if labels["method"] == "GET" and labels["route"] in ("/v1/nodes", "/v1/replicas")}
 
     whole = live.inventory_list(live.write_plugin_config("whole.llmgw.yml", page_size=0))
     before = list_reads()
     paged = live.inventory_list(live.write_plugin_config("paged.llmgw.yml", page_size=1))
-    assert list_reads() - before == len(live.fleet.node_ids), "one request per page of one node"
+    after = list_reads()
+    replicas = len(live.fleet.get("/v1/replicas")["replicas"])
+    assert after["/v1/nodes"] - before["/v1/nodes"] == len(live.fleet.node_ids), "one request per page of one node"
+    assert after["/v1/replicas"] - before["/v1/replicas"] == replicas == 2, "one request per page of one replica"
     assert sorted(paged["llmgw_live"]["hosts"]) == sorted(whole["llmgw_live"]["hosts"]) == sorted(live.fleet.node_ids.values())
     for host in whole["llmgw_live"]["hosts"]:
         assert timeless(paged["_meta"]["hostvars"][host]) == timeless(whole["_meta"]["hostvars"][host])

@@ -19,7 +19,7 @@ from jsonschema import Draft202012Validator
 
 from llmgw.controlplane import openapi, views
 from llmgw.controlplane.api import build_api
-from llmgw.controlplane.listquery import NodeQuery, QueryError, parse_node_query
+from llmgw.controlplane.listquery import NODE_STATES, ListQuery, QueryError, parse_list_query
 from llmgw.controlplane.messages import parse_up
 from llmgw.controlplane.state import ControlPlane
 from llmgw.hardware.types import GPU, HardwareInventory
@@ -136,9 +136,9 @@ def test_pages_cover_every_node_once_and_say_where_the_next_starts():
 
 def test_a_page_key_that_went_away_still_continues_after_it():
     cp = control_plane("a", "c", "e")
-    got = views.nodes_view(cp, NodeQuery(limit=5, after="b"))
+    got = views.nodes_view(cp, ListQuery(limit=5, after="b"))
     assert [n["node_id"] for n in got["nodes"]] == ["c", "e"] and got["next"] is None
-    exact = views.nodes_view(cp, NodeQuery(limit=2))
+    exact = views.nodes_view(cp, ListQuery(limit=2))
     assert [n["node_id"] for n in exact["nodes"]] == ["a", "c"] and exact["next"] == "c"
 
 
@@ -160,7 +160,7 @@ def test_state_filter_picks_nodes_by_lifecycle_state():
     ("limit=ten", "got 'ten'"),
     ("limit=10001", "got '10001'"),
     ("limit=5&limit=6", "limit is given 2 times"),
-    ("after=", "after must be a node id"),
+    ("after=", "after must be an id"),
     ("states=lost", "unknown query parameter states; /v1/nodes takes state, limit, after"),
 ])
 def test_bad_queries_are_400_saying_what_is_wrong(query, needle):
@@ -169,11 +169,48 @@ def test_bad_queries_are_400_saying_what_is_wrong(query, needle):
     assert status == 400 and needle in doc["error"], doc
 
 
+def test_replicas_page_in_replica_id_order_and_filter_by_state():
+    cp = ControlPlane(parse_server_settings({
+        "api": {"listen": {"port": 8443},
+                "admin_tokens": [{"name": "ops", "sha256": hashlib.sha256(TOKEN.encode()).hexdigest()}]},
+        "insecure_no_tls": True, "lifecycle": {"startup_grace": 0},
+        "models": [{"name": "tiny", "source": "org/tiny", "size_bytes": 1 << 30}],
+        "profiles": [{"name": "sim", "engine": "vllm"}],
+        "deployments": [{"model": "tiny", "profile": "sim", "replicas": 5}],
+    }), clock=lambda: 1000.0)
+    for node_id in ("a", "b", "c", "d", "e"):
+        hw = HardwareInventory(node_id=node_id, gpu_source="simulated",
+                               gpus=(GPU(0, "GPU-0", "Sim", 80 * GIB, "00000000:01:00.0"),)).to_dict()
+        cp.register(parse_up(json.dumps({"type": "register", "node_id": node_id, "agent_version": "t", "boot_id": "b",
+                                         "address": "127.0.0.1", "hardware": hw, "shards": []})), Session())
+    cp.tick()
+    ids = sorted(cp.reconciler.book.replicas)
+    assert len(ids) == 5
+    (_, whole), (_, first), (_, ready), (_, starting), (s, bad) = answers(cp, [
+        "/v1/replicas", "/v1/replicas?limit=2", "/v1/replicas?state=ready", "/v1/replicas?state=starting,failed&limit=9",
+        "/v1/replicas?state=lost"])
+    assert [r["replica_id"] for r in starting["replicas"]] == ids and starting["next"] is None
+    assert whole["next"] is None and len(whole["replicas"]) == 5
+    assert [r["replica_id"] for r in first["replicas"]] == ids[:2] and first["next"] == ids[1]
+    assert first["unplaced"] == whole["unplaced"], "the small lists come whole with every page"
+    assert ready["replicas"] == [], "none is Ready yet"
+    assert s == 400 and "state must be one or more of starting, ready, failed, stopping, draining" in bad["error"]
+    seen, after = [], None
+    while True:
+        doc = views.replicas_view(cp, ListQuery(limit=2, after=after))
+        seen += [r["replica_id"] for r in doc["replicas"]]
+        after = doc["next"]
+        if after is None:
+            break
+    assert seen == ids
+    conforms(first, "Replicas")
+
+
 def test_the_parser_takes_comma_separated_states():
-    assert parse_node_query({"state": ["ready,lost"]}).states == {"ready", "lost"}
-    assert parse_node_query({}) == NodeQuery()
+    assert parse_list_query({"state": ["ready,lost"]}, "/v1/nodes", NODE_STATES).states == {"ready", "lost"}
+    assert parse_list_query({}, "/v1/nodes", NODE_STATES) == ListQuery()
     with pytest.raises(QueryError):
-        parse_node_query({"limit": ["５"]})  # a digit, but not an ASCII one
+        parse_list_query({"limit": ["５"]}, "/v1/nodes", NODE_STATES)  # a digit, but not an ASCII one
 
 
 def test_admin_requests_are_counted_by_route_template_not_by_path():

@@ -33,7 +33,7 @@ from llmgw.clientbounds import ThrottledLog
 from llmgw.controlplane import views
 from llmgw.controlplane.agentservice import STREAM_PATH, AgentService, request_identity
 from llmgw.controlplane.ejections_api import EJECTIONS_PATH, EjectionsAPI
-from llmgw.controlplane.listquery import QueryError, parse_node_query
+from llmgw.controlplane.listquery import NODE_STATES, REPLICA_STATES, QueryError, parse_list_query
 from llmgw.controlplane.metrics import CONTENT_TYPE, registry_for, render
 from llmgw.controlplane.openapi import OPENAPI_PATH, document
 from llmgw.controlplane.requestcount import AdminRequests
@@ -244,7 +244,7 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
 
     async def nodes(request: web.Request) -> web.Response:
         try:
-            query = parse_node_query({k: request.query.getall(k) for k in request.query})
+            query = parse_list_query(query_of(request), "/v1/nodes", NODE_STATES)
         except QueryError as e:
             return web.json_response({"error": str(e)}, status=400)
         return web.json_response(views.nodes_view(cp, query))
@@ -268,7 +268,11 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
         return web.json_response(views.summary_view(cp))
 
     async def replicas(request: web.Request) -> web.Response:
-        return web.json_response(views.replicas_view(cp))
+        try:
+            query = parse_list_query(query_of(request), "/v1/replicas", REPLICA_STATES)
+        except QueryError as e:
+            return web.json_response({"error": str(e)}, status=400)
+        return web.json_response(views.replicas_view(cp, query))
 
     async def catalog(request: web.Request) -> web.Response:
         return web.json_response(views.catalog_view(cp))
@@ -361,6 +365,11 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
 
     app.router.add_get(OPENAPI_PATH, openapi)
     return app
+
+
+def query_of(request: web.Request) -> dict[str, list[str]]:
+    """Each query parameter's values, in order."""
+    return {k: request.query.getall(k) for k in request.query}
 
 
 def registered_routes(app: web.Application) -> set[tuple[str, str]]:

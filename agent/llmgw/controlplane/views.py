@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from llmgw.catalog import Catalog
-from llmgw.controlplane.listquery import NodeQuery, page
+from llmgw.controlplane.listquery import ListQuery, page
 from llmgw.controlplane.reconciler import capacities, placement_request
 from llmgw.controlplane.replicas import Replica, Shard, model_to_dict, profile_to_dict
 from llmgw.controlplane.state import ControlPlane
@@ -23,7 +23,7 @@ def _ago(now: float, t: float | None) -> float | None:
     return None if t is None else round(max(0.0, now - t), 3)
 
 
-def nodes_view(cp: ControlPlane, query: NodeQuery = NodeQuery()) -> dict[str, Any]:
+def nodes_view(cp: ControlPlane, query: ListQuery = ListQuery()) -> dict[str, Any]:
     """Every node, or the page and states ``query`` asks for; ``next`` is the ``after`` of the next page."""
     now = cp.clock()
     ids, after = page(sorted(cp.nodes), query, lambda n: cp.nodes[n].clock.state.value)
@@ -209,13 +209,24 @@ def ejections_view(cp: ControlPlane, replica_id: str, now: float) -> dict[str, A
             "routers_needed": v.needed if v else None}
 
 
-def replicas_view(cp: ControlPlane) -> dict[str, Any]:
+def replicas_view(cp: ControlPlane, query: ListQuery = ListQuery()) -> dict[str, Any]:
+    """Every replica by deployment and slot, or (``limit``, ``after``) a page of them in replica id order.
+
+    ``unplaced`` and ``stopping_unrecognised`` (a few entries, bounded by the
+    catalog) come whole with every page.
+    """
     now = cp.clock()
     book = cp.reconciler.book
-    reps = sorted(book.replicas.values(), key=lambda r: (r.model, r.profile, r.slot if r.slot is not None else -1,
-                                                         r.retired, r.replica_id))
+    after = None
+    if query.paged:
+        ids, after = page(sorted(book.replicas), query, lambda rid: book.replicas[rid].state.value)
+        reps = [book.replicas[rid] for rid in ids]
+    else:
+        reps = sorted((r for r in book.replicas.values() if query.states is None or r.state.value in query.states),
+                      key=lambda r: (r.model, r.profile, r.slot if r.slot is not None else -1, r.retired, r.replica_id))
     return {
         "replicas": [replica_view(cp, r, now) for r in reps],
+        "next": after,
         "unplaced": [{"model": k.split("/")[0], "profile": k.split("/")[1], "slot": slot, "reason": why,
                       "last_failure": (lambda h: None if h is None or h.last_failure is None else {
                           k2: v for k2, v in h.last_failure.items() if k2 != "at"})(book.slots.get((k, slot)))}

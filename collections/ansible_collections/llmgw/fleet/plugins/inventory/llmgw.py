@@ -119,9 +119,10 @@ options:
     default: summary
   page_size:
     description:
-      - Nodes per request when reading C(/v1/nodes). The control plane builds each answer in one go on the event loop
-        that also answers its agents' heartbeats, so a large fleet is read in pages (C(?limit=N&after=NODE)) rather
-        than in one answer of about 4 kB a node (43 MB at 10,000 nodes).
+      - Nodes, and replicas, per request when reading C(/v1/nodes) and C(/v1/replicas). The control plane builds each
+        answer in one go on the event loop that also answers its agents' heartbeats, so a large fleet is read in pages
+        (C(?limit=N&after=ID)) rather than in one answer of about 4 kB a node (43 MB at 10,000 nodes), and as much
+        for the replicas of 40,000 shards.
       - V(0) reads the list in one request. A control plane older than pages answers the whole list to the first
         request whatever the size, and the plugin takes it as it is.
     type: int
@@ -287,8 +288,8 @@ class InventoryModule(BaseInventoryPlugin, Constructable, Cacheable):
         with self._client(url) as client:
             data = {
                 "url": url,
-                "nodes": self._nodes(client, url),
-                "replicas": self._get(client, url, "/v1/replicas"),
+                "nodes": self._paged(client, url, "/v1/nodes", "nodes"),
+                "replicas": self._paged(client, url, "/v1/replicas", "replicas"),
                 "catalog": self._get(client, url, "/v1/catalog"),
                 "explain": {},
             }
@@ -302,26 +303,27 @@ class InventoryModule(BaseInventoryPlugin, Constructable, Cacheable):
                     data["explain"][model] = self._get(client, url, "/v1/explain/%s" % model)
         return data
 
-    def _nodes(self, client, url):
-        """``/v1/nodes`` as one document, read in pages of ``page_size`` nodes (each page's ``next`` is the key of the
-        one after it; the last has none). The ``fleet`` summary is the last page's, the most recent."""
+    def _paged(self, client, url, path, field):
+        """``path`` as one document, read in pages of ``page_size`` elements of ``field`` (each page's ``next`` is
+        the key of the one after it; the last has none). The rest of the document is the last page's, the most
+        recent."""
         size = self.get_option("page_size")
         if not size:
-            return self._get(client, url, "/v1/nodes")
-        nodes, after = [], None
+            return self._get(client, url, path)
+        items, after = [], None
         while True:
             params = {"limit": size} if after is None else {"limit": size, "after": after}
-            doc = self._get(client, url, "/v1/nodes", params)
-            if not isinstance(doc.get("nodes"), list):
+            doc = self._get(client, url, path, params)
+            if not isinstance(doc.get(field), list):
                 return doc  # reported by the caller's check, as for an unpaged answer
-            nodes.extend(doc["nodes"])
+            items.extend(doc[field])
             following = doc.get("next")
             if following is None:
-                doc["nodes"] = nodes
+                doc[field] = items
                 return doc
             if not isinstance(following, str) or (after is not None and following <= after):
-                raise AnsibleParserError("llmgw inventory: %s/v1/nodes answered a page whose next (%r) does not move "
-                                         "past its after (%r): is this an llmgw control plane?" % (url, following, after))
+                raise AnsibleParserError("llmgw inventory: %s%s answered a page whose next (%r) does not move past "
+                                         "its after (%r): is this an llmgw control plane?" % (url, path, following, after))
             after = following
 
     # ---------------------------------------------------------------- populate
