@@ -27,6 +27,9 @@ ENV = {"url": "LLMGW_URL", "ca": "LLMGW_CA", "cert": "LLMGW_CERT", "key": "LLMGW
        "revoked": "LLMGW_REVOKED"}
 
 
+NO_ROUTE = "no route "  # how the API's 404 for a path it does not serve begins (an older server's, for a newer route)
+
+
 class CtlError(Exception):
     """Printed as ``llmgw ctl: <message>``; exit status 1."""
 
@@ -104,6 +107,9 @@ def request(args: argparse.Namespace, method: str, path: str, passthrough: bool 
     except ValueError:
         body = None
     if missing_ok and resp.status_code == 404:
+        if isinstance(body, dict) and str(body.get("error", "")).startswith(NO_ROUTE):
+            raise CtlError(f"{method} {path}: the control plane at {_opt(args, 'url')} has no such route: it is older "
+                           f"than this llmgw ctl; upgrade it (playbooks/upgrade.yml) or use the ctl of its version")
         return None
     if resp.status_code >= 400:
         detail = body.get("error") if isinstance(body, dict) else None

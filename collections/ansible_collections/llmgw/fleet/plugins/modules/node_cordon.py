@@ -152,7 +152,14 @@ class Api:
 
     def node(self, node_id):
         """The node's cordon, read from GET /v1/nodes/NODE: one node, not the fleet's list, every poll."""
-        n = self.call("GET", "/v1/nodes/" + urllib.parse.quote(node_id, safe=""))
+        path = "/v1/nodes/" + urllib.parse.quote(node_id, safe="")
+        try:
+            n = self.call("GET", path)
+        except ApiError as e:
+            if "HTTP 404: no route " in str(e):
+                raise ApiError(f"GET {path}: the control plane at {self.base} has no such route: it is older than "
+                               f"this collection; upgrade it (playbooks/upgrade.yml) before cordoning with it")
+            raise
         return {k: n.get(k) for k in ("node_id", "cordon", "replicas_left", "drained", "drain_blocked")}
 
 
