@@ -158,7 +158,7 @@ class Api:
         except ApiError as e:
             if "HTTP 404: no route " in str(e):
                 raise ApiError(f"GET {path}: the control plane at {self.base} has no such route: it is older than "
-                               f"this collection; upgrade it (playbooks/upgrade.yml) before cordoning with it")
+                               f"this collection; upgrade it (playbooks/upgrade.yml) before cordoning with it") from e
             raise
         return {k: n.get(k) for k in ("node_id", "cordon", "replicas_left", "drained", "drain_blocked")}
 
