@@ -100,8 +100,9 @@ def serve(docs: dict[str, bytes]) -> tuple[ThreadingHTTPServer, str]:
         protocol_version = "HTTP/1.1"
 
         def do_GET(self) -> None:  # noqa: N802
-            ok = self.headers.get("Authorization") == f"Bearer {TOKEN}" and self.path in docs
-            body = docs[self.path] if ok else b'{"error": "no"}'
+            path = self.path.split("?", 1)[0]  # the whole list whatever the page asked, as before pages
+            ok = self.headers.get("Authorization") == f"Bearer {TOKEN}" and path in docs
+            body = docs[path] if ok else b'{"error": "no"}'
             self.send_response(200 if ok else 403)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))

@@ -3,7 +3,9 @@
 Every state goes through check, apply, check, apply (changed, changed,
 unchanged, unchanged); check mode sends nothing (the apply after it still
 changes something); ``drained`` returns once the node holds no replica, its
-replica Ready on the other node.
+replica Ready on the other node.  The module reads its one node
+(``GET /v1/nodes/{node_id}``), never the fleet's list, as the control
+plane's own request count shows.
 """
 
 from __future__ import annotations
@@ -15,13 +17,22 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 
-from fleet import Fleet  # noqa: E402
+from fleet import Fleet, metric_samples  # noqa: E402
 from fleet_harness import PLAYBOOKS, run_playbook  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
 PLAY = PLAYBOOKS / "node_cordon.yml"
 STATES = {"cordoned": "cordoned", "drained": "draining", "schedulable": None}
+
+
+def admin_reads(f: Fleet) -> dict[str, float]:
+    """GETs the control plane let through, by route template, from its own /metrics."""
+    out = {"/v1/nodes": 0.0, "/v1/nodes/{node_id}": 0.0}
+    for labels, value in metric_samples(f).get("llmgw_admin_requests_total", []):
+        if labels["method"] == "GET" and labels["route"] in out:
+            out[labels["route"]] = value
+    return out
 
 
 def test_cordon_drain_and_uncordon_with_check_mode_and_idempotence(tmp_path):
@@ -33,8 +44,13 @@ def test_cordon_drain_and_uncordon_with_check_mode_and_idempotence(tmp_path):
         conn = {"api_url": f.url, "ca_path": str(f.pki.ca_cert), "client_cert": str(f.pki.admin[0]),
                 "client_key": str(f.pki.admin[1]), "node": node}
 
+        before = admin_reads(f)
         run = run_playbook(PLAY, tmp_path / "drill", extravars={**conn, "states": list(STATES)})
         assert run.rc == 0, run.explain()
+        after = admin_reads(f)
+        # each task reads its one node (and polls it while draining), never the fleet's list
+        assert after["/v1/nodes"] == before["/v1/nodes"], "node_cordon read the whole of GET /v1/nodes"
+        assert after["/v1/nodes/{node_id}"] - before["/v1/nodes/{node_id}"] >= 4 * len(STATES)
         for state, want in STATES.items():
             drill = [run.task(f"{step} {state} ({n})")[0] for n in (1, 2) for step in ("Check", "Apply")]
             assert [r.changed for r in drill] == [True, True, False, False], (state, [r.res for r in drill])

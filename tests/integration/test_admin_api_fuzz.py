@@ -94,6 +94,9 @@ def test_admin_api_answers_as_its_openapi_document_says(tmp_path):
         assert call("POST", "/v1/nodes/{node_id}/drain", 202, node_id=node_id)["node"]["cordon"] == "draining"
         nodes = call("GET", "/v1/nodes", 200)
         assert nodes["nodes"][0]["hardware"]["gpus"] and "drained" in nodes["nodes"][0]
+        assert call("GET", "/v1/nodes/{node_id}", 200, node_id=node_id)["cordon"] == "draining"
+        assert call("GET", "/v1/replicas/{replica_id}", 200,
+                    replica_id=replica["replica_id"])["shards"][0]["process"]["pid"] > 0
         assert call("POST", "/v1/nodes/{node_id}/uncordon", 200, node_id=node_id)["was"] == "draining"
         assert call("POST", "/v1/reload", 200)["ok"] is True
         shards = call("GET", "/v1/replicas", 200)["replicas"][0]["shards"]

@@ -45,8 +45,8 @@ def serve(docs: dict[str, bytes], token: str = TOKEN) -> Iterator[str]:
             hits.append(self.path)
             if self.headers.get("Authorization") != f"Bearer {token}":
                 self._send(403, json.dumps({"error": "unknown admin token"}).encode())
-            elif self.path in docs:
-                self._send(200, docs[self.path])
+            elif self.path.split("?", 1)[0] in docs:  # the query ignored, as a control plane before pages does
+                self._send(200, docs[self.path.split("?", 1)[0]])
             else:
                 self._send(404, json.dumps({"error": f"no {self.path}"}).encode())
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 import re
 import signal
+from typing import Any
 
 import ansible_runner
 import pytest
 
-from fleet import ADMIN_TOKEN, until
+from fleet import ADMIN_TOKEN, metric_samples, until
 from livefleet import BIN, FABRICS, REPO, LiveFleet, ansible_env, plain, run, running
 
 pytestmark = pytest.mark.integration
@@ -97,6 +98,32 @@ def test_admin_token_works_and_a_node_certificate_is_refused(live, tmp_path):
     assert res.returncode != 0
     assert f"the control plane at {live.fleet.url}/v1/nodes refused the credentials (HTTP 403)" in err
     assert "certificate role 'node' cannot act as an admin" in err
+
+
+def test_nodes_and_replicas_are_read_in_pages_and_make_the_same_inventory(live, tmp_path):
+    def list_reads() -> dict[str, float]:
+        return {labels["route"]: v for labels, v in metric_samples(live.fleet).get("llmgw_admin_requests_total", [])
+                if labels["method"] == "GET" and labels["route"] in ("/v1/nodes", "/v1/replicas")}
+
+    whole = live.inventory_list(live.write_plugin_config("whole.llmgw.yml", page_size=0))
+    before = list_reads()
+    paged = live.inventory_list(live.write_plugin_config("paged.llmgw.yml", page_size=1))
+    after = list_reads()
+    replicas = len(live.fleet.get("/v1/replicas")["replicas"])
+    assert after["/v1/nodes"] - before["/v1/nodes"] == len(live.fleet.node_ids), "one request per page of one node"
+    assert after["/v1/replicas"] - before["/v1/replicas"] == replicas == 2, "one request per page of one replica"
+    assert sorted(paged["llmgw_live"]["hosts"]) == sorted(whole["llmgw_live"]["hosts"]) == sorted(live.fleet.node_ids.values())
+    for host in whole["llmgw_live"]["hosts"]:
+        assert timeless(paged["_meta"]["hostvars"][host]) == timeless(whole["_meta"]["hostvars"][host])
+
+
+def timeless(value: Any) -> Any:
+    """``value`` without ages and the fleet summary: what two reads a moment apart must agree on."""
+    if isinstance(value, dict):
+        return {k: timeless(v) for k, v in value.items() if not k.endswith(("state_for_s", "last_seen_s", "_fleet"))}
+    if isinstance(value, list):
+        return [timeless(v) for v in value]
+    return value
 
 
 # ------------------------------------------------------------------- drift

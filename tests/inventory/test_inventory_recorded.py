@@ -187,7 +187,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("case", ["down", "refused", "half_cert", "bad_url", "no_credentials"])
+@pytest.mark.parametrize("case", ["down", "refused", "half_cert", "bad_url", "no_credentials", "bad_page_size"])
 def test_failures_name_the_url_and_the_reason(tmp_path, docs, case):
     with serve(docs) as url:
         options, want = {
@@ -196,6 +196,7 @@ def test_failures_name_the_url_and_the_reason(tmp_path, docs, case):
             "half_cert": ({"client_cert": str(tmp_path)}, "client_cert and client_key go together"),
             "bad_url": ({"url": "cp.example:8443"}, "url must be http(s)://HOST[:PORT]"),
             "no_credentials": ({"url": "https://127.0.0.1:1"}, "needs an admin certificate"),
+            "bad_page_size": ({"page_size": -1}, "page_size must be a whole number from 0 (no pages) to 10000, got -1"),
         }[case]
         options = {"url": url, "token": TOKEN, **options}
         config = plugin_config(tmp_path / "llmgw.yml", **options)

@@ -33,8 +33,10 @@ from llmgw.clientbounds import ThrottledLog
 from llmgw.controlplane import views
 from llmgw.controlplane.agentservice import STREAM_PATH, AgentService, request_identity
 from llmgw.controlplane.ejections_api import EJECTIONS_PATH, EjectionsAPI
+from llmgw.controlplane.listquery import NODE_STATES, REPLICA_STATES, QueryError, parse_list_query
 from llmgw.controlplane.metrics import CONTENT_TYPE, registry_for, render
 from llmgw.controlplane.openapi import OPENAPI_PATH, document
+from llmgw.controlplane.requestcount import AdminRequests
 from llmgw.controlplane.revocation import install, unless_revoked
 from llmgw.controlplane.state import ControlPlane
 from llmgw.controlplane.store import StoreError
@@ -204,6 +206,8 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
             log.error(line)
     agents = AgentService(cp, require_identity=require_identity)
     registry = registry_for(cp)
+    admin_requests = AdminRequests()
+    registry.register(admin_requests)
     refused = ThrottledLog(log, "refused %(request)s from %(host)s: %(reason)s")
 
     @web.middleware
@@ -227,6 +231,7 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
             return web.json_response({"error": who}, status=status, headers=headers)
         if on_authenticated is not None:
             on_authenticated(request.transport)
+        admin_requests.count(request)
         return await handler(request)
 
     app = web.Application(middlewares=[json_refusals, admin_only], client_max_size=1 << 20)
@@ -238,13 +243,36 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
         return web.json_response({"status": "ok"})
 
     async def nodes(request: web.Request) -> web.Response:
-        return web.json_response(views.nodes_view(cp))
+        try:
+            query = parse_list_query(query_of(request), "/v1/nodes", NODE_STATES)
+        except QueryError as e:
+            return web.json_response({"error": str(e)}, status=400)
+        return web.json_response(views.nodes_view(cp, query))
+
+    async def node(request: web.Request) -> web.Response:
+        node_id = request.match_info["node_id"]
+        out = views.node_or_none(cp, node_id)
+        if out is None:
+            return web.json_response({"error": f"no node {node_id!r} has registered; known: "
+                                               f"{views.some_of(cp.nodes)}"}, status=404)
+        return web.json_response(out)
+
+    async def replica(request: web.Request) -> web.Response:
+        rid = request.match_info["replica_id"]
+        out = views.replica_or_none(cp, rid)
+        if out is None:
+            return web.json_response({"error": f"no replica {rid!r} (GET /v1/replicas lists them)"}, status=404)
+        return web.json_response(out)
 
     async def summary(request: web.Request) -> web.Response:
         return web.json_response(views.summary_view(cp))
 
     async def replicas(request: web.Request) -> web.Response:
-        return web.json_response(views.replicas_view(cp))
+        try:
+            query = parse_list_query(query_of(request), "/v1/replicas", REPLICA_STATES)
+        except QueryError as e:
+            return web.json_response({"error": str(e)}, status=400)
+        return web.json_response(views.replicas_view(cp, query))
 
     async def catalog(request: web.Request) -> web.Response:
         return web.json_response(views.catalog_view(cp))
@@ -277,9 +305,8 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
             try:
                 before = cp.cordon(node_id, state)
             except KeyError:
-                known = ", ".join(sorted(cp.nodes)) or "none"
-                return web.json_response({"error": f"no node {node_id!r} has registered; known: {known}"},
-                                         status=404)
+                return web.json_response({"error": f"no node {node_id!r} has registered; known: "
+                                                   f"{views.some_of(cp.nodes)}"}, status=404)
             except StoreError as e:
                 log.error("%s: cannot record %s: %s", node_id, state or "uncordon", e)
                 return web.json_response({"error": f"cannot record it, nothing changed: {e}"}, status=503)
@@ -305,8 +332,10 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
     app.router.add_get("/healthz", healthz)
     app.router.add_get(STREAM_PATH, agents.handle)
     app.router.add_get("/v1/nodes", nodes)
+    app.router.add_get("/v1/nodes/{node_id}", node)
     app.router.add_get("/v1/summary", summary)
     app.router.add_get("/v1/replicas", replicas)
+    app.router.add_get("/v1/replicas/{replica_id}", replica)
     app.router.add_get("/v1/catalog", catalog)
     app.router.add_get("/v1/explain/{model}", explain)
     app.router.add_post("/v1/replicas/{replica_id}/drain", drain)
@@ -336,6 +365,11 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
 
     app.router.add_get(OPENAPI_PATH, openapi)
     return app
+
+
+def query_of(request: web.Request) -> dict[str, list[str]]:
+    """Each query parameter's values, in order."""
+    return {k: request.query.getall(k) for k in request.query}
 
 
 def registered_routes(app: web.Application) -> set[tuple[str, str]]:

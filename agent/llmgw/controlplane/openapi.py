@@ -23,6 +23,7 @@ from typing import Any
 
 from llmgw import __version__
 from llmgw.config import load_schema
+from llmgw.controlplane.listquery import MAX_LIMIT, NODE_STATES, REPLICA_STATES
 
 OPENAPI_PATH = "/openapi.json"
 JSON = "application/json"
@@ -65,6 +66,7 @@ COUNTS = {"type": "object", "additionalProperties": {"type": "integer", "minimum
 TIMINGS = {"heartbeat_interval_s": SECONDS, "unreachable_after_s": SECONDS, "lost_after_s": SECONDS}
 UNRECORDED = "the store (state_dir or etcd) could not record it; nothing changed"
 CORDON = {"enum": [None, "cordoned", "draining"]}
+NEXT = {"type": ["string", "null"], "description": "the `after` of the next page; null on the last (or unpaged)"}
 
 # The answers' shapes.  Where the answer carries something a schema file already
 # defines (hardware, an engine process, a model's wire form), it is a $ref into it.
@@ -101,7 +103,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     }, {"replicas_left": {"type": "integer", "minimum": 0}, "drained": BOOL, "drain_blocked": OPT_STR}),
     "Nodes": obj({"nodes": {"type": "array", "items": shape("Node")}, "fleet": obj({
         "startup_grace_left_s": SECONDS, "unreachable_share": NUM, "damped": BOOL, "hold_reason": OPT_STR,
-        **TIMINGS})}),
+        **TIMINGS})}, {"next": NEXT}),
     "Summary": obj({
         "nodes": obj({"total": INT, "connected": INT, "by_state": COUNTS}),
         "replicas": obj({"total": INT, "by_state": COUNTS, "desired": INT, "unplaced": INT}),
@@ -135,7 +137,7 @@ SHAPES: dict[str, dict[str, Any]] = {
         "unplaced": {"type": "array", "items": obj({"model": STR, "profile": STR, "slot": INT, "reason": OPT_STR,
                                                    "last_failure": {"type": ["object", "null"]}})},
         "stopping_unrecognised": {"type": "array", "items": shape("Shard")},
-    }),
+    }, {"next": NEXT}),
     "ReplicaDrain": obj({"replica": shape("Replica")}),
     "NodeAction": obj({"node": shape("CordonView"), "was": CORDON}),
     "Catalog": obj({
@@ -186,6 +188,18 @@ class Route:
     body: dict[str, Any] | None = None
 
 
+def list_query(what: str, states: tuple[str, ...]) -> tuple[dict[str, Any], ...]:
+    """The query parameters of a list read (``listquery``): states, and a page keyed by id."""
+    return ({"name": "state", "in": "query", "required": False, "style": "form", "explode": False,
+             "schema": {"type": "array", "minItems": 1, "items": {"enum": list(states)}},
+             "description": f"only {what}s in these states (comma-separated, or repeated)"},
+            {"name": "limit", "in": "query", "required": False,
+             "schema": {"type": "integer", "minimum": 1, "maximum": MAX_LIMIT},
+             "description": f"at most this many {what}s, in {what} id order; `next` in the answer names the next page"},
+            {"name": "after", "in": "query", "required": False, "schema": {"type": "string", "minLength": 1},
+             "description": f"start after this {what} id (the previous page's `next`), in {what} id order"})
+
+
 NOT_YOURS = {401: "no admin certificate and no (or a malformed) bearer token",
              403: "a certificate of another role, or an unknown admin token"}
 
@@ -194,11 +208,19 @@ ROUTES: tuple[Route, ...] = (
           security=OPEN),
     Route("GET", "/v1/agent/stream", "The agent stream (WebSocket, node certificate only); its messages are "
           "components.schemas.stream", 101, None, {403: "not a node certificate"}, security=NODE),
-    Route("GET", "/v1/nodes", "Every node: lifecycle state, hardware, GPUs and what holds them", 200, "Nodes",
-          NOT_YOURS),
+    Route("GET", "/v1/nodes", "Every node (or a page of them, or those in some states): lifecycle state, "
+          "hardware, GPUs and what holds them", 200, "Nodes",
+          {**NOT_YOURS, 400: "a query parameter that is unknown, repeated or out of range"},
+          query=list_query("node", NODE_STATES)),
+    Route("GET", "/v1/nodes/{node_id}", "One node, as an element of GET /v1/nodes", 200, "Node",
+          {**NOT_YOURS, 404: "no such node has registered"}),
     Route("GET", "/v1/summary", "The fleet in counts (cheap to poll)", 200, "Summary", NOT_YOURS),
-    Route("GET", "/v1/replicas", "Every replica with its shards, failures and download progress", 200, "Replicas",
-          NOT_YOURS),
+    Route("GET", "/v1/replicas", "Every replica (or a page of them, or those in some states) with its shards, "
+          "failures and download progress", 200, "Replicas",
+          {**NOT_YOURS, 400: "a query parameter that is unknown, repeated or out of range"},
+          query=list_query("replica", REPLICA_STATES)),
+    Route("GET", "/v1/replicas/{replica_id}", "One replica, as an element of GET /v1/replicas", 200, "Replica",
+          {**NOT_YOURS, 404: "the control plane knows no such replica"}),
     Route("GET", "/v1/catalog", "The catalog in force: models, profiles, deployments", 200, "Catalog", NOT_YOURS),
     Route("GET", "/v1/explain/{model}", "Where each declared replica of a model runs, or why it cannot be placed",
           200, "Explain", {**NOT_YOURS, 404: "the model is not in the catalog"}),

@@ -7,10 +7,11 @@ Times inside the control plane are monotonic; people get ages in seconds
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from llmgw.catalog import Catalog
+from llmgw.controlplane.listquery import ListQuery, page
 from llmgw.controlplane.reconciler import capacities, placement_request
 from llmgw.controlplane.replicas import Replica, Shard, model_to_dict, profile_to_dict
 from llmgw.controlplane.state import ControlPlane
@@ -22,45 +23,69 @@ def _ago(now: float, t: float | None) -> float | None:
     return None if t is None else round(max(0.0, now - t), 3)
 
 
-def nodes_view(cp: ControlPlane) -> dict[str, Any]:
+def nodes_view(cp: ControlPlane, query: ListQuery = ListQuery()) -> dict[str, Any]:
+    """Every node, or the page and states ``query`` asks for; ``next`` is the ``after`` of the next page."""
     now = cp.clock()
-    book = cp.reconciler.book
-    out = []
-    for node_id in sorted(cp.nodes):
-        rec = cp.nodes[node_id]
-        claimed = book.claimed(node_id)
-        gpus = [{"index": g.index, "name": g.name, "memory_bytes": g.memory_bytes, "uuid": g.uuid,
-                 "nvlink_peers": list(g.nvlink_peers), "shard": claimed.get(g.index)} for g in rec.inventory.gpus]
-        out.append({
-            "node_id": node_id,
-            "state": rec.clock.state.value,
-            "state_for_s": _ago(now, rec.clock.since),
-            "reason": rec.last_reason,
-            "connected": rec.connected,
-            "epoch": rec.epoch,
-            "last_seen_s": _ago(now, rec.clock.last_seen),
-            "address": rec.address,
-            "agent_version": rec.agent_version,
-            "boot_id": rec.boot_id,
-            "certificate": rec.certificate,
-            "registrations": rec.registrations,
-            **node_cordon_view(cp, node_id),
-            "gpus_total": len(gpus),
-            "gpus_free": sum(1 for g in gpus if g["shard"] is None),
-            "gpus": gpus,
-            "nvlink_known": rec.inventory.nvlink_known,
-            "fabrics": [f.to_dict() for f in rec.inventory.fabrics],
-            "hardware": rec.inventory.to_dict(),
-        })
+    ids, after = page(sorted(cp.nodes), query, lambda n: cp.nodes[n].clock.state.value)
+    out = [node_view(cp, node_id, now) for node_id in ids]
     ev = cp.evaluation
     grace_left = max(0.0, cp.settings.lifecycle.startup_grace - (now - cp.started_at))
-    return {"nodes": out, "fleet": {
+    return {"nodes": out, "next": after, "fleet": {
         "startup_grace_left_s": round(grace_left, 3),
         "unreachable_share": round(ev.unreachable_share, 4),
         "damped": ev.damped,
         "hold_reason": ev.hold_reason,
         **timings(cp),
     }}
+
+
+def node_view(cp: ControlPlane, node_id: str, now: float) -> dict[str, Any]:
+    """One node, as ``GET /v1/nodes/{node_id}`` answers it and as each element of ``GET /v1/nodes``."""
+    rec = cp.nodes[node_id]
+    claimed = cp.reconciler.book.claimed(node_id)
+    gpus = [{"index": g.index, "name": g.name, "memory_bytes": g.memory_bytes, "uuid": g.uuid,
+             "nvlink_peers": list(g.nvlink_peers), "shard": claimed.get(g.index)} for g in rec.inventory.gpus]
+    return {
+        "node_id": node_id,
+        "state": rec.clock.state.value,
+        "state_for_s": _ago(now, rec.clock.since),
+        "reason": rec.last_reason,
+        "connected": rec.connected,
+        "epoch": rec.epoch,
+        "last_seen_s": _ago(now, rec.clock.last_seen),
+        "address": rec.address,
+        "agent_version": rec.agent_version,
+        "boot_id": rec.boot_id,
+        "certificate": rec.certificate,
+        "registrations": rec.registrations,
+        **node_cordon_view(cp, node_id),
+        "gpus_total": len(gpus),
+        "gpus_free": sum(1 for g in gpus if g["shard"] is None),
+        "gpus": gpus,
+        "nvlink_known": rec.inventory.nvlink_known,
+        "fabrics": [f.to_dict() for f in rec.inventory.fabrics],
+        "hardware": rec.inventory.to_dict(),
+    }
+
+
+def node_or_none(cp: ControlPlane, node_id: str) -> dict[str, Any] | None:
+    """``GET /v1/nodes/{node_id}``: the node, or None when no node of that id has registered."""
+    return node_view(cp, node_id, cp.clock()) if node_id in cp.nodes else None
+
+
+def replica_or_none(cp: ControlPlane, replica_id: str) -> dict[str, Any] | None:
+    """``GET /v1/replicas/{replica_id}``: the replica, or None when the control plane knows none of that id."""
+    r = cp.reconciler.book.replicas.get(replica_id)
+    return None if r is None else replica_view(cp, r, cp.clock())
+
+
+def some_of(ids: Iterable[str], at_most: int = 10) -> str:
+    """``a, b, c`` or ``a, b, ... and 9,990 more``: an error names a few, not a 10,000-node fleet."""
+    ordered = sorted(ids)
+    if not ordered:
+        return "none"
+    more = len(ordered) - at_most
+    return ", ".join(ordered[:at_most]) + (f" and {more:,} more" if more > 0 else "")
 
 
 def node_cordon_view(cp: ControlPlane, node_id: str) -> dict[str, Any]:
@@ -184,13 +209,24 @@ def ejections_view(cp: ControlPlane, replica_id: str, now: float) -> dict[str, A
             "routers_needed": v.needed if v else None}
 
 
-def replicas_view(cp: ControlPlane) -> dict[str, Any]:
+def replicas_view(cp: ControlPlane, query: ListQuery = ListQuery()) -> dict[str, Any]:
+    """Every replica by deployment and slot, or (``limit``, ``after``) a page of them in replica id order.
+
+    ``unplaced`` and ``stopping_unrecognised`` (a few entries, bounded by the
+    catalog) come whole with every page.
+    """
     now = cp.clock()
     book = cp.reconciler.book
-    reps = sorted(book.replicas.values(), key=lambda r: (r.model, r.profile, r.slot if r.slot is not None else -1,
-                                                         r.retired, r.replica_id))
+    after = None
+    if query.paged:
+        ids, after = page(sorted(book.replicas), query, lambda rid: book.replicas[rid].state.value)
+        reps = [book.replicas[rid] for rid in ids]
+    else:
+        reps = sorted((r for r in book.replicas.values() if query.states is None or r.state.value in query.states),
+                      key=lambda r: (r.model, r.profile, r.slot if r.slot is not None else -1, r.retired, r.replica_id))
     return {
         "replicas": [replica_view(cp, r, now) for r in reps],
+        "next": after,
         "unplaced": [{"model": k.split("/")[0], "profile": k.split("/")[1], "slot": slot, "reason": why,
                       "last_failure": (lambda h: None if h is None or h.last_failure is None else {
                           k2: v for k2, v in h.last_failure.items() if k2 != "at"})(book.slots.get((k, slot)))}

@@ -27,6 +27,9 @@ ENV = {"url": "LLMGW_URL", "ca": "LLMGW_CA", "cert": "LLMGW_CERT", "key": "LLMGW
        "revoked": "LLMGW_REVOKED"}
 
 
+NO_ROUTE = "no route "  # how the API's 404 for a path it does not serve begins (an older server's, for a newer route)
+
+
 class CtlError(Exception):
     """Printed as ``llmgw ctl: <message>``; exit status 1."""
 
@@ -82,8 +85,12 @@ class Answer(dict):
     raw: bytes = b""
 
 
-def request(args: argparse.Namespace, method: str, path: str, passthrough: bool = False) -> Any:
-    """The API's answer to one request, decoded; with ``passthrough``, for ``-o json`` into a pipe, as it came."""
+def request(args: argparse.Namespace, method: str, path: str, passthrough: bool = False,
+            missing_ok: bool = False) -> Any:
+    """The API's answer to one request, decoded; with ``passthrough``, for ``-o json`` into a pipe, as it came.
+
+    ``missing_ok``: a 404 is None, not an error (the question was whether it exists).
+    """
     with make_client(args) as client:
         try:
             resp = client.request(method, path)
@@ -99,6 +106,11 @@ def request(args: argparse.Namespace, method: str, path: str, passthrough: bool 
         body = resp.json()
     except ValueError:
         body = None
+    if missing_ok and resp.status_code == 404:
+        if isinstance(body, dict) and str(body.get("error", "")).startswith(NO_ROUTE):
+            raise CtlError(f"{method} {path}: the control plane at {_opt(args, 'url')} has no such route: it is older "
+                           f"than this llmgw ctl; upgrade it (playbooks/upgrade.yml) or use the ctl of its version")
+        return None
     if resp.status_code >= 400:
         detail = body.get("error") if isinstance(body, dict) else None
         if isinstance(body, dict) and body.get("errors"):
@@ -349,8 +361,8 @@ def cmd_drain(args: argparse.Namespace) -> int:
     from urllib.parse import quote
 
     target = args.target
-    nodes = {n["node_id"] for n in request(args, "GET", "/v1/nodes").get("nodes", [])}
-    if target in nodes:
+    kind = target_kind(args, target)
+    if kind == "node":
         doc = request(args, "POST", f"/v1/nodes/{quote(target, safe='')}/drain")
         _emit(args, doc, lambda d: [f"{target}: draining: cordoned, its replicas move elsewhere one at a time, "
                                     f"each replacement Ready before the old one stops (see llmgw ctl nodes)"])
@@ -358,6 +370,16 @@ def cmd_drain(args: argparse.Namespace) -> int:
     doc = request(args, "POST", f"/v1/replicas/{quote(target, safe='')}/drain")
     _emit(args, doc, lambda d: [f"{target}: draining; a replacement is placed as soon as GPUs allow"])
     return 0
+
+
+def target_kind(args: argparse.Namespace, target: str) -> str:
+    """"node" or "replica": which of the two ``target`` names, read by id (one node, not the fleet's list)."""
+    from urllib.parse import quote
+
+    for kind, path in (("node", "/v1/nodes/"), ("replica", "/v1/replicas/")):
+        if request(args, "GET", path + quote(target, safe=""), missing_ok=True) is not None:
+            return kind
+    raise CtlError(f"{target!r} is neither a registered node (llmgw ctl nodes) nor a replica (llmgw ctl replicas)")
 
 
 def _cordon(action: str) -> Callable[[argparse.Namespace], int]:

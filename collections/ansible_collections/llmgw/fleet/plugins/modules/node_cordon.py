@@ -17,7 +17,11 @@ description:
     before the old replica is drained (make before break). With O(wait) the task returns once no replica
     is left on the node, and fails after O(timeout) with what the drain is waiting for.
   - V(schedulable) lifts a cordon (and stops a drain; a move under way finishes).
-  - The control plane holds cordons in memory; after it restarts, run the task again.
+  - The control plane records a cordon in its C(state_dir) (the collection sets it) before it answers, so the cordon
+    survives a control-plane restart; a control plane without C(state_dir) holds cordons in memory only, and after it
+    restarts the task must run again.
+  - Reads only the one node (C(GET /v1/nodes/NODE)), also every O(poll_interval) while it waits for a drain,
+    never the fleet's list, whatever the fleet's size.
 author:
   - llmgw maintainers (!UNKNOWN)
 options:
@@ -147,12 +151,16 @@ class Api:
             raise ApiError(f"{method} {path}: cannot reach {self.base}: {e}")
 
     def node(self, node_id):
-        nodes = self.call("GET", "/v1/nodes").get("nodes", [])
-        for n in nodes:
-            if n["node_id"] == node_id:
-                return {k: n.get(k) for k in ("node_id", "cordon", "replicas_left", "drained", "drain_blocked")}
-        known = ", ".join(sorted(n["node_id"] for n in nodes)) or "none"
-        raise ApiError(f"no node {node_id!r} has registered with the control plane; known: {known}")
+        """The node's cordon, read from GET /v1/nodes/NODE: one node, not the fleet's list, every poll."""
+        path = "/v1/nodes/" + urllib.parse.quote(node_id, safe="")
+        try:
+            n = self.call("GET", path)
+        except ApiError as e:
+            if "HTTP 404: no route " in str(e):
+                raise ApiError(f"GET {path}: the control plane at {self.base} has no such route: it is older than "
+                               f"this collection; upgrade it (playbooks/upgrade.yml) before cordoning with it") from e
+            raise
+        return {k: n.get(k) for k in ("node_id", "cordon", "replicas_left", "drained", "drain_blocked")}
 
 
 def main():
