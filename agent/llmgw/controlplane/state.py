@@ -36,10 +36,21 @@ from llmgw.controlplane.looplag import LoopLag
 from llmgw.controlplane.reconciler import Context, NodeView, Plan, Reconciler, endpoints
 from llmgw.controlplane.replicas import ReplicaState
 from llmgw.controlplane.store import ControlPlaneStore, MemoryBackend
+from llmgw.hardware.advertise import advertise
 from llmgw.hardware.types import HardwareInventory
 from llmgw.settings import Lifecycle, ServerSettings, TLSFiles
 
 log = logging.getLogger("llmgw.controlplane")
+
+
+def advertised(document: dict[str, Any]) -> HardwareInventory:
+    """An agent's inventory as placement may use it: ``llmgw.hardware.advertise`` over it again.
+
+    The agent already withheld its unfit GPUs; judging each GPU's ``health``
+    here too means a GPU an older or faulty agent left in is not given out,
+    and the control plane, the agent and ``ctl explain`` apply one rule.
+    """
+    return advertise(HardwareInventory.from_dict(document), now=time.time()).inventory
 
 
 class Session(Protocol):
@@ -244,7 +255,7 @@ class ControlPlane:
         self.sessions[node_id] = session
         if old is not None and old is not session:
             old.close(f"superseded by a newer registration (epoch {epoch})")
-        inventory = HardwareInventory.from_dict(msg["hardware"])
+        inventory = advertised(msg["hardware"])
         rec = self.nodes.get(node_id)
         if rec is None:
             rec = NodeRecord(node_id, inventory, NodeClock.seen(now), epoch, cordon=self.store.cordon_of(node_id))
@@ -288,7 +299,7 @@ class ControlPlane:
             self.reconciler.observe_progress(node_id, msg, now)
             self._learn_reported_size(node_id, msg)
         elif kind == "hardware":
-            inventory = HardwareInventory.from_dict(msg["hardware"])
+            inventory = advertised(msg["hardware"])
             log.warning("node %s: hardware changed while connected: %d GPU(s) advertised%s", node_id,
                         len(inventory.gpus), f" ({inventory.gpu_reason})" if inventory.gpu_reason else "")
             rec.inventory, rec.shape = inventory, shape_of(inventory)
