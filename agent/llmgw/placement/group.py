@@ -117,9 +117,18 @@ def choose_group(node: NodeCapacity, n: int, need: MemoryNeed | None,
                        need.refusal(n, mask.bit_count(), free_count, largest))
     near = adapter_ranks(shape, inv, adapters) if adapters else None
     choice = shape.best(mask, n, near)
-    assert choice is not None  # mask has at least n GPUs
+    if choice is None:  # n GPUs, but not n of one model
+        return Refusal(node.node_id, "too few GPUs of one model", one_model_refusal(shape, mask, n))
     return NodeOption(node=node, gpus=choice.gpus, choice=choice, why=_why(shape, choice, mask, need, free_mask, near, inv),
                       free_count=free_count, memory_note=_memory_note(shape, choice, need))
+
+
+def one_model_refusal(shape: NodeShape, mask: int, n: int) -> str:
+    """ "4 free GPUs, no 4 of one model (3 NVIDIA H100 80GB HBM3, 1 NVIDIA L40S): a tensor-parallel group is one model"."""
+    counts = [(mm & mask).bit_count() for mm in shape.model_masks]
+    have = ", ".join(f"{c} {name}" for c, name in zip(counts, shape.model_names) if c)
+    return (f"{plural(mask.bit_count(), 'free GPU')}, no {n} of one model ({have}): a tensor-parallel group "
+            f"is one GPU model, needs {n}")
 
 
 def _too_few(inv, free: int, n: int) -> str:

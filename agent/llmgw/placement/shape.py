@@ -11,6 +11,12 @@ nodes, so that a TP=1 replica takes a GPU whose partner is already busy
 rather than split an intact pair a larger group needs next.  Lowest indices
 break what ties remain, so the same inputs always give the same answer.
 
+A set is always one GPU model: a tensor-parallel group runs at the pace of
+its slowest card and splits memory evenly, so an H100 beside an L40S gives
+the H100's speed and memory away (and mixed architectures may not run the
+same kernels at all).  A box of 4 H100 and 4 L40S offers H100 sets and L40S
+sets, never one of each.
+
 The search is exhaustive over the free GPUs (70 sets for 4 of 8), which is
 cheap only because it is memoised: a ``NodeShape`` is shared by every node
 with the same topology and memory (``shape_of``), and remembers its answer
@@ -103,7 +109,8 @@ class NodeShape:
     """The link costs between a node's GPUs, its memory, and memoised best sets."""
 
     def __init__(self, indices: tuple[int, ...], cost: tuple[tuple[int, ...], ...],
-                 nvlinks: tuple[tuple[int, ...], ...], memory: tuple[int, ...], known: bool):
+                 nvlinks: tuple[tuple[int, ...], ...], memory: tuple[int, ...], known: bool,
+                 models: tuple[str, ...] | None = None):
         self.indices = indices
         self.pos = {g: i for i, g in enumerate(indices)}
         self.size = len(indices)
@@ -111,6 +118,11 @@ class NodeShape:
         self.nvl = nvlinks
         self.memory = memory
         self.known = known  # every pair's tier known
+        # GPU model per position; a set is only ever drawn from one model's GPUs.
+        self.models = models if models is not None else ("",) * len(indices)
+        names = tuple(dict.fromkeys(self.models))
+        self.model_names = names
+        self.model_masks = tuple(sum(1 << p for p, m in enumerate(self.models) if m == name) for name in names)
         self.all_mask = (1 << self.size) - 1
         # adjacency per level: GPUs joined by links at most that tier
         self.level_adj = tuple(
@@ -165,10 +177,10 @@ class NodeShape:
         if n < 1 or len(free) < n:
             return None
         islands = [_components(free, adj, mask) for adj in self.level_adj]
-        if math.comb(len(free), n) <= MAX_EXHAUSTIVE:
-            candidates = itertools.combinations(free, n)
-        else:
-            candidates = iter([self._greedy(free, n)])
+        candidates = itertools.chain.from_iterable(
+            itertools.combinations(same, n) if math.comb(len(same), n) <= MAX_EXHAUSTIVE
+            else iter([self._greedy(same, n)])
+            for same in ([p for p in free if mm >> p & 1] for mm in self.model_masks) if len(same) >= n)
         best: Choice | None = None
         best_key = None
         first: tuple[tuple, tuple[int, ...], tuple[int, ...]] | None = None  # (score, combo, broken) of the lowest best-scored
@@ -189,10 +201,10 @@ class NodeShape:
                 continue
             cmask = sum(1 << p for p in combo)
             broken = tuple(sum(1 for comp in level if comp & cmask and comp & ~cmask) for level in islands)
-            k = (score, broken)
-            if first is None or score < first[0]:
+            k = (score, broken, combo)  # lowest indices win ties (models' GPUs come one model after another)
+            if first is None or (score, combo) < first[:2]:
                 first = (score, combo, broken)
-            if best_key is None or k < best_key:  # combinations come in ascending order: first wins ties
+            if best_key is None or k < best_key:
                 best_key = k
                 best = Choice(positions=combo, gpus=tuple(self.indices[p] for p in combo), worst=worst,
                               total=total, nvlinks=links, near=close, broken=broken)
@@ -309,7 +321,8 @@ def _signature(inv: HardwareInventory) -> tuple:
         cost.append(tuple(crow))
         nvl.append(tuple(nrow))
     memory = tuple(g.memory_bytes for g in gpus)
-    return (indices, tuple(cost), tuple(nvl), memory)
+    models = tuple(g.name for g in gpus)
+    return (indices, tuple(cost), tuple(nvl), memory, models)
 
 
 _shapes: dict[tuple, NodeShape] = {}
@@ -333,9 +346,9 @@ def shape_of(inv: HardwareInventory) -> NodeShape:
     with _shapes_lock:
         shape = _shapes.get(sig)
         if shape is None:
-            indices, cost, nvl, memory = sig
+            indices, cost, nvl, memory, models = sig
             known = all(c < UNKNOWN_RANK for row in cost for c in row)
-            shape = NodeShape(indices, cost, nvl, memory, known)
+            shape = NodeShape(indices, cost, nvl, memory, known, models)
             _shapes[sig] = shape
         if len(_by_inventory) >= _MAX_INVENTORIES:
             _by_inventory.clear()
