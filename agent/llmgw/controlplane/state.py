@@ -22,11 +22,10 @@ import time
 from collections.abc import Callable
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Hashable, Protocol
 
 from llmgw import compat
 from llmgw.catalog import SIZE_MEASURED, Catalog, SourceKind, measure_sources, weights_size
-from llmgw.controlplane.capacity import shape_of
 from llmgw.controlplane.ejections import EjectionBook, Verdict, held, judge
 from llmgw.controlplane import grantsecret
 from llmgw.controlplane.grants import GrantKeys
@@ -38,6 +37,7 @@ from llmgw.controlplane.replicas import ReplicaState
 from llmgw.controlplane.store import ControlPlaneStore, MemoryBackend
 from llmgw.hardware.advertise import advertise
 from llmgw.hardware.types import HardwareInventory
+from llmgw.placement.shape import node_key
 from llmgw.settings import Lifecycle, ServerSettings, TLSFiles
 
 log = logging.getLogger("llmgw.controlplane")
@@ -78,7 +78,7 @@ class NodeRecord:
     peer: str | None = None
     certificate: dict[str, Any] | None = None  # what the agent presented: serial, not_after, fingerprint
     last_reason: str | None = None  # why it changed state last
-    shape: str = ""  # capacity.shape_of(inventory), computed once per registration
+    shape: Hashable = None  # placement.shape.node_key(inventory), computed once per registration
     cordon: str | None = None  # None, "cordoned" or "draining" (an operator's; kept across registrations and, in the store, restarts)
     _view: NodeView | None = field(default=None, repr=False, compare=False)
 
@@ -265,7 +265,7 @@ class ControlPlane:
             if tr is not None:
                 log.info("node %s: %s -> %s (%s)", node_id, tr.old.value, tr.new.value, tr.reason)
         rec.inventory, rec.epoch, rec.connected = inventory, epoch, True
-        rec.shape = shape_of(inventory)
+        rec.shape = node_key(inventory)
         rec.address = msg.get("address") or rec.address
         rec.agent_version, rec.boot_id = msg["agent_version"], msg["boot_id"]
         rec.registered_at, rec.peer, rec.certificate = time.time(), peer, certificate
@@ -302,7 +302,7 @@ class ControlPlane:
             inventory = advertised(msg["hardware"])
             log.warning("node %s: hardware changed while connected: %d GPU(s) advertised%s", node_id,
                         len(inventory.gpus), f" ({inventory.gpu_reason})" if inventory.gpu_reason else "")
-            rec.inventory, rec.shape = inventory, shape_of(inventory)
+            rec.inventory, rec.shape = inventory, node_key(inventory)
             self.kick()
         return True
 

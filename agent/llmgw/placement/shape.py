@@ -19,8 +19,12 @@ sets, never one of each.
 
 The search is exhaustive over the free GPUs (70 sets for 4 of 8), which is
 cheap only because it is memoised: a ``NodeShape`` is shared by every node
-with the same topology and memory (``shape_of``), and remembers its answer
-per (free mask, size, adapter distances).  A fleet of 10,000 identical
+with the same topology, memory and models (``shape_of``), and remembers its
+answer per (free mask, size, adapter distances).  The memos never change an
+answer (everything here is a function of its inputs); they are held weakly,
+so what no inventory or index uses any more is let go.  ``node_key`` is the
+whole of what placement sees of a node: the control plane's capacity classes
+and the placement index's buckets are both drawn from it.  A fleet of 10,000 identical
 8-GPU nodes thus searches at most 256 masks x 8 sizes, once.
 """
 
@@ -29,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import sys
 import threading
 import weakref
 from collections.abc import Sequence
@@ -111,6 +116,10 @@ class NodeShape:
     def __init__(self, indices: tuple[int, ...], cost: tuple[tuple[int, ...], ...],
                  nvlinks: tuple[tuple[int, ...], ...], memory: tuple[int, ...], known: bool,
                  models: tuple[str, ...] | None = None):
+        # Equal shapes are equal by what they are, not by being the one shared
+        # object: a memo that forgot one must not split a class of nodes.
+        self.signature = (indices, cost, nvlinks, memory, models)
+        self._hash = hash(self.signature)
         self.indices = indices
         self.pos = {g: i for i, g in enumerate(indices)}
         self.size = len(indices)
@@ -133,6 +142,13 @@ class NodeShape:
         self._best: dict[tuple[int, int, tuple[int, ...] | None], Choice | None] = {}
         self._mem_ok: dict[int, int] = {}
         self._lock = threading.Lock()
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, NodeShape) and self._hash == other._hash
+                                 and self.signature == other.signature)
+
+    def __hash__(self) -> int:
+        return self._hash
 
     # --- masks ---------------------------------------------------------------
 
@@ -325,14 +341,18 @@ def _signature(inv: HardwareInventory) -> tuple:
     return (indices, tuple(cost), tuple(nvl), memory, models)
 
 
-_shapes: dict[tuple, NodeShape] = {}
+# Memos of pure functions (an answer never depends on them): one NodeShape per
+# distinct signature while some inventory or index still uses it, so a fleet
+# of identical boxes shares one search; and each live inventory's shape, so a
+# decision does not recompute the signature.  Both let go of what nobody holds.
+_shapes: "weakref.WeakValueDictionary[tuple, NodeShape]" = weakref.WeakValueDictionary()
 _by_inventory: dict[int, tuple[weakref.ref[HardwareInventory], NodeShape]] = {}
 _shapes_lock = threading.Lock()
 _MAX_INVENTORIES = 200_000
 
 
 def shape_of(inv: HardwareInventory) -> NodeShape:
-    """The shared shape of this inventory's GPUs (one per distinct topology and memory).
+    """The shape of this inventory's GPUs (one per distinct topology, memory and models).
 
     Remembered per inventory object to spare recomputing the signature on
     every decision.  The entry goes when the inventory does: a control plane
@@ -361,3 +381,19 @@ def _forget(key: int, ref: weakref.ref) -> None:
     hit = _by_inventory.get(key)
     if hit is not None and hit[0] is ref:
         del _by_inventory[key]
+
+
+def node_key(inv: HardwareInventory) -> tuple[NodeShape, str]:
+    """Everything placement can see of a node, without its identities: the one node-shape notion.
+
+    Its GPUs' shape (``shape_of``: links, memory, models), then where its
+    GPUs and adapters sit and its fabrics (a multi-node rank's adapter
+    distance and fabric choice read these).  Node id, GPU UUIDs and PCI
+    addresses never change an answer, so two nodes with one key and the same
+    free GPUs are interchangeable: the control plane's capacity classes are
+    keyed by it, and the placement index buckets by its first part.
+    """
+    places = (tuple((g.index, g.numa_node, g.pci_path) for g in sorted(inv.gpus, key=lambda g: g.index)),
+              tuple((h.name, h.numa_node, h.pci_path) for h in inv.hcas),
+              tuple(sorted(repr(sorted(f.to_dict().items())) for f in inv.fabrics)))
+    return shape_of(inv), sys.intern(repr(places))  # one string per distinct layout, not one per node
