@@ -85,3 +85,31 @@ def test_explain_over_the_mixed_box_file_never_mixes_models(tmp_path):
     assert res.returncode == 0, (res.stdout, res.stderr)
     (tp4,) = json.loads(res.stdout)
     assert tp4["placement"]["shards"][0]["gpus"] == [4, 5, 6, 7]
+
+
+def fabric_node(node_id: str, name: str):
+    from llmgw.hardware.types import FabricStatus, HardwareInventory
+
+    doc = mixed_box(False)
+    doc["node_id"] = node_id
+    for g in doc["gpus"]:
+        g["name"], g["nvlink_peers"] = name, [j for j in range(8) if j != g["index"]]
+    inv = inventory_from_document(doc)
+    fabric = FabricStatus("ib-a", ("mlx5_0",), ("mlx5_0",), 400.0, link_layer="InfiniBand")
+    return NodeCapacity(HardwareInventory(**{**inv.__dict__, "fabrics": (fabric,)}), frozenset(range(8)))
+
+
+def multi(tp: int, nodes: int) -> PlacementRequest:
+    return PlacementRequest(model=Model(name="m", source="org/m", served_name="m"),
+                            profile=Profile(name="multi", engine="vllm", tensor_parallel_size=tp, nodes=nodes),
+                            weights_bytes=None)
+
+
+def test_the_ranks_of_a_multi_node_replica_are_one_gpu_model():
+    a, b, c = fabric_node("a", H100), fabric_node("b", "NVIDIA A100-SXM4-80GB"), fabric_node("c", H100)
+    placed = place(multi(16, 2), [a, b, c]).placement
+    assert placed is not None and placed.nodes == ("a", "c")
+    refused = place(multi(16, 2), [a, b])
+    assert refused.placement is None
+    assert ("only 1 of the 2 nodes on fabric ib-a with 8 free GPUs have them of one GPU model, needs 2"
+            in refused.verdicts[0].reason), refused.verdicts

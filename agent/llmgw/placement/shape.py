@@ -161,6 +161,13 @@ class NodeShape:
                 m |= 1 << p
         return m
 
+    def model_mask(self, model: str) -> int:
+        """Mask of this node's GPUs of ``model`` (0 when it has none)."""
+        try:
+            return self.model_masks[self.model_names.index(model)]
+        except ValueError:
+            return 0
+
     def gpus_of(self, mask: int) -> tuple[int, ...]:
         return tuple(self.indices[p] for p in range(self.size) if mask >> p & 1)
 
