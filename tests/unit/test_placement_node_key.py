@@ -42,7 +42,8 @@ def test_identities_do_not_change_the_key_and_whatever_placement_reads_does():
 def test_classes_split_by_gpu_model_and_merge_clones():
     a, b = box("a"), box("b")
     c = dataclasses.replace(box("c"), gpus=tuple(dataclasses.replace(g, name="NVIDIA L40S") for g in box("c").gpus))
-    fleet = capacity.FleetCapacity((NodeCapacity(i, frozenset(g.index for g in i.gpus)), node_key(i)) for i in (a, b, c))
+    fleet = capacity.FleetCapacity((NodeCapacity(i, frozenset(g.index for g in i.gpus)), node_key(i))
+                                   for i in (a, b, c))
     assert fleet.classes() == 2
     assert [n.node_id for n in fleet.candidates()] == ["a", "c"]
 

@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 
-from llmgw.hardware.advertise import advertise, sick_by_gpu, utc
+from llmgw.hardware.advertise import advertise, sick_by_gpu
 from llmgw.hardware.gpu_health import GPUHealth, XidLatch
 from llmgw.hardware.types import HardwareInventory
 

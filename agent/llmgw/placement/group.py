@@ -139,7 +139,8 @@ def choose_group(node: NodeCapacity, n: int, need: MemoryNeed | None,
 
 
 def one_model_refusal(shape: NodeShape, mask: int, n: int) -> str:
-    """ "4 free GPUs, no 4 of one model (3 NVIDIA H100 80GB HBM3, 1 NVIDIA L40S): a tensor-parallel group is one model"."""
+    """ "4 free GPUs, no 4 of one model (3 NVIDIA H100 80GB HBM3, 1 NVIDIA L40S): a tensor-parallel
+    group is one GPU model, needs 4"."""
     counts = [(mm & mask).bit_count() for mm in shape.model_masks]
     have = ", ".join(f"{c} {name}" for c, name in zip(counts, shape.model_names) if c)
     return (f"{plural(mask.bit_count(), 'free GPU')}, no {n} of one model ({have}): a tensor-parallel group "
