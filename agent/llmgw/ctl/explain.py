@@ -7,8 +7,8 @@ becomes what its node would advertise by the agent's own function
 (``llmgw.hardware.advertise``): GPUs whose ``health`` block makes them unfit
 are withheld, and so are GPUs whose ``processes`` list a process (offline,
 every listed process counts as not an engine).  Two files describing one
-``node_id`` are an error naming both.  The text form shows each node's topology matrix
-(``nvidia-smi topo -m`` style) when the file carries one.
+``node_id`` are an error naming both.  The text form shows each node's
+topology matrix (``nvidia-smi topo -m`` style) when the file carries one.
 
 A model without a declared ``size_bytes`` is sized from its weights when they
 can be read from here: a local path that exists on this machine, or, with
@@ -55,7 +55,8 @@ def declared_requests(settings: ServerSettings, model: str | None = None,
 
 def advertised_offline(inv: HardwareInventory) -> HardwareInventory:
     """What the node of a hardware file would advertise: ``llmgw.hardware.advertise``, as the agent
-    and the control plane apply it, with the one thing only offline cannot know decided offline.
+    and the control plane apply it, with what only a live agent can know (which processes are its
+    engines) decided the offline way.
 
     GPUs whose ``health`` block makes them unfit are withheld as the agent
     withholds them.  There is no telling an llmgw engine from anything else
