@@ -51,11 +51,6 @@ class NodeOption:
         return self.choice.worst == 0
 
     @property
-    def model(self) -> str:
-        """The GPU model of the group (a group is always one)."""
-        return self.node_shape.models[self.choice.positions[0]]
-
-    @property
     def node_shape(self) -> NodeShape:
         return shape_of(self.node.inventory)
 
