@@ -337,7 +337,7 @@ def placement_rate(nodes: int) -> dict[str, Any]:
     from llmgw.controlplane.capacity import FleetCapacity
     from llmgw.controlplane.lifecycle import NodeState
     from llmgw.controlplane.reconciler import NodeView, placement_request
-    from llmgw.controlplane.capacity import shape_of
+    from llmgw.placement.shape import node_key
     from llmgw.settings import parse_server_settings
     from llmgw.sim.fleet.hardware import DEFAULT_MIX, allocate, load_templates, node_inventory, parse_mix
 
@@ -347,7 +347,7 @@ def placement_rate(nodes: int) -> dict[str, Any]:
     for i, name in enumerate(names):
         nid = f"sim-{i:05d}"
         inv = node_inventory(templates[name], nid, i)
-        views[nid] = NodeView(nid, NodeState.READY, True, 1, inv, "127.0.0.1", shape_of(inv))
+        views[nid] = NodeView(nid, NodeState.READY, True, 1, inv, "127.0.0.1", node_key(inv))
     settings = parse_server_settings({"api": {"listen": {"port": 1}}, "insecure_no_tls": True, **catalog(nodes)})
     cat = settings.catalog
     t0 = time.process_time()

@@ -6,6 +6,8 @@ port 2 DOWN; mlx5_1 has both), node b ``mixed_link_layer`` (mlx5_0 InfiniBand, m
 RoCE).  Both declare fabric ib-a = mlx5_0, mlx5_1.  Node a must advertise exactly the
 live ports (``mlx5_0:1`` and all of ``mlx5_1``); node b must leave the RoCE card out and
 say why; and each rank's engine must be told exactly its node's ports in NCCL_IB_HCA.
+An agent on ``vf_zero_guid`` (two virtual functions, zero GUIDs, names swapped at boot)
+must use neither card and name where each recorded one went.
 """
 
 from __future__ import annotations
@@ -58,3 +60,23 @@ def test_engines_are_told_exactly_the_usable_ports_of_their_node(tmp_path):
         want = {f.node_ids["a"]: "=mlx5_0:1,mlx5_1", f.node_ids["b"]: "=mlx5_0"}
         for s in r["shards"]:
             assert engine_env(s["pid"])["NCCL_IB_HCA"] == want[s["node_id"]], s
+
+
+def test_virtual_functions_with_zero_guids_that_swapped_names_are_not_advertised(tmp_path):
+    """Two SR-IOV virtual functions with all-zero node GUIDs swapped names at boot: the agent
+    compares the PCI addresses recorded at rollout and uses neither, saying where each went."""
+    with Fleet(tmp_path, nodes={"a": 1}, replicas=0) as f:
+        on_sysfs(f, "a", "vf_zero_guid")
+        zero = "0000:0000:0000:0000"
+        edit_agent_config(f.agents["a"], lambda d: d["fabrics"][0].update(identities={
+            "mlx5_0": {"node_guid": zero, "pci_bus_id": "0000:19:00.0"},
+            "mlx5_1": {"node_guid": zero, "pci_bus_id": "0000:1a:00.0"}}))
+        f.start()
+        node = until(lambda: (n := f.nodes().get(f.node_ids["a"])) and n, "the node registered", on_timeout=f.dump)
+        (fabric,) = node["fabrics"]
+        assert fabric["advertised_hcas"] == []
+        assert fabric["problems"] == [
+            f"mlx5_0: not the card recorded at rollout (now node GUID {zero}, PCI 0000:1a:00.0, recorded node GUID "
+            f"{zero}, PCI 0000:19:00.0); the recorded card is now mlx5_1: renamed at boot? update the declaration",
+            f"mlx5_1: not the card recorded at rollout (now node GUID {zero}, PCI 0000:19:00.0, recorded node GUID "
+            f"{zero}, PCI 0000:1a:00.0); the recorded card is now mlx5_0: renamed at boot? update the declaration"]

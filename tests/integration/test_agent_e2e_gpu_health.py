@@ -8,6 +8,10 @@ withholds the GPU and says why, the control plane stops the replica there
 and starts one on the other node, and ``llmgw ctl nodes`` / ``ctl explain``
 show the reason.  Removing the Xid from the file does not bring the GPU
 back: an Xid is held until the agent restarts.
+
+And the rule is one: with a node's GPUs sick from its first discovery, the
+live placement and offline ``ctl explain`` over the same hardware file
+choose the same GPU.
 """
 
 from __future__ import annotations
@@ -82,3 +86,31 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_live_and_offline_placement_withhold_the_same_unfit_gpus(tmp_path):
+    """The one rule, three callers: the agent advertises, the control plane places, and offline
+    ``ctl explain`` over the same hardware file reaches the same GPU, each leaving out GPUs whose
+    health says Xid 79, uncorrected ECC errors or a pending row remap."""
+    import json
+    import subprocess
+    import sys
+
+    with Fleet(tmp_path, nodes={"a": 4}, replicas=1) as f:
+        path = f.agents["a"].cwd / "hardware.yaml"
+        doc = yaml.safe_load(path.read_text())
+        doc["gpus"][0]["health"] = {"xid": [79]}
+        doc["gpus"][1]["health"] = {"ecc_uncorrected_volatile": 1}
+        doc["gpus"][2]["health"] = {"remapped_rows_pending": True}
+        path.write_text(yaml.safe_dump(doc))
+        f.start()
+        (live,) = f.wait_ready(1)
+        node = f.try_node("a")
+        assert [s["index"] for s in node["hardware"]["sick_gpus"]] == [0, 1, 2]
+        assert [g["index"] for g in node["gpus"]] == [3]
+
+        res = subprocess.run([sys.executable, "-m", "llmgw", "ctl", "explain", "--config", str(f.config_path),
+                              "--hardware", str(path), "-o", "json"], capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, (res.stdout, res.stderr)
+        (offline,) = json.loads(res.stdout)
+        assert [s["gpus"] for s in offline["placement"]["shards"]] == [s["gpus"] for s in live["shards"]] == [[3]]

@@ -230,3 +230,31 @@ def test_a_fleet_past_the_heartbeat_cap_is_told_a_longer_interval(tmp_path):
         lc = told[2]
         assert lc["heartbeat_interval_s"] == 8.0
         assert lc["unreachable_after_s"] == 3.0 + 7.5 and lc["lost_after_s"] == 6.0 + 7.5
+
+
+def test_a_gpu_an_agent_advertises_despite_its_health_is_not_given_out(tmp_path):
+    """An older or faulty agent registers a GPU whose own health block says Xid 79: the control
+    plane judges it by the same function the agent and offline explain use, lists it sick, and
+    places the replica on the healthy GPU."""
+    with Fleet(tmp_path, nodes={}, replicas=1,
+               lifecycle={"unreachable_after": 60, "lost_after": 120, "keepalive_interval": 20}) as f:
+        f.start()
+        node = f"node-sick-{f.suffix}"
+        ctx = client_context(f.pki.ca_cert, *f.pki.node(node))
+        url = f.url.replace("https", "wss") + STREAM
+        register = register_message(node, gpus=2)
+        register["hardware"]["gpus"][0]["health"] = {"xid": [79]}
+
+        async def scenario() -> dict[str, Any]:
+            async with aiohttp.ClientSession() as s:
+                async with s.ws_connect(url, ssl=ctx) as ws:
+                    await ws.send_str(json.dumps(register))
+                    await next_json(ws, "registered")
+                    start = await next_json(ws, "start")
+                    return {"start": start, "node": (await asyncio.to_thread(f.nodes))[node]}
+
+        out = asyncio.run(scenario())
+        assert out["start"]["spec"]["gpu_indices"] == [1], out["start"]
+        hw = out["node"]["hardware"]
+        assert [(s["index"], s["reason"]) for s in hw["sick_gpus"]] == [(0, "Xid 79 (GPU has fallen off the bus)")]
+        assert [g["index"] for g in out["node"]["gpus"]] == [1]

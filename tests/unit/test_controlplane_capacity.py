@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from test_placement_builders import cap, pcie_pairs, request
 from test_placement_properties import SETTINGS, box, multi_request, single_request
 
-from llmgw.controlplane.capacity import FleetCapacity, shape_of
+from llmgw.controlplane.capacity import FleetCapacity
+from llmgw.placement.shape import node_key
 from llmgw.hardware.types import HardwareInventory
 from llmgw.placement import NodeCapacity, place_many
 
@@ -45,7 +46,7 @@ def cloned_fleet(draw) -> list[NodeCapacity]:
 @given(nodes=cloned_fleet(), reqs=st.lists(st.one_of(single_request(), multi_request()), min_size=1, max_size=8))
 def test_fleet_capacity_places_as_place_many_does(nodes, reqs):
     expected = place_many(reqs, nodes)
-    fleet = FleetCapacity((n, shape_of(n.inventory)) for n in nodes)
+    fleet = FleetCapacity((n, node_key(n.inventory)) for n in nodes)
     for req, want in zip(reqs, expected):
         got = fleet.place(req)
         assert (got.placement is None) == (want.placement is None), (req, got.reason, want.reason)
@@ -57,7 +58,7 @@ def test_fleet_capacity_places_as_place_many_does(nodes, reqs):
 
 def test_interchangeable_nodes_are_one_class_and_the_lowest_id_is_asked():
     nodes = [cap(renamed(pcie_pairs("x"), f"n{i}")) for i in (3, 1, 2)]
-    fleet = FleetCapacity((n, shape_of(n.inventory)) for n in nodes)
+    fleet = FleetCapacity((n, node_key(n.inventory)) for n in nodes)
     assert fleet.classes() == 1
     assert [c.node_id for c in fleet.candidates()] == ["n1"]
     assert [c.node_id for c in fleet.candidates(per_class=2)] == ["n1", "n2"]

@@ -112,5 +112,59 @@ def test_topology_box_through_the_command_withholds_listed_processes(tmp_path):
     assert "gpu-pcie8-01 topology (nvidia-smi topo -m):" in out
     assert "GPU0    X       NV4     NODE" in out
     assert "placed (topology): GPUs 4,5,6,7 on gpu-pcie8-01: 2 NVLink islands (4,5 | 6,7) joined by NODE" in out
-    assert ("3 free GPUs (GPU 0 withheld: the hardware file lists pid 4242 on it (offline, every listed "
-            "process counts as not an llmgw engine)), needs 8") in out
+    assert ("3 free GPUs (GPU 0 withheld: in use by pid 4242 (listed in the hardware file; offline, every listed "
+            "process counts), not an llmgw engine), needs 8") in out
+
+
+def _explain_process(*argv: str):
+    """``llmgw ctl explain`` in its own process, as an operator runs it."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "llmgw", "ctl", "explain", *argv],
+                          capture_output=True, text=True, timeout=60)
+
+
+def _tp1_config(tmp_path, replicas: int) -> Path:
+    cfg = tmp_path / "server.yaml"
+    cfg.write_text(
+        "api: {listen: {port: 8443}}\ninsecure_no_tls: true\n"
+        "models: [{name: m, source: org/m, size_bytes: 1000000000}]\n"
+        "profiles: [{name: tp1, engine: vllm}]\n"
+        f"deployments: [{{model: m, profile: tp1, replicas: {replicas}}}]\n")
+    return cfg
+
+
+def test_gpus_whose_health_block_says_unfit_are_withheld_offline_as_the_agent_withholds_them(tmp_path):
+    """Xid 79, uncorrected ECC errors and a pending row remap: the agent withholds these GPUs,
+    and so does offline explain, by the same function, naming each reason."""
+    import yaml
+
+    doc = yaml.safe_load((HW / "pcie-4gpu-nvlink-pairs.yaml").read_text())
+    doc["gpus"][0]["health"] = {"xid": [79]}
+    doc["gpus"][1]["health"] = {"ecc_uncorrected_volatile": 2}
+    doc["gpus"][2]["health"] = {"remapped_rows_pending": True, "xid": [13]}
+    hw = tmp_path / "box.yaml"
+    hw.write_text(yaml.safe_dump(doc))
+    res = _explain_process("--config", str(_tp1_config(tmp_path, 2)), "--hardware", str(hw), "-o", "json")
+    assert res.returncode == 3, res.stderr
+    first, second = json.loads(res.stdout)
+    assert first["placement"]["shards"] == [{"node": "gpu-pcie-01", "rank": 0, "gpus": [3], "env": {}}]
+    assert not second["placed"]
+    (node,) = second["nodes"]
+    assert node["reason"] == (
+        "0 free GPUs (GPU 0 withheld: Xid 79 (GPU has fallen off the bus); GPU 1 withheld: 2 uncorrected ECC "
+        "error(s) since the last reset; GPU 2 withheld: row remapping pending (takes effect at the next GPU "
+        "reset)), needs 1")
+
+
+def test_two_hardware_files_with_one_node_id_are_an_error_naming_both(tmp_path):
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text((HW / "hgx-h100-8gpu.yaml").read_text())
+    b.write_text((HW / "hgx-h100-nvswitch-topology.yaml").read_text().replace("node_id: gpu-hgx-01",
+                                                                             "node_id: gpu-h100-01"))
+    assert "node_id: gpu-h100-01" in b.read_text()
+    res = _explain_process("--config", str(_tp1_config(tmp_path, 1)), "--hardware", str(a), str(b))
+    assert res.returncode == 1, (res.stdout, res.stderr)
+    assert f"duplicate node_id 'gpu-h100-01': {a} and {b} describe the same node" in res.stderr
+    assert res.stdout == ""

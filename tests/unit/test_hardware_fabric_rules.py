@@ -103,6 +103,43 @@ def test_a_renamed_card_is_caught_by_its_recorded_identity():
                                        "is now mlx5_2")
 
 
+def test_virtual_functions_with_zero_guids_that_swapped_names_are_told_apart_by_pci_address():
+    # At rollout mlx5_0 was the VF at 0000:19:00.0; after a reboot that VF is mlx5_1. Both GUIDs are zero.
+    zero = "0000:0000:0000:0000"
+    ids = (("mlx5_0", (("node_guid", zero), ("pci_bus_id", "0000:19:00.0"))),
+           ("mlx5_1", (("node_guid", zero), ("pci_bus_id", "0000:1a:00.0"))))
+    s = status("vf_zero_guid", FabricDeclaration("ib-a", ("mlx5_0", "mlx5_1"), identities=ids))
+    assert s.advertised_hcas == ()
+    assert s.problems == (
+        f"mlx5_0: not the card recorded at rollout (now node GUID {zero}, PCI 0000:1a:00.0, recorded node GUID "
+        f"{zero}, PCI 0000:19:00.0); the recorded card is now mlx5_1: renamed at boot? update the declaration",
+        f"mlx5_1: not the card recorded at rollout (now node GUID {zero}, PCI 0000:19:00.0, recorded node GUID "
+        f"{zero}, PCI 0000:1a:00.0); the recorded card is now mlx5_0: renamed at boot? update the declaration")
+    # Recorded where they are now: both usable.
+    here = (("mlx5_0", (("node_guid", zero), ("pci_bus_id", "0000:1a:00.0"))),
+            ("mlx5_1", (("node_guid", zero), ("pci_bus_id", "0000:19:00.0"))))
+    assert status("vf_zero_guid", FabricDeclaration("ib-a", ("mlx5_0", "mlx5_1"), identities=here)).advertised_hcas == (
+        "mlx5_0", "mlx5_1")
+
+
+@pytest.mark.parametrize("recorded,same", [
+    ({"node_guid": "b83f:d203:0012:a4e0", "pci_bus_id": "0000:19:00.0"}, True),
+    ({"node_guid": "B83F:D203:0012:A4E0"}, True),  # no PCI recorded: the GUID is all there is
+    ({"node_guid": "b83f:d203:0012:a4e0", "pci_bus_id": "0000:1a:00.0"}, False),  # equal GUIDs: PCI decides
+    ({"node_guid": "b83f:d203:0012:a4f8", "pci_bus_id": "0000:19:00.0"}, False),  # two real GUIDs: two cards
+    ({"node_guid": "0000:0000:0000:0000", "pci_bus_id": "0000:19:00.0"}, True),
+    ({"pci_bus_id": "0000:1a:00.0"}, False),  # no GUID recorded: PCI decides
+])
+def test_identity_compares_pci_addresses_whenever_guids_are_missing_zero_or_equal(recorded, same):
+    from llmgw.hardware.fabric_rules import check_fabric
+
+    port = {"port": 1, "state": "ACTIVE", "phys_state": "LinkUp", "rate_gbps": 200.0, "rate_text": "200 Gb/sec",
+            "link_layer": "InfiniBand", "reason": None, "gid_index": None}
+    adapter = {"name": "mlx5_0", "node_guid": "b83f:d203:0012:a4e0", "pci_bus_id": "0000:19:00.0", "ports": [port]}
+    status_, _ = check_fabric({"name": "ib-a", "hcas": ["mlx5_0"], "identities": {"mlx5_0": recorded}}, [adapter])
+    assert (status_["advertised_hcas"] == ["mlx5_0"]) is same, status_["problems"]
+
+
 def test_unknown_rate_makes_the_fabrics_rate_unknown():
     s = status("malformed", FabricDeclaration("ib-a", ("mlx5_1",), min_rate_gbps=100))
     assert s.rate_gbps is None and s.advertised_hcas == ("mlx5_1",)

@@ -69,6 +69,7 @@ from llmgw.agent.procident import ProcessIdentity
 from llmgw.agent.schema import definition_problems
 from llmgw.agent.statedir import ShardRecord, StateDir
 from llmgw.agent.supervisor import ENV_NODE_ID, ENV_SHARD_ID
+from llmgw.hardware.advertise import Hold, advertise
 from llmgw.hardware.types import HardwareInventory
 
 log = logging.getLogger(__name__)
@@ -339,29 +340,31 @@ def held_gpu_indices(visible_devices: str | None, inventory: HardwareInventory) 
     return held
 
 
-def withhold_gpus(inventory: HardwareInventory, survivors: Sequence[UnknownEngine]) -> HardwareInventory:
-    """``inventory`` without the GPUs that ``survivors`` (engines we failed to kill) hold.
+def survivor_holds(inventory: HardwareInventory, survivors: Sequence[UnknownEngine]) -> list[Hold]:
+    """The GPUs ``survivors`` (engines we failed to kill) hold, one ``Hold`` per pid.
 
     The register message has nowhere to mark a GPU busy-but-not-ours, so a
     withheld GPU is left out of ``gpus`` (NVLink peers pointing at it too)
     and ``gpu_reason`` says which, held by which pid: the control plane
     cannot place on it, and an operator reading the node sees why.
     """
-    if not survivors:
-        return inventory
     held: dict[int, list[int]] = {}
     for e in survivors:
         for idx in held_gpu_indices(e.visible_devices, inventory):
             held.setdefault(idx, []).append(e.identity.pid)
-    if not held:
-        return inventory
     by_pid: dict[int, list[int]] = {}
     for idx, pids in sorted(held.items()):
         for pid in pids:
             by_pid.setdefault(pid, []).append(idx)
-    parts = [f"GPU(s) {', '.join(map(str, idxs))} withheld: held by pid {pid}, an unidentified engine "
-             f"that survived SIGKILL" for pid, idxs in by_pid.items()]
-    return inventory.without_gpus(set(held), parts)
+    return [Hold(tuple(idxs), f"GPU(s) {', '.join(map(str, idxs))} withheld: held by pid {pid}, an unidentified "
+                 f"engine that survived SIGKILL") for pid, idxs in by_pid.items()]
+
+
+def withhold_gpus(inventory: HardwareInventory, survivors: Sequence[UnknownEngine]) -> HardwareInventory:
+    """``inventory`` without the GPUs that ``survivors`` hold (see ``survivor_holds``)."""
+    if not survivors:
+        return inventory
+    return advertise(inventory, held=lambda inv: survivor_holds(inv, survivors)).inventory
 
 
 # --- GPUs held by processes that are not this agent's engines ----------------
@@ -460,15 +463,5 @@ def withhold_foreign_gpus(inventory: HardwareInventory, own: OwnEngines
     Nothing is ever signalled.  The reason, per GPU: ``GPU 3 withheld: in use
     by pid 4242 (python3), not an llmgw engine``.
     """
-    holders = foreign_holders(inventory, own)
-    if not holders:
-        return inventory, []
-    by_gpu: dict[int, list[ForeignHolder]] = {}
-    for h in holders:
-        by_gpu.setdefault(h.gpu, []).append(h)
-    parts = []
-    for idx, hs in sorted(by_gpu.items()):
-        tail = "not an llmgw engine" if len(hs) == 1 else "none of them an llmgw engine"
-        parts.append(f"GPU {idx} withheld: in use by {', '.join(h.describe() for h in hs)}, {tail}")
-    return inventory.without_gpus(set(by_gpu), parts), holders
-
+    out = advertise(inventory, foreign=lambda inv: foreign_holders(inv, own))
+    return out.inventory, list(out.holders)  # type: ignore[arg-type]

@@ -31,12 +31,13 @@ from pathlib import Path
 from typing import Callable
 
 from llmgw.agent import procident
-from llmgw.agent.adoption import (OwnEngines, UnknownEngine, invisible_holders, recover, withhold_foreign_gpus,
-                                  withhold_gpus)
+from llmgw.agent.adoption import (OwnEngines, UnknownEngine, foreign_holders, invisible_holders, recover,
+                                  survivor_holds)
 from llmgw.agent.sickgpus import SickGPUs
 from llmgw.agent.statedir import StateDir
 from llmgw.agent.stream import StreamClient
 from llmgw.agent.supervisor import Supervisor, SupervisorConfig
+from llmgw.hardware.advertise import advertise
 from llmgw.hardware.gpu_health import GPUHealth, NvmlHealth
 from llmgw.hardware.types import HardwareInventory
 from llmgw.settings import AgentSettings, EngineTLS
@@ -135,14 +136,17 @@ class _Discovery:
         if health is None:
             health = self.last_health if self.last_health is not None else self.health_of(inventory)
         self.last_health = health
-        inventory = self.sick.apply(inventory, health)
+        latched, since = self.sick.judge(health)
         alive = [e for e in self.survivors if procident.is_running(e.identity)]
         for e in self.survivors:
             if e not in alive:
                 log.warning("unidentified engine pid %d that survived SIGKILL is gone; its GPUs are advertised "
                             "again", e.identity.pid)
         self.survivors = alive
-        shown, holders = withhold_foreign_gpus(withhold_gpus(inventory, alive), self.own())
+        own = self.own()
+        out = advertise(inventory, health=latched, since=since, held=lambda inv: survivor_holds(inv, alive),
+                        foreign=lambda inv: foreign_holders(inv, own))
+        shown, holders = out.inventory, list(out.holders)
         now = {(h.gpu, h.pid) for h in holders}
         for h in holders:
             if (h.gpu, h.pid) not in self.foreign:

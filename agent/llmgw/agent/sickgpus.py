@@ -1,6 +1,8 @@
 """Withholding unfit GPUs from what the node advertises, and saying why.
 
-The judgement is ``llmgw.hardware.gpu_health``'s; this keeps what must
+The judgement is ``llmgw.hardware.gpu_health``'s and what is withheld is
+``llmgw.hardware.advertise``'s (the rules offline explain and the control
+plane apply too); this keeps what must
 outlive one rediscovery: the Xid codes seen since the agent started (an
 event is never taken back) and when each GPU was first judged sick for its
 current reason, so the reason an operator reads, and the document the
@@ -9,19 +11,15 @@ control plane compares, stay the same from one rediscovery to the next.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
 
-from llmgw.hardware.gpu_health import GPUHealth, XidLatch, sick_reasons
-from llmgw.hardware.types import HardwareInventory, SickGPU
+from llmgw.hardware.advertise import advertise, sick_by_gpu
+from llmgw.hardware.gpu_health import GPUHealth, XidLatch
+from llmgw.hardware.types import HardwareInventory
 
 log = logging.getLogger(__name__)
-
-
-def utc(t: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
 
 
 class SickGPUs:
@@ -32,19 +30,10 @@ class SickGPUs:
         self.latch = XidLatch()
         self.since: dict[int, tuple[str, float]] = {}  # GPU -> (reason, first judged so)
 
-    def apply(self, inventory: HardwareInventory, health: Mapping[int, GPUHealth]) -> HardwareInventory:
-        """``inventory`` with each GPU's health attached, less the sick ones (``sick_gpus`` says why).
-
-        ``health`` is by NVML index and may name GPUs discovery left out (a
-        lost GPU NVML cannot describe): they are listed sick all the same,
-        so a replica on one is moved.
-        """
+    def judge(self, health: Mapping[int, GPUHealth]) -> tuple[dict[int, GPUHealth], dict[int, float]]:
+        """The readings with every Xid seen so far, and since when each sick GPU has been so, logged on change."""
         latched = self.latch.latch(dict(health))
-        sick: dict[int, str] = {}
-        for index, h in sorted(latched.items()):
-            reasons = sick_reasons(h)
-            if reasons:
-                sick[index] = ", ".join(reasons)
+        sick = sick_by_gpu(latched)
         now = self.clock()
         for index in sorted(set(self.since) - set(sick)):
             log.warning("GPU %d healthy again (%s no longer holds); advertised again", index, self.since[index][0])
@@ -53,11 +42,14 @@ class SickGPUs:
             if self.since.get(index, ("", 0.0))[0] != reason:
                 self.since[index] = (reason, now)
                 log.error("GPU %d withheld: %s", index, reason)
-        gpus = tuple(dataclasses.replace(g, health=latched[g.index]) if g.index in latched else g
-                     for g in inventory.gpus)
-        shown = dataclasses.replace(inventory, gpus=gpus)
-        if not sick:
-            return shown
-        listed = tuple(SickGPU(i, r, self.since[i][1]) for i, r in sick.items())
-        parts = [f"GPU {g.index} withheld: {g.reason} at {utc(g.since)}" for g in listed]
-        return dataclasses.replace(shown.without_gpus(set(sick), parts), sick_gpus=listed)
+        return latched, {i: t for i, (_, t) in self.since.items()}
+
+    def apply(self, inventory: HardwareInventory, health: Mapping[int, GPUHealth]) -> HardwareInventory:
+        """``inventory`` with each GPU's health attached, less the sick ones (``sick_gpus`` says why).
+
+        ``health`` is by NVML index and may name GPUs discovery left out (a
+        lost GPU NVML cannot describe): they are listed sick all the same,
+        so a replica on one is moved.
+        """
+        latched, since = self.judge(health)
+        return advertise(inventory, health=latched, since=since).inventory

@@ -1,8 +1,9 @@
 """The fleet's free GPUs during one reconcile pass, for placement at fleet size.
 
 Placement asks every node it is given the same question and breaks ties by
-node id.  Two nodes with the same hardware shape (GPUs, links, fabrics:
-everything but their identities) and the same free GPUs give the same answer,
+node id.  Two nodes with the same shape (``llmgw.placement.shape.node_key``:
+GPUs, links, models, fabrics, everything placement sees but their
+identities) and the same free GPUs give the same answer,
 so among such interchangeable nodes only the lowest node ids can ever be
 chosen.  ``FleetCapacity`` groups nodes into those classes and hands
 placement one representative per class (``k`` for a replica spanning ``k``
@@ -18,27 +19,11 @@ later slots will: the pass only ever takes GPUs).
 from __future__ import annotations
 
 import bisect
-import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 
 from llmgw.controlplane.lifecycle import NodeState
-from llmgw.hardware.types import HardwareInventory
 from llmgw.placement import NodeCapacity, Placement, PlacementIndex, PlacementRequest, PlacementResult, place
-
-
-def shape_of(inventory: HardwareInventory) -> str:
-    """What placement can see of a node, without its identities.
-
-    GPU UUIDs and PCI addresses, and the node id, never change an answer;
-    everything else (models, memory, links, fabrics and their problems) may.
-    """
-    d = inventory.to_dict()
-    d.pop("node_id", None)
-    for g in d.get("gpus", ()):
-        g.pop("uuid", None)
-        g.pop("pci_bus_id", None)
-    return sys.intern(repr(d))  # one string per distinct shape, not one per node
 
 
 @dataclass(frozen=True)
@@ -67,7 +52,7 @@ class FleetCapacity:
     placed by ``place`` over the class representatives.
     """
 
-    def __init__(self, units: Iterable[tuple[NodeCapacity, str]]):
+    def __init__(self, units: Iterable[tuple[NodeCapacity, Hashable]]):
         self._units: dict[str, _Unit] = {}
         self._classes: dict[tuple, list[str]] = {}  # key -> node ids, sorted
         self._index: PlacementIndex | None = None  # built on the first single-node request
@@ -86,12 +71,13 @@ class FleetCapacity:
             reason = _reason(n.state, n.connected, getattr(n, "cordon", None))  # type: ignore[attr-defined]
             cap = NodeCapacity(inventory=n.inventory, free_gpus=free,  # type: ignore[attr-defined]
                                schedulable=reason is None, reason=reason)
-            units.append((cap, getattr(n, "shape", "") or ""))
+            units.append((cap, getattr(n, "shape", None)))
         return cls(units)
 
-    def _put(self, cap: NodeCapacity, shape: str) -> None:
-        # An empty shape is unknown: the node is a class of its own.
-        key = (shape or ("node", cap.node_id), cap.free_gpus, cap.schedulable, cap.reason)
+    def _put(self, cap: NodeCapacity, shape: Hashable) -> None:
+        # An unknown shape (None, or an empty one): the node is a class of its own.
+        key = (("shape", shape) if shape else ("node", cap.node_id), cap.free_gpus, cap.schedulable,
+               cap.reason)
         self._units[cap.node_id] = _Unit(cap, key)
         bisect.insort(self._classes.setdefault(key, []), cap.node_id)
 
@@ -139,6 +125,6 @@ class FleetCapacity:
         for shard in placement.shards:
             unit = self._drop(shard.node_id)
             cap = unit.capacity
-            shape = unit.key[0] if isinstance(unit.key[0], str) else ""
+            shape = unit.key[0][1] if unit.key[0][0] == "shape" else None
             self._put(NodeCapacity(inventory=cap.inventory, free_gpus=cap.free_gpus - frozenset(shard.gpu_indices),
                                    schedulable=cap.schedulable, reason=cap.reason), shape)

@@ -28,7 +28,7 @@ The fleet is authoritative about what runs:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,9 +79,9 @@ class NodeView:
     inventory: HardwareInventory
     address: str | None = None
     # What placement can see of the node without its identities
-    # (``capacity.shape_of``); nodes of one shape are interchangeable. Empty:
-    # not known, the node is compared with no other.
-    shape: str = ""
+    # (``placement.shape.node_key``); nodes of one shape are interchangeable.
+    # None: not known, the node is compared with no other.
+    shape: Hashable = None
     # An operator's cordon: None, "cordoned" (nothing new is placed here) or
     # "draining" (cordoned, and its replicas are moved elsewhere one at a time).
     cordon: str | None = None

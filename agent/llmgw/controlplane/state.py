@@ -22,11 +22,10 @@ import time
 from collections.abc import Callable
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Hashable, Protocol
 
 from llmgw import compat
 from llmgw.catalog import SIZE_MEASURED, Catalog, SourceKind, measure_sources, weights_size
-from llmgw.controlplane.capacity import shape_of
 from llmgw.controlplane.ejections import EjectionBook, Verdict, held, judge
 from llmgw.controlplane import grantsecret
 from llmgw.controlplane.grants import GrantKeys
@@ -36,10 +35,22 @@ from llmgw.controlplane.looplag import LoopLag
 from llmgw.controlplane.reconciler import Context, NodeView, Plan, Reconciler, endpoints
 from llmgw.controlplane.replicas import ReplicaState
 from llmgw.controlplane.store import ControlPlaneStore, MemoryBackend
+from llmgw.hardware.advertise import advertise
 from llmgw.hardware.types import HardwareInventory
+from llmgw.placement.shape import node_key
 from llmgw.settings import Lifecycle, ServerSettings, TLSFiles
 
 log = logging.getLogger("llmgw.controlplane")
+
+
+def advertised(document: dict[str, Any]) -> HardwareInventory:
+    """An agent's inventory as placement may use it: ``llmgw.hardware.advertise`` over it again.
+
+    The agent already withheld its unfit GPUs; judging each GPU's ``health``
+    here too means a GPU an older or faulty agent left in is not given out,
+    and the control plane, the agent and ``ctl explain`` apply one rule.
+    """
+    return advertise(HardwareInventory.from_dict(document), now=time.time()).inventory
 
 
 class Session(Protocol):
@@ -67,7 +78,7 @@ class NodeRecord:
     peer: str | None = None
     certificate: dict[str, Any] | None = None  # what the agent presented: serial, not_after, fingerprint
     last_reason: str | None = None  # why it changed state last
-    shape: str = ""  # capacity.shape_of(inventory), computed once per registration
+    shape: Hashable = None  # placement.shape.node_key(inventory), computed once per registration
     cordon: str | None = None  # None, "cordoned" or "draining" (an operator's; kept across registrations and, in the store, restarts)
     _view: NodeView | None = field(default=None, repr=False, compare=False)
 
@@ -244,7 +255,7 @@ class ControlPlane:
         self.sessions[node_id] = session
         if old is not None and old is not session:
             old.close(f"superseded by a newer registration (epoch {epoch})")
-        inventory = HardwareInventory.from_dict(msg["hardware"])
+        inventory = advertised(msg["hardware"])
         rec = self.nodes.get(node_id)
         if rec is None:
             rec = NodeRecord(node_id, inventory, NodeClock.seen(now), epoch, cordon=self.store.cordon_of(node_id))
@@ -254,7 +265,7 @@ class ControlPlane:
             if tr is not None:
                 log.info("node %s: %s -> %s (%s)", node_id, tr.old.value, tr.new.value, tr.reason)
         rec.inventory, rec.epoch, rec.connected = inventory, epoch, True
-        rec.shape = shape_of(inventory)
+        rec.shape = node_key(inventory)
         rec.address = msg.get("address") or rec.address
         rec.agent_version, rec.boot_id = msg["agent_version"], msg["boot_id"]
         rec.registered_at, rec.peer, rec.certificate = time.time(), peer, certificate
@@ -288,10 +299,10 @@ class ControlPlane:
             self.reconciler.observe_progress(node_id, msg, now)
             self._learn_reported_size(node_id, msg)
         elif kind == "hardware":
-            inventory = HardwareInventory.from_dict(msg["hardware"])
+            inventory = advertised(msg["hardware"])
             log.warning("node %s: hardware changed while connected: %d GPU(s) advertised%s", node_id,
                         len(inventory.gpus), f" ({inventory.gpu_reason})" if inventory.gpu_reason else "")
-            rec.inventory, rec.shape = inventory, shape_of(inventory)
+            rec.inventory, rec.shape = inventory, node_key(inventory)
             self.kick()
         return True
 

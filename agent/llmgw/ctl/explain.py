@@ -2,11 +2,13 @@
 
 The offline form (``--config server.yaml --hardware FILE...``) runs the same
 pure placement the control plane runs, over hardware files, so an operator
-can check a catalog against a fleet before anything is deployed.  GPUs whose
-``processes`` list a process are withheld, as an agent withholds GPUs held by
-a process that is not one of its engines (offline, every listed process
-counts as not an engine).  The text form shows each node's topology matrix
-(``nvidia-smi topo -m`` style) when the file carries one.
+can check a catalog against a fleet before anything is deployed.  Each file
+becomes what its node would advertise by the agent's own function
+(``llmgw.hardware.advertise``): GPUs whose ``health`` block makes them unfit
+are withheld, and so are GPUs whose ``processes`` list a process (offline,
+every listed process counts as not an engine).  Two files describing one
+``node_id`` are an error naming both.  The text form shows each node's
+topology matrix (``nvidia-smi topo -m`` style) when the file carries one.
 
 A model without a declared ``size_bytes`` is sized from its weights when they
 can be read from here: a local path that exists on this machine, or, with
@@ -25,6 +27,7 @@ from typing import Any
 
 from llmgw.catalog import measure_sources, weights_bytes
 from llmgw.config import ConfigInvalid
+from llmgw.hardware.advertise import advertise, listed_holders
 from llmgw.hardware.types import HardwareInventory
 from llmgw.placement import NodeCapacity, PlacementRequest, format_result, place_many
 from llmgw.settings import ServerSettings, load_server_settings
@@ -50,26 +53,24 @@ def declared_requests(settings: ServerSettings, model: str | None = None,
     return out
 
 
-def withhold_listed(inv: HardwareInventory) -> HardwareInventory:
-    """``inv`` less every GPU whose ``processes`` lists a process, as the agent withholds
-    GPUs held by a process that is not one of its engines.
+def advertised_offline(inv: HardwareInventory) -> HardwareInventory:
+    """What the node of a hardware file would advertise: ``llmgw.hardware.advertise``, as the agent
+    and the control plane apply it, with what only a live agent can know (which processes are its
+    engines) decided the offline way.
 
-    Offline there is no telling an llmgw engine from anything else (the agent
-    asks the live process for its LLMGW_SHARD_ID), so every listed process
-    counts as not an engine, and the reason says so.  A GPU whose processes
-    are unknown (the key left out) is not withheld, as on the agent.
+    GPUs whose ``health`` block makes them unfit are withheld as the agent
+    withholds them.  There is no telling an llmgw engine from anything else
+    (the agent asks the live process for its LLMGW_SHARD_ID), so every
+    process a file lists counts as not an engine, and the reason says so.
+    A GPU whose processes are unknown (the key left out) is not withheld, as
+    on the agent.
     """
-    held = {g.index: g.processes for g in inv.gpus if g.processes}
-    if not held:
-        return inv
-    parts = [f"GPU {i} withheld: the hardware file lists pid {', '.join(str(p.pid) for p in procs)} on it "
-             f"(offline, every listed process counts as not an llmgw engine)" for i, procs in sorted(held.items())]
-    return inv.without_gpus(set(held), parts)
+    return advertise(inv, foreign=listed_holders).inventory
 
 
 def explain_offline(settings: ServerSettings, inventories: list, model: str | None = None,
                     known_sizes: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
-    inventories = [withhold_listed(inv) for inv in inventories]
+    inventories = [advertised_offline(inv) for inv in inventories]
     nodes = [NodeCapacity(inventory=inv, free_gpus=frozenset(g.index for g in inv.gpus)) for inv in inventories]
     labelled = declared_requests(settings, model, known_sizes)
     results = place_many([r for _, r in labelled], nodes)
@@ -101,11 +102,11 @@ def _cmd_explain(args: argparse.Namespace) -> int:
                   "control-plane client)", file=sys.stderr)
             return 2
         return online(args)
-    from llmgw.hardware.simulated import load_hardware_file
+    from llmgw.hardware.simulated import load_hardware_files
 
     try:
         settings = load_server_settings(args.config)
-        inventories = [load_hardware_file(f) for f in args.hardware]
+        inventories = load_hardware_files(args.hardware)
     except ConfigInvalid as e:
         print(e, file=sys.stderr)
         return 1

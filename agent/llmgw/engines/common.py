@@ -156,6 +156,37 @@ def owned_problems(
     return problems
 
 
+@dataclass(frozen=True)
+class MemoryFraction:
+    """The share of each GPU's memory a profile lets its engine take, as its flags set it."""
+
+    flag: str  # "--gpu-memory-utilization"
+    value: float
+    index: int  # of the flag in extra_args, for a config error's pointer
+
+
+def find_memory_fraction(args: Sequence[object], flag: str, syntax: FlagSyntax) -> MemoryFraction | str | None:
+    """The last setting of ``flag`` in ``args`` (argparse keeps the last), read under every spelling
+    the engine accepts; the problem's text when its value is not a fraction in (0, 1]; None when unset."""
+    hits = find_owned(args, (OwnedFlag((flag,), ""),), syntax)
+    if not hits:
+        return None
+    i, token, _ = hits[-1]
+    if "=" in token:
+        raw: object = token.split("=", 1)[1]
+    elif i + 1 < len(args):
+        raw = args[i + 1]
+    else:
+        return f"extra_args sets {flag} without a value"
+    try:
+        value = float(raw)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return f"extra_args sets {flag} to {raw!r}, not a number"
+    if not 0 < value <= 1:
+        return f"extra_args sets {flag} to {raw}, outside (0, 1]: it is a share of each GPU's memory"
+    return MemoryFraction(flag, value, i)
+
+
 def shape_problems(profile: Profile) -> list[str]:
     """Parallelism that no engine can run: non-positive sizes, uneven node split."""
     problems: list[str] = []
@@ -316,6 +347,9 @@ class Adapter:
     # shows in ``ps``.  Adapters without a key variable override ``key_launch``.
     key_flags: tuple[OwnedFlag, ...] = ()
     key_env: str | None = None
+    # The flag that caps the share of each GPU's memory the engine takes
+    # (weights, activations and KV cache together); placement counts it.
+    memory_fraction_flag: str | None = None
     # Whether the pinned release can serve HTTPS (the adapter then emits its
     # certificate flags in ``engine_args`` when the context carries a pair).
     tls_capable: bool = False
@@ -357,6 +391,13 @@ class Adapter:
         return {self.key_env: USE_KEY} if self.key_env else {}
 
     # -- shared -----------------------------------------------------------------
+    def memory_fraction(self, profile: Profile) -> MemoryFraction | None:
+        """The memory share ``profile``'s flags give the engine; None when they leave the engine's default."""
+        if self.memory_fraction_flag is None:
+            return None
+        found = find_memory_fraction(profile.extra_args, self.memory_fraction_flag, self.syntax)
+        return found if isinstance(found, MemoryFraction) else None
+
     def profile_problems(self, profile: Profile) -> list[str]:
         problems: list[str] = []
         if profile.engine != self.name:
@@ -369,6 +410,11 @@ class Adapter:
         problems += owned_problems(self.name, profile.extra_args, self.owned_flags(profile) + self.key_flags,
                                    self.syntax)
         problems += env_problems(profile, {**self.forbidden_env, **self.key_env_owned()})
+        if self.memory_fraction_flag is not None:
+            found = find_memory_fraction(profile.extra_args, self.memory_fraction_flag, self.syntax)
+            if isinstance(found, str):
+                hit = find_owned(profile.extra_args, (OwnedFlag((self.memory_fraction_flag,), ""),), self.syntax)
+                problems.append(Problem(found, f"extra_args/{hit[-1][0]}"))
         return problems
 
     def validate_profile(self, profile: Profile) -> None:

@@ -73,6 +73,7 @@ class SGLangAdapter(Adapter):
     default_command = ("python", "-m", "sglang.launch_server")
     syntax = ARGPARSE
     key_flags = (OwnedFlag(("--api-key",), USE_KEY),)
+    memory_fraction_flag = "--mem-fraction-static"
 
     def key_launch(self, ctx: LaunchContext) -> tuple[list[str], dict[str, str], tuple[SecretFile, ...]]:
         if not ctx.api_key or not self.serves_http(ctx):

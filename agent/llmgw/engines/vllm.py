@@ -107,6 +107,7 @@ class VLLMAdapter(Adapter):
     # FlexibleArgumentParser: underscores become dashes; argparse abbreviations.
     syntax = FlagSyntax(underscores=True, abbreviations=True, attached_short=True)
     key_flags = (OwnedFlag(("--api-key",), USE_KEY),)
+    memory_fraction_flag = "--gpu-memory-utilization"
     key_env = "VLLM_API_KEY"
     tls_capable = True
 

@@ -20,7 +20,8 @@ not advertised.  What is advertised is spelled as NCCL_IB_HCA reads it: the
 adapter's name when every port of it is usable, else each usable port
 (``mlx5_0:1``), so a dual-rail card that lost a rail is named exactly.  When
 the adapter's identity (node GUID, PCI address) was recorded at rollout, a
-card found under a declared name with another identity is not used, and a
+card found under a declared name with another identity (another real GUID,
+or, where GUIDs are missing, all zero or equal, another PCI address) is not used, and a
 rename message names where the recorded card went.  Any usable port whose
 rate cannot be read makes the fabric's rate unknown ("at most" the known
 ones), and then ``min_rate_gbps`` cannot be checked.  For RoCE, the RoCE v2
@@ -132,13 +133,30 @@ def _identity_text(ident):
     return ", ".join(parts) or "no identity"
 
 
+def _guid(ident):
+    """A node GUID that names one card, lowercased; None when missing or all zero.
+
+    SR-IOV virtual functions report 0000:0000:0000:0000 until a GUID is
+    assigned: every such card "matches" every other, so it proves nothing.
+    """
+    guid = (ident.get("node_guid") or "").strip().lower()
+    return guid if guid.strip("0:") else None
+
+
 def _same_card(adapter, ident):
-    """Does ``adapter`` match a recorded identity?  GUID decides when both have one, else the PCI address."""
-    if ident.get("node_guid") and adapter.get("node_guid"):
-        return adapter["node_guid"].lower() == ident["node_guid"].lower()
+    """Does ``adapter`` match a recorded identity?
+
+    Two real GUIDs that differ are two cards.  Otherwise (a GUID missing,
+    all zero, or the same) the PCI addresses decide when both are known:
+    two virtual functions with zero GUIDs that swap names at boot differ
+    only there.
+    """
+    mine, theirs = _guid(adapter), _guid(ident)
+    if mine and theirs and mine != theirs:
+        return False
     if ident.get("pci_bus_id") and adapter.get("pci_bus_id"):
         return adapter["pci_bus_id"].lower() == ident["pci_bus_id"].lower()
-    return True  # nothing to compare
+    return True  # nothing more to compare
 
 
 def check_fabric(decl, adapters):

@@ -15,7 +15,10 @@ pass its health checks and then hang on its first all-reduce.  So such an
 adapter is not advertised, and the reason names it.
 
 Parsing is pure (``parse_*`` over the files' text); ``read_hcas`` is the thin
-I/O around it and never raises for what it finds on disk.
+I/O around it and never raises for what it finds on disk.  The collection's
+``hca_validate`` reads sysfs with its own self-contained twin
+(``plugins/module_utils/infiniband.py``, for hosts without llmgw); a unit
+test holds the two to the same reading of every recorded sysfs tree.
 """
 
 from __future__ import annotations

@@ -177,3 +177,25 @@ def load_hardware_file(
 ) -> HardwareInventory:
     """Read, validate and interpret a hardware file (see the module docstring)."""
     return inventory_from_document(read_hardware_document(path), node_id=node_id, fabrics=fabrics)
+
+
+def load_hardware_files(paths: Sequence[str | Path]) -> list[HardwareInventory]:
+    """Several hardware files, one node each: ``load_hardware_file`` on every one.
+
+    Two files describing the same ``node_id`` are refused, naming both: taken
+    as two nodes they would be one node to placement (its GPUs counted once,
+    the second file's silently lost), and ``ctl explain`` would answer "will
+    not fit" where the real answer is "you gave the same node twice".
+    """
+    inventories = [load_hardware_file(p) for p in paths]
+    first: dict[str, str] = {}
+    errors: list[ConfigError] = []
+    for path, inv in zip(paths, inventories):
+        if inv.node_id in first:
+            errors.append(ConfigError("/node_id", f"duplicate node_id {inv.node_id!r}: {first[inv.node_id]} and "
+                                                  f"{path} describe the same node"))
+        else:
+            first[inv.node_id] = str(path)
+    if errors:
+        raise ConfigInvalid(", ".join(str(p) for p in paths), errors)
+    return inventories

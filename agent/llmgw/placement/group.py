@@ -51,6 +51,10 @@ class NodeOption:
         return self.choice.worst == 0
 
     @property
+    def node_shape(self) -> NodeShape:
+        return shape_of(self.node.inventory)
+
+    @property
     def stranded(self) -> int:
         """Free GPUs the group leaves behind on this node."""
         return self.free_count - len(self.gpus)
@@ -93,12 +97,14 @@ def schedulability(node: NodeCapacity) -> Refusal | None:
 
 
 def choose_group(node: NodeCapacity, n: int, need: MemoryNeed | None,
-                 adapters: Sequence[str] = ()) -> NodeOption | Refusal:
+                 adapters: Sequence[str] = (), model: str | None = None) -> NodeOption | Refusal:
     """The group of ``n`` free GPUs this node would give, or why it cannot.
 
     Only GPUs that each hold their share of the weights are candidates; among
     them the best-scored set (``NodeShape.best``), preferring GPUs close to
     ``adapters`` (a multi-node rank's fabric) when their places are known.
+    ``model``: only GPUs of that model (a multi-node replica's ranks are one
+    model too).
     """
     refused = schedulability(node)
     if refused is not None:
@@ -111,15 +117,29 @@ def choose_group(node: NodeCapacity, n: int, need: MemoryNeed | None,
         return Refusal(node.node_id, "too few free GPUs", _too_few(inv, free_count, n))
     per_gpu = need.per_gpu_bytes if need is not None else None
     mask = free_mask & shape.holding(per_gpu)
+    if model is not None:
+        mask &= shape.model_mask(model)
     if need is not None and mask.bit_count() < n:
         largest = max((shape.memory[p] for p in range(shape.size) if free_mask >> p & 1), default=0)
         return Refusal(node.node_id, "GPU memory too small",
                        need.refusal(n, mask.bit_count(), free_count, largest))
     near = adapter_ranks(shape, inv, adapters) if adapters else None
     choice = shape.best(mask, n, near)
-    assert choice is not None  # mask has at least n GPUs
+    if choice is None and model is not None:
+        return Refusal(node.node_id, "too few GPUs of one model", f"fewer than {n} free {model} GPUs")
+    if choice is None:  # n GPUs, but not n of one model
+        return Refusal(node.node_id, "too few GPUs of one model", one_model_refusal(shape, mask, n))
     return NodeOption(node=node, gpus=choice.gpus, choice=choice, why=_why(shape, choice, mask, need, free_mask, near, inv),
                       free_count=free_count, memory_note=_memory_note(shape, choice, need))
+
+
+def one_model_refusal(shape: NodeShape, mask: int, n: int) -> str:
+    """ "4 free GPUs, no 4 of one model (3 NVIDIA H100 80GB HBM3, 1 NVIDIA L40S): a tensor-parallel
+    group is one GPU model, needs 4"."""
+    counts = [(mm & mask).bit_count() for mm in shape.model_masks]
+    have = ", ".join(f"{c} {name}" for c, name in zip(counts, shape.model_names) if c)
+    return (f"{plural(mask.bit_count(), 'free GPU')}, no {n} of one model ({have}): a tensor-parallel group "
+            f"is one GPU model, needs {n}")
 
 
 def _too_few(inv, free: int, n: int) -> str:

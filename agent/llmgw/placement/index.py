@@ -209,11 +209,13 @@ class PlacementIndex:
     def _refusal(self, request: PlacementRequest, n: int, per_gpu: int | None) -> PlacementResult:
         """One line, counted per bucket: as ``place()`` summarises, without each node's words."""
         counts: Counter[str] = Counter()
-        for (_sid, mask), bucket in self._buckets.items():
+        for (sid, mask), bucket in self._buckets.items():
             if not bucket:
                 continue
             if mask.bit_count() < n:
                 counts["too few free GPUs"] += len(bucket)
+            elif self._shapes[sid].best(mask, n) is None:
+                counts["too few GPUs of one model"] += len(bucket)
             else:
                 counts["GPU memory too small"] += len(bucket)
         for node_id in self._unindexed:

@@ -121,16 +121,22 @@ def place_multi(request: PlacementRequest, nodes: Sequence[NodeCapacity]) -> Pla
     # places are known.
     # Nodes whose fabric of one name differs in link layer (InfiniBand on
     # some, RoCE on others) are never grouped: their ports cannot talk.
-    by_fabric: dict[tuple[str, str | None], list[_Member]] = {}
+    # The ranks of one replica are one GPU model, as a group on one node is:
+    # each node offers a group per model it has, and members gather per model.
+    by_fabric: dict[tuple[str, str | None, str], list[_Member]] = {}
+    on_fabric: dict[tuple[str, str | None], set[str]] = {}
     for a in answers:
         if isinstance(a, NodeOption):
             for f in a.node.inventory.fabrics:
                 if f.usable:
-                    near = choose_group(a.node, gpn, need, adapters=f.adapter_names())
-                    option = near if isinstance(near, NodeOption) else a
-                    by_fabric.setdefault((f.name, f.link_layer), []).append(_Member(option, f))
+                    on_fabric.setdefault((f.name, f.link_layer), set()).add(a.node_id)
+                    for model in a.node_shape.model_names:
+                        near = choose_group(a.node, gpn, need, adapters=f.adapter_names(), model=model)
+                        if isinstance(near, NodeOption):
+                            by_fabric.setdefault((f.name, f.link_layer, model), []).append(_Member(near, f))
 
-    candidates = [c for (name, _layer), ms in by_fabric.items() if (c := _best_on_fabric(name, ms, k)) is not None]
+    candidates = [c for (name, _layer, _model), ms in by_fabric.items()
+                  if (c := _best_on_fabric(name, ms, k)) is not None]
     best = min(candidates, key=_Candidate.preference) if candidates else None
 
     verdicts: list[NodeVerdict] = []
@@ -152,10 +158,14 @@ def place_multi(request: PlacementRequest, nodes: Sequence[NodeCapacity]) -> Pla
         if best is None:
             parts = []
             for f in usable:
-                c = len(by_fabric[(f.name, f.link_layer)])
+                c = len(on_fabric[(f.name, f.link_layer)])
+                most = max((len(ms) for (name, layer, _m), ms in by_fabric.items()
+                            if (name, layer) == (f.name, f.link_layer)), default=0)
                 parts.append(
                     f"only {plural(c, 'node')} on fabric {f.name} {'has' if c == 1 else 'have'} "
-                    f"{plural(gpn, 'free GPU')}, needs {k}"
+                    f"{plural(gpn, 'free GPU')}, needs {k}" if most == c else
+                    f"only {most} of the {plural(c, 'node')} on fabric {f.name} with {plural(gpn, 'free GPU')} "
+                    f"have them of one GPU model, needs {k}"
                 )
             parts += _fabric_problems(unusable)
             r = Refusal(a.node_id, "fabric too small", "; ".join(parts))

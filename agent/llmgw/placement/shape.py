@@ -11,10 +11,20 @@ nodes, so that a TP=1 replica takes a GPU whose partner is already busy
 rather than split an intact pair a larger group needs next.  Lowest indices
 break what ties remain, so the same inputs always give the same answer.
 
+A set is always one GPU model: a tensor-parallel group runs at the pace of
+its slowest card and splits memory evenly, so an H100 beside an L40S gives
+the H100's speed and memory away (and mixed architectures may not run the
+same kernels at all).  A box of 4 H100 and 4 L40S offers H100 sets and L40S
+sets, never one of each.
+
 The search is exhaustive over the free GPUs (70 sets for 4 of 8), which is
 cheap only because it is memoised: a ``NodeShape`` is shared by every node
-with the same topology and memory (``shape_of``), and remembers its answer
-per (free mask, size, adapter distances).  A fleet of 10,000 identical
+with the same topology, memory and models (``shape_of``), and remembers its
+answer per (free mask, size, adapter distances).  The memos never change an
+answer (everything here is a function of its inputs); they are held weakly,
+so what no inventory or index uses any more is let go.  ``node_key`` is the
+whole of what placement sees of a node: the control plane's capacity classes
+and the placement index's buckets are both drawn from it.  A fleet of 10,000 identical
 8-GPU nodes thus searches at most 256 masks x 8 sizes, once.
 """
 
@@ -23,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import sys
 import threading
 import weakref
 from collections.abc import Sequence
@@ -103,7 +114,12 @@ class NodeShape:
     """The link costs between a node's GPUs, its memory, and memoised best sets."""
 
     def __init__(self, indices: tuple[int, ...], cost: tuple[tuple[int, ...], ...],
-                 nvlinks: tuple[tuple[int, ...], ...], memory: tuple[int, ...], known: bool):
+                 nvlinks: tuple[tuple[int, ...], ...], memory: tuple[int, ...], known: bool,
+                 models: tuple[str, ...] | None = None):
+        # Equal shapes are equal by what they are, not by being the one shared
+        # object: a memo that forgot one must not split a class of nodes.
+        self.signature = (indices, cost, nvlinks, memory, models)
+        self._hash = hash(self.signature)
         self.indices = indices
         self.pos = {g: i for i, g in enumerate(indices)}
         self.size = len(indices)
@@ -111,6 +127,11 @@ class NodeShape:
         self.nvl = nvlinks
         self.memory = memory
         self.known = known  # every pair's tier known
+        # GPU model per position; a set is only ever drawn from one model's GPUs.
+        self.models = models if models is not None else ("",) * len(indices)
+        names = tuple(dict.fromkeys(self.models))
+        self.model_names = names
+        self.model_masks = tuple(sum(1 << p for p, m in enumerate(self.models) if m == name) for name in names)
         self.all_mask = (1 << self.size) - 1
         # adjacency per level: GPUs joined by links at most that tier
         self.level_adj = tuple(
@@ -122,6 +143,13 @@ class NodeShape:
         self._mem_ok: dict[int, int] = {}
         self._lock = threading.Lock()
 
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, NodeShape) and self._hash == other._hash
+                                 and self.signature == other.signature)
+
+    def __hash__(self) -> int:
+        return self._hash
+
     # --- masks ---------------------------------------------------------------
 
     def mask_of(self, gpus) -> int:
@@ -132,6 +160,13 @@ class NodeShape:
             if p is not None:
                 m |= 1 << p
         return m
+
+    def model_mask(self, model: str) -> int:
+        """Mask of this node's GPUs of ``model`` (0 when it has none)."""
+        try:
+            return self.model_masks[self.model_names.index(model)]
+        except ValueError:
+            return 0
 
     def gpus_of(self, mask: int) -> tuple[int, ...]:
         return tuple(self.indices[p] for p in range(self.size) if mask >> p & 1)
@@ -165,10 +200,10 @@ class NodeShape:
         if n < 1 or len(free) < n:
             return None
         islands = [_components(free, adj, mask) for adj in self.level_adj]
-        if math.comb(len(free), n) <= MAX_EXHAUSTIVE:
-            candidates = itertools.combinations(free, n)
-        else:
-            candidates = iter([self._greedy(free, n)])
+        candidates = itertools.chain.from_iterable(
+            itertools.combinations(same, n) if math.comb(len(same), n) <= MAX_EXHAUSTIVE
+            else iter([self._greedy(same, n)])
+            for same in ([p for p in free if mm >> p & 1] for mm in self.model_masks) if len(same) >= n)
         best: Choice | None = None
         best_key = None
         first: tuple[tuple, tuple[int, ...], tuple[int, ...]] | None = None  # (score, combo, broken) of the lowest best-scored
@@ -189,10 +224,10 @@ class NodeShape:
                 continue
             cmask = sum(1 << p for p in combo)
             broken = tuple(sum(1 for comp in level if comp & cmask and comp & ~cmask) for level in islands)
-            k = (score, broken)
-            if first is None or score < first[0]:
+            k = (score, broken, combo)  # lowest indices win ties (models' GPUs come one model after another)
+            if first is None or (score, combo) < first[:2]:
                 first = (score, combo, broken)
-            if best_key is None or k < best_key:  # combinations come in ascending order: first wins ties
+            if best_key is None or k < best_key:
                 best_key = k
                 best = Choice(positions=combo, gpus=tuple(self.indices[p] for p in combo), worst=worst,
                               total=total, nvlinks=links, near=close, broken=broken)
@@ -309,17 +344,22 @@ def _signature(inv: HardwareInventory) -> tuple:
         cost.append(tuple(crow))
         nvl.append(tuple(nrow))
     memory = tuple(g.memory_bytes for g in gpus)
-    return (indices, tuple(cost), tuple(nvl), memory)
+    models = tuple(g.name for g in gpus)
+    return (indices, tuple(cost), tuple(nvl), memory, models)
 
 
-_shapes: dict[tuple, NodeShape] = {}
+# Memos of pure functions (an answer never depends on them): one NodeShape per
+# distinct signature while some inventory or index still uses it, so a fleet
+# of identical boxes shares one search; and each live inventory's shape, so a
+# decision does not recompute the signature.  Both let go of what nobody holds.
+_shapes: "weakref.WeakValueDictionary[tuple, NodeShape]" = weakref.WeakValueDictionary()
 _by_inventory: dict[int, tuple[weakref.ref[HardwareInventory], NodeShape]] = {}
 _shapes_lock = threading.Lock()
 _MAX_INVENTORIES = 200_000
 
 
 def shape_of(inv: HardwareInventory) -> NodeShape:
-    """The shared shape of this inventory's GPUs (one per distinct topology and memory).
+    """The shape of this inventory's GPUs (one per distinct topology, memory and models).
 
     Remembered per inventory object to spare recomputing the signature on
     every decision.  The entry goes when the inventory does: a control plane
@@ -333,9 +373,9 @@ def shape_of(inv: HardwareInventory) -> NodeShape:
     with _shapes_lock:
         shape = _shapes.get(sig)
         if shape is None:
-            indices, cost, nvl, memory = sig
+            indices, cost, nvl, memory, models = sig
             known = all(c < UNKNOWN_RANK for row in cost for c in row)
-            shape = NodeShape(indices, cost, nvl, memory, known)
+            shape = NodeShape(indices, cost, nvl, memory, known, models)
             _shapes[sig] = shape
         if len(_by_inventory) >= _MAX_INVENTORIES:
             _by_inventory.clear()
@@ -348,3 +388,19 @@ def _forget(key: int, ref: weakref.ref) -> None:
     hit = _by_inventory.get(key)
     if hit is not None and hit[0] is ref:
         del _by_inventory[key]
+
+
+def node_key(inv: HardwareInventory) -> tuple[NodeShape, str]:
+    """Everything placement can see of a node, without its identities: the one node-shape notion.
+
+    Its GPUs' shape (``shape_of``: links, memory, models), then where its
+    GPUs and adapters sit and its fabrics (a multi-node rank's adapter
+    distance and fabric choice read these).  Node id, GPU UUIDs and PCI
+    addresses never change an answer, so two nodes with one key and the same
+    free GPUs are interchangeable: the control plane's capacity classes are
+    keyed by it, and the placement index buckets by its first part.
+    """
+    places = (tuple((g.index, g.numa_node, g.pci_path) for g in sorted(inv.gpus, key=lambda g: g.index)),
+              tuple((h.name, h.numa_node, h.pci_path) for h in inv.hcas),
+              tuple(sorted(repr(sorted(f.to_dict().items())) for f in inv.fabrics)))
+    return shape_of(inv), sys.intern(repr(places))  # one string per distinct layout, not one per node

@@ -12,7 +12,10 @@ This is the deployment-time twin of the agent's own discovery: modules run on
 hosts where the llmgw runtime may not be installed yet, so the small parse
 lives here rather than being imported. The rules, and the words of every
 problem, are the agent's own file (``fabric_rules``, kept identical to
-``llmgw/hardware/fabric_rules.py`` by a unit test). Parsing is pure
+``llmgw/hardware/fabric_rules.py`` by a unit test), and
+``tests/unit/test_hardware_infiniband_twin.py`` holds this reader to the
+agent's (``llmgw.hardware.infiniband.read_hcas``) over every recorded sysfs
+tree, so rollout and the agent read the same ports. Parsing is pure
 (``parse_*`` over file text); the readers never raise for what they find on disk.
 """
 
