@@ -32,7 +32,6 @@ from aiohttp import web
 from llmgw.clientbounds import (BodyTooSlow, ClientBounds, LimitedTCPSite, SourceGate, ThrottledLog,
                                 head_timeout_kwargs, read_body)
 from llmgw.config import ConfigInvalid
-from llmgw.controlplane.agentservice import STREAM_PATH
 from llmgw.controlplane.api import build_api, startup_grace_left
 from llmgw.controlplane.badrequests import quiet_malformed_requests
 from llmgw.controlplane.etcd import AsyncEtcd, BlockingEtcd
@@ -47,6 +46,7 @@ from llmgw.controlplane.store import ControlPlaneStore, EtcdBackend, StoreError,
 from llmgw.controlplane.tlssite import AnonymousDeadline, HandshakeLoggingSite
 from llmgw.eventloop import tune_gc
 from llmgw.memtrim import trim_periodically
+from llmgw.protocol import STREAM_PATH
 from llmgw.settings import ServerSettings, load_server_settings
 from llmgw.tls.revocation import RevocationError, Revocations
 
