@@ -29,7 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
-from llmgw.clientbounds import (BodyTooSlow, ClientBounds, LimitedTCPSite, SourceGate, ThrottledLog,
+from llmgw.clientbounds import (BodyTooSlow, ClientBounds, FactorySite, LimitedTCPSite, SourceGate, ThrottledLog,
                                 head_timeout_kwargs, read_body)
 from llmgw.config import ConfigInvalid
 from llmgw.controlplane.api import build_api, startup_grace_left
@@ -148,8 +148,8 @@ class RouterHook:
         site = LimitedTCPSite(runner, rs.host, rs.port, backlog=rs.backlog, reuse_address=True, ssl_context=ssl_ctx,
                               gate=connection_gate(rs), handshake_timeout=rs.clients.head_timeout)
         await site.start()
-        for sock in getattr(site._server, "sockets", None) or ():  # port 0: say which one we got
-            host, port = sock.getsockname()[:2]
+        for address in site.addresses:  # port 0: say which one we got
+            host, port = address[:2]
             log.info("router listening on %s://%s:%d", "https" if ssl_ctx else "http", host, port)
         return runner
 
@@ -304,7 +304,7 @@ async def serve(settings: ServerSettings, config_path: str | None = None,
     gate = SourceGate(bounds.max_connections_per_source, ThrottledLog(log, "connection from %(host)s%(port)s refused: %(reason)s"))
     if ssl_ctx is not None:
         # handshakes run by the site itself, so a refused client certificate is logged with its reason
-        site: web.TCPSite = HandshakeLoggingSite(runner, settings.api_host, settings.api_port, ssl_context=ssl_ctx,
+        site: FactorySite = HandshakeLoggingSite(runner, settings.api_host, settings.api_port, ssl_context=ssl_ctx,
                                                  reuse_address=True, backlog=API_BACKLOG, gate=gate,
                                                  anonymous=anonymous, handshake_timeout=bounds.head_timeout)
     else:
