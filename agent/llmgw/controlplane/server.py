@@ -312,8 +312,8 @@ async def serve(settings: ServerSettings, config_path: str | None = None,
                               gate=gate, handshake_timeout=bounds.head_timeout)
     await site.start()
     scheme = "https" if ssl_ctx is not None else "http"
-    log.info("control plane listening on %s://%s:%d (agent stream at /v1/agent/stream); pid %d",
-             scheme, settings.api_host, settings.api_port, os.getpid())
+    log.info("control plane listening on %s://%s:%d (agent stream at %s); pid %d",
+             scheme, settings.api_host, settings.api_port, STREAM_PATH, os.getpid())
     router_runner = await router.start()
 
     loop = asyncio.get_running_loop()
