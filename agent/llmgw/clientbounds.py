@@ -167,47 +167,82 @@ def gated(factory: Callable[[], asyncio.Protocol], gate: SourceGate) -> Callable
     return lambda: CountedProtocol(factory(), gate)
 
 
-async def _create_gated_server(site: web.BaseSite, gate: SourceGate, handshake_timeout: float,
-                               **where: Any) -> asyncio.AbstractServer:
-    """What ``TCPSite.start``/``SockSite.start`` do, with each connection behind ``gate`` and a handshake deadline.
+class FactorySite(web.BaseSite):
+    """A listening site whose connections get a protocol of our own around the runner's handler.
 
-    aiohttp has no hook for the protocol factory, so the site's own settings are read here, in one place."""
-    await web.BaseSite.start(site)
-    server = site._runner.server
-    assert server is not None
-    tls = {"ssl_handshake_timeout": handshake_timeout} if site._ssl_context is not None else {}
-    return await asyncio.get_running_loop().create_server(gated(server, gate), ssl=site._ssl_context,
-                                                          backlog=site._backlog, **where, **tls)
+    aiohttp's sites take no protocol factory, so one is built here from the
+    public parts aiohttp's own ``TCPSite``/``SockSite`` are made of
+    (``BaseSite.start`` registers the site, ``runner.server`` is the handler
+    factory, ``loop.create_server`` listens), with this site's arguments kept
+    in its own attributes.  One thing of aiohttp's is relied on: the listener
+    is stored in ``BaseSite._server``, which ``BaseSite.stop`` closes and
+    ``runner.addresses`` lists (tests/unit/test_private_api_guards.py fails,
+    naming it, if aiohttp changes that).
+    """
+
+    def __init__(self, runner: web.BaseRunner, listen: dict[str, Any], *, ssl_context: Any = None,
+                 backlog: int = 128) -> None:
+        super().__init__(runner, ssl_context=ssl_context, backlog=backlog)
+        self._owner = runner
+        self._listen = listen
+        self._tls = ssl_context
+        self._queue = backlog
+        self._listener: asyncio.AbstractServer | None = None
+
+    def protocol_factory(self, handler: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
+        """What each accepted connection runs, given the runner's handler factory."""
+        raise NotImplementedError
+
+    @property
+    def addresses(self) -> list[Any]:
+        """Where this site listens (``getsockname()`` of each socket); empty before ``start``."""
+        return [sock.getsockname() for sock in (self._listener.sockets if self._listener is not None else ())]
+
+    @property
+    def name(self) -> str:
+        scheme = "https" if self._tls is not None else "http"
+        return ", ".join(f"{scheme}://{a[0]}:{a[1]}" for a in self.addresses if isinstance(a, tuple)) \
+            or f"{scheme}://(not listening)"
+
+    async def start(self) -> None:
+        await super().start()
+        handler = self._owner.server
+        assert handler is not None
+        self._listener = await asyncio.get_running_loop().create_server(self.protocol_factory(handler),
+                                                                        backlog=self._queue, **self._listen)
+        self._server = self._listener  # what BaseSite.stop closes and runner.addresses lists
 
 
-class LimitedSockSite(web.SockSite):
-    """``web.SockSite`` with a per-source connection cap and a TLS handshake deadline."""
+def _tls_listen(ssl_context: Any, handshake_timeout: float) -> dict[str, Any]:
+    return {"ssl": ssl_context, "ssl_handshake_timeout": handshake_timeout} if ssl_context is not None else {}
+
+
+class LimitedSockSite(FactorySite):
+    """A site on a listening socket with a per-source connection cap and a TLS handshake deadline."""
 
     def __init__(self, runner: web.BaseRunner, sock: Any, *, gate: SourceGate, handshake_timeout: float,
-                 **kwargs: Any) -> None:
-        super().__init__(runner, sock, **kwargs)
+                 ssl_context: Any = None, backlog: int = 128) -> None:
+        super().__init__(runner, {"sock": sock, **_tls_listen(ssl_context, handshake_timeout)},
+                         ssl_context=ssl_context, backlog=backlog)
         self._gate = gate
-        self._handshake_timeout = handshake_timeout
 
-    async def start(self) -> None:
-        self._server = await _create_gated_server(self, self._gate, self._handshake_timeout, sock=self._sock)
+    def protocol_factory(self, handler: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
+        return gated(handler, self._gate)
 
 
-class LimitedTCPSite(web.TCPSite):
-    """``web.TCPSite`` with a per-source connection cap and a TLS handshake deadline."""
+class LimitedTCPSite(FactorySite):
+    """A TCP site with a per-source connection cap and a TLS handshake deadline."""
 
     def __init__(self, runner: web.BaseRunner, host: str | None, port: int, *, gate: SourceGate,
-                 handshake_timeout: float, **kwargs: Any) -> None:
-        super().__init__(runner, host, port, **kwargs)
+                 handshake_timeout: float, ssl_context: Any = None, backlog: int = 128,
+                 reuse_address: bool | None = None, reuse_port: bool | None = None) -> None:
+        super().__init__(runner, {"host": host, "port": port, "reuse_address": reuse_address,
+                                  "reuse_port": reuse_port, **_tls_listen(ssl_context, handshake_timeout)},
+                         ssl_context=ssl_context, backlog=backlog)
         self._gate = gate
-        self._handshake_timeout = handshake_timeout
 
-    async def start(self) -> None:
-        self._server = await _create_gated_server(self, self._gate, self._handshake_timeout, host=self._host,
-                                                  port=self._port, reuse_address=self._reuse_address,
-                                                  reuse_port=self._reuse_port)
-        sockets = self._server.sockets
-        self._bound_port = sockets[0].getsockname()[1] if sockets else self._port
+    def protocol_factory(self, handler: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
+        return gated(handler, self._gate)
 
 
 class BodyTooSlow(Exception):

@@ -14,10 +14,9 @@ import ipaddress
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 from urllib.parse import urlsplit
 
-from llmgw.agent.liveness import LivenessPolicy, policy_errors
 from llmgw.catalog import Catalog
 from llmgw.clientbounds import ClientBounds
 from llmgw.config import ConfigError, ConfigInvalid, read_yaml, schema_errors
@@ -69,6 +68,24 @@ class Lifecycle:
 class RestartPolicy:
     backoff_initial: float = 5.0
     backoff_max: float = 300.0
+
+
+@dataclass(frozen=True)
+class LivenessPolicy:
+    """``agent.yaml`` ``health``: how often, how patient, how long until failed (``llmgw.agent.liveness``)."""
+
+    interval: float = 5.0  # seconds between checks of a Ready shard
+    timeout: float = 5.0  # one check's answer time
+    fail_after: float = 30.0  # no passing check for this long (and >= 2 failures in a row): failed
+    kill_after: float = 5.0  # SIGTERM -> SIGKILL for a shard failed this way
+
+
+def policy_errors(values: Mapping[str, float], pointer: str = "/health") -> Iterable[tuple[str, str]]:
+    """Checks the schema cannot express, as (JSON pointer, message)."""
+    p = {**LivenessPolicy().__dict__, **values}
+    if p["fail_after"] < p["interval"]:
+        yield (f"{pointer}/fail_after", f"must be >= interval ({p['interval']:g}): two failed checks "
+                                        "are needed to fail a shard")
 
 
 @dataclass(frozen=True)

@@ -22,14 +22,9 @@ run_lint() {
 # from the wheel it ships, and the pinned test requirements then come from the
 # package index pip is configured with.
 seed_pip_bootstrap() {
-  local version cache
-  version=$(python - <<'PY'
-import inspect, re
-from ansible_test._internal import python_requirements as r
-print(re.search(r"pip='([0-9.]+)'", inspect.getsource(r)).group(1))
-PY
-)
-  cache=$HOME/.ansible/test/cache/get_pip_${version//./_}.py
+  local cache
+  # ansible-test's internals, read in one place and guarded by test_ansible_test_bootstrap.py
+  cache=$(python "$root/tests/ansible/ansible_test_bootstrap.py")
   [ -f "$cache" ] && grep -q 'llmgw' "$cache" && return 0
   mkdir -p "$(dirname "$cache")"
   cat >"$cache" <<'PY'

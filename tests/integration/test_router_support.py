@@ -333,7 +333,8 @@ class ControlPlane:
     def start(self) -> None:
         from aiohttp import web
 
-        from llmgw.router.watch import WATCH_PATH, endpoints_watch_handler
+        from llmgw.protocol import WATCH_PATH
+        from llmgw.router.watch import endpoints_watch_handler
         from llmgw.tls.context import server_context
 
         async def up():

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from llmgw.agent.liveness import (
-    Check, Liveness, LivenessPolicy, Progress, judge_engine, judge_process, observe, parse_samples,
-    policy_errors, progress_from_samples, stalled,
+    Check, Liveness, Progress, judge_engine, judge_process, observe, parse_samples,
+    progress_from_samples, stalled,
 )
-from llmgw.settings import parse_agent_settings
+from llmgw.settings import LivenessPolicy, parse_agent_settings, policy_errors
 from llmgw.config import ConfigInvalid
 
 POLICY = LivenessPolicy(interval=1, timeout=1, fail_after=3)

@@ -7,7 +7,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from llmgw.router.endpoints import Endpoint, EndpointError, EndpointTable
-from llmgw.router.watch import REVEAL_KEYS, WATCH_PATH, endpoints_watch_handler, parse_watch_response
+from llmgw.protocol import WATCH_PATH
+from llmgw.router.watch import REVEAL_KEYS, endpoints_watch_handler, parse_watch_response
 from test_router_watch import run
 
 KEY = "engine-key-" + "q" * 32

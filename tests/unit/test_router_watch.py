@@ -9,7 +9,8 @@ import aiohttp
 from aiohttp import web
 
 from llmgw.router.endpoints import Endpoint, EndpointTable
-from llmgw.router.watch import WATCH_PATH, endpoints_watch_handler, parse_watch_response, watch_endpoints
+from llmgw.protocol import WATCH_PATH
+from llmgw.router.watch import endpoints_watch_handler, parse_watch_response, watch_endpoints
 
 
 def run(fn):

@@ -23,7 +23,9 @@ process runs (not exited, not stopped, not a zombie).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Mapping
+
+from llmgw.settings import LivenessPolicy
 
 # Per engine: gauges whose sum is "requests pending", counters whose sum moves
 # with every engine step.  Names as each engine exposes them on /metrics.
@@ -38,16 +40,6 @@ PROGRESS = {
     "sglang": ("sglang:prompt_tokens_total", "sglang:generation_tokens_total"),
     "llamacpp": ("llamacpp:prompt_tokens_total", "llamacpp:tokens_predicted_total"),
 }
-
-
-@dataclass(frozen=True)
-class LivenessPolicy:
-    """``agent.yaml`` ``health``: how often, how patient, how long until failed."""
-
-    interval: float = 5.0  # seconds between checks of a Ready shard
-    timeout: float = 5.0  # one check's answer time
-    fail_after: float = 30.0  # no passing check for this long (and >= 2 failures in a row): failed
-    kill_after: float = 5.0  # SIGTERM -> SIGKILL for a shard failed this way
 
 
 @dataclass(frozen=True)
@@ -149,11 +141,3 @@ def observe(prev: Liveness, check: Check, now: float, policy: LivenessPolicy) ->
         return state, (f"not live: no passing health check for {silent:.0f}s (fail_after "
                        f"{policy.fail_after:g}s, {state.failures} failed in a row); last: {check.detail}")
     return state, None
-
-
-def policy_errors(values: Mapping[str, float], pointer: str = "/health") -> Iterable[tuple[str, str]]:
-    """Checks the schema cannot express, as (JSON pointer, message)."""
-    p = {**LivenessPolicy().__dict__, **values}
-    if p["fail_after"] < p["interval"]:
-        yield (f"{pointer}/fail_after", f"must be >= interval ({p['interval']:g}): two failed checks "
-                                        "are needed to fail a shard")

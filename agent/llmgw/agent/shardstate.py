@@ -13,21 +13,7 @@ loudly instead of reporting it to the control plane.
 
 from __future__ import annotations
 
-from enum import Enum
-
-
-class ShardState(str, Enum):
-    PENDING = "pending"
-    FETCHING = "fetching"
-    STARTING = "starting"
-    READY = "ready"
-    FAILED = "failed"
-    DRAINING = "draining"
-    STOPPED = "stopped"
-
-    @property
-    def terminal(self) -> bool:
-        return self in (ShardState.FAILED, ShardState.STOPPED)
+from llmgw.protocol import ShardState
 
 
 _ALLOWED: dict[ShardState, frozenset[ShardState]] = {

@@ -48,10 +48,10 @@ from llmgw.agent.controlplanes import Addresses, DeposedLeader, LeaderFence, lea
 from llmgw.agent.schema import definition_problems
 from llmgw.agent.supervisor import Supervisor
 from llmgw.hardware.types import HardwareInventory
+from llmgw.protocol import MAX_MESSAGE
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE = 4 * 1024 * 1024
 DEFAULT_GRACE = 60.0  # seconds past a ping an agent waits for a word before ``registered`` says otherwise
 MAX_RETRY_AFTER = 300.0  # the longest Retry-After obeyed (a server's mistake must not park a node for hours)
 DOWN_TYPES = ("registered", "liveness", "start", "stop", "drain", "error")

@@ -36,14 +36,14 @@ from llmgw import compat
 from llmgw.controlplane.admission import Admission
 from llmgw.controlplane.gpuclaims import GpuOwners
 from llmgw.controlplane.lifecycle import NodeState
-from llmgw.controlplane.messages import MAX_MESSAGE, MessageProblem, dumps, parse_up
+from llmgw.controlplane.messages import MessageProblem, dumps, parse_up
 from llmgw.controlplane.revocation import checked_identity
 from llmgw.controlplane.state import ControlPlane
+from llmgw.protocol import MAX_MESSAGE, STREAM_PATH
 from llmgw.tls import IdentityError, PeerIdentity, check_node_identity
 
 log = logging.getLogger("llmgw.controlplane.agents")
 
-STREAM_PATH = "/v1/agent/stream"
 REGISTER_TIMEOUT = 30.0  # seconds an upgraded stream may stay silent before its register
 POLICY_VIOLATION = 1008  # WebSocket close code for refused identity / invalid message
 SEND_QUEUE = 1024  # messages buffered per stream before the stream counts as stuck

@@ -31,8 +31,8 @@ from aiohttp import web
 
 from llmgw.clientbounds import ThrottledLog
 from llmgw.controlplane import views
-from llmgw.controlplane.agentservice import STREAM_PATH, AgentService, request_identity
-from llmgw.controlplane.ejections_api import EJECTIONS_PATH, EjectionsAPI
+from llmgw.controlplane.agentservice import AgentService, request_identity
+from llmgw.controlplane.ejections_api import EjectionsAPI
 from llmgw.controlplane.listquery import NODE_STATES, REPLICA_STATES, QueryError, parse_list_query
 from llmgw.controlplane.metrics import CONTENT_TYPE, registry_for, render
 from llmgw.controlplane.openapi import OPENAPI_PATH, document
@@ -40,7 +40,8 @@ from llmgw.controlplane.requestcount import AdminRequests
 from llmgw.controlplane.revocation import install, unless_revoked
 from llmgw.controlplane.state import ControlPlane
 from llmgw.controlplane.store import StoreError
-from llmgw.router.watch import REVEAL_KEYS, WATCH_PATH
+from llmgw.protocol import EJECTIONS_PATH, STREAM_PATH, WATCH_PATH
+from llmgw.router.watch import REVEAL_KEYS
 from llmgw.tls import IdentityError, Revocations, RevokedError, check_admin_identity, check_router_identity
 
 log = logging.getLogger("llmgw.controlplane.api")

@@ -27,11 +27,10 @@ from aiohttp import web
 
 from llmgw.config import schema_errors
 from llmgw.controlplane.state import ControlPlane
-from llmgw.router.ejectreport import EJECTIONS_PATH
 
 log = logging.getLogger("llmgw.controlplane.ejections")
 
-__all__ = ["EJECTIONS_PATH", "EjectionsAPI", "TokenBucket"]
+__all__ = ["EjectionsAPI", "TokenBucket"]
 
 BURST = 20.0  # reports a router may send at once, per worker seen
 REFILL = 2.0  # reports per second a router may keep sending, per worker seen (a worker sends one every 2 s)

@@ -11,8 +11,8 @@ import json
 from typing import Any
 
 from llmgw.config import fast_check, schema_errors
+from llmgw.protocol import MAX_MESSAGE
 
-MAX_MESSAGE = 4 * 1024 * 1024  # bytes; larger frames close the sender's stream
 UP_TYPES = ("register", "heartbeat", "shard_status", "progress", "hardware")
 SHOWN_ERRORS = 5  # errors named in the refusal; validation stops looking after one more
 # No array in an agent's message is anywhere near this long (a node has a few GPUs and shards);

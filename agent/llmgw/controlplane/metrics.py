@@ -15,10 +15,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from llmgw.agent.shardstate import ShardState
 from llmgw.controlplane.lifecycle import NodeState
 from llmgw.controlplane.replicas import ReplicaState
 from llmgw.controlplane.state import ControlPlane
+from llmgw.protocol import ShardState
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

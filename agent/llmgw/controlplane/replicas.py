@@ -20,10 +20,10 @@ from enum import Enum
 from typing import Any
 
 from llmgw.catalog import Model, Profile
+from llmgw.protocol import ShardState
 
-# States an agent reports (stream schema).
-PENDING, FETCHING, STARTING, READY, FAILED, DRAINING, STOPPED = (
-    "pending", "fetching", "starting", "ready", "failed", "draining", "stopped")
+# States an agent reports (the wire's ShardState), as the plain strings shards hold.
+PENDING, FETCHING, STARTING, READY, FAILED, DRAINING, STOPPED = (s.value for s in ShardState)
 RUNNING_STATES = frozenset({PENDING, FETCHING, STARTING, READY, DRAINING})
 ENDED_STATES = frozenset({FAILED, STOPPED})
 # Control-plane-only shard states: not yet sent to an agent (a worker rank

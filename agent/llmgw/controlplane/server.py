@@ -29,10 +29,9 @@ from typing import Any
 
 from aiohttp import web
 
-from llmgw.clientbounds import (BodyTooSlow, ClientBounds, LimitedTCPSite, SourceGate, ThrottledLog,
+from llmgw.clientbounds import (BodyTooSlow, ClientBounds, FactorySite, LimitedTCPSite, SourceGate, ThrottledLog,
                                 head_timeout_kwargs, read_body)
 from llmgw.config import ConfigInvalid
-from llmgw.controlplane.agentservice import STREAM_PATH
 from llmgw.controlplane.api import build_api, startup_grace_left
 from llmgw.controlplane.badrequests import quiet_malformed_requests
 from llmgw.controlplane.etcd import AsyncEtcd, BlockingEtcd
@@ -47,6 +46,7 @@ from llmgw.controlplane.store import ControlPlaneStore, EtcdBackend, StoreError,
 from llmgw.controlplane.tlssite import AnonymousDeadline, HandshakeLoggingSite
 from llmgw.eventloop import tune_gc
 from llmgw.memtrim import trim_periodically
+from llmgw.protocol import STREAM_PATH
 from llmgw.settings import ServerSettings, load_server_settings
 from llmgw.tls.revocation import RevocationError, Revocations
 
@@ -148,8 +148,8 @@ class RouterHook:
         site = LimitedTCPSite(runner, rs.host, rs.port, backlog=rs.backlog, reuse_address=True, ssl_context=ssl_ctx,
                               gate=connection_gate(rs), handshake_timeout=rs.clients.head_timeout)
         await site.start()
-        for sock in getattr(site._server, "sockets", None) or ():  # port 0: say which one we got
-            host, port = sock.getsockname()[:2]
+        for address in site.addresses:  # port 0: say which one we got
+            host, port = address[:2]
             log.info("router listening on %s://%s:%d", "https" if ssl_ctx else "http", host, port)
         return runner
 
@@ -304,7 +304,7 @@ async def serve(settings: ServerSettings, config_path: str | None = None,
     gate = SourceGate(bounds.max_connections_per_source, ThrottledLog(log, "connection from %(host)s%(port)s refused: %(reason)s"))
     if ssl_ctx is not None:
         # handshakes run by the site itself, so a refused client certificate is logged with its reason
-        site: web.TCPSite = HandshakeLoggingSite(runner, settings.api_host, settings.api_port, ssl_context=ssl_ctx,
+        site: FactorySite = HandshakeLoggingSite(runner, settings.api_host, settings.api_port, ssl_context=ssl_ctx,
                                                  reuse_address=True, backlog=API_BACKLOG, gate=gate,
                                                  anonymous=anonymous, handshake_timeout=bounds.head_timeout)
     else:
@@ -312,8 +312,8 @@ async def serve(settings: ServerSettings, config_path: str | None = None,
                               gate=gate, handshake_timeout=bounds.head_timeout)
     await site.start()
     scheme = "https" if ssl_ctx is not None else "http"
-    log.info("control plane listening on %s://%s:%d (agent stream at /v1/agent/stream); pid %d",
-             scheme, settings.api_host, settings.api_port, os.getpid())
+    log.info("control plane listening on %s://%s:%d (agent stream at %s); pid %d",
+             scheme, settings.api_host, settings.api_port, STREAM_PATH, os.getpid())
     router_runner = await router.start()
 
     loop = asyncio.get_running_loop()

@@ -25,8 +25,7 @@ from typing import Any
 
 from aiohttp import web
 
-from llmgw.controlplane.agentservice import STREAM_PATH
-from llmgw.router.watch import LEADER_EPOCH_HEADER, WATCH_PATH
+from llmgw.protocol import LEADER_EPOCH_HEADER, STREAM_PATH, WATCH_PATH
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 DEPOSED_EXIT = 3

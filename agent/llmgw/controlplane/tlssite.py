@@ -19,6 +19,10 @@ are, and must not cap each other); the handshake has ``head_timeout``; and a con
 that presents no client certificate (an operator with an admin token) is
 closed ``anonymous_timeout`` seconds after its handshake unless a request on
 it has authenticated by then (``AnonymousDeadline.authenticated``).
+
+Its connections read ``TLS_READ_BUFFER`` bytes at a time (asyncio's default
+is a 256 KiB buffer per connection); the cap is this site's alone, so the
+in-process router's TLS, on the same loop, is untouched.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from typing import Any, Callable, cast
 from aiohttp import web
 
 from llmgw import compat
-from llmgw.clientbounds import CountedProtocol, SourceGate, ThrottledLog
+from llmgw.clientbounds import CountedProtocol, FactorySite, SourceGate, ThrottledLog
 
 log = logging.getLogger("llmgw.controlplane.tls")
 
@@ -117,8 +121,7 @@ class _Upgrade(asyncio.Protocol):
         app = self._app
         assert app is not None
         try:
-            tls = await loop.start_tls(transport, app, self._ctx, server_side=True,
-                                       ssl_handshake_timeout=self._handshake_timeout)
+            tls = await start_tls_small_reads(loop, transport, app, self._ctx, self._handshake_timeout)
         except ssl.SSLError as e:
             app.release()
             self._refused(transport.get_extra_info("peername"), refusal_reason(e))
@@ -158,12 +161,67 @@ class _Upgrade(asyncio.Protocol):
 # asyncio's TLS protocol (3.11+) allocates and zero-fills a read buffer of
 # SSLProtocol.max_size bytes for every connection: 256 KiB, a quarter of a
 # megabyte per agent stream before it sends a byte, 2.5 GB for 10,000 nodes.
-# Reads are capped at this size instead. What an agent sends is a few hundred
-# bytes a heartbeat and about 20 KB once, at register. Measured with 2,000
-# mutual-TLS connections on loopback, each sending 20 KB: 34.9 KiB resident per
-# connection with 1 KiB reads against 41.9 KiB with 4 KiB reads (38.1 and 34.9
-# idle), for 0.1 ms more CPU per 20 KB received.
+# This site's connections read at most this much at a time instead. What an
+# agent sends is a few hundred bytes a heartbeat and about 20 KB once, at
+# register. Measured with 2,000 mutual-TLS connections on loopback, each
+# sending 20 KB: 34.9 KiB resident per connection with 1 KiB reads against
+# 41.9 KiB with 4 KiB reads (38.1 and 34.9 idle), for 0.1 ms more CPU per 20 KB
+# received. Only this site's: the in-process router's TLS listener (proxied
+# request bodies, megabytes) keeps asyncio's buffer.
 TLS_READ_BUFFER = 1024
+
+
+def _small_read_protocol() -> type | None:
+    """asyncio's TLS protocol with ``max_size`` of ``TLS_READ_BUFFER``, or None where there is nothing to cap.
+
+    Python 3.10's TLS protocol has no per-connection read buffer; uvloop's is
+    its own.  A subclass, not asyncio's class changed: the cap is this site's
+    alone."""
+    from asyncio import sslproto
+
+    base = getattr(sslproto, "SSLProtocol", None)
+    if base is None or not issubclass(base, asyncio.BufferedProtocol) or \
+            getattr(base, "max_size", 0) <= TLS_READ_BUFFER:
+        return None
+    return type("SmallReadSSLProtocol", (base,), {"max_size": TLS_READ_BUFFER, "__slots__": ()})
+
+
+_SMALL_READS = _small_read_protocol()
+
+
+async def start_tls_small_reads(loop: asyncio.AbstractEventLoop, transport: asyncio.Transport,
+                                protocol: asyncio.BaseProtocol, ctx: ssl.SSLContext,
+                                handshake_timeout: float) -> asyncio.Transport | None:
+    """``loop.start_tls(server_side=True)`` whose connection reads ``TLS_READ_BUFFER`` bytes at a time.
+
+    asyncio builds its TLS protocol inside ``start_tls`` with no way to pass
+    a buffer size, so on asyncio's own loop (3.11+) the same steps are taken
+    here with ``SmallReadSSLProtocol``: the protocol is made, the transport
+    handed to it, and its TLS transport returned once the handshake is done.
+    Elsewhere (uvloop, 3.10) it is ``loop.start_tls``.  What this relies on
+    (``asyncio.sslproto.SSLProtocol``, its ``max_size`` and ``_app_transport``,
+    the transport's ``_start_tls_compatible``) is named by
+    tests/unit/test_private_api_guards.py, which fails if any goes."""
+    cls = _SMALL_READS
+    if cls is None or not isinstance(loop, asyncio.BaseEventLoop) or \
+            not getattr(transport, "_start_tls_compatible", False):
+        return await loop.start_tls(transport, protocol, ctx, server_side=True,
+                                    ssl_handshake_timeout=handshake_timeout)
+    waiter = loop.create_future()
+    tls = cls(loop, protocol, ctx, waiter, True, None, ssl_handshake_timeout=handshake_timeout,
+              call_connection_made=False)
+    transport.pause_reading()  # as start_tls: nothing reaches the protocol before connection_made
+    transport.set_protocol(tls)
+    made = loop.call_soon(tls.connection_made, transport)
+    resumed = loop.call_soon(transport.resume_reading)
+    try:
+        await waiter
+    except BaseException:
+        transport.close()
+        made.cancel()
+        resumed.cancel()
+        raise
+    return tls._app_transport
 
 
 def _drop_peercert_dict(tls: asyncio.BaseTransport) -> None:
@@ -178,36 +236,22 @@ def _drop_peercert_dict(tls: asyncio.BaseTransport) -> None:
         extra.pop("peercert", None)
 
 
-def cap_tls_read_buffer() -> None:
-    """Make asyncio's per-connection TLS read buffer ``TLS_READ_BUFFER`` bytes (no-op where it has none)."""
-    from asyncio import sslproto
-
-    if getattr(sslproto.SSLProtocol, "max_size", 0) > TLS_READ_BUFFER:
-        sslproto.SSLProtocol.max_size = TLS_READ_BUFFER
-
-
-class HandshakeLoggingSite(web.TCPSite):
-    """``web.TCPSite`` whose TLS handshakes are run, and their refusals logged, by ``_Upgrade``."""
+class HandshakeLoggingSite(FactorySite):
+    """A TCP site whose TLS handshakes are run, and their refusals logged, by ``_Upgrade``."""
 
     def __init__(self, runner: web.BaseRunner, host: str | None, port: int, *, ssl_context: ssl.SSLContext,
                  gate: SourceGate | None = None, anonymous: AnonymousDeadline | None = None,
-                 handshake_timeout: float = HANDSHAKE_TIMEOUT, **kwargs: Any) -> None:
-        super().__init__(runner, host, port, ssl_context=ssl_context, **kwargs)
+                 handshake_timeout: float = HANDSHAKE_TIMEOUT, backlog: int = 128,
+                 reuse_address: bool | None = None, reuse_port: bool | None = None) -> None:
+        # plain TCP at accept: the handshake is _Upgrade's
+        super().__init__(runner, {"host": host, "port": port, "reuse_address": reuse_address,
+                                  "reuse_port": reuse_port}, ssl_context=ssl_context, backlog=backlog)
+        self._ctx = ssl_context
         self._refused = _refusal_log()
         self._gate = SourceGate(0, self._refused) if gate is None else gate
         self._anonymous = AnonymousDeadline(HANDSHAKE_TIMEOUT) if anonymous is None else anonymous
         self._handshake_timeout = handshake_timeout
 
-    async def start(self) -> None:
-        cap_tls_read_buffer()
-        await web.BaseSite.start(self)
-        loop = asyncio.get_running_loop()
-        server = self._runner.server
-        ctx = self._ssl_context
-        assert server is not None and ctx is not None
-        self._server = await loop.create_server(
-            lambda: _Upgrade(server, ctx, self._refused, self._gate, self._anonymous, self._handshake_timeout),
-            self._host, self._port,
-            backlog=self._backlog, reuse_address=self._reuse_address, reuse_port=self._reuse_port)
-        sockets = self._server.sockets
-        self._bound_port = sockets[0].getsockname()[1] if sockets else self._port
+    def protocol_factory(self, handler: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
+        return lambda: _Upgrade(handler, self._ctx, self._refused, self._gate, self._anonymous,
+                                self._handshake_timeout)

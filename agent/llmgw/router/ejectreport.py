@@ -27,11 +27,12 @@ from typing import Any, Mapping
 
 import aiohttp
 
+from llmgw.protocol import EJECTIONS_PATH
+
 from .runtime import Routing
 
 log = logging.getLogger("llmgw.router.ejectreport")
 
-EJECTIONS_PATH = "/v1/router/ejections"
 REPORT_INTERVAL = 2.0  # seconds between reports while something is ejected
 MAX_ENTRIES = 256  # the schema's bound; a router with more ejected endpoints sends the longest-ejected
 MAX_COUNT = 10**9  # the schema's bound on counts

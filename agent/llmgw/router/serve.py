@@ -226,6 +226,18 @@ def serve(settings: RouterSettings, doc: Any, source: str, workers: int | None =
     return _Supervisor(settings, doc, source, n, log_level).run()
 
 
+def tracker_stop() -> Callable[[], None] | None:
+    """multiprocessing's ``resource_tracker._resource_tracker._stop``, or None where it has none.
+
+    Both names are private (there in Python 3.8 to 3.13); without them the
+    tracker outlives the router and is left to systemd (``_reap_resource_tracker``).
+    tests/unit/test_private_api_guards.py fails, naming them, on a Python
+    where they are gone."""
+    from multiprocessing import resource_tracker
+
+    return getattr(getattr(resource_tracker, "_resource_tracker", None), "_stop", None)
+
+
 class _Supervisor:
     def __init__(self, settings: RouterSettings, doc: Any, source: str, workers: int, log_level: str) -> None:
         self.s = settings
@@ -304,9 +316,7 @@ class _Supervisor:
         self.ready = None
         self.procs.clear()  # their arguments hold the queue too
         gc.collect()
-        from multiprocessing import resource_tracker
-
-        stop = getattr(resource_tracker._resource_tracker, "_stop", None)  # private; there in 3.8 to 3.13
+        stop = tracker_stop()
         if stop is not None:
             with contextlib.suppress(Exception):
                 stop()

@@ -22,12 +22,13 @@ from typing import Any, Mapping, Sequence
 import aiohttp
 from aiohttp import web
 
+from llmgw.protocol import LEADER_EPOCH_HEADER, WATCH_PATH
+
 from .endpoints import Endpoint, EndpointError, EndpointTable, EndpointURLError
 from .errors import INVALID_REQUEST, RouterError
 
 log = logging.getLogger("llmgw.router.watch")
 
-WATCH_PATH = "/v1/router/endpoints"
 WATCH_WAIT_S = 30.0
 # Retry cap while the control plane is unreachable.  A restart takes seconds and the router
 # keeps serving from what it knows meanwhile; the cost of a long cap is that the new control
@@ -102,9 +103,6 @@ def parse_watch_response(doc: Any) -> tuple[int, str, list[Endpoint]]:
         seen.add(ep.id)
         eps.append(ep)
     return rev, epoch, eps
-
-
-LEADER_EPOCH_HEADER = "X-Llmgw-Leader-Epoch"
 
 
 class LeaderTerms:
