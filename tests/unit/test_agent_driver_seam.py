@@ -17,11 +17,12 @@ import pkgutil
 from pathlib import Path
 
 import llmgw.sim
+from llmgw.agent.popendriver import PopenDriver
 from llmgw.agent.statedir import StateDir
 from llmgw.agent.stream import StreamClient
 from llmgw.agent.supervisor import Supervisor
 
-GUARDED = (Supervisor, StreamClient, StateDir)
+GUARDED = (Supervisor, StreamClient, StateDir, PopenDriver)  # the driver the simulator hands real engines
 
 
 def is_private(name: str) -> bool:
@@ -95,7 +96,7 @@ def violations() -> list[str]:
     return found
 
 
-def test_the_simulator_names_no_private_member_of_the_supervisor_stream_client_or_state_dir() -> None:
+def test_the_simulator_names_no_private_member_of_the_supervisor_stream_client_state_dir_or_driver() -> None:
     assert violations() == []
 
 

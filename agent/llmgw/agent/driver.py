@@ -14,8 +14,8 @@ runs the supervisor unchanged instead of overriding its steps.
 
 Every driver method is called on the agent's event loop, with the ``Shard``
 the supervisor keeps: a driver reads it (spec, identity, deadline,
-``exited``, ``end_intent``, ``kill_at``) and writes only what its docstrings
-say (``handle`` through ``Started``, ``last_probe``).
+``exited``, ``end_intent``, ``kill_at``) and changes only ``last_probe`` and
+``kill_changed``; what it launched reaches the shard through ``Started``.
 """
 
 from __future__ import annotations
