@@ -209,6 +209,7 @@ class StreamClient:
             error = e
             raise
         finally:
+            self.ws = None
             self.on_dial_end(error, self.connections > before)
 
     async def _stream(self, session: aiohttp.ClientSession) -> None:
@@ -259,7 +260,7 @@ class StreamClient:
                     log.warning("sending failed: %s", sender.exception())
                 log.warning("stream closed (code %s)", ws.close_code)
             finally:
-                self._queue, self.ws = None, None
+                self._queue = None
                 for t in (sender, heartbeat, rediscovery, pinger):
                     if t is not None:
                         t.cancel()
