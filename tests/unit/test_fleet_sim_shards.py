@@ -125,3 +125,23 @@ def test_the_agents_own_answers_to_a_resent_start_and_an_unknown_stop() -> None:
     assert states(sent) == ["pending", "starting", "ready", "ready", "stopped"]
     assert sent[-1]["shard_id"] == "nope/r0" and "not running on this node" in sent[-1]["reason"]
     assert len(sup.live_shards()) == 1
+
+
+def test_a_sampled_real_engine_that_dies_during_start_fails_with_its_output_tail(tmp_path) -> None:
+    """The real path runs through the agent's process driver and the simulator's state dir alike."""
+    async def run():
+        sent: list[dict[str, Any]] = []
+        counters = Counters()
+        engine = ("sh", "-c", "echo 'CUDA out of memory'; exit 3")
+        sup = SimSupervisor(supervisor_config("sim-00000", engine, str(tmp_path), (41000, 41099)), sent.append,
+                            Timings(start=0.01), counters, EngineSample(1, engine, tmp_path))
+        shard = sup.start(spec())
+        await settle(sup)
+        await asyncio.wait_for(shard.concluded.wait(), 30)
+        await sup.detach()
+        return sent, counters
+    sent, counters = asyncio.run(run())
+    assert states(sent) == ["pending", "starting", "failed"] and counters.engines == 1
+    assert sent[-1]["reason"] == "engine exited with status 3 during start"
+    assert sent[-1]["process"]["pid"] < SYNTHETIC_PID and "CUDA out of memory" in sent[-1]["output_tail"]
+    valid(sent)

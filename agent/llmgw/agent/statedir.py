@@ -31,7 +31,7 @@ import logging
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import quote, unquote
 
 from llmgw.agent.procident import ProcessIdentity
@@ -125,7 +125,47 @@ def _file_name(shard_id: str) -> str:
     return quote(shard_id, safe="")
 
 
-class StateDir:
+class ShardStore(Protocol):
+    """What the supervisor and its engine drivers need of a state directory, by shard id.
+
+    ``StateDir`` is the agent's; the fleet simulator's ``SimStateDir`` keeps
+    nothing for simulated shards.  Both subclass this protocol, so a method the
+    supervisor starts calling, or a keyword it starts passing, is one both must
+    have (``tests/unit/test_agent_driver_seam.py`` compares the signatures): a
+    duck-typed copy fails only when a rare path first reaches it.
+    """
+
+    root: Path  # the directory engines run in
+
+    def write(self, record: ShardRecord) -> None:
+        """Persist ``record``, replacing the shard's previous one, before returning."""
+        ...
+
+    def remove(self, shard_id: str) -> None:
+        ...
+
+    def secret_dir(self, shard_id: str) -> Path:
+        """The shard's private (0700) directory for key files."""
+        ...
+
+    def remove_secrets(self, shard_id: str) -> None:
+        ...
+
+    def open_log(self, shard_id: str) -> int:
+        """An append-only fd for the engine's stdout and stderr (the caller closes it)."""
+        ...
+
+    def log_note(self, shard_id: str, line: str) -> None:
+        """One line of the agent's own about the shard, kept apart from the engine's output."""
+        ...
+
+    def log_tail(self, shard_id: str, max_bytes: int = 16384, since_offset: int | None = None,
+                 since_marker: str | None = None) -> str:
+        """The end of the engine's output in this life."""
+        ...
+
+
+class StateDir(ShardStore):
     """Shard records and engine logs under one directory (created 0700)."""
 
     def __init__(self, root: str | os.PathLike[str]):

@@ -107,8 +107,27 @@ class StreamClient:
         self.grace = DEFAULT_GRACE  # seconds past a ping to wait for a word (``registered`` says)
         self.refusals = 0  # upgrades refused with 503 (admission control), for logs and tests
         self.connections = 0  # successful WebSocket upgrades, for logs and tests
+        self.ws: aiohttp.ClientWebSocketResponse | None = None  # the live stream's WebSocket, if any
         self._queue: asyncio.Queue[dict[str, Any]] | None = None
         self._commands: set[asyncio.Task[Any]] = set()
+
+    # ------------------------------------------------------------------- hooks
+    # Called at these points of every connection; nothing by default.  They are
+    # how the fleet simulator counts and injects faults into the agent's own
+    # client without reaching into it.
+    def on_dial_end(self, error: BaseException | None, upgraded: bool) -> None:
+        """One dial ended: ``error`` is why (None: the stream closed), ``upgraded`` whether its WebSocket was up."""
+
+    async def before_register(self) -> None:
+        """Awaited on a fresh connection before its first message (the ``register``) is sent."""
+
+    def on_registered(self) -> None:
+        """The control plane answered the ``register`` with ``registered``."""
+
+    @property
+    def connected(self) -> bool:
+        """Whether a stream is up (what ``send`` queues now goes out)."""
+        return self._queue is not None
 
     # ----------------------------------------------------------------- sending
     def send(self, msg: dict[str, Any]) -> None:
@@ -183,12 +202,24 @@ class StreamClient:
         return min(MAX_RETRY_AFTER, told) if told > 0 else None
 
     async def _connect_once(self, session: aiohttp.ClientSession) -> None:
+        before, error = self.connections, None
+        try:
+            await self._stream(session)
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            self.ws = None
+            self.on_dial_end(error, self.connections > before)
+
+    async def _stream(self, session: aiohttp.ClientSession) -> None:
         # Discover before dialling: the control plane gives a fresh stream only
         # so long to register, and NVML can be slow to initialise.
         hw = await self.discover()
         async with session.ws_connect(self.url, ssl=self.ssl_context if self.ssl_context is not None else True,
                                       max_msg_size=MAX_MESSAGE, autoping=False) as ws:
             self.connections += 1
+            self.ws = ws
             log.info("connected to %s", self.url)
             queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
             # Snapshot and queue hookup happen with no await in between, so no
@@ -262,6 +293,7 @@ class StreamClient:
             pass  # the receive loop sees the connection end
 
     async def _sender(self, ws: aiohttp.ClientWebSocketResponse, queue: asyncio.Queue[dict[str, Any]]) -> None:
+        await self.before_register()
         try:
             while True:
                 msg = await queue.get()
@@ -313,6 +345,7 @@ class StreamClient:
             self.backoff.reset()
             log.info("registered as %s (epoch %d, heartbeat every %gs)", self.node_id, self.epoch,
                      msg["heartbeat_interval"])
+            self.on_registered()
             return float(msg["heartbeat_interval"])
         if kind == "liveness":
             self._advertised_keepalive, self.grace = float(msg["keepalive_interval"]), float(msg["stream_grace"])

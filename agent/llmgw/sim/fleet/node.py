@@ -38,6 +38,8 @@ MALFORMED = {"type": "shard_status", "shard_id": "", "state": "exploded"}  # fai
 
 
 class SimStreamClient(StreamClient):
+    """The agent's ``StreamClient``, counting and faulted through its public hooks only."""
+
     def __init__(self, *, sent: Counter, **kw: Any):
         super().__init__(**kw)
         self.backoff.rng = SHARED_RNG  # one Mersenne Twister state (2.5 KB) per process, not per agent
@@ -54,7 +56,7 @@ class SimStreamClient(StreamClient):
             if msg.get("type") != "heartbeat":
                 self.held.append(msg)
             return
-        if self._queue is not None:
+        if self.connected:
             self.sent[msg.get("type", "?")] += 1
         super().send(msg)
 
@@ -70,51 +72,35 @@ class SimStreamClient(StreamClient):
 
     def send_raw(self, msg: dict[str, Any]) -> bool:
         """Queue ``msg`` as is, bypassing silence; False when not connected."""
-        if self._queue is None:
+        if not self.connected:
             return False
         self.sent[str(msg.get("type", "?"))] += 1
-        self._queue.put_nowait(msg)
+        StreamClient.send(self, msg)
         return True
 
-    async def _connect_once(self, session: aiohttp.ClientSession) -> None:
-        before = self.connections
-        try:
-            await super()._connect_once(session)
-        except asyncio.CancelledError:
-            raise
-        except aiohttp.WSServerHandshakeError as e:
-            if e.status != 503 and self.connections == before:  # a 503 is admission control, counted apart
-                self.connect_errors += 1
-            raise
-        except Exception:
-            if self.connections == before:  # failed before the WebSocket was up
-                self.connect_errors += 1
-            raise
-        finally:
-            self.registered = False
+    def on_dial_end(self, error: BaseException | None, upgraded: bool) -> None:
+        self.registered = False
+        if upgraded or not isinstance(error, Exception):  # cancelled, or the stream was up
+            return
+        if isinstance(error, aiohttp.WSServerHandshakeError) and error.status == 503:
+            return  # admission control, counted apart (``refusals``)
+        self.connect_errors += 1
 
-    async def _sender(self, ws: aiohttp.ClientWebSocketResponse, queue: asyncio.Queue[dict[str, Any]]) -> None:
-        self._ws = ws
+    async def before_register(self) -> None:
         if self.slow_register > 0:
             await asyncio.sleep(self.slow_register)
-        await super()._sender(ws, queue)
 
-    _ws: aiohttp.ClientWebSocketResponse | None = None
+    def on_registered(self) -> None:
+        self.registrations += 1
+        self.registered = True
 
     def abort(self) -> None:
         """Drop the connection as a dying process's kernel would: no close frame, no TLS close_notify."""
-        ws, self._ws = self._ws, None
+        ws = self.ws
         conn = getattr(getattr(ws, "_response", None), "connection", None)  # aiohttp has no public handle
         transport = getattr(conn, "transport", None)
         if transport is not None:
             transport.abort()
-
-    def _handle_text(self, data: str) -> float | None:
-        hb = super()._handle_text(data)
-        if hb is not None:
-            self.registrations += 1
-            self.registered = True
-        return hb
 
 
 class SimNode:
@@ -179,7 +165,7 @@ class SimNode:
 
     @property
     def connected(self) -> bool:
-        return self.client._queue is not None
+        return self.client.connected
 
     def malformed(self) -> bool:
         return self.client.send_raw(dict(MALFORMED))

@@ -1,10 +1,13 @@
-"""The simulated agent's shards: the agent's own supervisor, minus the engine processes.
+"""The simulated agent's shards: the agent's own supervisor, driving timed engines.
 
-``SimSupervisor`` is ``llmgw.agent.supervisor.Supervisor`` with the steps that
-touch a process replaced by timed ones, so a start, a stop, a drain, a
-re-sent start or a stop of an unknown shard is answered by the agent's own
-code: the same state table (``shardstate``), the same ``shard_status`` and
-``register`` reports, the same cancellation of a start still fetching.
+``SimSupervisor`` is ``llmgw.agent.supervisor.Supervisor`` given
+``TimedEngines`` as its engine driver (``llmgw.agent.driver``), so a start, a
+stop, a drain, a re-sent start or a stop of an unknown shard is answered by
+the agent's own code: the same state table (``shardstate``), the same
+``shard_status`` and ``register`` reports, the same cancellation of a start
+still fetching.  Nothing private of the supervisor is overridden or called
+(``tests/unit/test_agent_driver_seam.py`` fails if it is), so a change to the
+supervisor reaches the simulator through the driver interface or not at all.
 
 What is simulated, and how long it takes (``Timings``):
 
@@ -20,7 +23,7 @@ What is simulated, and how long it takes (``Timings``):
 
 A shard picked by ``EngineSample`` runs the real path instead: a real
 ``llmgw-engine-sim`` process launched through the engine adapter, probed,
-watched and stopped by the unchanged supervisor code.
+watched and stopped by the agent's own ``PopenDriver``.
 """
 
 from __future__ import annotations
@@ -34,12 +37,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmgw.agent import procident
+from llmgw.agent import liveness, procident
+from llmgw.agent.driver import ExitReport, LaunchSteps, Readiness, Started
 from llmgw.agent.fetch.progress import Snapshot
+from llmgw.agent.popendriver import PopenDriver
 from llmgw.agent.procident import ProcessIdentity
 from llmgw.agent.shardstate import ShardState
-from llmgw.agent.statedir import ShardRecord, StateDir
+from llmgw.agent.statedir import ShardRecord, ShardStore, StateDir
 from llmgw.agent.supervisor import Emit, Shard, Supervisor, SupervisorConfig
+from llmgw.catalog import Model, Profile
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +99,7 @@ class EngineSample:
         return True
 
 
-class SimStateDir:
+class SimStateDir(ShardStore):
     """The supervisor's state dir: nothing on disk for simulated shards.
 
     A real engine's record and log go to a real ``StateDir`` (created on first
@@ -104,16 +110,16 @@ class SimStateDir:
     def __init__(self, root: Path | None):
         self.root_path = root
         self.real: set[str] = set()
-        self._dir: StateDir | None = None
+        self.disk: StateDir | None = None
 
     @property
     def dir(self) -> StateDir:
-        if self._dir is None:
+        if self.disk is None:
             assert self.root_path is not None, "a real engine needs a state directory"
-            self._dir = StateDir(self.root_path)
-        return self._dir
+            self.disk = StateDir(self.root_path)
+        return self.disk
 
-    @property
+    @property  # type: ignore[override]
     def root(self) -> Path:
         return self.dir.root
 
@@ -140,8 +146,11 @@ class SimStateDir:
     def open_log(self, shard_id: str) -> int:
         return self.dir.open_log(shard_id)
 
-    def log_tail(self, shard_id: str, max_bytes: int = 16384, since_marker: str | None = None) -> str:
-        return self.dir.log_tail(shard_id, max_bytes, since_marker) if shard_id in self.real else ""
+    def log_tail(self, shard_id: str, max_bytes: int = 16384, since_offset: int | None = None,
+                 since_marker: str | None = None) -> str:
+        if shard_id not in self.real:
+            return ""
+        return self.dir.log_tail(shard_id, max_bytes, since_offset=since_offset, since_marker=since_marker)
 
 
 def supervisor_config(node_id: str, engine_command: tuple[str, ...], model_dir: str,
@@ -151,18 +160,120 @@ def supervisor_config(node_id: str, engine_command: tuple[str, ...], model_dir: 
                             model_dir=model_dir, stop_grace=5.0, drain_grace=10.0)
 
 
+class TimedEngines:
+    """The simulator's engine driver: timed steps for simulated shards, ``PopenDriver`` for sampled real ones.
+
+    A simulated engine has no process to watch: it ends only when stopped,
+    ``stop`` seconds after being asked, and reports that exit itself.
+    """
+
+    def __init__(self, config: SupervisorConfig, statedir: SimStateDir, timings: Timings, counters: Counters):
+        self.statedir = statedir
+        self.timings = timings
+        self.counters = counters
+        self.popen = PopenDriver(config, statedir)
+
+    def is_real(self, shard: Shard) -> bool:
+        return shard.shard_id in self.statedir.real
+
+    # ------------------------------------------------------------ launch
+    async def prepare(self, shard: Shard, model: Model, steps: LaunchSteps) -> str | None:
+        if self.is_real(shard):
+            return await self.popen.prepare(shard, model, steps)
+        if self.timings.fetch > 0:
+            steps.fetching(shard)
+            if not await self._fetch(shard, steps, model.source, model.size_bytes or self.timings.weights_bytes):
+                return None
+        return model.source
+
+    async def _fetch(self, shard: Shard, steps: LaunchSteps, source: str, total: int) -> bool:
+        """``fetch`` seconds of download with progress; False (shard failed) past the start deadline."""
+        began = time.monotonic()
+        end = began + self.timings.fetch
+        while True:
+            now = time.monotonic()
+            if now >= shard.deadline:
+                timeout = float(shard.spec["profile"]["start_timeout"])
+                steps.fail_before_launch(shard, f"not ready within start_timeout ({timeout:g}s): still fetching "
+                                                f"{source}")
+                return False
+            done = min(total, int(total * (now - began) / self.timings.fetch))
+            rate = total / self.timings.fetch
+            steps.emit(Snapshot(done, total, rate).message(source, os.path.basename(source) or source,
+                                                           [shard.shard_id]))
+            self.counters.progress += 1
+            if now >= end:
+                return True
+            await asyncio.sleep(min(self.timings.progress_interval, end - now, shard.deadline - now))
+
+    def start(self, shard: Shard, model: Model, profile: Profile, model_path: str,
+              ports_held: set[int]) -> Started:
+        if self.is_real(shard):
+            started = self.popen.start(shard, model, profile, model_path, ports_held)
+            self.counters.engines += 1
+            return started
+        rank, nnodes = int(shard.spec["rank"]), int(shard.spec["nnodes"])
+        free = (p for p in range(SIM_PORTS[0], SIM_PORTS[1] + 1) if p not in ports_held)
+        port = next(free) if rank == 0 else None
+        master_port = next(free) if rank == 0 and nnodes > 1 else None
+        identity = ProcessIdentity(next(_pids), int(time.monotonic() * 100), procident.boot_id())
+        return Started(identity=identity, port=port, master_port=master_port)
+
+    def watch(self, shard: Shard, exited: ExitReport) -> asyncio.Task[None] | None:
+        return self.popen.watch(shard, exited) if self.is_real(shard) else None
+
+    def recover(self, shard: Shard, exited: ExitReport) -> asyncio.Task[None]:
+        return self.popen.recover(shard, exited)
+
+    # ------------------------------------------------------------ readiness and liveness
+    async def wait_ready(self, shard: Shard) -> Readiness:
+        if self.is_real(shard):
+            return await self.popen.wait_ready(shard)
+        remaining = shard.deadline - time.monotonic()
+        await asyncio.sleep(max(0.0, min(self.timings.start, remaining)))
+        if shard.state is not ShardState.STARTING or shard.end_intent is not None:
+            return Readiness.ENDED
+        return Readiness.TIMED_OUT if self.timings.start > remaining else Readiness.READY
+
+    def health_checked(self, shard: Shard) -> bool:
+        # A synthetic shard has no engine to check; a real one is checked as on a node.
+        return self.is_real(shard)
+
+    async def check(self, shard: Shard, before: liveness.Progress | None) -> liveness.Check:
+        return await self.popen.check(shard, before)
+
+    # ------------------------------------------------------------ ending
+    async def stop(self, shard: Shard, exited: ExitReport) -> None:
+        if self.is_real(shard):
+            await self.popen.stop(shard, exited)
+            return
+        if shard.exited.is_set():
+            return
+        await asyncio.sleep(self.timings.stop)
+        await exited(shard, "exited with status 0")
+
+    async def reap(self, shard: Shard) -> None:
+        if self.is_real(shard):
+            await self.popen.reap(shard)
+
+    def tail(self, shard: Shard) -> str:
+        return self.popen.tail(shard) if self.is_real(shard) else ""
+
+    async def close(self) -> None:
+        await self.popen.close()
+
+
 class SimSupervisor(Supervisor):
+    """The agent's supervisor with ``TimedEngines``, counting what it is asked to do."""
+
     def __init__(self, config: SupervisorConfig, emit: Emit, timings: Timings, counters: Counters,
                  engines: EngineSample):
         statedir = SimStateDir(None if engines.root is None else engines.root / config.node_id)
-        super().__init__(config, statedir, emit)  # type: ignore[arg-type]
+        super().__init__(config, statedir, emit, TimedEngines(config, statedir, timings, counters))
         self.timings = timings
         self.counters = counters
         self.engines = engines
         self.sim_dir = statedir
-
-    def _real(self, shard: Shard) -> bool:
-        return shard.shard_id in self.sim_dir.real
 
     # ------------------------------------------------------------ commands
     def start(self, spec: dict[str, Any]) -> Shard:
@@ -185,84 +296,3 @@ class SimSupervisor(Supervisor):
         """A restarted agent adopts what the previous one ran: report every live shard as adopted."""
         for s in self.live_shards():
             s.adopted = True
-
-    # ------------------------------------------------------------ the simulated steps
-    async def _launch(self, shard: Shard) -> bool:
-        if self._real(shard):
-            ok = await super()._launch(shard)
-            if ok:
-                self.counters.engines += 1
-            return ok
-        spec = shard.spec
-        checked = self._checked(shard)
-        if checked is None:
-            return False
-        model = checked[0]
-        if self.timings.fetch > 0:
-            self._transition(shard, ShardState.FETCHING)
-            if not await self._fetch(shard, model.source, model.size_bytes or self.timings.weights_bytes):
-                return False
-        rank, nnodes = int(spec["rank"]), int(spec["nnodes"])
-        held = self._ports_held()
-        free = (p for p in range(SIM_PORTS[0], SIM_PORTS[1] + 1) if p not in held)
-        shard.port = next(free) if rank == 0 else None
-        shard.master_port = next(free) if rank == 0 and nnodes > 1 else None
-        shard.identity = ProcessIdentity(next(_pids), int(time.monotonic() * 100), procident.boot_id())
-        self._transition(shard, ShardState.STARTING)
-        return True
-
-    async def _fetch(self, shard: Shard, source: str, total: int) -> bool:
-        """``fetch`` seconds of download with progress; False (shard failed) past the start deadline."""
-        began = time.monotonic()
-        end = began + self.timings.fetch
-        while True:
-            now = time.monotonic()
-            if now >= shard.deadline:
-                timeout = float(shard.spec["profile"]["start_timeout"])
-                self._fail_before_launch(shard, f"not ready within start_timeout ({timeout:g}s): still fetching "
-                                                f"{source}")
-                return False
-            done = min(total, int(total * (now - began) / self.timings.fetch))
-            rate = total / self.timings.fetch
-            self.emit(Snapshot(done, total, rate).message(source, os.path.basename(source) or source,
-                                                          [shard.shard_id]))
-            self.counters.progress += 1
-            if now >= end:
-                return True
-            await asyncio.sleep(min(self.timings.progress_interval, end - now, shard.deadline - now))
-
-    async def _await_ready(self, shard: Shard) -> None:
-        if self._real(shard):
-            await super()._await_ready(shard)
-            return
-        remaining = shard.deadline - time.monotonic()
-        await asyncio.sleep(max(0.0, min(self.timings.start, remaining)))
-        if shard.state is not ShardState.STARTING or shard.end_intent is not None:
-            return
-        if self.timings.start > remaining:
-            timeout = float(shard.spec["profile"]["start_timeout"])
-            self._end(shard, ShardState.FAILED, f"not ready within start_timeout ({timeout:g}s)",
-                      self.config.stop_grace)
-            return
-        self._transition(shard, ShardState.READY)
-
-    def _watch_liveness(self, shard: Shard) -> None:
-        # A synthetic shard has no engine to check; a real one is checked as on a node.
-        if self._real(shard):
-            super()._watch_liveness(shard)
-
-    async def _terminate(self, shard: Shard) -> None:
-        if self._real(shard):
-            await super()._terminate(shard)
-            return
-        if shard.exited.is_set():
-            return
-        await asyncio.sleep(self.timings.stop)
-        await self._conclude(shard, "exited with status 0")
-
-    async def _reap_group(self, shard: Shard) -> None:
-        if self._real(shard):
-            await super()._reap_group(shard)
-
-    def _tail(self, shard: Shard) -> str:
-        return super()._tail(shard) if self._real(shard) else ""
