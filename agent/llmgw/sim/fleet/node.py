@@ -27,8 +27,9 @@ from typing import Any, Callable
 
 import aiohttp
 
-from llmgw.agent.stream import MAX_MESSAGE, StreamClient
+from llmgw.agent.stream import StreamClient
 from llmgw.hardware.types import HardwareInventory
+from llmgw.protocol import MAX_MESSAGE
 from llmgw.sim.fleet.shards import SimSupervisor
 
 log = logging.getLogger(__name__)
