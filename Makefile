@@ -8,10 +8,13 @@ EXTRAS ?= controller,test
 
 .PHONY: quickstart llamacpp-vars fleet-down test unit integration ansible molecule pythons prometheus etcd venv clean engines
 
-$(STAMP): pyproject.toml
+# CONSTRAINTS: a pip constraints file for the install (`pythons` installs the oldest Python's
+# virtualenv at the runtime's dependency floors, constraints/floor.txt, so the floors are tested).
+CONSTRAINTS ?=
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
+	$(PY) -m pip install -q -e '.[$(EXTRAS)]' $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -113,7 +116,7 @@ NEWEST_PYTHON  ?= 3.13
 pythons:
 	PY=$$(ls -d $(PYENV_VERSIONS)/$(OLDEST_PYTHON).*/bin/python 2>/dev/null | sort -V | tail -1); \
 	  test -n "$$PY" || { echo "no Python $(OLDEST_PYTHON) under $(PYENV_VERSIONS)"; exit 1; }; \
-	  $(STAGE) "unit $(OLDEST_PYTHON)" $(MAKE) --no-print-directory PYTHON=$$PY VENV=$(VENV)-$(OLDEST_PYTHON) EXTRAS=test unit
+	  $(STAGE) "unit $(OLDEST_PYTHON)" $(MAKE) --no-print-directory PYTHON=$$PY VENV=$(VENV)-$(OLDEST_PYTHON) EXTRAS=test CONSTRAINTS=constraints/floor.txt unit
 	$(STAGE) "smoke $(OLDEST_PYTHON)" $(VENV)-$(OLDEST_PYTHON)/bin/python -m pytest tests/integration/test_runtime_smoke.py -q
 	PY=$$(ls -d $(PYENV_VERSIONS)/$(NEWEST_PYTHON).*/bin/python 2>/dev/null | sort -V | tail -1); \
 	  test -n "$$PY" || { echo "no Python $(NEWEST_PYTHON) under $(PYENV_VERSIONS)"; exit 1; }; \
