@@ -51,6 +51,9 @@ FEWER = [
 # An agent.yaml setting that changes nothing the running engines depend on.
 AGENT_EXTRA = {"fetch": {"stall_timeout": 30}}
 MISSING_WEIGHTS = "/nonexistent/llmgw-site-test/missing-weights"
+# The module fixture is eleven ansible-playbook runs (about ten minutes on two cores, twice that
+# under load); it counts against the first test's limit.
+pytestmark = pytest.mark.timeout(2700)
 
 
 def free_port() -> int:
