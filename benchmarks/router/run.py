@@ -24,7 +24,12 @@ router verifies (``engine_ca``), as a fleet with engine TLS runs; set beside
 Writes ``<out>.json`` (every number) and ``<out>.md`` (tables, ratios, the
 targets and whether they were met).  LiteLLM lives in its own virtualenv
 (benchmarks/.venv-litellm, created with ``pip install 'litellm[proxy]'`` if
-missing); nginx is Debian's package (``apt-get install -y nginx``).
+missing); nginx is Debian's package (``apt-get install nginx-light``).  A
+baseline asked for (not left out with ``--skip``/``--only``) that cannot
+start is named with the reason, on stdout and in both files (``missing``,
+the report's "Missing baselines"), and every comparison with it is marked
+"not measured": a run without nginx says so instead of comparing with
+nothing.
 """
 
 from __future__ import annotations
@@ -287,10 +292,13 @@ http {{
 """
 
 
+NGINX_MISSING = "not installed (apt-get install nginx-light)"
+
+
 def start_nginx(fast: str, slow: str, workdir: Path, cpus: str | None) -> Target:
     nginx = shutil.which("nginx") or "/usr/sbin/nginx"
     if not Path(nginx).exists():
-        raise RuntimeError("nginx not installed (apt-get install -y nginx)")
+        raise RuntimeError(NGINX_MISSING)
     d = workdir / "nginx"
     d.mkdir(exist_ok=True)
     port = free_port()
@@ -579,6 +587,12 @@ def report(results: dict) -> str:
     L.append("")
     L.append("Targets: " + "; ".join(f"**{t['name']}**: {t['note']}" for t in results["targets"]))
     L.append("")
+    gone = missing_lines(results)
+    if gone:
+        L.append("**Missing baselines** (requested but not run; every comparison with them is marked not measured):")
+        L.append("")
+        L.extend(f"- {line}" for line in gone)
+        L.append("")
     L.append("Each measurement starts with a warm-up of the same load (1 s; 3 s for stream-256x20ms) that is not "
              "counted, so every client connection and every connection a proxy keeps to its upstream is open "
              "before the window: without it the first wave of 256 streams measures TCP handshakes and "
@@ -608,7 +622,7 @@ def report(results: dict) -> str:
     for w in results["workloads"]:
         L.append(f"## {w['name']}: {w['what']}")
         L.append("")
-        _table(L, results["runs"].get(w["name"], {}), names)
+        _table(L, results["runs"].get(w["name"], {}), names, results.get("missing", {}))
     shared = results.get("runs_shared")
     if shared:
         for wn, rows in shared.items():
@@ -620,7 +634,7 @@ def report(results: dict) -> str:
                      "the clients, as it would if all three shared one small host. Measured after the tables "
                      "above, in the same run.")
             L.append("")
-            _table(L, rows, names)
+            _table(L, rows, names, results.get("missing", {}))
     L.append("## Targets")
     L.append("")
     L.append("| target | measured | met |")
@@ -654,12 +668,26 @@ def report(results: dict) -> str:
     return "\n".join(L)
 
 
-def _table(L: list[str], rows: dict, names: list[str]) -> None:
+def missing_lines(results: dict) -> list[str]:
+    """``nginx: not installed (...)`` for each requested baseline that did not run, so a report whose
+    comparisons with it are absent says why instead of silently comparing with nothing."""
+    return [f"{name}: {why}" for name, why in sorted(results.get("missing", {}).items())]
+
+
+NOT_MEASURED = "not measured"
+
+
+def _table(L: list[str], rows: dict, names: list[str], missing: dict[str, str] | None = None) -> None:
+    """One workload's rows; a column against a baseline that did not run says so rather than ``–``."""
     L.append("| target | req/s | tokens/s | TTFT p50 ms | TTFT p99 ms | latency p99 ms | errors | stolen % by CPU "
              "| CPU/req µs | CPU/chunk µs | CPU util | req/s vs direct | req/s vs nginx | CPU/req vs nginx "
              "| CPU/chunk vs nginx |")
     L.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     d, n = rows.get("direct"), rows.get("nginx")
+    missing = missing or {}
+
+    def vs(a: float | None, b: float | None, baseline: str) -> str:
+        return NOT_MEASURED if baseline in missing else ratio(a, b)
     for name in names:
         r = rows.get(name)
         if r is None:
@@ -677,9 +705,9 @@ def _table(L: list[str], rows: dict, names: list[str]) -> None:
             + (_spread(r, "proxy_cpu_per_request_us") if r.get("proxy_cpu_per_chunk_us") is None else ""),
             fmt(r["proxy_cpu_per_chunk_us"], 1) + _spread(r, "proxy_cpu_per_chunk_us"),
             fmt(r["proxy_cpu_util"], 2),
-            ratio(r["rps"], d and d["rps"]), ratio(r["rps"], n and n.get("rps")),
-            ratio(r["proxy_cpu_per_request_us"], n and n.get("proxy_cpu_per_request_us")),
-            ratio(r["proxy_cpu_per_chunk_us"], n and n.get("proxy_cpu_per_chunk_us")),
+            vs(r["rps"], d and d["rps"], "direct"), vs(r["rps"], n and n.get("rps"), "nginx"),
+            vs(r["proxy_cpu_per_request_us"], n and n.get("proxy_cpu_per_request_us"), "nginx"),
+            vs(r["proxy_cpu_per_chunk_us"], n and n.get("proxy_cpu_per_chunk_us"), "nginx"),
         ]) + " |")
     L.append("")
 
@@ -739,10 +767,19 @@ def _checks(results: dict, runs: dict, label: str, primary: bool) -> list[dict]:
     why = (f"inconclusive: direct reached {direct_tps:,.0f} of {ideal:,.0f} tokens/s, the machine is saturated"
            if saturated else "")
     names = [x["name"] for x in results["targets"]]
+    missing = results.get("missing", {})
+
+    def unmeasured(what: str, baseline: str) -> dict:
+        """A target compared with a baseline that did not run: listed, not left out."""
+        return {"what": what, "measured": NOT_MEASURED, "met": None,
+                "why": f"{NOT_MEASURED}: {baseline}: {missing[baseline]}"}
+
     # nginx's figures under the same conditions, as a reference for what the machine allows
     for t in [n for n in names if n.startswith("llmgw")] + [n for n in names if n == "nginx"]:
         reference = t == "nginx"
         dt, rt = get("stream-256x20ms", "direct", "tokens_per_s"), get("stream-256x20ms", t, "tokens_per_s")
+        if "direct" in missing and t != "direct":
+            out.append(unmeasured(f"{t}: 256 streams x 20 ms token throughput >= 0.95 of direct ({label})", "direct"))
         if dt and rt:
             out.append({"what": f"{t}: 256 streams x 20 ms token throughput >= 0.95 of direct ({label})",
                         "measured": f"{rt / dt:.3f}", "met": None if saturated or reference else rt / dt >= 0.95,
@@ -763,11 +800,15 @@ def _checks(results: dict, runs: dict, label: str, primary: bool) -> list[dict]:
             continue
         for w in ("stream-64", "stream-256x20ms"):
             nc, rc = get(w, "nginx", "proxy_cpu_per_chunk_us"), get(w, t, "proxy_cpu_per_chunk_us")
+            if "nginx" in missing and w in runs:
+                out.append(unmeasured(f"{t}: CPU per streamed chunk <= 2x nginx ({w})", "nginx"))
             if nc and rc:
                 out.append({"what": f"{t}: CPU per streamed chunk <= 2x nginx ({w})",
                             "measured": f"{rc / nc:.2f}x", "met": rc / nc <= 2})
         for w in ("small-c16", "small-c64"):
             lr, rr = get(w, "litellm", "rps"), get(w, t, "rps")
+            if "litellm" in missing and w in runs:
+                out.append(unmeasured(f"{t}: requests/s >= 3x LiteLLM ({w})", "litellm"))
             if lr and rr:
                 out.append({"what": f"{t}: requests/s >= 3x LiteLLM ({w})",
                             "measured": f"{rr / lr:.2f}x", "met": rr / lr >= 3})
@@ -856,6 +897,7 @@ def main(argv: list[str] | None = None) -> int:
                  "python": platform.python_version(), "kernel": platform.release(), "quick": args.quick,
                  "placement": placement, "layouts": layouts, "flags": _flags(args)},
         "targets": [], "workloads": [], "runs": {}, "notes": early_notes,
+        "missing": {},  # requested targets that could not start: name -> why
     }
     procs: list[Proc] = []
     try:
@@ -895,7 +937,9 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     t = start()
                 except Exception as e:  # noqa: BLE001 - a target that cannot start is reported, not fatal
-                    results["notes"].append(f"{name} could not be started: {e}".splitlines()[0])
+                    results["missing"][name] = (str(e).splitlines() or [type(e).__name__])[0]
+                    print(f"[{time.monotonic() - t_start:6.1f}s] MISSING {name}: {results['missing'][name]}; "
+                          "comparisons with it are not measured", flush=True)
                     continue
                 results["targets"].append({"name": t.name, "note": t.note})
                 running.append(t)
@@ -934,6 +978,8 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=2))
     out.with_suffix(".md").write_text(report(results))
+    for line in missing_lines(results):
+        print(f"missing baseline: {line}")
     print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')} in {results['elapsed_s']:.0f}s")
     shutil.rmtree(workdir, ignore_errors=True)
     return 0

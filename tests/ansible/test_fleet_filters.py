@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import sys
 
 import pytest
 from ansible.errors import AnsibleFilterError
@@ -18,6 +19,11 @@ from ansible.errors import AnsibleFilterError
 from fleet_harness import REPO
 
 PLUGINS = REPO / "collections" / "ansible_collections" / "llmgw" / "fleet" / "plugins"
+
+
+# A plugin's own imports of the collection's module_utils resolve as under Ansible's collection loader.
+if str(REPO / "collections") not in sys.path:
+    sys.path.append(str(REPO / "collections"))
 
 
 def _load(path):

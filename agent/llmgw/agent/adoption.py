@@ -71,12 +71,13 @@ from llmgw.agent.statedir import ShardRecord, StateDir
 from llmgw.agent.supervisor import ENV_NODE_ID, ENV_SHARD_ID
 from llmgw.hardware.advertise import Hold, advertise
 from llmgw.hardware.types import HardwareInventory
+from llmgw.protocol import ShardState
 
 log = logging.getLogger(__name__)
 
 _INTERPRETERS = ("python", "python3", "sh", "bash", "env")
 # A record is written once its engine is launched, so it says one of these.
-ADOPTABLE_STATES = ("starting", "ready", "draining")
+ADOPTABLE_STATES = (ShardState.STARTING.value, ShardState.READY.value, ShardState.DRAINING.value)
 
 
 @dataclass(frozen=True)

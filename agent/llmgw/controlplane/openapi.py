@@ -24,6 +24,7 @@ from typing import Any
 from llmgw import __version__
 from llmgw.config import load_schema
 from llmgw.controlplane.listquery import MAX_LIMIT, NODE_STATES, REPLICA_STATES
+from llmgw.controlplane.replicas import GONE, WAITING
 
 OPENAPI_PATH = "/openapi.json"
 JSON = "application/json"
@@ -88,7 +89,7 @@ SHAPES: dict[str, dict[str, Any]] = {
                       {"replicas_left": {"type": "integer", "minimum": 0}, "drained": BOOL,
                        "drain_blocked": OPT_STR}),
     "Node": obj({
-        "node_id": ref("stream", "id"), "state": {"enum": ["ready", "unreachable", "lost"]},
+        "node_id": ref("stream", "id"), "state": {"enum": list(NODE_STATES)},
         "state_for_s": OPT_SECONDS, "reason": OPT_STR, "connected": BOOL, "epoch": {"type": ["integer", "null"]},
         "last_seen_s": OPT_SECONDS, "address": OPT_STR, "agent_version": OPT_STR, "boot_id": OPT_STR,
         "certificate": nullable(obj({"serial": STR, "not_after": STR, "fingerprint_sha256": STR})),
@@ -116,7 +117,7 @@ SHAPES: dict[str, dict[str, Any]] = {
         "shard_id": ref("stream", "id"), "rank": {"type": "integer", "minimum": 0}, "node_id": OPT_STR,
         "gpus": {"type": "array", "items": INT},
         # the agent's states, and the control plane's own "waiting" (not dispatched) and "gone"
-        "state": {"anyOf": [ref("stream", "state"), {"enum": ["waiting", "gone"]}]},
+        "state": {"anyOf": [ref("stream", "state"), {"enum": [WAITING, GONE]}]},
         "state_for_s": OPT_SECONDS, "reason": OPT_STR, "output_tail": OPT_STR, "pid": {"type": ["integer", "null"]},
         "process": nullable(ref("stream", "process")), "port": {"type": ["integer", "null"]},
         "master_port": {"type": ["integer", "null"]}, "address": OPT_STR,
@@ -125,7 +126,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     }),
     "Replica": obj({
         "replica_id": STR, "model": STR, "profile": STR, "slot": {"type": ["integer", "null"]},
-        "state": {"enum": ["starting", "ready", "failed", "stopping", "draining"]},
+        "state": {"enum": list(REPLICA_STATES)},
         "reason": OPT_STR, "adopted": BOOL, "age_s": OPT_SECONDS, "ready_for_s": OPT_SECONDS,
         "restarts": {"type": "integer", "minimum": 0}, "replaces": OPT_STR, "placement": {},
         "endpoint": OPT_STR, "clear_text": {"type": ["boolean", "null"]}, "retry_in_s": OPT_SECONDS,

@@ -22,10 +22,17 @@ from typing import Any
 from llmgw.catalog import Model, Profile
 from llmgw.protocol import ShardState
 
-# States an agent reports (the wire's ShardState), as the plain strings shards hold.
-PENDING, FETCHING, STARTING, READY, FAILED, DRAINING, STOPPED = (s.value for s in ShardState)
-RUNNING_STATES = frozenset({PENDING, FETCHING, STARTING, READY, DRAINING})
-ENDED_STATES = frozenset({FAILED, STOPPED})
+# States an agent reports (the wire's ShardState), as the plain strings shards hold; each
+# taken by name, so a reordered or extended enum cannot shift one name onto another's value.
+PENDING = ShardState.PENDING.value
+FETCHING = ShardState.FETCHING.value
+STARTING = ShardState.STARTING.value
+READY = ShardState.READY.value
+FAILED = ShardState.FAILED.value
+DRAINING = ShardState.DRAINING.value
+STOPPED = ShardState.STOPPED.value
+ENDED_STATES = frozenset(s.value for s in ShardState if s.terminal)
+RUNNING_STATES = frozenset(s.value for s in ShardState if not s.terminal)
 # Control-plane-only shard states: not yet sent to an agent (a worker rank
 # waits for rank 0's rendezvous port), or not reported by its agent.
 WAITING, GONE = "waiting", "gone"

@@ -23,6 +23,8 @@ from typing import Any
 
 import httpx
 
+from llmgw.protocol import ShardState
+
 ENV = {"url": "LLMGW_URL", "ca": "LLMGW_CA", "cert": "LLMGW_CERT", "key": "LLMGW_KEY", "token": "LLMGW_TOKEN",
        "revoked": "LLMGW_REVOKED"}
 
@@ -284,7 +286,7 @@ def format_replicas(doc: dict[str, Any]) -> list[str]:
             if s.get("adopted"):
                 bits.append("adopted")
             out.append("  " + "  ".join(bits))
-            if s.get("reason") and s["state"] not in ("ready",):
+            if s.get("reason") and s["state"] != ShardState.READY:
                 out.append(f"      reason: {s['reason']}")
             if s.get("progress"):
                 out.append(f"      {progress_line(s['progress'])}")

@@ -7,6 +7,7 @@ whose failure message tells the operator what is not Ready and why."""
 from __future__ import annotations
 
 from ansible.errors import AnsibleFilterError
+from ansible_collections.llmgw.fleet.plugins.module_utils.shard_states import READY as SHARD_READY
 
 
 def short_deployments(deployments, replicas):
@@ -85,7 +86,7 @@ def describe_replica(replica):
     if isinstance(failure, dict) and failure.get("reason") and not any(str(failure["reason"]) in d for d in details):
         details.append(_describe_failure(failure))
     for shard in replica.get("shards") or ():
-        if not isinstance(shard, dict) or shard.get("state") == "ready":
+        if not isinstance(shard, dict) or shard.get("state") == SHARD_READY:
             continue
         if shard.get("reason") and not shard.get("progress") and any(str(shard["reason"]) in d for d in details):
             continue  # already said, in the replica's reason

@@ -172,6 +172,7 @@ import ssl
 from ansible.errors import AnsibleParserError
 from ansible.module_utils.basic import missing_required_lib
 from ansible.plugins.inventory import BaseInventoryPlugin, Cacheable, Constructable
+from ansible_collections.llmgw.fleet.plugins.module_utils.shard_states import ENDED_STATES as ENDED_SHARD_STATES
 
 try:
     import httpx
@@ -185,7 +186,6 @@ else:
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 PREFIX = "llmgw_live_"
-ENDED_SHARD_STATES = frozenset(("failed", "stopped", "gone"))
 MAX_PAGE_SIZE = 10000  # the control plane's own limit
 _UNSAFE_GROUP_CHARS = re.compile(r"[^A-Za-z0-9_]")
 
