@@ -10,24 +10,14 @@ llmgw runtime (nodes have it, the controller need not).
 from __future__ import annotations
 
 import ast
-import importlib.util
 
 import pytest
 from ansible.errors import AnsibleFilterError
 
-from fleet_harness import REPO
-
-PLUGINS = REPO / "collections" / "ansible_collections" / "llmgw" / "fleet" / "plugins"
+from fleet_harness import PLUGINS, load_plugin
 
 
-def _load(path):
-    spec = importlib.util.spec_from_file_location(f"_llmgw_fleet_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-fleet = _load(PLUGINS / "filter" / "fleet.py")
+fleet = load_plugin(PLUGINS / "filter" / "fleet.py")
 
 DEPLOYMENTS = [
     {"model": "small", "profile": "tp1", "replicas": 2},

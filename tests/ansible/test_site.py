@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import threading
 import time
@@ -38,6 +37,8 @@ import pytest
 import yaml
 
 from fleet_harness import REPO, run_playbook
+
+from tests.support.ports import free_port
 
 SITE = REPO / "playbooks" / "site.yml"
 UPGRADE = REPO / "playbooks" / "upgrade.yml"
@@ -51,12 +52,6 @@ FEWER = [
 # An agent.yaml setting that changes nothing the running engines depend on.
 AGENT_EXTRA = {"fetch": {"stall_timeout": 30}}
 MISSING_WEIGHTS = "/nonexistent/llmgw-site-test/missing-weights"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def processes_under(root: Path) -> list[int]:

@@ -1,7 +1,7 @@
 """The weights fetcher against a real HTTP server on 127.0.0.1, real files, real processes.
 
 Each test names the property from the issue it shows.  The server
-(``test_fetch_support.WeightsServer``) counts every GET and every byte it
+(``fetch_support.WeightsServer``) counts every GET and every byte it
 sends, so "resumed" and "one download" are measured, not assumed.
 """
 
@@ -28,7 +28,7 @@ from llmgw.ctl.fleet import progress_line
 from llmgw.settings import FetchPolicy
 
 from fleet import until
-from test_fetch_support import DirWatcher, WeightsServer
+from fetch_support import DirWatcher, WeightsServer
 
 pytestmark = pytest.mark.integration
 
