@@ -1,8 +1,10 @@
 """The ``llmgw`` command line.
 
 Each subsystem registers its own subcommand through an ``add_parser``
-function, so this file only knows which exist.  A subsystem that fails to
-import takes only its own command down, with the reason shown.
+function, so this file only knows which exist.  A subsystem whose module is
+not part of the build is left out of the command line; any other failure to
+import one (a dependency missing or broken) stops every command with its
+traceback, because a broken install must not pass for a smaller one.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ _TOP = [
 _CTL = [
     ("llmgw.ctl.explain", "explain"),
     ("llmgw.ctl.cert", "cert"),
-    ("llmgw.ctl.fleet", "nodes, replicas, drain"),
+    ("llmgw.ctl.fleet", "nodes, replicas, drain, cordon, uncordon, openapi"),
     ("llmgw.ctl.manifest", "manifest"),
 ]
 
@@ -46,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR (default INFO)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _register(sub, _TOP)
-    ctl = sub.add_parser("ctl", help="operator commands: explain, cert, nodes, replicas, drain, openapi, manifest")
+    ctl = sub.add_parser("ctl", help="operator commands (llmgw ctl --help lists them)")
     ctl_sub = ctl.add_subparsers(dest="ctl_command", metavar="SUBCOMMAND")
     _register(ctl_sub, _CTL)
     ctl.set_defaults(func=lambda args: (ctl.print_help(), 2)[1])

@@ -17,17 +17,25 @@ PRIVATE_MODE = 0o600
 PUBLIC_MODE = 0o644
 
 
-def write_atomic(path: str | os.PathLike[str], data: bytes, *, mode: int, overwrite: bool = True) -> Path:
+def write_atomic(path: str | os.PathLike[str], data: bytes, *, mode: int, overwrite: bool = True,
+                 tmp_name: str | None = None) -> Path:
     """Write ``data`` to ``path`` atomically with exactly ``mode``.
 
     With ``overwrite=False`` an existing target raises ``FileExistsError`` and
     is left untouched, even when another writer races us (the final step is a
     hard link, which fails on an existing name instead of replacing it).
+
+    ``tmp_name`` names the temporary file beside the target (default: a random
+    hidden name).  A caller whose orphan sweep recognises a dead writer's
+    leftover by its name (the weight fetcher's ``<name>.tmp<pid>``) passes its
+    own; the name is then the caller's alone, so a leftover under it is
+    truncated, not refused.
     """
     target = Path(path)
     directory = target.parent
-    tmp = directory / f".{target.name}.{secrets.token_hex(6)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), mode)
+    tmp = directory / (tmp_name or f".{target.name}.{secrets.token_hex(6)}.tmp")
+    exclusive = os.O_TRUNC if tmp_name else os.O_EXCL
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | exclusive | getattr(os, "O_CLOEXEC", 0), mode)
     try:
         try:
             os.fchmod(fd, mode)  # the umask may have narrowed it; make it exact

@@ -47,14 +47,15 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
-sys.path.insert(0, str(ROOT / "tests" / "integration"))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "integration")]  # tests.support; the real-process fleet
 
 from fleet import (FAST_LIFECYCLE, Fleet, gpu_owners, router_endpoints, shard_identities,  # noqa: E402
-                   standalone_router, until)
-from streamfuzz import tracebacks  # noqa: E402
+                   standalone_router)
+from tests.support import procfs  # noqa: E402
+from tests.support.logs import tracebacks  # noqa: E402
+from tests.support.polling import until  # noqa: E402
 
 LOADGEN = ROOT / "benchmarks" / "router" / "loadgen.py"
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 MAX_TOKENS = 16
 PROFILE = {"env": {"LLMGW_SIM_TOKEN_LATENCY": "0.01"}}  # a stream lasts ~0.2 s: many are in flight at a kill
 
@@ -213,7 +214,7 @@ class Chaos:
                  "--duration", "100000", "--request-timeout", "60", "--stop-file", str(stop_file),
                  "--events", str(events)],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            cpu0 = proc_cpu(self.router.pid)
+            cpu0 = (procfs.cpu_seconds(self.router.pid) or 0.0)
             t0 = time.time()
             try:
                 time.sleep(2.0)  # steady load before the first kill
@@ -233,7 +234,7 @@ class Chaos:
                     load.kill()
                     out, err = load.communicate()
             elapsed = time.time() - t0
-            router_cpu = proc_cpu(self.router.pid) - cpu0
+            router_cpu = (procfs.cpu_seconds(self.router.pid) or 0.0) - cpu0
             if load.returncode != 0 or not out.strip():
                 raise RuntimeError(f"load generator failed ({load.returncode}): {err[-3000:]}")
             result = json.loads(out.strip().splitlines()[-1])
@@ -299,16 +300,6 @@ class Chaos:
 
 def spread(values: list[float]) -> dict[str, float]:
     return {"n": len(values), "min": min(values), "median": round(statistics.median(values), 3), "max": max(values)}
-
-
-def proc_cpu(pid: int) -> float:
-    """utime + stime of ``pid`` in seconds, from /proc/<pid>/stat."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0.0
-    fields = stat[stat.rindex(")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 # ------------------------------------------------------------------- report

@@ -31,11 +31,11 @@ from llmgw.sim.fleet.client import send_command
 from llmgw.sim.fleet.throttle import Throttle
 from llmgw.tls import init_ca, issue_admin, issue_server
 from llmgw.tls.ca import load_ca
-from llmgw.tls.context import client_context
 from llmgw.tls.files import write_pair
+from tests.support import polling, procfs
+from tests.support.fleetclient import admin_client
+from tests.support.ports import free_port
 
-TICK = os.sysconf("SC_CLK_TCK")
-PAGE = os.sysconf("SC_PAGE_SIZE")
 
 # What a fleet of N 8-GPU nodes runs: about 80 % of its GPUs, as shares of
 # the fleet's GPUs per profile (two-node replicas need the IB templates).
@@ -44,17 +44,6 @@ FILL = (("m16", "x2", 16, 0.04), ("m8", "tp8", 8, 0.30), ("m4", "tp4", 4, 0.20),
 PROFILES = {"x2": {"tensor_parallel_size": 8, "pipeline_parallel_size": 2, "nodes": 2},
             "tp8": {"tensor_parallel_size": 8}, "tp4": {"tensor_parallel_size": 4},
             "tp2": {"tensor_parallel_size": 2}, "tp1": {"tensor_parallel_size": 1}}
-
-
-def proc_cpu(pid: int) -> float:
-    """utime + stime of ``pid`` alone, in seconds (children not counted)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
-
-
-def proc_rss(pid: int) -> int:
-    """Resident set size of ``pid`` in bytes."""
-    return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE
 
 
 def catalog(nodes: int) -> dict[str, Any]:
@@ -80,14 +69,9 @@ def declared_inventory(nodes: list[dict[str, Any]], catalog: dict[str, Any]) -> 
 
 
 def until(pred: Callable[[], Any], what: str, timeout: float, interval: float = 1.0) -> Any:
-    end = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        if time.monotonic() > end:
-            raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(interval)
+    """``tests.support.polling.until`` raising TimeoutError: a fleet that never converged is a
+    benchmark's result (run.py reports it), not a test failure."""
+    return polling.until(pred, what, timeout, interval=interval, error=TimeoutError)
 
 
 @dataclass
@@ -114,7 +98,7 @@ class Fleet:
         self.ca = load_ca(cache / "ca") if (cache / "ca" / "ca.key").exists() else init_ca(cache / "ca")
         self.server_pair = write_pair(pki / "server", *issue_server(self.ca, ["localhost"], ["127.0.0.1"]))
         self.admin_pair = write_pair(pki / "admin", *issue_admin(self.ca, "bench"))
-        self.port = self.port or _free_port()
+        self.port = self.port or free_port()
         self.status_path = self.root / "sim-status.json"
         self.control_path = self.root / "sim.sock"
         self.write_config()
@@ -203,8 +187,7 @@ class Fleet:
     # ------------------------------------------------------------ admin API
     def http(self) -> httpx.Client:
         if self._http is None:
-            ctx = client_context(self.ca.cert_path, *self.admin_pair)
-            self._http = httpx.Client(base_url=self.url, verify=ctx, timeout=120)
+            self._http = admin_client(self.url, self.ca.cert_path, self.admin_pair, timeout=120)
         return self._http
 
     def close_http(self) -> None:
@@ -242,11 +225,11 @@ class Fleet:
     # -------------------------------------------------------- measurements
     def server_cpu(self) -> float:
         assert self.server is not None
-        return proc_cpu(self.server.pid)
+        return procfs.cpu_seconds(self.server.pid)
 
     def server_rss(self) -> int:
         assert self.server is not None
-        return proc_rss(self.server.pid)
+        return procfs.rss_bytes(self.server.pid)
 
 
 class _quiet:
@@ -255,11 +238,3 @@ class _quiet:
 
     def __exit__(self, *exc: Any) -> bool:
         return exc[0] is not None and issubclass(exc[0], (ProcessLookupError, PermissionError))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

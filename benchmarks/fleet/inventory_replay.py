@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests.support, for the harness
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "inventory"))
 
 from bench import TOKEN, serve  # noqa: E402  (the inventory benchmark's loopback server)

@@ -58,7 +58,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[2])]  # harness, tests.support
 
 from harness import Fleet, catalog, declared_inventory, until  # noqa: E402
 

@@ -23,7 +23,7 @@ and holds a steady, fragmented state rather than only filling an empty fleet.
   fixed number of decisions; its rate is what matters.
 
 Each variant runs in its own Python process; its CPU time (user + system) is
-read from /proc/self/stat around the decision loop, apart from building the
+read with ``time.process_time()`` around the decision loop, apart from building the
 fleet, which is reported separately.  Every figure is the median of
 ``--runs`` runs, with the spread.  Writes benchmarks/results/placement.json
 and placement.md.
@@ -53,12 +53,6 @@ GIB = 1 << 30
 
 
 # --- the worker (runs in its own process, against one tree) ------------------
-
-
-def cpu_seconds() -> float:
-    """User + system time of this process, from /proc/self/stat (fields 14, 15)."""
-    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def requests(seed: int):
@@ -92,7 +86,7 @@ def fleet(n: int):
 def work(variant: str, n: int, decisions: int, seconds: float, seed: int) -> dict:
     from dataclasses import replace
 
-    t0, c0 = time.perf_counter(), cpu_seconds()
+    t0, c0 = time.perf_counter(), time.process_time()
     nodes = fleet(n)
     total_gpus = 8 * n
     if variant == "after":
@@ -103,7 +97,7 @@ def work(variant: str, n: int, decisions: int, seconds: float, seed: int) -> dic
         from llmgw.placement import place
 
         current = {c.node_id: c for c in nodes}
-    build_wall, build_cpu = time.perf_counter() - t0, cpu_seconds() - c0
+    build_wall, build_cpu = time.perf_counter() - t0, time.process_time() - c0
 
     running: list = []  # placements, oldest first
     busy = 0
@@ -122,7 +116,7 @@ def work(variant: str, n: int, decisions: int, seconds: float, seed: int) -> dic
         stopped += 1
 
     stream = requests(seed)
-    t0, c0 = time.perf_counter(), cpu_seconds()
+    t0, c0 = time.perf_counter(), time.process_time()
     done = 0
     while done < decisions and (variant == "after" or time.perf_counter() - t0 < seconds):
         req = next(stream)
@@ -147,7 +141,7 @@ def work(variant: str, n: int, decisions: int, seconds: float, seed: int) -> dic
                 current[s.node_id] = replace(node, free_gpus=node.free_gpus - frozenset(s.gpu_indices))
         busy += sum(len(s.gpu_indices) for s in result.placement.shards)
         running.append(result.placement)
-    wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     return {"variant": variant, "nodes": n, "decisions": done, "placed": placed, "refused": refused,
             "stopped": stopped, "wall_s": wall, "cpu_s": cpu, "per_s_wall": done / wall, "per_s_cpu": done / cpu,
             "build_wall_s": build_wall, "build_cpu_s": build_cpu, "busy_at_end": busy / total_gpus}
@@ -247,7 +241,7 @@ def render(doc: dict) -> str:
         "two sockets; TP 1/2/4/8 with weights that fit; the oldest replicas stop when the fleet is 80% busy or a",
         "request does not fit. `after` is `PlacementIndex` of this tree, `scan` this tree's `place()`, `before` `place()` of the baseline",
         f"(`{doc['args']['baseline']}`, {doc['baseline'][:12]}) over every node, in the same run. Rates are per CPU",
-        "second of the process (from /proc/self/stat; the machine is shared, so CPU time is the steadier figure)",
+        "second of the process (``time.process_time()``; the machine is shared, so CPU time is the steadier figure)",
         f"and per wall second; medians of {doc['args']['runs']} runs, spread min–max. Python {doc['python']},",
         f"{doc['machine']}. Raw figures: `benchmarks/results/placement.json`.",
         "",

@@ -41,7 +41,6 @@ import platform
 import re
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -57,14 +56,11 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 PY = sys.executable
 LITELLM_VENV = ROOT / "benchmarks" / ".venv-litellm"
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 HOST = "127.0.0.1"
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+sys.path.insert(0, str(ROOT))
+from tests.support import procfs  # noqa: E402
+from tests.support.ports import free_port  # noqa: E402
 
 
 def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, log: Path | None = None,
@@ -117,42 +113,6 @@ def spawn(name: str, argv: list[str], workdir: Path, env: dict | None = None, cp
 
 # ------------------------------------------------------------------ CPU accounting
 
-def _stat(pid: int, which: slice = slice(11, 15)) -> tuple[int, int] | None:
-    """(ppid, utime+stime+cutime+cstime in ticks) of a live process."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = raw[raw.rindex(")") + 2:].split()
-    # fields[0] is state (field 3); utime..cstime are fields 14..17
-    return int(fields[1]), sum(int(x) for x in fields[which])
-
-
-def tree_cpu_s(root: int, which: slice = slice(11, 15)) -> float:
-    """CPU seconds of ``root`` and every live descendant (reaped children are in cutime/cstime)."""
-    stats: dict[int, tuple[int, int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            st = _stat(int(entry), which)
-            if st:
-                stats[int(entry)] = st
-    members = _tree(root, {pid: ppid for pid, (ppid, _) in stats.items()})
-    return sum(stats[p][1] for p in members if p in stats) / CLK_TCK
-
-
-def _tree(root: int, parents: dict[int, int]) -> set[int]:
-    """``root`` and its descendants, given every live process's parent."""
-    members = {root}
-    changed = True
-    while changed:
-        changed = False
-        for pid, ppid in parents.items():
-            if ppid in members and pid not in members:
-                members.add(pid)
-                changed = True
-    return members
-
-
 def cpu_times() -> dict[int, tuple[int, int]]:
     """Per CPU: (all ticks, steal ticks) from /proc/stat.
 
@@ -178,23 +138,12 @@ def steal_share(before: dict[int, tuple[int, int]], after: dict[int, tuple[int, 
     return out
 
 
-def tree_pids(root: int) -> set[int]:
-    """``root`` and every live descendant."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            st = _stat(int(entry))
-            if st:
-                parents[int(entry)] = st[0]
-    return _tree(root, parents)
-
-
 def move_tree(root: int, cpus: set[int]) -> None:
     """Put every thread of a running process tree on ``cpus`` (what ``taskset -a -p`` does, for a tree).
 
     Affinity is per thread; a worker forked later inherits its parent's.
     """
-    for pid in tree_pids(root):
+    for pid in procfs.tree_pids(root):
         try:
             tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
         except OSError:
@@ -468,10 +417,10 @@ def measure(t: Target, w: Workload, cpus: str | None) -> dict:
     def window_opens() -> None:
         stat0[0] = cpu_times()
         if pid:
-            c0[0] = tree_cpu_s(pid)
+            c0[0] = procfs.tree_cpu_seconds(pid)
 
     res = run_load(url, w, cpus, api_key=t.api_key, on_warm=window_opens)
-    c1 = tree_cpu_s(pid) if pid else 0.0
+    c1 = procfs.tree_cpu_seconds(pid) if pid else 0.0
     res["steal"] = steal_share(stat0[0], cpu_times())
     cpu = c1 - c0[0]
     res["proxy_cpu_s"] = cpu if pid else None

@@ -8,6 +8,7 @@ clone.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -154,3 +155,13 @@ def four_runs(playbook: str | Path, tmp_path: Path, **kwargs: Any) -> list[PlayR
 
 def dump(obj: Any) -> str:
     return json.dumps(obj, indent=2, default=str)
+
+
+PLUGINS = REPO / "collections" / "ansible_collections" / "llmgw" / "fleet" / "plugins"
+
+
+def load_plugin(path):
+    spec = importlib.util.spec_from_file_location(f"_llmgw_fleet_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -21,6 +21,8 @@ import pytest
 
 from fleet_harness import PLAYBOOKS, four_runs, run_playbook
 
+from tests.support import procfs
+
 PLAY = PLAYBOOKS / "daemon.yml"
 SERVICE = """
 import os, signal, sys, time
@@ -45,11 +47,7 @@ def alive(pid: int) -> bool:
     """Whether ``pid`` runs. A zombie has exited: the service was started by a module
     process that is gone, so the exited process waits for init to reap it, whenever
     init gets to it, and os.kill(pid, 0) would still succeed on it."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return stat[stat.rindex(")") + 2:].split()[0] not in ("Z", "X")
+    return procfs.alive(pid)
 
 
 @pytest.fixture

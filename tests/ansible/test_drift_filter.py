@@ -10,9 +10,9 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from ansible.errors import AnsibleFilterError
 
-from test_fleet_filters import PLUGINS, _load
+from fleet_harness import PLUGINS, load_plugin
 
-drift = _load(PLUGINS / "filter" / "drift.py")
+drift = load_plugin(PLUGINS / "filter" / "drift.py")
 
 URL = "https://cp.example:8443"
 NOW = datetime(2026, 6, 1, tzinfo=timezone.utc).timestamp()

@@ -10,30 +10,19 @@ llmgw runtime (nodes have it, the controller need not).
 from __future__ import annotations
 
 import ast
-import importlib.util
 import sys
 
 import pytest
 from ansible.errors import AnsibleFilterError
 
-from fleet_harness import REPO
-
-PLUGINS = REPO / "collections" / "ansible_collections" / "llmgw" / "fleet" / "plugins"
+from fleet_harness import PLUGINS, REPO, load_plugin
 
 
 # A plugin's own imports of the collection's module_utils resolve as under Ansible's collection loader.
 if str(REPO / "collections") not in sys.path:
     sys.path.append(str(REPO / "collections"))
 
-
-def _load(path):
-    spec = importlib.util.spec_from_file_location(f"_llmgw_fleet_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-fleet = _load(PLUGINS / "filter" / "fleet.py")
+fleet = load_plugin(PLUGINS / "filter" / "fleet.py")
 
 DEPLOYMENTS = [
     {"model": "small", "profile": "tp1", "replicas": 2},

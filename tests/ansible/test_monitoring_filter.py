@@ -11,9 +11,9 @@ import pytest
 from ansible.errors import AnsibleFilterError
 
 from fleet_harness import REPO
-from test_fleet_filters import _load
+from fleet_harness import load_plugin
 
-monitoring = _load(REPO / "collections/ansible_collections/llmgw/fleet/plugins/filter/monitoring.py")
+monitoring = load_plugin(REPO / "collections/ansible_collections/llmgw/fleet/plugins/filter/monitoring.py")
 
 
 def shard(replica, endpoint=None, rank=0):

@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import threading
 import time
@@ -38,6 +37,8 @@ import pytest
 import yaml
 
 from fleet_harness import REPO, run_playbook
+
+from tests.support.ports import free_port
 
 SITE = REPO / "playbooks" / "site.yml"
 UPGRADE = REPO / "playbooks" / "upgrade.yml"
@@ -54,12 +55,6 @@ MISSING_WEIGHTS = "/nonexistent/llmgw-site-test/missing-weights"
 # The module fixture is eleven ansible-playbook runs (about ten minutes on two cores, twice that
 # under load); it counts against the first test's limit.
 pytestmark = pytest.mark.timeout(2700)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def processes_under(root: Path) -> list[int]:

@@ -25,11 +25,9 @@ import os
 import random
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -46,8 +44,11 @@ from llmgw.tls import init_ca, issue_admin, issue_node, issue_router, issue_serv
 from llmgw.tls.ca import key_to_pem
 from llmgw.tls.context import client_context
 from llmgw.tls.files import write_pair
+from tests.support.fleetclient import admin_client
+from tests.support.polling import WAIT, until
+from tests.support.ports import free_port
+from tests.support.procfs import start_time as process_start_time  # noqa: F401 (tests import it from here)
 
-WAIT = 120.0  # generous: a loaded 2-core machine must not turn slowness into failure
 SIM_SCRIPT = Path(sys.executable).parent / "llmgw-engine-sim"
 ADMIN_TOKEN = "test-admin-token-" + "x" * 16
 GIB = 1 << 30
@@ -76,25 +77,6 @@ def self_signed_node(node_id: str) -> tuple[bytes, bytes]:
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ski), critical=False)
             .sign(key, hashes.SHA256()))
     return cert.public_bytes(serialization.Encoding.PEM), key_to_pem(key)
-
-
-def until(pred: Callable[[], Any], what: str, timeout: float = WAIT,
-          on_timeout: Callable[[], str] = lambda: "", interval: float = 0.1) -> Any:
-    """Poll ``pred`` until it returns something truthy; fail naming ``what``."""
-    end = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}\n{on_timeout()}")
-        time.sleep(interval)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------- PKI
@@ -323,9 +305,7 @@ class Fleet:
         """An API client: admin certificate by default, or ``token``/``cert`` as given."""
         if token is None and cert is None:
             cert = self.pki.admin
-        ctx = client_context(self.pki.ca_cert, *cert) if cert else client_context(self.pki.ca_cert)
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        return httpx.Client(base_url=self.url, verify=ctx, headers=headers, timeout=30.0)
+        return admin_client(self.url, self.pki.ca_cert, cert, token)
 
     def get(self, path: str) -> Any:
         with self.client() as c:
@@ -431,15 +411,6 @@ def _sha256(s: str) -> str:
     import hashlib
 
     return hashlib.sha256(s.encode()).hexdigest()
-
-
-def process_start_time(pid: int) -> int | None:
-    """Field 22 of /proc/<pid>/stat (clock ticks after boot): with the pid, a process's identity."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat[stat.rindex(")") + 2:].split()[19])
 
 
 def shard_identities(doc: dict[str, Any]) -> dict[str, tuple[str, int, int]]:

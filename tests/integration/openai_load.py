@@ -16,6 +16,7 @@ reason.
 from __future__ import annotations
 
 import contextlib
+import json
 import ssl
 import threading
 from typing import Any, Iterator
@@ -94,3 +95,34 @@ class OpenAIStreams(ThreadedLoad):
                 finish = c.finish_reason or finish
         if not text or finish is None:
             raise RuntimeError(f"stream ended early: {len(text)} piece(s), finish {finish}")
+
+
+LOAD_PROFILE = {"env": {"LLMGW_SIM_TOKEN_LATENCY": "0.02"}}
+
+
+class StreamingLoad(ThreadedLoad):
+    """Threads streaming completions through a router until stopped, counting outcomes."""
+
+    def __init__(self, url: str, threads: int = 2):
+        super().__init__(threads)
+        self.url = url
+
+    def _client(self) -> httpx.Client:
+        return httpx.Client(timeout=60)
+
+    def _one(self, client: httpx.Client) -> None:
+        body = {"model": "tiny", "prompt": "count", "max_tokens": 8, "stream": True}
+        chunks = 0
+        with client.stream("POST", f"{self.url}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
+            done = False
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    if "error" in json.loads(line[6:]):
+                        raise RuntimeError(f"in-band error: {line[:300]}")
+                    chunks += 1
+            if not done or chunks == 0:
+                raise RuntimeError(f"stream ended early after {chunks} chunk(s)")

@@ -74,7 +74,9 @@ def start_llama_server(model: Path, served_name: str, log_dir: Path, extra_args:
 
     from llmgw.catalog import Model, Profile
     from llmgw.engines import LaunchContext, build_launch
-    from simproc import SimProcess, free_port
+    from simproc import SimProcess
+
+    from tests.support.ports import free_port
 
     port = free_port()
     spec = build_launch(Model(served_name, str(model), served_name), Profile("cpu", "llamacpp", extra_args=extra_args),

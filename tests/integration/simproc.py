@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from tests.support.ports import free_port
+
 HOST = "127.0.0.1"
 
 
@@ -37,12 +38,6 @@ class SimStartError(RuntimeError):
         super().__init__(f"{message}\n--- simulator output ---\n{output}")
         self.returncode = returncode
         self.output = output
-
-
-def free_port(host: str = HOST) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def sim_command(dialect_args: Sequence[str]) -> list[str]:

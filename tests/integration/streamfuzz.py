@@ -30,6 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmgw.tls.context import client_context
+from tests.support.logs import tracebacks
 
 from fleet import Fleet, register_message, until
 
@@ -288,12 +289,6 @@ def fleet_health(f: Fleet) -> dict[str, Any]:
     nodes = f.nodes()
     return {"registrations": {n: nodes[n]["registrations"] for n in f.node_ids.values()},
             "connected": all(nodes[n]["connected"] for n in f.node_ids.values())}
-
-
-def tracebacks(text: str) -> list[str]:
-    """Signs in a server log that an exception escaped a handler (or a log call)."""
-    marks = ("Traceback", "Error handling request", "--- Logging error ---", "Task exception was never retrieved")
-    return [line for line in text.splitlines() if any(m in line for m in marks)]
 
 
 def fuzz_fleet(root: Path, examples: int, derandomize: bool = False) -> dict[str, Any]:

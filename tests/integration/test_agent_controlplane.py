@@ -26,9 +26,9 @@ import yaml
 from llmgw.agent import procident
 from llmgw.tls import client_context, init_ca, issue_admin, issue_node, issue_server
 from llmgw.tls.files import write_pair
+from tests.support.ports import free_port
 
 from fleet import until
-from simproc import free_port
 
 pytestmark = pytest.mark.integration
 

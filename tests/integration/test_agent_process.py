@@ -40,9 +40,10 @@ from llmgw.agent.statedir import ShardRecord, StateDir
 from llmgw.config import schema_errors
 from llmgw.tls import IdentityError, check_node_identity, init_ca, issue_node, issue_server, peer_identity, server_context
 from llmgw.tls.files import write_pair
+from tests.support.ports import free_port
 
 from fleet import until
-from simproc import free_port, start_sim
+from simproc import start_sim
 
 pytestmark = pytest.mark.integration
 

@@ -9,88 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import re
 import signal
 import stat
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from supervisor_harness import Harness, SIM, make_spec, multinode, run
 
 from llmgw.agent import procident
-from llmgw.agent.liveness import LivenessPolicy
-from llmgw.agent.statedir import StateDir
-from llmgw.agent.supervisor import Supervisor, SupervisorConfig
-from llmgw.config import schema_errors
 
 pytestmark = pytest.mark.integration
-
-WAIT = 90.0  # generous: a loaded 2-core machine must not turn slowness into failure
-SIM = (sys.executable, "-m", "llmgw.sim.engine")
-
-
-def make_spec(shard_id: str, *, timeout: float = 120, env: dict | None = None, gpus=(0,),
-              source: str = "org/tiny", extra_args=(), api_key: str | None = None) -> dict:
-    return {"api_key": api_key,
-        "shard_id": shard_id, "replica_id": shard_id.split("/")[0],
-        "model": {"name": "tiny", "source": source, "served_name": "tiny-served"},
-        "profile": {"name": "sim", "engine": "vllm", "tensor_parallel_size": len(gpus), "pipeline_parallel_size": 1,
-                    "nodes": 1, "extra_args": list(extra_args), "env": env or {}, "start_timeout": timeout},
-        "rank": 0, "nnodes": 1, "gpu_indices": list(gpus), "env": {},
-    }
-
-
-class Harness:
-    def __init__(self, tmp_path: Path, command=SIM, stop_grace: float = 15.0, drain_grace: float = 120.0,
-                 bind_host: str = "127.0.0.1", health: LivenessPolicy = LivenessPolicy()):
-        self.statedir = StateDir(tmp_path / "state")
-        first = random.randrange(30000, 60000, 200)
-        self.config = SupervisorConfig(
-            node_id=f"n-{os.getpid()}", advertise_address="127.0.0.1", engine_bind_host=bind_host,
-            engine_ports=(first, first + 199), engine_commands={"vllm": tuple(command)},
-            model_dir=str(tmp_path / "models"), stop_grace=stop_grace, drain_grace=drain_grace,
-            probe_interval=0.2, health=health)
-        self.messages: list[dict] = []
-        self.sup: Supervisor | None = None
-
-    def emit(self, msg: dict) -> None:
-        errors = schema_errors(msg, "stream")
-        assert not errors, f"emitted message fails the stream schema: {errors}: {msg}"
-        self.messages.append(msg)
-
-    def states(self, shard_id: str) -> list[str]:
-        return [m["state"] for m in self.messages if m["shard_id"] == shard_id]
-
-    def last(self, shard_id: str) -> dict:
-        return [m for m in self.messages if m["shard_id"] == shard_id][-1]
-
-    async def until(self, pred, what: str, timeout: float = WAIT) -> None:
-        end = time.monotonic() + timeout
-        while not pred():
-            if time.monotonic() > end:
-                raise AssertionError(f"timed out waiting for {what}; messages: {self.messages}")
-            await asyncio.sleep(0.05)
-
-    async def terminal(self, shard_id: str, timeout: float = WAIT) -> dict:
-        await self.until(lambda: any(s in ("failed", "stopped") for s in self.states(shard_id)),
-                         f"{shard_id} to end", timeout)
-        return self.last(shard_id)
-
-
-def run(tmp_path, body, **kw):
-    async def main():
-        h = Harness(tmp_path, **kw)
-        h.sup = Supervisor(h.config, h.statedir, h.emit)
-        try:
-            await body(h, h.sup)
-        finally:
-            for s in h.sup.live_shards():  # leave nothing running behind a failed assertion
-                if s.launched:
-                    await h.sup.stop(s.shard_id, "test cleanup")
-            await h.sup.detach()
-    asyncio.run(main())
 
 
 def test_start_reaches_ready_through_a_real_completion_and_records_identity(tmp_path):
@@ -341,21 +270,14 @@ def test_stop_before_launch_reports_stopped(tmp_path):
     run(tmp_path, body)
 
 
-def _multinode(spec: dict, rank: int, master_port: int | None = None) -> dict:
-    spec["profile"]["nodes"] = 2
-    spec["profile"]["tensor_parallel_size"] = 2
-    spec.update(nnodes=2, rank=rank, master_addr=None if rank == 0 else "127.0.0.1", master_port=master_port)
-    return spec
-
-
 def test_multi_node_rank0_reports_its_rendezvous_port_and_workers_are_ready_by_liveness(tmp_path):
     async def body(h, sup):
-        sup.start(_multinode(make_spec("mn.sim.1-x/r0"), 0))
+        sup.start(multinode(make_spec("mn.sim.1-x/r0"), 0))
         await h.until(lambda: "starting" in h.states("mn.sim.1-x/r0"), "rank 0 starting")
         starting = h.last("mn.sim.1-x/r0")
         lo, hi = h.config.engine_ports
         assert lo <= starting["master_port"] <= hi and starting["master_port"] != starting["port"]
-        worker_spec = _multinode(make_spec("mn.sim.1-x/r1", gpus=(1,)), 1, starting["master_port"])
+        worker_spec = multinode(make_spec("mn.sim.1-x/r1", gpus=(1,)), 1, starting["master_port"])
         sup.start(worker_spec)
         await h.until(lambda: "ready" in h.states("mn.sim.1-x/r1"), "rank 1 ready")
         worker = h.last("mn.sim.1-x/r1")

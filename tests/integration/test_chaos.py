@@ -1,13 +1,17 @@
 """Chaos under load, short form: a few SIGKILLs of each kind while streams flow through a standalone router.
 
 The long run (20 control-plane kills, 10 agent kills, 3 engine kills, 3 of all
-at once) is ``python benchmarks/chaos/run.py``; this runs the same code with
-two kills of each process and one of all three at once.
+at once) is ``python benchmarks/chaos/run.py``; this runs that same program
+with ``--quick`` (two kills of each process and one of all three at once), as
+its own process, and reads the figures it writes.  The suite runs the
+benchmark; it never imports it (the benchmarks build on the suites' harness,
+not the other way round).
 """
 
 from __future__ import annotations
 
-import importlib.util
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -18,18 +22,12 @@ pytestmark = pytest.mark.integration
 RUN = Path(__file__).resolve().parents[2] / "benchmarks" / "chaos" / "run.py"
 
 
-def load_chaos():
-    spec = importlib.util.spec_from_file_location("chaos_run", RUN)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["chaos_run"] = mod  # its dataclasses look their module up by name
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_sigkills_under_streaming_load_lose_no_answer_restart_no_engine_and_leave_no_orphan(tmp_path):
-    chaos = load_chaos()
-    plan = chaos.Plan(control_plane=2, agent=2, engine=1, all=1)
-    r = chaos.Chaos(tmp_path, plan).run()
+    out = tmp_path / "chaos"
+    proc = subprocess.run([sys.executable, str(RUN), "--quick", "--out", str(out)], capture_output=True, text=True)
+    # exit 1: a target missed; the figures below say which
+    assert proc.returncode in (0, 1) and out.with_suffix(".json").exists(), proc.stderr[-4000:]
+    r = json.loads(out.with_suffix(".json").read_text())
     assert r["ok"] > 0 and r["requests"] >= r["ok"]
     assert r["integrity_errors"] == 0, r["failure_samples"]
     # the only failures allowed: streams a dying engine cut after their first token, told to the client

@@ -21,8 +21,8 @@ import pytest
 
 from fleet import ADMIN_TOKEN, Fleet, until
 from llmgw.tls.context import client_context
-from test_router_fuzz import rss_kib
-from test_router_support import RouterProcess, openai_client, router_doc, start_sims
+from tests.support.procfs import rss_kib
+from router_support import RouterProcess, openai_client, router_doc, start_sims
 
 pytestmark = pytest.mark.integration
 

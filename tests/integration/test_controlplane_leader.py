@@ -18,6 +18,7 @@ from etcdproc import Etcd
 from llmgw.controlplane.etcd import AsyncEtcd, BlockingEtcd
 from llmgw.controlplane.leader import Elector
 from llmgw.controlplane.store import ControlPlaneStore, EtcdBackend, StoreError
+from tests.support.polling import until_async
 
 pytestmark = pytest.mark.integration
 
@@ -29,11 +30,9 @@ def elector(url: str, name: str, prefix: str = "/t") -> Elector:
 
 
 async def wait_for(pred, what: str, timeout: float = 20.0) -> float:
+    """Seconds until ``pred`` held (a takeover's duration is what some tests measure)."""
     start = time.monotonic()
-    while not pred():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.05)
+    await until_async(pred, what, timeout)
     return time.monotonic() - start
 
 

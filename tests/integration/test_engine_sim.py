@@ -20,11 +20,13 @@ import httpx
 import openai
 import pytest
 
-from simproc import SimStartError, free_port, sim_command, start_sim, start_sim_argv
+from simproc import SimStartError, sim_command, start_sim, start_sim_argv
 
 from llmgw.catalog import Model, Profile
 from llmgw.engines import LaunchContext, build_launch
 from llmgw.sim.sim_tokens import expected_text
+from tests.support.polling import until
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -416,10 +418,7 @@ def test_iteration_tokens_count_engine_steps(sim):
 
 
 def until_sim(pred, what: str, s, timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < end, f"timed out waiting for {what}\n{s.output()}"
-        time.sleep(0.05)
+    until(pred, what, timeout, on_timeout=s.output, interval=0.05)
 
 
 # ------------------------------------------------------------------------ start-up and ranks

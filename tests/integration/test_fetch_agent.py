@@ -10,68 +10,21 @@ answers, so a shard stays ``starting`` for as long as a test needs.
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from fetch_agent import Agent, WAIT
 
-from llmgw.agent.statedir import StateDir
-from llmgw.agent.supervisor import Supervisor, SupervisorConfig
-from llmgw.config import schema_errors
 from llmgw.settings import FetchPolicy
 
-from test_agent_supervisor import make_spec
-from test_fetch_support import WeightsServer
+from supervisor_harness import make_spec
+from fetch_support import WeightsServer
 
 pytestmark = pytest.mark.integration
 
-WAIT = 90.0
-SLEEPER = ("/bin/sh", "-c", "exec sleep 60", "engine")
 MIB = 1 << 20
-
-
-class Agent:
-    def __init__(self, tmp_path: Path, policy: FetchPolicy):
-        first = random.randrange(30000, 60000, 200)
-        self.config = SupervisorConfig(
-            node_id=f"n-{os.getpid()}", advertise_address="127.0.0.1", engine_bind_host="127.0.0.1",
-            engine_ports=(first, first + 199), engine_commands={"vllm": SLEEPER},
-            model_dir=str(tmp_path / "models"), stop_grace=5, probe_interval=0.2, fetch=policy)
-        self.sup = Supervisor(self.config, StateDir(tmp_path / "state"), self.emit)
-        self.status: list[dict] = []
-        self.progress: list[dict] = []
-        self.on_progress = None
-        self.order: list[tuple[float, str]] = []  # (monotonic time, "progress" or the state reported)
-
-    def emit(self, msg: dict) -> None:
-        if msg["type"] != "progress" or len(self.progress) % 500 == 0:  # validating all 10,000 would be the test's cost
-            errors = schema_errors(msg, "stream")
-            assert not errors, f"emitted message fails the stream schema: {errors}: {msg}"
-        self.order.append((time.monotonic(), "progress" if msg["type"] == "progress" else msg.get("state", "?")))
-        if msg["type"] == "progress":
-            self.progress.append(msg)
-            if self.on_progress:
-                self.on_progress(len(self.progress))
-        else:
-            self.status.append(msg)
-
-    def states(self, sid: str) -> list[str]:
-        return [m["state"] for m in self.status if m["shard_id"] == sid]
-
-    async def until(self, pred, what: str, timeout: float = WAIT) -> None:
-        end = time.monotonic() + timeout
-        while not pred():
-            if time.monotonic() > end:
-                raise AssertionError(f"timed out waiting for {what}; status: {self.status}")
-            await asyncio.sleep(0.02)
-
-    async def close(self) -> None:
-        for s in self.sup.live_shards():
-            await self.sup.stop(s.shard_id, "test cleanup")
-        await self.sup.detach()
 
 
 def spec(i: int, url: str, timeout: float = 120) -> dict:

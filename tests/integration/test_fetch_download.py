@@ -1,7 +1,7 @@
 """The weights fetcher against a real HTTP server on 127.0.0.1, real files, real processes.
 
 Each test names the property from the issue it shows.  The server
-(``test_fetch_support.WeightsServer``) counts every GET and every byte it
+(``fetch_support.WeightsServer``) counts every GET and every byte it
 sends, so "resumed" and "one download" are measured, not assumed.
 """
 
@@ -28,7 +28,7 @@ from llmgw.ctl.fleet import progress_line
 from llmgw.settings import FetchPolicy
 
 from fleet import until
-from test_fetch_support import DirWatcher, WeightsServer
+from fetch_support import DirWatcher, WeightsServer
 
 pytestmark = pytest.mark.integration
 
@@ -61,6 +61,7 @@ def sha(b: bytes) -> str:
 # "sidecar-rename" with the sidecar's tmp file written and not yet renamed.
 DRIVER = textwrap.dedent("""
     import asyncio, os, signal, sys
+    import llmgw.durable
     from llmgw.agent.fetch import durable, fetch_weights, lock
     from llmgw.catalog import Model
     from llmgw.settings import FetchPolicy
@@ -83,8 +84,8 @@ DRIVER = textwrap.dedent("""
     durable.promote.__globals__["fsync_dir"] = fsync_dir
     class _Os:
         def __getattr__(self, name):
-            return rename if name == "rename" else getattr(os, name)
-    durable.os = _Os()
+            return rename if name in ("rename", "replace") else getattr(os, name)
+    durable.os = llmgw.durable.os = _Os()  # the weights' rename, and the sidecars' (llmgw.durable.write_atomic)
     m = Model(name="m", source=url, served_name="m", sha256=digest or None)
     pol = FetchPolicy(stall_timeout=5, attempts=2, backoff_initial=0.05, backoff_max=0.1, progress_interval=0.05,
                       checkpoint_bytes=1 << 20)

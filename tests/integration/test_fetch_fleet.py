@@ -11,7 +11,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleet import Fleet, until
-from test_fetch_support import WeightsServer
+from fetch_support import WeightsServer
 
 pytestmark = pytest.mark.integration
 

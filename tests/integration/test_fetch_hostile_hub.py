@@ -17,8 +17,8 @@ import yaml
 
 from fleet import Fleet, until
 from hub_support import HubServer
-from test_fetch_repository import mirror
-from test_fetch_support import WeightsServer
+from fetch_support import mirror
+from fetch_support import WeightsServer
 
 pytestmark = pytest.mark.integration
 

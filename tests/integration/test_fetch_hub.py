@@ -20,8 +20,9 @@ import yaml
 from fleet import Fleet, until
 from hub_support import HubServer
 from llmgw.settings import FetchPolicy
-from test_agent_supervisor import make_spec
-from test_fetch_agent import Agent
+from tests.support import procfs
+from supervisor_harness import make_spec
+from fetch_agent import Agent
 
 pytestmark = pytest.mark.integration
 
@@ -95,11 +96,9 @@ def hubworkers(parent: int | None = None) -> list[int]:
         if entry.isdigit():
             try:
                 cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
-                stat = Path(f"/proc/{entry}/stat").read_text()
             except OSError:
                 continue
-            fields = stat.rsplit(")", 1)[1].split()
-            if (b"llmgw.agent.fetch.hubworker" in cmd and fields[0] != "Z"
+            if (b"llmgw.agent.fetch.hubworker" in cmd and procfs.state(int(entry)) not in (None, "Z")
                     and f'"parent": {parent or os.getpid()}' in cmd.decode(errors="replace")):
                 out.append(int(entry))
     return out

@@ -4,7 +4,6 @@ SIGKILLed mid-transfer, and a real fleet (control plane, agent, engines) read ba
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import random
 import re
@@ -16,28 +15,14 @@ from pathlib import Path
 
 import pytest
 
+from fetch_support import mirror
 from fleet import Fleet, until
 from llmgw.ctl.fleet import human_bytes
-from test_fetch_support import WeightsServer
+from fetch_support import WeightsServer
 
 pytestmark = pytest.mark.integration
 
 KIB = 1 << 10
-
-
-def mirror(srv: WeightsServer, prefix: str, files: dict[str, bytes], *, lie: set[str] = frozenset(),
-           **switches) -> tuple[str, str]:
-    """Serve ``files`` under ``prefix/`` with their manifest; (source URL, manifest sha256).
-
-    A path in ``lie`` is listed with the digest of other bytes: the mirror serves a corrupted file.
-    """
-    listed = [{"path": p, "size": len(d),
-               "sha256": hashlib.sha256(d if p not in lie else b"not " + d).hexdigest()} for p, d in files.items()]
-    data = json.dumps({"format": "llmgw-repository/1", "revision": "test", "files": listed}).encode()
-    for p, d in files.items():
-        srv.add(f"{prefix}/{p}", d, **switches)
-    srv.add(f"{prefix}/llmgw-manifest.json", data)
-    return srv.url(f"{prefix}/"), hashlib.sha256(data).hexdigest()
 
 
 def manifest_by_cli(directory: Path, files: dict[str, bytes]) -> bytes:
@@ -229,8 +214,8 @@ def test_a_repository_fetch_longer_than_start_timeout_still_launches_and_the_clo
     import asyncio
 
     from llmgw.settings import FetchPolicy
-    from test_agent_supervisor import make_spec
-    from test_fetch_agent import Agent
+    from supervisor_harness import make_spec
+    from fetch_agent import Agent
 
     files = repo_files(6, seed=6, size=64 * KIB)
     start_timeout = 1.5

@@ -32,7 +32,7 @@ from llmgw.agent.fetch import naming, target_path
 from llmgw.settings import FetchPolicy
 
 from fleet import until
-from test_fetch_support import WeightsServer, tls_server_context
+from fetch_support import WeightsServer, tls_server_context
 
 pytestmark = pytest.mark.integration
 

@@ -20,7 +20,7 @@ from etcdproc import Etcd
 from fleet import (Fleet, Proc, edit_agent_config, free_port, llmgw_argv, router_endpoints, shard_identities,
                    standalone_router, until)
 from llmgw.tls import client_context
-from test_fleet_restart import LOAD_PROFILE, StreamingLoad
+from openai_load import LOAD_PROFILE, StreamingLoad
 
 pytestmark = pytest.mark.integration
 

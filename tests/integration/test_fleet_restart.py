@@ -8,7 +8,6 @@ out twice, and no live node declared lost.
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 from pathlib import Path
@@ -19,39 +18,9 @@ import pytest
 
 from fleet import (Fleet, gpu_owners, process_start_time, router_endpoints, shard_identities,
                    standalone_router, until)
-from openai_load import ThreadedLoad
+from openai_load import LOAD_PROFILE, StreamingLoad
 
 pytestmark = pytest.mark.integration
-
-LOAD_PROFILE = {"env": {"LLMGW_SIM_TOKEN_LATENCY": "0.02"}}
-
-
-class StreamingLoad(ThreadedLoad):
-    """Threads streaming completions through a router until stopped, counting outcomes."""
-
-    def __init__(self, url: str, threads: int = 2):
-        super().__init__(threads)
-        self.url = url
-
-    def _client(self) -> httpx.Client:
-        return httpx.Client(timeout=60)
-
-    def _one(self, client: httpx.Client) -> None:
-        body = {"model": "tiny", "prompt": "count", "max_tokens": 8, "stream": True}
-        chunks = 0
-        with client.stream("POST", f"{self.url}/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
-            done = False
-            for line in r.iter_lines():
-                if line == "data: [DONE]":
-                    done = True
-                elif line.startswith("data: "):
-                    if "error" in json.loads(line[6:]):
-                        raise RuntimeError(f"in-band error: {line[:300]}")
-                    chunks += 1
-            if not done or chunks == 0:
-                raise RuntimeError(f"stream ended early after {chunks} chunk(s)")
 
 
 def engine_gpus(pid: int) -> tuple[str, str] | None:

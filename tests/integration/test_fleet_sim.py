@@ -23,12 +23,12 @@ from typing import Any, Iterator
 
 import pytest
 
-from fleet import Fleet, Proc, gpu_owners, until
+from fleet_sim import NODES, REAL, Sim, assert_no_gpu_twice, nodes_doc, placement, read_json
+from fleet import Fleet, Proc, until
 from llmgw.sim.fleet.client import send_command
 
 pytestmark = pytest.mark.integration
 
-NODES = 200
 # keepalive 3 s: aiohttp wants a pong within half the interval, and two hundred
 # agents in one process on a busy 2-core machine do not always answer in 0.5 s.
 # startup_grace 15 s: every agent must re-register inside it after the
@@ -43,42 +43,8 @@ PROFILES = [{"name": "tp1", "engine": "vllm", "start_timeout": 60},
             {"name": "tp8", "engine": "vllm", "start_timeout": 60, "tensor_parallel_size": 8},
             {"name": "two-node", "engine": "vllm", "start_timeout": 60, "tensor_parallel_size": 8, "nodes": 2}]
 DEPLOYMENTS = {"tp1": 80, "tp2": 40, "tp4": 30, "tp8": 20, "two-node": 4}
-REAL = 2  # replicas of model "real", served by real engine simulators (--engines)
 REPLICAS = sum(DEPLOYMENTS.values()) + REAL
 WAIT = 120.0
-
-
-class Sim:
-    """The simulator process, its status file and its control socket."""
-
-    def __init__(self, f: Fleet, root: Path, nodes: int = NODES, engines: int = REAL, extra: tuple[str, ...] = ()):
-        self.sock_dir = Path(tempfile.mkdtemp(prefix="fsim-"))  # unix socket paths must be short
-        self.sock = self.sock_dir / "ctl.sock"
-        self.status_path = root / "sim-status.json"
-        argv = [sys.executable, "-m", "llmgw.sim.fleet.cli", "--url", f.stream_url,
-                "--ca-dir", str(f.pki.ca.directory), "--cert-cache", str(root / "sim-certs"),
-                "--nodes", str(nodes), "--prefix", f"fs{f.suffix.replace('-', '')}", "--seed", "7",
-                "--start-seconds", "0.3", "--fetch-seconds", "0.3", "--progress-interval", "0.1",
-                "--stop-seconds", "0.1", "--reconnect-initial", "0.2", "--reconnect-max", "1.0",
-                "--status-file", str(self.status_path), "--status-interval", "0.5",
-                "--control", str(self.sock), "--log-level", "INFO", *extra]
-        if engines:
-            argv += ["--engines", str(engines), "--engine-models", "real", "--engine-command", str(f.sim),
-                     "--engine-dir", str(root / "sim-engines")]
-        self.prefix = argv[argv.index("--prefix") + 1]
-        self.proc = Proc("fleet-sim", argv, root / "fleet-sim.log", root)
-
-    def command(self, line: str) -> dict[str, Any]:
-        reply = send_command(str(self.sock), line)
-        assert "error" not in reply, reply
-        return reply
-
-    def status(self) -> dict[str, Any] | None:
-        return _json(self.status_path)
-
-    def close(self) -> None:
-        self.proc.terminate()
-        shutil.rmtree(self.sock_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -124,20 +90,9 @@ def dump(f: Fleet, sim: Sim) -> str:
            f"--- server ---\n{f.server.output(8000)}"
 
 
-def nodes_doc(f: Fleet) -> dict[str, Any] | None:
-    return f.try_get("/v1/nodes")
-
-
 def node_states(f: Fleet) -> dict[str, str]:
     doc = nodes_doc(f)
     return {} if doc is None else {n["node_id"]: n["state"] for n in doc["nodes"]}
-
-
-def placement(doc: dict[str, Any]) -> dict[str, tuple]:
-    """replica id -> every shard's (id, node, GPUs, process identity): what a restart or move would change."""
-    return {r["replica_id"]: tuple((s["shard_id"], s["node_id"], tuple(s["gpus"]),
-                                    json.dumps(s["process"], sort_keys=True)) for s in r["shards"])
-            for r in doc["replicas"]}
 
 
 def all_ready(f: Fleet) -> dict[str, Any] | None:
@@ -145,11 +100,6 @@ def all_ready(f: Fleet) -> dict[str, Any] | None:
     if doc is None or len(doc["replicas"]) != REPLICAS or doc["unplaced"]:
         return None
     return doc if all(r["state"] == "ready" for r in doc["replicas"]) else None
-
-
-def assert_no_gpu_twice(doc: dict[str, Any]) -> None:
-    twice = {k: v for k, v in gpu_owners(doc).items() if len(v) > 1}
-    assert not twice, f"GPUs assigned twice: {twice}"
 
 
 def fleet_ready(f: Fleet, sim: Sim, what: str) -> dict[str, Any]:
@@ -335,14 +285,14 @@ def test_worker_processes_share_out_the_fleet_and_a_dead_one_stops_the_run(tmp_p
                     "--control", str(sock_dir / "ctl.sock")]
             sim = Proc("fleet-sim", argv, tmp_path / "sim.log", tmp_path)
             f.extra.append(sim.start())
-            st = until(lambda: (s := _json(tmp_path / "st.json")) and s["registered"] == 20 and s,
+            st = until(lambda: (s := read_json(tmp_path / "st.json")) and s["registered"] == 20 and s,
                        "20 agents registered", WAIT, on_timeout=sim.output)
             workers = [p for p in st["procs"] if not p.get("coordinator")]
             assert len(workers) == 2 and st["nodes"] == 20 and st["procs_total"] == 2
             assert all(p["pid"] != sim.pid and p["rss_kib"] > 0 for p in workers)
             f.wait_ready(4)
             assert len(send_command(str(sock_dir / "ctl.sock"), "silence n=5")["nodes"]) == 5
-            assert until(lambda: (s := _json(tmp_path / "st.json")) and s["silenced"] == 5, "5 silenced", WAIT)
+            assert until(lambda: (s := read_json(tmp_path / "st.json")) and s["silenced"] == 5, "5 silenced", WAIT)
             os.kill(workers[0]["pid"], signal.SIGKILL)
             assert sim.proc.wait(WAIT) == 1
             assert f"worker process {workers[0]['pid']} exited" in sim.output()
@@ -350,8 +300,3 @@ def test_worker_processes_share_out_the_fleet_and_a_dead_one_stops_the_run(tmp_p
             shutil.rmtree(sock_dir, ignore_errors=True)
 
 
-def _json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, ValueError):
-        return None

@@ -29,7 +29,7 @@ import pytest
 
 from fleet import FAST_LIFECYCLE, Fleet, until
 from llmgw.sim.fleet.throttle import Throttle
-from test_fleet_sim import Sim, assert_no_gpu_twice, nodes_doc, placement
+from fleet_sim import Sim, assert_no_gpu_twice, nodes_doc, placement
 
 pytestmark = pytest.mark.integration
 

@@ -28,7 +28,7 @@ from fleet import Fleet, edit_agent_config, shard_identities, until
 from llmgw.tls.files import write_pair
 from llmgw.tls.issue import issue_engine
 from realengine import LLAMA, client, cmdline, engine_log, exe, llama_fleet, needs_llama_server, shard_of
-from test_fetch_support import WeightsServer, tls_server_context
+from fetch_support import WeightsServer, tls_server_context
 from tinymodel import write_model
 
 pytestmark = [pytest.mark.integration, needs_llama_server]

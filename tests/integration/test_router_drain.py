@@ -14,7 +14,9 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmgw.router.endpoints import Endpoint
-from test_router_support import ControlPlane, RouterProcess, openai_client, router_doc, start_sims, wait_for
+from router_support import ControlPlane, RouterProcess, openai_client, router_doc, start_sims
+
+from tests.support.polling import until
 
 pytestmark = pytest.mark.integration
 
@@ -55,7 +57,7 @@ def test_drained_endpoint_finishes_its_streams_and_gets_nothing_new(tmp_path):
     try:
         cp.table.replace([Endpoint("a", "m", a.url), Endpoint("b", "m", b.url)])
         with RouterProcess(router_doc(control_plane=cp.router_config()), tmp=tmp_path) as r:
-            wait_for(lambda: healthz(r)["endpoints"] == 2, 60, "the router to learn both endpoints")
+            until(lambda: healthz(r)["endpoints"] == 2, "the router to learn both endpoints", 60, interval=0.05)
             results: list[int] = []
             lock = threading.Lock()
 
@@ -74,10 +76,10 @@ def test_drained_endpoint_finishes_its_streams_and_gets_nothing_new(tmp_path):
                 act = active_streams(r)
                 return act if act["a"] + act["b"] == 6 and act["a"] >= 1 else None
 
-            on_a = int(wait_for(all_six_relaying, 60, "all six streams relaying, some from endpoint a")["a"])
+            on_a = int(until(all_six_relaying, "all six streams relaying, some from endpoint a", 60, interval=0.05)["a"])
             rev = healthz(r)["revision"]
             cp.table.replace([Endpoint("a", "m", a.url, draining=True), Endpoint("b", "m", b.url)])
-            wait_for(lambda: healthz(r)["revision"] > rev, 60, "the router to see the drain")
+            until(lambda: healthz(r)["revision"] > rev, "the router to see the drain", 60, interval=0.05)
             # a still holds as many streams as b: without the drain, least-outstanding would send it
             # about half of these
             c = openai_client(r)
@@ -109,15 +111,15 @@ def test_router_keeps_serving_while_the_control_plane_is_away(tmp_path):
     try:
         cp.table.replace([Endpoint("a", "m", sim.url)])
         with RouterProcess(router_doc(control_plane=cp.router_config()), tmp=tmp_path) as r:
-            wait_for(lambda: healthz(r)["endpoints"] == 1, 60, "the router to learn the endpoint")
+            until(lambda: healthz(r)["endpoints"] == 1, "the router to learn the endpoint", 60, interval=0.05)
             cp.stop_listening()
-            wait_for(lambda: "keeping 1 known endpoint" in r.output(), 60, "the watch to notice the outage")
+            until(lambda: "keeping 1 known endpoint" in r.output(), "the watch to notice the outage", 60, interval=0.05)
             c = openai_client(r)
             for _ in range(3):
                 assert c.chat.completions.create(model="m", messages=MSG).choices[0].message.content == "tok0 tok1"
             cp.table.replace([])  # changed while the router could not see it
             cp.start()
-            wait_for(lambda: healthz(r)["endpoints"] == 0, 60, "the router to resync after the outage")
+            until(lambda: healthz(r)["endpoints"] == 0, "the router to resync after the outage", 60, interval=0.05)
             assert [m.id for m in c.models.list()] == []
     finally:
         cp.close()

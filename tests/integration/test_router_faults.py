@@ -11,8 +11,10 @@ import openai
 import pytest
 import yaml
 
-from test_router_support import (Blackhole, CountingServer, RouterProcess, SSEServer, closed_port, openai_client,
-                                 router_doc, start_sims, wait_for)
+from router_support import Blackhole, CountingServer, RouterProcess, SSEServer, openai_client, router_doc, start_sims
+
+from tests.support.polling import until
+from tests.support.ports import closed_port
 
 pytestmark = pytest.mark.integration
 
@@ -128,7 +130,7 @@ def test_engine_dying_mid_stream(n, tmp_path):
                 results.append(stream_text(c))
                 if not dying.alive():
                     break
-            wait_for(lambda: not dying.alive(), 30, "the crashing engine to exit")
+            until(lambda: not dying.alive(), "the crashing engine to exit", 30, interval=0.05)
             failed = [(p, e) for p, e in results if e is not None]
             if n == 0:
                 # nothing had reached the client: retried on the healthy engine, invisibly
@@ -249,8 +251,8 @@ def test_blackholed_endpoint_does_not_hold_up_healthy_ones(tmp_path):
             for t in threads:
                 t.start()
             # every request not caught by the blackhole completes while it still holds its catch
-            wait_for(lambda: hole.open_connections >= 1 and len(done) + hole.open_connections == 24, 120,
-                     "healthy requests to finish beside the blackhole")
+            until(lambda: hole.open_connections >= 1 and len(done) + hole.open_connections == 24,
+                  "healthy requests to finish beside the blackhole", 120, interval=0.05)
             held = hole.open_connections
             assert 1 <= held < 24
             assert all(e is None and p == TOKENS[:8] for p, e in done)

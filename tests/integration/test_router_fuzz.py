@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 from llmgw.router.auth import hash_key
 from llmgw.tls import init_ca, issue_server
 from llmgw.tls.files import write_pair
-from test_router_support import RouterProcess, openai_client, router_doc, start_sims
+from tests.support.procfs import rss_kib
+from router_support import RouterProcess, openai_client, router_doc, start_sims
 
 pytestmark = pytest.mark.integration
 
@@ -193,11 +194,6 @@ def test_a_client_dribbling_its_request_is_answered_and_holds_up_nobody(router):
     finally:
         s.close()
     assert head.startswith(b"HTTP/1.1 200"), head[:200]
-
-
-def rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
 
 
 def test_hundreds_of_idle_connections_cost_bounded_memory_and_block_nobody(router):

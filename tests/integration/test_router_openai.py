@@ -14,7 +14,7 @@ import pytest
 
 from llmgw.agent.procident import read_stat
 from llmgw.router.auth import hash_key
-from test_router_support import RouterProcess, openai_client, router_doc, start_sims
+from router_support import RouterProcess, openai_client, router_doc, start_sims
 
 pytestmark = pytest.mark.integration
 

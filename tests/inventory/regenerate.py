@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent / "integration")]
+sys.path[:0] = [str(HERE), str(HERE.parent / "integration"), str(HERE.parent.parent)]  # ..., tests.support
 
 from livefleet import FABRICS, LiveFleet  # noqa: E402
 from recorded import GOLDEN, RECORDED, plugin_config, render, serve, documents  # noqa: E402

@@ -8,7 +8,6 @@ printed for it. ``regenerate.py`` rebuilds both.
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,8 @@ import yaml
 
 from livefleet import BIN, plain, run
 from recorded import GOLDEN, TOKEN, documents, plugin_config, render, serve
+
+from tests.support.ports import free_port
 
 
 JSON_RESULTS = {"ANSIBLE_CALLBACK_RESULT_FORMAT": "json"}
@@ -179,12 +180,6 @@ def test_debug_one_liner_lists_ready_replicas_per_model(tmp_path, docs):
     ready = sorted(r["replica_id"] for r in replicas if r["state"] == "ready")
     assert ready and shown == f"tiny: {', '.join(ready)}; "
     assert (Path(__file__).resolve().parents[2] / "docs" / "inventory.md").read_text().count(f"-a '{READY_PER_MODEL}'") == 1
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("case", ["down", "refused", "half_cert", "bad_url", "no_credentials", "bad_page_size"])

@@ -11,7 +11,7 @@ from llmgw.agent.stream import StreamClient, incoming_problems
 from llmgw.router.watch import LeaderTerms, WatchError
 from llmgw.settings import parse_agent_settings
 
-from test_agent_stream_messages import SPEC
+from stream_messages import SPEC
 
 CP1, CP2, CP3 = (f"wss://cp{i}:8443/v1/agent/stream" for i in (1, 2, 3))
 

@@ -35,7 +35,7 @@ from llmgw.controlplane.messages import parse_up
 from llmgw.controlplane.state import ControlPlane
 from llmgw.controlplane.views import nodes_view
 from llmgw.hardware.types import GPU, GPUProcess, HardwareInventory
-from test_agent_survivors import Session, register_message, server_settings
+from cp_session import Session, register_message, server_settings
 
 GIB = 1 << 30
 

@@ -22,6 +22,7 @@ def test_parse_stat_reads_field_22_after_the_last_paren():
     assert st.comm == "evil) S 1 2 3 (name"
     assert st.state == "S" and st.ppid == 1 and st.pgid == 4242 and st.sid == 4242
     assert st.start_time == 987654321
+    assert (st.utime, st.stime, st.cutime, st.cstime) == (5, 3, 0, 0) and st.cpu_ticks == 8
 
 
 def test_own_identity_matches_proc():

@@ -5,6 +5,7 @@ import os
 from pathlib import Path
 
 import pytest
+from stream_messages import SPEC
 
 from llmgw.agent import procident
 from llmgw.agent.statedir import ShardRecord, StateDir
@@ -14,14 +15,6 @@ from llmgw.config import schema_errors
 from llmgw.hardware.simulated import inventory_from_document, read_hardware_document
 
 HW = Path(__file__).resolve().parents[1] / "fixtures" / "hardware" / "pcie-4gpu-nvlink-pairs.yaml"
-
-SPEC = {
-    "shard_id": "m.p.1-ab/r0", "replica_id": "m.p.1-ab",
-    "model": {"name": "m", "source": "org/m", "served_name": "m"},
-    "profile": {"name": "p", "engine": "vllm", "tensor_parallel_size": 1, "pipeline_parallel_size": 1,
-                "nodes": 1, "extra_args": [], "env": {}, "start_timeout": 60},
-    "rank": 0, "nnodes": 1, "gpu_indices": [0], "env": {},
-}
 
 
 @pytest.mark.parametrize("msg", [

@@ -22,19 +22,19 @@ from pathlib import Path
 
 import pytest
 import yaml
+from cp_session import Session, register_message, server_settings
 
 from llmgw.agent import adoption, procident
 from llmgw.agent.adoption import UnknownEngine, held_gpu_indices, recover, withhold_gpus
 from llmgw.agent.main import _Discovery, _discover_sync
 from llmgw.agent.statedir import StateDir
-from llmgw.agent.stream import StreamClient
-from llmgw.agent.supervisor import ENV_NODE_ID, ENV_SHARD_ID, Supervisor, SupervisorConfig
+from llmgw.agent.supervisor import ENV_NODE_ID, ENV_SHARD_ID
 from llmgw.config import schema_errors
 from llmgw.controlplane.messages import parse_up
 from llmgw.controlplane.state import ControlPlane
 from llmgw.controlplane.views import nodes_view
 from llmgw.hardware.types import GPU, HardwareInventory
-from llmgw.settings import parse_agent_settings, parse_server_settings
+from llmgw.settings import parse_agent_settings
 
 GIB = 1 << 30
 
@@ -96,38 +96,6 @@ def signals_do_not_kill(monkeypatch):
 def recover_now(settings) -> adoption.RecoveryResult:
     return asyncio.run(recover(StateDir(settings.state_dir), settings.node_id, settings.engine_commands,
                                kill_grace=0.2, kill_wait=0.5))
-
-
-def register_message(settings, hw: HardwareInventory) -> dict:
-    sup = Supervisor(SupervisorConfig.from_settings(settings), StateDir(settings.state_dir), lambda m: None)
-    client = StreamClient(url=settings.control_plane_url, node_id=settings.node_id, address="127.0.0.1",
-                          ssl_context=None, supervisor=sup, discover=lambda: None,  # type: ignore[arg-type]
-                          reconnect_initial=1, reconnect_max=2)
-    return client.register_message(hw)
-
-
-def server_settings():
-    return parse_server_settings({
-        "api": {"listen": {"port": 8443}}, "insecure_no_tls": True,
-        "lifecycle": {"heartbeat_interval": 1, "keepalive_interval": 1, "unreachable_after": 3,
-                      "lost_after": 6, "startup_grace": 0},
-        "models": [{"name": "tiny", "source": "org/tiny"}],
-        "profiles": [{"name": "sim", "engine": "vllm", "tensor_parallel_size": 2}],
-        "deployments": [{"model": "tiny", "profile": "sim", "replicas": 1}],
-    })
-
-
-class Session:
-    def __init__(self) -> None:
-        self.epoch = 0
-        self.sent: list[dict] = []
-
-    def send(self, msg: dict) -> bool:
-        self.sent.append(msg)
-        return True
-
-    def close(self, reason: str) -> None:
-        pass
 
 
 def test_gpus_of_an_engine_that_survives_sigkill_are_not_advertised_and_the_control_plane_sees_why(

@@ -1,12 +1,12 @@
 """How big are the weights: declared, or measured from the files, never guessed."""
 
 import http.server
-import socket
 import threading
 
 import pytest
 
 from llmgw.catalog import Model, local_weights_bytes, measure_sources, remote_weights_bytes, weights_bytes
+from tests.support.ports import closed_port
 
 
 def sized(path, n):
@@ -98,10 +98,6 @@ def test_remote_size_from_content_length_following_redirects(server):
 
 def test_unreachable_remote_is_none(server):
     port = int(server.rsplit(":", 1)[1])
-    # A port nothing listens on: take one, close it.
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    free = s.getsockname()[1]
-    s.close()
+    free = closed_port()
     assert free != port
     assert remote_weights_bytes(f"http://127.0.0.1:{free}/w.gguf", timeout=5) is None

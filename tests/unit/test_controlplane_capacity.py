@@ -13,8 +13,8 @@ import dataclasses
 
 from hypothesis import given
 from hypothesis import strategies as st
-from test_placement_builders import cap, pcie_pairs, request
-from test_placement_properties import SETTINGS, box, multi_request, single_request
+from placement_builders import cap, pcie_pairs, request
+from placement_strategies import SETTINGS, box, multi_request, single_request
 
 from llmgw.controlplane.capacity import FleetCapacity
 from llmgw.placement.shape import node_key

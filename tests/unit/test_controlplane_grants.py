@@ -13,7 +13,7 @@ from llmgw.controlplane.grantsecret import GrantSecretError, load_or_create
 from llmgw.controlplane.reconciler import endpoints
 from llmgw.controlplane.replicas import ReplicaState
 
-from test_controlplane_reconciler import KEYS, Fleet, catalog, granted, make_ready, report, starts, stops
+from reconciler_fleet import KEYS, Fleet, catalog, granted, make_ready, report, starts, stops
 
 A = GrantKeys((b"a" * 32,))
 B = GrantKeys((b"b" * 32,))

@@ -15,7 +15,7 @@ from llmgw.controlplane.lifecycle import NodeClock, NodeState, evaluate, excuse,
 from llmgw.controlplane.looplag import LoopLag
 from llmgw.controlplane.state import ControlPlane
 from llmgw.settings import Lifecycle
-from test_controlplane_state import Clock, FakeSession, register, settings
+from cp_state_fakes import Clock, FakeSession, register, settings
 
 
 def test_a_cancellation_that_lands_with_a_kick_still_stops_the_loop():

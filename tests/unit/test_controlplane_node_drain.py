@@ -6,7 +6,7 @@ from __future__ import annotations
 from llmgw.controlplane.reconciler import Drain, Stop, endpoints
 from llmgw.controlplane.replicas import ReplicaState
 
-from test_controlplane_reconciler import Fleet, catalog, make_ready, no_double_claims, starts
+from reconciler_fleet import Fleet, catalog, make_ready, no_double_claims, starts
 
 
 def placed_and_ready(f: Fleet, cat) -> list:

@@ -13,7 +13,7 @@ from llmgw.controlplane.store import (EPOCH_BLOCK, EPOCH_KEY, INTENT_KEY, Contro
                                       MemoryBackend, StoreError, open_store)
 from llmgw.settings import parse_server_settings
 
-from test_controlplane_state import Clock, FakeSession, register, settings
+from cp_state_fakes import Clock, FakeSession, register, settings
 
 
 def mode(path) -> int:

@@ -10,7 +10,6 @@ import asyncio
 import http.server
 import logging
 import threading
-import time
 from typing import Any
 
 import pytest
@@ -22,6 +21,7 @@ from llmgw.controlplane.lifecycle import NodeState
 from llmgw.controlplane.state import ControlPlane
 from llmgw.hardware.types import GPU, HardwareInventory
 from llmgw.settings import RestartPolicy, parse_server_settings
+from tests.support.polling import until_async
 
 GIB = 1 << 30
 BIG = 100 * GIB  # more than the 80 GiB GPU below, whatever the headroom
@@ -192,16 +192,6 @@ def register_msg(node_id: str = "n1") -> dict[str, Any]:
             "hardware": inventory(node_id).to_dict(), "shards": []}
 
 
-async def eventually(pred, what: str, timeout: float = 60.0):
-    end = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
-
-
 def run_cp(cp: ControlPlane, body):
     async def main():
         loop_task = asyncio.create_task(cp.run(interval=0.05))
@@ -222,12 +212,12 @@ def test_control_plane_probes_off_its_loop_then_refuses_and_explains_with_the_me
 
     async def body():
         # The HEAD is held by the server: the loop keeps ticking and holds the model.
-        held = await eventually(lambda: cp.unplaced.get(("big/sim", 0)), "the model to wait for its size")
+        held = await until_async(lambda: cp.unplaced.get(("big/sim", 0)), "the model to wait for its size")
         assert held == f"waiting for the size of {url} (probing the URL)"
         text = views.explain_view(cp, "big")["replicas"][0]["text"]
         assert f"weights: size unknown yet (probing {url})" in text
         Handler.release.set()
-        why = await eventually(lambda: "memory" in cp.unplaced.get(("big/sim", 0), "")
+        why = await until_async(lambda: "memory" in cp.unplaced.get(("big/sim", 0), "")
                                and cp.unplaced[("big/sim", 0)], "the memory refusal")
         assert why.startswith("no placement for big/sim") and "GPU memory too small" in why
         return views.explain_view(cp, "big")
@@ -251,22 +241,22 @@ def test_a_failed_probe_is_logged_once_and_an_agents_download_total_fills_in(ser
     caplog.set_level(logging.DEBUG, logger="llmgw.controlplane")
 
     async def body():
-        await eventually(lambda: url in cp.sizes.warned, "the probe to fail")
+        await until_async(lambda: url in cp.sizes.warned, "the probe to fail")
         # Unknown size and no probe running: placed without a memory check, as before.
-        (start,) = await eventually(lambda: [m for m in session.sent if m["type"] == "start"], "a start")
+        (start,) = await until_async(lambda: [m for m in session.sent if m["type"] == "start"], "a start")
         sid = start["spec"]["shard_id"]
         text = views.explain_view(cp, "big")["replicas"][0]["text"]
         assert "running as" in text
         # A reload with the same source probes again; the same failure is not logged again.
         cp.apply_settings(settings(url), None)
-        await eventually(lambda: cp._sized_for is cp.loaded and url not in cp.sizes.probing, "the second probe")
+        await until_async(lambda: cp._sized_for is cp.loaded and url not in cp.sizes.probing, "the second probe")
         # The agent downloading it reports the total: from now on placement checks against it.
         assert cp.message("n1", epoch, {"type": "progress", "source": url, "file": "missing.gguf",
                                         "bytes_done": 1, "bytes_total": BIG, "rate_bps": None, "shard_ids": [sid]})
         assert cp.sizes.describe(cp.catalog.models["big"]) == {
             "bytes": BIG, "source": "reported by agent n1 while downloading"}
         cp.message("n1", epoch, {"type": "shard_status", "shard_id": sid, "state": "failed", "reason": "boom"})
-        return await eventually(lambda: "memory" in cp.unplaced.get(("big/sim", 0), "")
+        return await until_async(lambda: "memory" in cp.unplaced.get(("big/sim", 0), "")
                                 and cp.unplaced[("big/sim", 0)], "the replacement to be refused")
 
     why = run_cp(cp, body)
@@ -286,7 +276,7 @@ def test_declared_size_needs_no_probe(server):
     cp.register(register_msg(), session)
 
     async def body():
-        return await eventually(lambda: [m for m in session.sent if m["type"] == "start"], "a start")
+        return await until_async(lambda: [m for m in session.sent if m["type"] == "start"], "a start")
 
     run_cp(cp, body)
     assert not Handler.seen and not cp.sizes.probing

@@ -26,12 +26,12 @@ def test_sidecar_and_stamp_tmp_files_are_recognised_as_ours_and_weights_are_not(
         assert not naming.is_scratch(name) and naming.parse_tmp(name) is None
 
 
-def test_write_atomic_leaves_no_tmp_file_when_it_fails(tmp_path):
+def test_write_text_leaves_no_tmp_file_when_it_fails(tmp_path):
     (tmp_path / "d").mkdir()
     target = tmp_path / "d" / ".f.llmgw-meta"
     os.mkdir(target)  # rename onto a directory fails after the tmp file was written
     try:
-        durable.write_atomic(target, "{}")
+        durable.write_text(target, "{}")
         raise AssertionError("rename onto a directory should fail")
     except OSError:
         pass

@@ -13,7 +13,7 @@ from llmgw.controlplane.messages import parse_up
 from llmgw.ctl.fleet import format_replicas, human_eta, progress_line
 from llmgw.settings import FetchPolicy, parse_agent_settings
 
-from test_controlplane_reconciler import Fleet, catalog, starts  # the reconciler's own test fleet
+from reconciler_fleet import Fleet, catalog, starts  # the reconciler's own test fleet
 
 GIB, MIB = 1 << 30, 1 << 20
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_placement_builders import cap, nvswitch_h100, request
+from placement_builders import cap, nvswitch_h100, request
 
 from llmgw.config import ConfigInvalid
 from llmgw.hardware.fabric_rules import declaration_errors, roce_v2_gid_index

@@ -30,7 +30,7 @@ from llmgw.hardware.discover import discover
 from llmgw.hardware.nvml import discover_gpus
 from llmgw.hardware.simulated import load_hardware_file
 from llmgw.hardware.types import GPU, GPUProcess, HardwareInventory
-from test_hardware_nvml import Dev, FakeNvml, bus, warnings_of
+from nvml_fake import Dev, FakeNvml, bus, warnings_of
 
 NOT_AVAILABLE = pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value
 GIB = 1 << 30

@@ -22,7 +22,7 @@ from llmgw.hardware.nvml import discover_gpus, nvlink_counts, LinkReport
 from llmgw.hardware.matrix import topo_matrix
 from llmgw.hardware.topology import cpulist, pci_tier
 from llmgw.hardware.types import HardwareInventory
-from tests.unit.test_hardware_nvml import Dev, FakeNvml, bus, hgx_a100
+from nvml_fake import Dev, FakeNvml, bus, hgx_a100
 
 SYSFS = Path(__file__).parents[1] / "fixtures" / "sysfs"
 PCIE8 = SYSFS / "pcie8"

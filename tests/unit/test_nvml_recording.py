@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "device"))
 
 from nvml_recording import NotRecorded, RecordingNvml, ReplayNvml, decode, encode  # noqa: E402
-from test_hardware_nvml import Dev, FakeNvml, bus, hgx_a100  # noqa: E402
+from nvml_fake import Dev, FakeNvml, bus, hgx_a100  # noqa: E402
 
 
 def roundtrip(module) -> tuple[object, object, ReplayNvml]:

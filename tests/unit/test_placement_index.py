@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
-from test_placement_builders import cap, inventory, pcie8_two_sockets, request
-from test_placement_properties import SETTINGS, fleet, multi_request, single_request
+from placement_builders import cap, inventory, pcie8_two_sockets, request
+from placement_strategies import SETTINGS, fleet, multi_request, single_request
 
 from llmgw.placement import PlacementIndex, place, place_many
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from test_placement_builders import cap, dead_fabric, good_fabric, nvswitch_h100, pcie_pairs, request
+from placement_builders import cap, dead_fabric, good_fabric, nvswitch_h100, pcie_pairs, request
 
 from llmgw.placement import format_result, place, place_many
 

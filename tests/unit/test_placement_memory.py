@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from test_placement_builders import GIB, cap, good_fabric, inventory, nvswitch_h100, request
+from placement_builders import GIB, cap, good_fabric, inventory, nvswitch_h100, request
 
 from llmgw.placement import place
 

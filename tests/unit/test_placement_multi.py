@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from test_placement_builders import (
+from placement_builders import (
     cap,
     dead_fabric,
     degraded_fabric,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from test_placement_builders import cap, inventory, nvswitch_h100, pcie_pairs, request
+from placement_builders import cap, inventory, nvswitch_h100, pcie_pairs, request
 
 from llmgw.hardware.types import HardwareInventory
 from llmgw.placement import place

@@ -10,7 +10,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from test_placement_builders import cap, inventory, pcie8_two_sockets, request
+from placement_builders import cap, inventory, pcie8_two_sockets, request
 
 from llmgw.hardware.simulated import load_hardware_file
 from llmgw.hardware.types import FabricStatus
@@ -103,7 +103,7 @@ def test_unknown_tiers_rank_below_every_known_one():
     def tier(a, b):
         return None if (a, b) == (0, 1) else "SYS"
 
-    from test_placement_builders import with_tiers
+    from placement_builders import with_tiers
 
     inv = with_tiers(inventory("u", 3), tier)
     r = place(request(tp=2), [cap(inv)])

@@ -9,7 +9,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from llmgw.router.endpoints import Endpoint, EndpointError, EndpointTable
 from llmgw.protocol import WATCH_PATH
 from llmgw.router.watch import REVEAL_KEYS, endpoints_watch_handler, parse_watch_response
-from test_router_watch import run
+from tests.support.polling import run_async as run
 
 KEY = "engine-key-" + "q" * 32
 

@@ -10,81 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import functools
 import json
 import logging
 
-import aiohttp
 import pytest
 from aiohttp import web
-from prometheus_client.parser import text_string_to_metric_families
+from proxy_harness import DONE, METRICS_TOKEN, ROLE, SCRAPE, Engine, Router, chunk, eps, error_event, events, stream
 
-from llmgw.router.app import PROXY_KEY, RUNNER_KWARGS, build_app
+from llmgw.router.app import PROXY_KEY
 from llmgw.router.auth import hash_key
-from llmgw.router.endpoints import Endpoint, EndpointTable
-from llmgw.router.settings import RouterSettings
+from llmgw.router.endpoints import Endpoint
+from tests.support.polling import run_async as run, until_async
+from tests.support.ports import closed_port
 
 
-def run(fn):
-    @functools.wraps(fn)
-    def wrapper(*a, **kw):
-        asyncio.run(asyncio.wait_for(fn(*a, **kw), 60))
-    return wrapper
-
-
-def chunk(i: int) -> bytes:
-    return b'data: {"choices":[{"index":0,"delta":{"content":"t%d"},"finish_reason":null}]}\n\n' % i
-
-
-ROLE = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n'
-DONE = b"data: [DONE]\n\n"
 ERR = b'data: {"error":{"message":"EngineCore died","type":"InternalServerError","param":null,"code":500}}\n\n'
-
-
-class Engine:
-    """A scripted upstream.  ``behaviour(request, body)`` returns the response."""
-
-    def __init__(self, behaviour):
-        self.behaviour = behaviour
-        self.requests: list[tuple[object, bytes]] = []
-        self.runner: web.AppRunner | None = None
-        self.url = ""
-
-    async def start(self) -> "Engine":
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self._handle)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        return self
-
-    async def _handle(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
-        self.requests.append((request.headers.copy(), body))
-        return await self.behaviour(request, body)
-
-    async def stop(self):
-        await self.runner.cleanup()
-
-
-async def stream(request, parts, delay=0.0, abort=False, hold: asyncio.Event | None = None):
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await resp.prepare(request)
-    for p in parts:
-        if delay:
-            await asyncio.sleep(delay)
-        await resp.write(p)
-        if hold is not None and p is parts[0]:
-            await hold.wait()
-    if abort:
-        await asyncio.sleep(0.05)  # let the bytes leave before the connection dies
-        request.transport.abort()
-        return resp
-    await resp.write_eof()
-    return resp
 
 
 def healthy(n=3, delay=0.0):
@@ -99,72 +39,6 @@ def status(code, text='{"error":{"message":"nope","type":"x","param":null,"code"
     async def b(request, body):
         return web.Response(status=code, text=text, content_type="application/json")
     return b
-
-
-METRICS_TOKEN = "mt-scrape"
-BASE = {"allow_unauthenticated": True, "insecure_http": True, "access_log": False,
-        "outlier": {"consecutive_errors": 1000},
-        "metrics_tokens": [{"name": "prometheus", "sha256": hash_key(METRICS_TOKEN)}]}
-SCRAPE = {"Authorization": f"Bearer {METRICS_TOKEN}"}
-
-
-class Router:
-    def __init__(self, endpoints, doc=None):
-        d = dict(BASE)
-        d.update(doc or {})
-        self.settings = RouterSettings.from_config(d)
-        self.table = EndpointTable(endpoints)
-        self.app = build_app(self.settings, self.table)
-
-    async def __aenter__(self):
-        self.runner = web.AppRunner(self.app, **RUNNER_KWARGS)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-        self.http = aiohttp.ClientSession()
-        return self
-
-    async def __aexit__(self, *exc):
-        await self.http.close()
-        await self.runner.cleanup()
-
-    async def post(self, path="/v1/chat/completions", body=None, headers=None, raw=None):
-        data = raw if raw is not None else json.dumps(body if body is not None else {"model": "m"}).encode()
-        async with self.http.post(self.url + path, data=data, headers=headers or {}) as r:
-            return r.status, r.headers.copy(), await r.read()
-
-    async def chat_stream(self, headers=None, model="m"):
-        return await self.post(body={"model": model, "stream": True, "messages": []}, headers=headers)
-
-    async def metric(self, name, **labels) -> float:
-        async with self.http.get(self.url + "/metrics", headers=SCRAPE) as r:
-            text = await r.text()
-        total = 0.0
-        for fam in text_string_to_metric_families(text):
-            for s in fam.samples:
-                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                    total += s.value
-        return total
-
-    @property
-    def routing(self):
-        return self.app[PROXY_KEY].routing
-
-
-def eps(*engines, **kw):
-    return [Endpoint(id=f"e{i}", model="m", url=e.url, **kw) for i, e in enumerate(engines)]
-
-
-def events(body: bytes) -> list[bytes]:
-    return [e + b"\n\n" for e in body.split(b"\n\n") if e]
-
-
-def error_event(body: bytes) -> dict | None:
-    for e in events(body):
-        if e.startswith(b"data: {\"error\""):
-            return json.loads(e[6:])["error"]
-    return None
 
 
 # ---------------------------------------------------------------- streaming
@@ -436,10 +310,7 @@ async def test_retry_budget_caps_amplification():
 @run
 async def test_connect_refused_is_retried_and_ejects():
     good = await Engine(healthy()).start()
-    s = __import__("socket").socket()
-    s.bind(("127.0.0.1", 0))
-    dead_url = f"http://127.0.0.1:{s.getsockname()[1]}"
-    s.close()  # nothing listens there now
+    dead_url = f"http://127.0.0.1:{closed_port()}"
     endpoints = [Endpoint("dead", "m", dead_url), Endpoint("good", "m", good.url)]
     async with Router(endpoints, {"outlier": {"consecutive_errors": 2}, "retries": {"budget_min": 100}}) as r:
         for _ in range(20):
@@ -758,14 +629,6 @@ async def test_client_leaving_before_done_is_still_a_cancellation():
 
 # ------------------------------------------------ audit fixes (2026-12-03)
 
-async def _until(pred, timeout=10.0):
-    for _ in range(int(timeout / 0.01)):
-        if pred():
-            return
-        await asyncio.sleep(0.01)
-    assert pred()
-
-
 async def _abandon(r, after: float):
     """A streaming client that gives up after ``after`` seconds."""
     try:
@@ -791,9 +654,9 @@ async def test_impatient_clients_do_not_keep_a_hung_engine_in_rotation(sends_hea
         await _abandon(r, 0.2)
         await _abandon(r, 0.2)
         # the engine still works on them (as far as the router knows): their slots stay taken
-        await _until(lambda: len(r.app[PROXY_KEY]._verdicts) == 2)
+        await until_async(lambda: len(r.app[PROXY_KEY]._verdicts) == 2)
         assert rt.outstanding == 2
-        await _until(lambda: rt.outstanding == 0)
+        await until_async(lambda: rt.outstanding == 0)
         outcome = "first_token_timeout" if sends_head else "timeout"
         assert await r.metric("llmgw_router_upstream_attempts_total", outcome=outcome) == 2
         assert await r.metric("llmgw_router_upstream_attempts_total", outcome="cancelled") == 0
@@ -813,9 +676,9 @@ async def test_client_leaving_before_the_first_token_of_a_slow_but_working_engin
     async with Router(eps(a), {"timeouts": {"first_token": 5}, "outlier": {"consecutive_errors": 1}}) as r:
         rt = r.routing.runtimes()[0]
         await _abandon(r, 0.1)
-        await _until(lambda: len(r.app[PROXY_KEY]._verdicts) == 1)
+        await until_async(lambda: len(r.app[PROXY_KEY]._verdicts) == 1)
         assert rt.outstanding == 1  # held until the engine's first token shows it works
-        await _until(lambda: rt.outstanding == 0)
+        await until_async(lambda: rt.outstanding == 0)
         assert await r.metric("llmgw_router_upstream_attempts_total", outcome="cancelled") == 1
         assert rt.health.consecutive_failures == 0 and not rt.health.ejections
     await a.stop()
@@ -836,7 +699,7 @@ async def test_shutdown_cancels_verdict_tasks_and_closes_their_connections():
     async with r:
         await _abandon(r, 0.2)
         proxy = r.app[PROXY_KEY]
-        await _until(lambda: len(proxy._verdicts) == 1)
+        await until_async(lambda: len(proxy._verdicts) == 1)
         t = asyncio.get_running_loop().time()
     # (the Router context's exit ran the app's cleanup)
     assert asyncio.get_running_loop().time() - t < 5

@@ -18,7 +18,8 @@ from prometheus_client import CollectorRegistry, Histogram
 
 from llmgw.router import splice as splice_mod
 from llmgw.router.metrics import BatchedHistogram
-from test_router_proxy import DONE, ROLE, Engine, Router, chunk, eps, error_event, events, run, stream
+from tests.support.polling import run_async as run
+from proxy_harness import DONE, ROLE, Engine, Router, chunk, eps, error_event, events, stream
 
 
 @pytest.fixture

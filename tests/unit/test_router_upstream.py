@@ -8,13 +8,13 @@ raw asyncio server that answers with scripted bytes.
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 
 from llmgw.router.http1 import CHUNKED, LENGTH, NO_BODY, UNTIL_CLOSE, ChunkedDecoder, ProtocolError, parse_head
 from llmgw.router.upstream import ConnectError, Disconnected, Pool
-from test_router_proxy import run
+from tests.support.polling import run_async as run
+from tests.support.ports import closed_port
 
 EVENTS = [b"data: {\"n\":%d}\n\n" % i for i in range(5)]
 
@@ -273,10 +273,7 @@ async def test_garbage_instead_of_a_response_is_a_protocol_error():
 
 @run
 async def test_connect_refused_is_a_connect_error():
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
+    port = closed_port()
     pool = Pool(f"http://127.0.0.1:{port}", connect_timeout=2, keepalive=4)
     with pytest.raises(ConnectError) as e:
         await pool.request(b"/", b"", b"")

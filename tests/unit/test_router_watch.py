@@ -1,9 +1,7 @@
 """The endpoint watch API and its client over real loopback sockets."""
 
 import asyncio
-import functools
 import logging
-import socket
 
 import aiohttp
 from aiohttp import web
@@ -11,13 +9,8 @@ from aiohttp import web
 from llmgw.router.endpoints import Endpoint, EndpointTable
 from llmgw.protocol import WATCH_PATH
 from llmgw.router.watch import endpoints_watch_handler, parse_watch_response, watch_endpoints
-
-
-def run(fn):
-    @functools.wraps(fn)
-    def wrapper(*a, **kw):
-        asyncio.run(asyncio.wait_for(fn(*a, **kw), 60))
-    return wrapper
+from tests.support.polling import run_async as run, until_async
+from tests.support.ports import closed_port
 
 
 def ep(i, **kw):
@@ -44,13 +37,6 @@ class ControlPlane:
 
     async def __aexit__(self, *exc):
         await self.runner.cleanup()
-
-
-async def until(pred, timeout=20.0):
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not pred():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
 
 
 @run
@@ -108,16 +94,16 @@ async def test_client_follows_keeps_last_known_and_recovers_after_restart(caplog
         port = cp.port
         task = asyncio.create_task(watch_endpoints(cp.url, None, {"X-Test": "1"}, local,
                                                    backoff_initial=0.05, backoff_max=0.2))
-        await until(lambda: len(local.snapshot()[1]) == 2)
+        await until_async(lambda: len(local.snapshot()[1]) == 2)
         remote.replace([ep(3)])
-        await until(lambda: [e.id for e in local.snapshot()[1]] == ["e3"])
+        await until_async(lambda: [e.id for e in local.snapshot()[1]] == ["e3"])
     # the control plane is gone: the router keeps routing to what it knew
-    await until(lambda: "keeping 1 known endpoint" in caplog.text)
+    await until_async(lambda: "keeping 1 known endpoint" in caplog.text)
     assert [e.id for e in local.snapshot()[1]] == ["e3"]
     # a restarted control plane starts its revisions over; the epoch tells the client
     fresh = EndpointTable([ep(4)])
     async with ControlPlane(fresh, wait_s=0.5, port=port):
-        await until(lambda: [e.id for e in local.snapshot()[1]] == ["e4"])
+        await until_async(lambda: [e.id for e in local.snapshot()[1]] == ["e4"])
     task.cancel()
     try:
         await task
@@ -159,9 +145,7 @@ async def test_retries_against_a_dead_control_plane_stay_short_and_jittered(monk
     from llmgw.router import watch as watch_mod
 
     caplog.set_level(logging.WARNING, "llmgw.router.watch")
-    with socket.socket() as s:  # a port nobody listens on: every try is refused
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = closed_port()  # every try is refused
     waits: list[float] = []
     real_sleep = asyncio.sleep
 

@@ -39,7 +39,8 @@ class ProcessIdentity:
 
 @dataclass(frozen=True)
 class ProcStat:
-    """The fields of ``/proc/<pid>/stat`` this package uses."""
+    """The fields of ``/proc/<pid>/stat`` this package uses (the one parser of that line: the
+    fleet simulator's CPU accounting and the test harness read it here too)."""
 
     pid: int
     comm: str
@@ -48,6 +49,16 @@ class ProcStat:
     pgid: int
     sid: int
     start_time: int
+    # CPU time in clock ticks (os.sysconf("SC_CLK_TCK")): this process's own, and its reaped children's
+    utime: int = 0
+    stime: int = 0
+    cutime: int = 0
+    cstime: int = 0
+
+    @property
+    def cpu_ticks(self) -> int:
+        """User + system time of the process itself (children not counted)."""
+        return self.utime + self.stime
 
 
 def parse_stat(text: str) -> ProcStat:
@@ -70,6 +81,10 @@ def parse_stat(text: str) -> ProcStat:
         pgid=int(rest[2]),
         sid=int(rest[3]),
         start_time=int(rest[19]),
+        utime=int(rest[11]),
+        stime=int(rest[12]),
+        cutime=int(rest[13]),
+        cstime=int(rest[14]),
     )
 
 

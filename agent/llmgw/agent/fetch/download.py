@@ -147,7 +147,7 @@ def _write_stamp(final: Path, sha256: str) -> None:
     text = durable.stamp_text(final, sha256)
     if text is not None:
         try:
-            durable.write_atomic(final.with_name(naming.verified_name(final.name)), text)
+            durable.write_text(final.with_name(naming.verified_name(final.name)), text)
         except OSError as e:  # only an optimisation: the next start hashes again
             log.debug("cannot write verified stamp for %s: %s", final, e)
 
@@ -269,7 +269,7 @@ class _Transfer:
             self._check_space()  # before the sidecar too: on a full disk nothing at all is written
             durable_now = self.meta.durable if (self.meta is not None and d.action is Action.APPEND) else 0
             self.meta = Meta(self.job.url, d.validator, d.total, self.boot, durable_now)
-            durable.write_atomic(self.meta_path, self.meta.to_json())
+            durable.write_text(self.meta_path, self.meta.to_json())
             body = resp.content
             if d.action is Action.APPEND:
                 first = await body.readexactly(1)
@@ -414,7 +414,7 @@ class _Transfer:
         await asyncio.to_thread(os.fsync, fd)
         if self.meta is not None:
             self.meta = Meta(self.meta.url, self.meta.validator, self.meta.total, self.meta.boot_id, upto)
-            durable.write_atomic(self.meta_path, self.meta.to_json())
+            durable.write_text(self.meta_path, self.meta.to_json())
 
     def _check_space(self) -> None:
         if self.total is None:

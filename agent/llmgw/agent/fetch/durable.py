@@ -17,7 +17,7 @@ from pathlib import Path
 
 from llmgw.agent.fetch import naming
 from llmgw.agent.fetch.resume import Meta
-from llmgw.durable import fsync_dir
+from llmgw.durable import PUBLIC_MODE, fsync_dir, write_atomic
 
 HASH_BLOCK = 8 << 20
 
@@ -48,28 +48,16 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Replace a small file in one step (tmp + fsync + rename).
+def write_text(path: Path, text: str) -> None:
+    """Replace a small file (a sidecar, a stamp, a manifest copy) in one step.
 
-    A write that fails (ENOSPC is the usual one: the tmp file is created, its
-    first page is not) removes its tmp file before raising.  Only a process
-    killed inside this function leaves one behind, under a name that
-    ``naming.is_scratch`` recognises and ``scratch.sweep_orphans`` removes.
+    ``llmgw.durable.write_atomic`` under the fetcher's tmp name: a write that
+    fails (ENOSPC is the usual one: the tmp file is created, its first page is
+    not) removes its tmp file before raising.  Only a process killed inside it
+    leaves one behind, under a name that ``naming.is_scratch`` recognises and
+    ``scratch.sweep_orphans`` removes once its writer is dead.
     """
-    tmp = path.with_name(naming.tmp_name(path.name, os.getpid()))
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        try:
-            data = memoryview(text.encode())
-            while data:
-                data = data[os.write(fd, data):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, path)
-    except BaseException:
-        remove(tmp)
-        raise
+    write_atomic(path, text.encode(), mode=PUBLIC_MODE, tmp_name=naming.tmp_name(path.name, os.getpid()))
 
 
 def read_meta(path: Path) -> Meta | None:

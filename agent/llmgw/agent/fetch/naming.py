@@ -29,7 +29,7 @@ META_SUFFIX = ".llmgw-meta"
 LOCK_SUFFIX = ".llmgw-lock"
 VERIFIED_SUFFIX = ".llmgw-verified"
 STAGING_SUFFIX = ".llmgw-staging"
-# ``durable.write_atomic``'s tmp file for a sidecar or a stamp: ``<name>.tmp<pid>``.
+# ``durable.write_text``'s tmp file for a sidecar or a stamp: ``<name>.tmp<pid>``.
 _TMP = re.compile(r"^(?P<of>\..+(?:\.llmgw-meta|\.llmgw-verified))\.tmp(?P<pid>\d+)$")
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
@@ -142,7 +142,7 @@ def verified_name(file_name: str) -> str:
 
 
 def tmp_name(name: str, pid: int) -> str:
-    """Where ``durable.write_atomic`` writes ``name`` before renaming it into place."""
+    """Where ``durable.write_text`` writes ``name`` before renaming it into place."""
     return f"{name}.tmp{pid}"
 
 

@@ -125,7 +125,7 @@ async def _assemble(job: Job, manifest: Manifest, data: bytes, staging: Path) ->
         if size != f.size:  # the digest matched, so the manifest's size is the wrong one
             raise FetchError(f"{f.path}: {size} bytes with the declared sha256, but the manifest says {f.size}")
         tally.done(f, f in kept)
-    durable.write_atomic(staging / MANIFEST_COPY, data.decode())
+    durable.write_text(staging / MANIFEST_COPY, data.decode())
     confine.check_tree(staging)
 
 

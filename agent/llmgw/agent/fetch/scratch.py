@@ -104,7 +104,7 @@ def sweep_orphans(directory: Path, file_name: str, node_id: str) -> None:
     """Remove this node's leftovers for ``file_name`` that no live fetch will use.
 
     * a sidecar whose partial is gone (claimed elsewhere, or removed after a failure);
-    * a sidecar's tmp file (``durable.write_atomic``) whose writer is dead: a fetcher
+    * a sidecar's tmp file (``durable.write_text``) whose writer is dead: a fetcher
       killed between creating it and renaming it;
     * a verified stamp's tmp file whose writer is dead (stamps are written under
       the per-file lock, so a tmp of this very process is a leftover too).

@@ -27,6 +27,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Protocol
 
+from llmgw.agent import procident
 from llmgw.sim.fleet.control import USAGE, Command, CommandError, parse_command, select
 from llmgw.sim.fleet.worker import Worker, WorkerSpec
 from llmgw.durable import PUBLIC_MODE, write_atomic
@@ -38,10 +39,11 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 def proc_usage(pid: int) -> tuple[float, int]:
     """(CPU seconds, resident KiB) of ``pid`` from /proc; (0, 0) once it is gone."""
+    st = procident.read_stat(pid)
+    if st is None:
+        return 0.0, 0
+    cpu = st.cpu_ticks / CLK_TCK
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        fields = stat[stat.rindex(")") + 2:].split()
-        cpu = (int(fields[11]) + int(fields[12])) / CLK_TCK
         rss_kb = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
                       if line.startswith("VmRSS:"))
         return cpu, rss_kb

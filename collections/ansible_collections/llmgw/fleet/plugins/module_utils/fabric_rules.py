@@ -1,6 +1,9 @@
 # -*- coding: utf-8 -*-
 # Copyright: llmgw maintainers
-# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: Apache-2.0 OR GPL-3.0-or-later
+# This one file ships in two artifacts, each under its own licence: the llmgw
+# package (Apache License 2.0, its LICENSE) and the llmgw.fleet collection
+# (GNU General Public License v3.0 or later, its COPYING).
 """The rules that decide which declared RDMA ports a fabric may use, and the words for why not.
 
 One file, two homes: the agent (``llmgw.hardware.fabric_rules``) applies it

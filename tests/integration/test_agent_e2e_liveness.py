@@ -18,7 +18,7 @@ import time
 import aiohttp
 import pytest
 
-from test_agent_supervisor import _multinode, make_spec, run
+from supervisor_harness import multinode, make_spec, run
 
 from llmgw.agent.liveness import LivenessPolicy
 
@@ -111,10 +111,10 @@ def test_a_busy_healthy_engine_and_an_idle_one_stay_ready(tmp_path):
 
 def test_a_stopped_worker_rank_is_failed_by_its_process(tmp_path):
     async def body(h, sup):
-        sup.start(_multinode(make_spec("mn.sim.1-x/r0"), 0))
+        sup.start(multinode(make_spec("mn.sim.1-x/r0"), 0))
         await h.until(lambda: "starting" in h.states("mn.sim.1-x/r0"), "rank 0 starting")
         port = h.last("mn.sim.1-x/r0")["master_port"]
-        w = await ready(h, sup, _multinode(make_spec("mn.sim.1-x/r1", gpus=(1,)), 1, port))
+        w = await ready(h, sup, multinode(make_spec("mn.sim.1-x/r1", gpus=(1,)), 1, port))
         os.kill(w["process"]["pid"], signal.SIGSTOP)
         try:
             end = await h.terminal("mn.sim.1-x/r1")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import ssl
 import threading
 from dataclasses import dataclass, field
@@ -331,3 +332,18 @@ class DirWatcher:
         import os
 
         os.close(self.fd)
+
+
+def mirror(srv: WeightsServer, prefix: str, files: dict[str, bytes], *, lie: set[str] = frozenset(),
+           **switches) -> tuple[str, str]:
+    """Serve ``files`` under ``prefix/`` with their manifest; (source URL, manifest sha256).
+
+    A path in ``lie`` is listed with the digest of other bytes: the mirror serves a corrupted file.
+    """
+    listed = [{"path": p, "size": len(d),
+               "sha256": hashlib.sha256(d if p not in lie else b"not " + d).hexdigest()} for p, d in files.items()]
+    data = json.dumps({"format": "llmgw-repository/1", "revision": "test", "files": listed}).encode()
+    for p, d in files.items():
+        srv.add(f"{prefix}/{p}", d, **switches)
+    srv.add(f"{prefix}/llmgw-manifest.json", data)
+    return srv.url(f"{prefix}/"), hashlib.sha256(data).hexdigest()

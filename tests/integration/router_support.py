@@ -7,7 +7,6 @@
   so a test can compare what reached the engines with what the router claims.
 - ``SSEServer``: answers every request with a scripted event stream (comments, role-only
   chunks, [DONE] where a real engine would not put it).
-- ``closed_port``: a loopback port with nothing listening (connection refused).
 - ``ControlPlane``: the watch API (``endpoints_watch_handler``) on mutual TLS with a
   throw-away fleet CA, in a background thread, for watch-mode routers.
 """
@@ -26,30 +25,16 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support.polling import until
+from tests.support.ports import closed_port
+
 HOST = "127.0.0.1"
 _LISTENING = re.compile(r"llmgw router listening on (https?)://([^:]+):(\d+)")
-
-
-def wait_for(pred: Callable[[], Any], timeout: float = 60.0, what: str = "condition", interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 class RouterProcess:
@@ -75,7 +60,7 @@ class RouterProcess:
                                          env=full_env, start_new_session=True)
         self.port = 0
         try:
-            m = wait_for(self._listening, 120, "the router to listen")
+            m = until(self._listening, "the router to listen", 120, interval=0.05)
         except AssertionError:
             self.stop()
             raise AssertionError(f"router did not start:\n{self.output()}") from None
