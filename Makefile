@@ -57,13 +57,20 @@ fleet-down:
 ##
 ## Each step is timed (tests/ci/stage: `tests/ci/stage --table` prints where the time went), each
 ## pytest run names its slowest tests, and a test that hangs fails on its own after pyproject's
-## per-test timeout instead of holding the whole run. Unit tests run on UNIT_WORKERS processes.
+## per-test timeout instead of holding the whole run. Unit tests run on UNIT_WORKERS processes;
+## integration tests on INTEGRATION_WORKERS, a file to a worker and the CPU-heavy files one
+## after another (tests/integration/conftest.py): most of them wait on real processes.
 STAGE        := tests/ci/stage
 DURATIONS    ?= --durations=15
 UNIT_WORKERS ?= 2
+INTEGRATION_WORKERS ?= 3
+# The ansible tests: site.yml's module (eleven playbook runs, a third of the stage) on one
+# worker, every other file on the other.
+ANSIBLE_WORKERS ?= 2
+INTEGRATION_ARGS = -n $(INTEGRATION_WORKERS) --dist loadgroup $(DURATIONS)
 test: $(STAMP) engines etcd
 	$(STAGE) unit $(PY) -m pytest tests/unit -q -n $(UNIT_WORKERS) $(DURATIONS)
-	$(STAGE) integration $(PY) -m pytest tests/integration -q $(DURATIONS)
+	$(STAGE) integration $(PY) -m pytest tests/integration -q $(INTEGRATION_ARGS)
 	$(MAKE) --no-print-directory ansible
 	$(MAKE) --no-print-directory pythons
 	$(STAGE) molecule $(MAKE) --no-print-directory molecule
@@ -80,12 +87,12 @@ unit: $(STAMP)
 	$(PY) -m pytest tests/unit -q -n $(UNIT_WORKERS) $(DURATIONS)
 
 integration: $(STAMP) etcd
-	$(PY) -m pytest tests/integration -q
+	$(PY) -m pytest tests/integration -q $(INTEGRATION_ARGS)
 
 ## The llmgw.fleet collection: real ansible-playbook runs (site.yml on this machine,
 ## every module and role), then ansible-lint and ansible-test sanity.
 ansible: $(STAMP) prometheus
-	$(STAGE) ansible $(PY) -m pytest tests/ansible tests/inventory -q -p no:cacheprovider $(DURATIONS)
+	$(STAGE) ansible $(PY) -m pytest tests/ansible tests/inventory -q -p no:cacheprovider -n $(ANSIBLE_WORKERS) --dist loadfile $(DURATIONS)
 	$(STAGE) ansible-lint env VENV=$(abspath $(VENV)) bash tests/ansible/lint.sh lint sanity
 
 ## Debian's Prometheus, which the monitoring role's test runs (on loopback, from the
