@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import signal
 import sys
 
 # (module, what it registers); each module has add_parser(subparsers)
@@ -55,7 +56,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The long-running subcommands: a service manager may send them SIGHUP (``systemctl reload``).
+_DAEMONS = frozenset({"server", "agent", "router"})
+
+
+def ignore_hangup_until_handled(argv: list[str]) -> bool:
+    """A daemon ignores SIGHUP until it installs its own handler (its reload); True if it is one.
+
+    Importing the subsystems takes a second or so; a ``systemctl reload`` right after a restart
+    would otherwise meet SIGHUP's default action and end the process. ``ctl`` and ``config`` keep it.
+    """
+    command = next((a for a in argv if a in _DAEMONS or a in ("ctl", "config")), None)
+    if command in _DAEMONS:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        return True
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
+    ignore_hangup_until_handled(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(

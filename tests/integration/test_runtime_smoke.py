@@ -191,3 +191,30 @@ def test_sigterm_stops_a_control_plane_while_agents_register(tmp_path):
             except subprocess.TimeoutExpired:
                 pytest.fail(f"the control plane ran on {STOP_GRACE:g}s after SIGTERM:\n{f.server.output(4000)}")
             assert f.server.proc.returncode == 0, f.server.output(4000)
+
+
+def _ignores_hangup(pid: int) -> bool:
+    """SIGHUP (signal 1) in the process's ignored set, as /proc/PID/status shows it."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigIgn:"):
+                return bool(int(line.split()[1], 16) & 1)
+    except OSError:
+        pass
+    return False
+
+
+def test_a_reload_while_a_daemon_is_still_starting_does_not_end_it(tmp_path):
+    """`systemctl restart` then at once `systemctl reload` (the roles did both after a key rotation):
+    the SIGHUP reached a router while it was still importing, before it handled SIGHUP, and ended it.
+    Sent inside that window (while SIGHUP is ignored, before the reload handler replaces that), the
+    control plane lives on and serves."""
+    import signal
+
+    with Fleet(tmp_path, nodes={}, replicas=0) as f:
+        f.server.start()
+        until(lambda: _ignores_hangup(f.server.pid) or not f.server.alive(),
+              "the starting control plane to ignore SIGHUP until it handles it", interval=0.005)
+        f.server.signal(signal.SIGHUP)
+        f.wait_healthy()
+        assert f.server.alive(), f.server.output(3000)
