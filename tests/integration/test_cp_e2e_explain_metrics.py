@@ -46,8 +46,9 @@ def test_ctl_explain_lists_every_node_and_why_not_and_exits_3_when_unplaceable(t
         assert set(verdicts) == {a, b}, res.stdout
         assert all(v[0] == "no" for v in verdicts.values()), res.stdout
         tiny_on_b = tiny["shards"][0]["node_id"] == b
-        assert verdicts[a][1] == f"{1 if not tiny_on_b else 2} free GPUs, needs 8", res.stdout
-        assert verdicts[b][1] == f"{0 if tiny_on_b else 1} free GPUs, needs 8", res.stdout
+        free_a, free_b = (2, 0) if tiny_on_b else (1, 1)
+        assert verdicts[a][1] == f"{free_a} free GPU{'' if free_a == 1 else 's'}, needs 8", res.stdout
+        assert verdicts[b][1] == f"{free_b} free GPU{'' if free_b == 1 else 's'}, needs 8", res.stdout
         doc = json.loads(f.ctl("explain", "wide", "-o", "json", check=False).stdout)
         (item,) = doc["replicas"]
         assert item["placed"] is False and item["running"] is None and item["reason"]
