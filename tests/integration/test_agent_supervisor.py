@@ -12,12 +12,14 @@ import os
 import re
 import signal
 import stat
+import sys
 from pathlib import Path
 
 import pytest
 from supervisor_harness import Harness, SIM, make_spec, multinode, run
 
 from llmgw.agent import procident
+from llmgw.agent.liveness import LivenessPolicy
 
 pytestmark = pytest.mark.integration
 
@@ -190,6 +192,94 @@ def test_stop_during_a_drain_cuts_the_drain_grace_short(tmp_path):
         assert h.states("tiny.sim.1-jj/r0")[-2:] == ["draining", "stopped"]
         await drain
     run(tmp_path, body, command=(str(stubborn),), stop_grace=1.0, drain_grace=3600.0)
+
+
+# An engine that behaves as llama-server does around SIGTERM: it exits only once every open
+# request has ended (its HTTP workers are joined), and its /metrics answers only when its
+# scheduler does, which a stopping server never does: the request is held until the client leaves.
+HOLDING_ENGINE = """#!/usr/bin/env python3
+import json, signal, sys, threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+argv = sys.argv
+port = int(argv[argv.index("--port") + 1])
+host = argv[argv.index("--host") + 1] if "--host" in argv else "127.0.0.1"
+open_requests = threading.Condition()
+count = [0]
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.0"
+
+    def log_message(self, *args):
+        pass
+
+    def reply(self, status, doc):
+        body = json.dumps(doc).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def handle_one_request(self):
+        with open_requests:
+            count[0] += 1
+        try:
+            super().handle_one_request()
+        finally:
+            with open_requests:
+                count[0] -= 1
+                open_requests.notify_all()
+
+    def do_GET(self):
+        if self.path == "/metrics":
+            print("metrics request held", flush=True)
+            while self.connection.recv(1024):
+                pass
+            print("metrics client went away", flush=True)
+        else:
+            self.reply(200, {})
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.reply(200, {"choices": [{"index": 0, "text": "x", "finish_reason": "length"}]})
+
+
+server = ThreadingHTTPServer((host, port), Handler)
+server.daemon_threads = True
+signal.signal(signal.SIGTERM, lambda *a: threading.Thread(target=server.shutdown).start())
+server.serve_forever()
+with open_requests:
+    open_requests.wait_for(lambda: count[0] == 0)
+print("exiting: no request open", flush=True)
+"""
+
+
+def test_a_stop_ends_the_health_check_in_flight_so_the_engine_exits_on_sigterm(tmp_path):
+    """A check still waiting on the engine at SIGTERM would hold an engine that joins its open
+    requests before exiting until the check timed out: the stop must end the check."""
+    engine = tmp_path / "holding-engine"
+    engine.write_text(HOLDING_ENGINE)
+    engine.chmod(0o755)
+    sid = "tiny.sim.1-kk/r0"
+
+    async def body(h, sup):
+        sup.start(make_spec(sid))
+        await h.until(lambda: "ready" in h.states(sid), "ready")
+        await h.until(lambda: "metrics request held" in h.statedir.log_path(sid).read_text(),
+                      "a health check to wait on /metrics")
+        leader = procident.ProcessIdentity.from_dict(h.last(sid)["process"])
+        await sup.stop(sid, "scale down")
+        assert not procident.is_running(leader)
+        log = h.statedir.log_path(sid).read_text()
+        assert "metrics client went away" in log and "exiting: no request open" in log, log
+        notes = h.statedir.notes_path(sid).read_text()
+        assert "SIGKILL" not in notes, notes
+        assert h.last(sid)["state"] == "stopped"
+    # the check would wait a minute for /metrics; the engine gets 20 s after SIGTERM
+    run(tmp_path, body, command=(sys.executable, str(engine)), stop_grace=20.0,
+        health=LivenessPolicy(interval=0.2, timeout=60.0, fail_after=120.0))
 
 
 def test_refusals_before_launch(tmp_path):

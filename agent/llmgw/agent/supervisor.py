@@ -397,6 +397,12 @@ class Supervisor:
         """
         if shard.end_intent is None:
             shard.end_intent = (outcome, reason)
+        # A health check in flight ends with the decision: its requests would hold the engine's
+        # exit (llama-server joins every open request before it exits, and a /metrics request
+        # waits on a scheduler that SIGTERM has stopped), turning a clean stop into a SIGKILL.
+        monitor = shard.monitor
+        if monitor is not None and not monitor.done() and monitor is not asyncio.current_task():
+            monitor.cancel()
         kill_at = time.monotonic() + grace
         shard.kill_at = kill_at if shard.kill_at is None else min(shard.kill_at, kill_at)
         shard.kill_changed.set()
