@@ -5,7 +5,8 @@ import threading
 
 import pytest
 
-from llmgw.catalog import Model, local_weights_bytes, measure_sources, remote_weights_bytes, weights_bytes
+from llmgw.catalog import Model, weights_bytes
+from llmgw.weightprobe import local_weights_bytes, measure_sources, remote_weights_bytes
 from tests.support.ports import closed_port
 
 
