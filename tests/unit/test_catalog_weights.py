@@ -1,11 +1,16 @@
 """How big are the weights: declared, or measured from the files, never guessed."""
 
+import ast
 import http.server
+import inspect
 import threading
 
 import pytest
 
-from llmgw.catalog import Model, local_weights_bytes, measure_sources, remote_weights_bytes, weights_bytes
+from llmgw import catalog
+from llmgw.catalog import Model, weights_bytes
+from llmgw.controlplane import reconciler
+from llmgw.weightprobe import local_weights_bytes, measure_sources, remote_weights_bytes
 from tests.support.ports import closed_port
 
 
@@ -45,6 +50,24 @@ def test_declared_size_wins_over_a_measured_one():
     bare = Model("m", "/w/m.gguf", "m")
     assert weights_bytes(bare, {"/w/m.gguf": 999}) == 999
     assert weights_bytes(bare, {}) is None and weights_bytes(bare) is None
+
+
+def imported(module) -> set[str]:
+    """Every module ``module`` imports, at the top or inside a function."""
+    names = set()
+    for node in ast.walk(ast.parse(inspect.getsource(module))):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_the_catalog_and_the_reconciler_read_no_weights_themselves():
+    """Sizing is read in llmgw.weightprobe: the data model and the pure reconciler do no I/O for it."""
+    io = {"httpx", "huggingface_hub", "huggingface_hub.hf_api", "llmgw.weightprobe", "llmgw.controlplane.sizing"}
+    for module in (catalog, reconciler):
+        assert not imported(module) & io, f"{module.__name__} imports {sorted(imported(module) & io)}"
 
 
 def test_measure_sources_reads_local_paths_and_never_hub_ids(tmp_path):

@@ -14,13 +14,14 @@ from typing import Any
 
 import pytest
 
-from llmgw.catalog import Model, measure_sources, probe_remote_size, remote_weights_bytes, weights_size
+from llmgw.catalog import Model, weights_size
 from llmgw.controlplane import views
 from llmgw.controlplane.reconciler import Context, NodeView, Reconciler
 from llmgw.controlplane.lifecycle import NodeState
 from llmgw.controlplane.state import ControlPlane
 from llmgw.hardware.types import GPU, HardwareInventory
 from llmgw.settings import RestartPolicy, parse_server_settings
+from llmgw.weightprobe import measure_sources, probe_remote_size, remote_weights_bytes
 from tests.support.polling import until_async
 
 GIB = 1 << 30
@@ -249,7 +250,7 @@ def test_a_failed_probe_is_logged_once_and_an_agents_download_total_fills_in(ser
         assert "running as" in text
         # A reload with the same source probes again; the same failure is not logged again.
         cp.apply_settings(settings(url), None)
-        await until_async(lambda: cp._sized_for is cp.loaded and url not in cp.sizes.probing, "the second probe")
+        await until_async(lambda: cp.sizes.sized_for is cp.loaded and url not in cp.sizes.probing, "the second probe")
         # The agent downloading it reports the total: from now on placement checks against it.
         assert cp.message("n1", epoch, {"type": "progress", "source": url, "file": "missing.gguf",
                                         "bytes_done": 1, "bytes_total": BIG, "rate_bps": None, "shard_ids": [sid]})

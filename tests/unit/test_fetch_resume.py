@@ -9,7 +9,7 @@ import pytest
 from llmgw.agent.fetch import naming
 from llmgw.agent.fetch.resume import (Action, Meta, Validator, judge, parse_content_range, request_headers,
                                       resume_offset)
-from llmgw.catalog import WEIGHT_SUFFIX_GROUPS
+from llmgw.weightprobe import WEIGHT_SUFFIX_GROUPS
 
 URL = "https://weights.example:8443/org/m/model.safetensors"
 ETAG = '"abc123"'

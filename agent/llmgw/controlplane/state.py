@@ -16,7 +16,6 @@ a newer one reported.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import Callable
@@ -25,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Hashable, Protocol
 
 from llmgw import compat
-from llmgw.catalog import SIZE_MEASURED, Catalog, SourceKind, measure_sources, weights_size
+from llmgw.catalog import Catalog
 from llmgw.controlplane.ejections import EjectionBook, Verdict, held, judge
 from llmgw.controlplane import grantsecret
 from llmgw.controlplane.grants import GrantKeys
@@ -34,6 +33,7 @@ from llmgw.controlplane.lifecycle import (Evaluation, NodeClock, NodeState, Repl
 from llmgw.controlplane.looplag import LoopLag
 from llmgw.controlplane.reconciler import Context, NodeView, Plan, Reconciler, endpoints
 from llmgw.controlplane.replicas import ReplicaState
+from llmgw.controlplane.sizing import WeightSizes
 from llmgw.controlplane.store import ControlPlaneStore, MemoryBackend
 from llmgw.hardware.advertise import advertise
 from llmgw.hardware.types import HardwareInventory
@@ -105,45 +105,6 @@ class Loaded:
 FULL_PASS_EVERY = 30.0  # seconds: a settled fleet is still reconciled whole this often
 STALL_EXCUSED_FROM = 0.25  # seconds of loop lateness, added up, before the nodes' deadlines are pushed back
 PASS_SHARE = 0.5  # at most this share of the event loop goes to back-to-back reconcile passes
-PROBE_TIMEOUT = 5.0  # seconds per request when sizing a URL (a HEAD, then maybe one ranged GET)
-PROBE_HOLD = 30.0  # longest a model waits for its URL's size before it is placed without one
-
-
-def reported_origin(node_id: str) -> str:
-    return f"reported by agent {node_id} while downloading"
-
-
-class WeightSizes:
-    """Sizes of model sources learned while running, and where each came from.
-
-    A model with a declared ``size_bytes`` never needs one.  For an http(s)
-    source the control plane asks the server (``llmgw.catalog.measure_sources``,
-    the same probe ``llmgw ctl explain --probe-urls`` runs) at every catalog
-    load and reload, off the reconcile loop; an agent downloading the source
-    reports its total, which fills in what the probe could not learn.
-    """
-
-    def __init__(self) -> None:
-        self.bytes: dict[str, int] = {}
-        self.origin: dict[str, str] = {}
-        self.probing: dict[str, float] = {}  # source -> when its probe started
-        self.warned: dict[str, str] = {}  # source -> the failure last logged for it
-
-    def learn(self, source: str, size: int, origin: str) -> bool:
-        """Record a size; True when it is news."""
-        if self.bytes.get(source) == size and self.origin.get(source) == origin:
-            return False
-        self.bytes[source], self.origin[source] = size, origin
-        return True
-
-    def holding(self, now: float) -> frozenset[str]:
-        """Unknown sources still being probed, for at most ``PROBE_HOLD``."""
-        return frozenset(src for src, t in self.probing.items()
-                         if src not in self.bytes and now - t < PROBE_HOLD)
-
-    def describe(self, model: Any) -> dict[str, Any]:
-        size, origin = weights_size(model, self.bytes, self.origin)
-        return {"bytes": size, "source": origin}
 
 
 def _files(tls: TLSFiles | None) -> TLSFiles | None:
@@ -180,9 +141,7 @@ class ControlPlane:
         self._last_endpoints: list[dict[str, Any]] | None = None
         self._last_unplaced_logged: dict[tuple[str, str], list[int]] = {}
         self.reload_errors: list[str] = []
-        self.sizes = WeightSizes()
-        self._sized_for: Loaded | None = None
-        self._probes: set[asyncio.Task[None]] = set()
+        self.sizes = WeightSizes(lambda: self.clock(), lambda: self.kick())  # placement waits on and reads these
         self._dirty = True  # something may have changed since the last whole-fleet pass
         self._settled = False  # the last pass left nothing to do
         self._last_full = float("-inf")
@@ -325,75 +284,9 @@ class ControlPlane:
                                   "not even a ping: the connection is presumed dead")
 
     def _learn_reported_size(self, node_id: str, msg: dict[str, Any]) -> None:
-        """An agent downloading a URL knows its length: keep it when nothing better is known."""
-        source, total = msg.get("source"), msg.get("bytes_total")
-        if not isinstance(total, int) or total <= 0 or source in self.sizes.bytes:
-            return
-        names = [m.name for m in self.catalog.models.values() if m.source == source and m.size_bytes is None]
-        if not names:
-            return
-        self.sizes.learn(source, total, reported_origin(node_id))
-        log.info("model %s: weights at %s are %d bytes (%s)", ", ".join(names), source, total,
-                 reported_origin(node_id))
-        self.kick()
-
-    # ----------------------------------------------------------- weights size
-    def _unsized_urls(self) -> dict[str, list[Any]]:
-        """Fetched sources (files, repository mirrors, hf:// repositories) without a declared size, with the models that use them."""
-        out: dict[str, list[Any]] = {}
-        for m in self.catalog.models.values():
-            if m.size_bytes is None and m.kind in (SourceKind.URL, SourceKind.REPO, SourceKind.HF):
-                out.setdefault(m.source, []).append(m)
-        return out
-
-    def start_sizing(self) -> None:
-        """Probe the catalog's unsized URLs, once per loaded catalog, in the background.
-
-        Called from the reconcile loop; returns at once.  A source already
-        known keeps its size while it is probed again (a reload may point at
-        a changed file); one not known holds its models' placement until the
-        probe answers (``PROBE_HOLD`` at most).
-        """
-        if self._sized_for is self.loaded:
-            return
-        self._sized_for = self.loaded
-        wanted = self._unsized_urls()
-        for source in [s for s in self.sizes.bytes if s not in wanted]:
-            self.sizes.bytes.pop(source, None)
-            self.sizes.origin.pop(source, None)
-        for source, models in wanted.items():
-            if source in self.sizes.probing:
-                continue
-            self.sizes.probing[source] = self.clock()
-            task = asyncio.get_running_loop().create_task(self._probe(source, models), name=f"size {source}")
-            self._probes.add(task)
-            task.add_done_callback(self._probes.discard)
-
-    async def _probe(self, source: str, models: list[Any]) -> None:
-        names = ", ".join(m.name for m in models)
-        failures: dict[str, str] = {}
-        loop = asyncio.get_running_loop()
-        try:
-            sizes = await loop.run_in_executor(None, functools.partial(
-                measure_sources, models[:1], remote=True, timeout=PROBE_TIMEOUT, failures=failures))
-        except Exception as e:  # never let a probe take anything else down
-            sizes, failures = {}, {source: f"{type(e).__name__}: {e}"}
-        finally:
-            self.sizes.probing.pop(source, None)
-        size = sizes.get(source)
-        if size is not None:
-            self.sizes.warned.pop(source, None)
-            if self.sizes.learn(source, size, SIZE_MEASURED):
-                log.info("model %s: weights at %s are %d bytes (%s)", names, source, size, SIZE_MEASURED)
-        else:
-            why = failures.get(source, "the server did not say")
-            kept = self.sizes.bytes.get(source)
-            tail = (f"keeping {kept} bytes ({self.sizes.origin.get(source)})" if kept is not None else
-                    "placement cannot check GPU memory for it (declare size_bytes to make it)")
-            level = logging.WARNING if self.sizes.warned.get(source) != why else logging.DEBUG
-            self.sizes.warned[source] = why
-            log.log(level, "model %s: cannot tell the size of %s: %s; %s", names, source, why, tail)
-        self.kick()
+        """An agent downloading a URL knows its length: a pass checks memory with it when it is news."""
+        if self.sizes.learn_reported(node_id, msg, self.catalog):
+            self.kick()
 
     def disconnected(self, node_id: str, epoch: int) -> None:
         rec = self.nodes.get(node_id)
@@ -649,7 +542,7 @@ class ControlPlane:
         """Tick on every kick, and at least every ``interval`` seconds.
 
         Each catalog in force (at start, after every reload) first has its
-        unsized URLs probed in the background (``start_sizing``).
+        unsized URLs probed in the background (``WeightSizes.refresh``).
         """
         lag = asyncio.get_running_loop().create_task(self.looplag.run(), name="loop lag")
         try:
@@ -675,11 +568,10 @@ class ControlPlane:
                     await asyncio.sleep(min(5.0, spent * (1 - PASS_SHARE) / PASS_SHARE))
         finally:
             lag.cancel()
-            for task in list(self._probes):
-                task.cancel()
+            self.sizes.cancel()
 
     def _start_sizing_safely(self) -> None:
         try:
-            self.start_sizing()
+            self.sizes.refresh(self.loaded, self.catalog)
         except Exception:
             log.exception("cannot start sizing the catalog's weights; placement goes on without")

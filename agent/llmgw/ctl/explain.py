@@ -25,12 +25,13 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from llmgw.catalog import measure_sources, weights_bytes
+from llmgw.catalog import weights_bytes
 from llmgw.config import ConfigInvalid
 from llmgw.hardware.advertise import advertise, listed_holders
 from llmgw.hardware.types import HardwareInventory
 from llmgw.placement import NodeCapacity, PlacementRequest, format_result, place_many
 from llmgw.settings import ServerSettings, load_server_settings
+from llmgw.weightprobe import measure_sources
 
 
 def declared_requests(settings: ServerSettings, model: str | None = None,
@@ -38,7 +39,7 @@ def declared_requests(settings: ServerSettings, model: str | None = None,
     """One request per declared replica, labelled ``model/profile#n``.
 
     ``known_sizes`` maps a model source to the size of its weights when it
-    was measured (``llmgw.catalog.measure_sources``); a declared size wins.
+    was measured (``llmgw.weightprobe.measure_sources``); a declared size wins.
     """
     out = []
     cat = settings.catalog
