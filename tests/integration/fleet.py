@@ -334,10 +334,12 @@ class Fleet:
 
     def try_node(self, name: str) -> dict[str, Any] | None:
         """Agent ``name``'s node as the API shows it; None while the API does not answer or lacks it."""
-        doc = self.try_get("/v1/nodes")
-        if doc is None:
+        try:
+            with self.client() as c:
+                r = c.get(f"/v1/nodes/{self.node_ids[name]}")
+        except (httpx.HTTPError, OSError):
             return None
-        return next((n for n in doc["nodes"] if n["node_id"] == self.node_ids[name]), None)
+        return r.json() if r.status_code == 200 else None
 
     def drop_stream(self, agent: "Proc") -> None:
         """Freeze the control plane until ``agent``'s keepalive gives up on the stream, then thaw it.

@@ -287,6 +287,10 @@ class ReplicaBook:
         """Replica shards on the node, then strays there."""
         return [*self._on_node.get(node_id, {}).values(), *self._strays_on.get(node_id, {}).values()]
 
+    def replica_ids_on(self, node_id: str) -> set[str]:
+        """The replicas with a shard on ``node_id`` (strays are no replica's)."""
+        return {s.replica_id for s in self._on_node.get(node_id, {}).values()}
+
     def find(self, node_id: str, sid: str) -> Shard | None:
         """The shard ``sid`` as believed to run on ``node_id`` (None if elsewhere or unknown)."""
         s = self._on_node.get(node_id, {}).get(sid)

@@ -93,7 +93,7 @@ def node_cordon_view(cp: ControlPlane, node_id: str) -> dict[str, Any]:
     rec = cp.nodes[node_id]
     out: dict[str, Any] = {"node_id": node_id, "cordon": rec.cordon}
     if rec.cordon == "draining":
-        on = [r for r in cp.reconciler.book.replicas.values() if node_id in r.nodes()]
+        on = cp.reconciler.book.replica_ids_on(node_id)  # the book's node index: no walk of the fleet
         out["replicas_left"] = len(on)
         out["drained"] = not on
         out["drain_blocked"] = next((why for where, why in cp.drain_blocked.items()
