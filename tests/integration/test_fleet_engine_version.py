@@ -1,0 +1,24 @@
+"""The engine release on the replica: the agent reads it from rank 0 once after Ready.
+
+Real control plane, agent and engine simulator, which answers vLLM's ``GET /version``
+(``{"version": ...}``). The version travels in ``shard_status`` and shows on
+``GET /v1/replicas``, for the replica and its rank-0 shard.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fleet import Fleet
+from llmgw.sim.sim_http import SIM_VERSION
+
+pytestmark = pytest.mark.integration
+
+
+def test_replica_shows_the_version_its_engine_reports(tmp_path):
+    with Fleet(tmp_path, nodes={"a": 1}, replicas=1) as f:
+        f.start()
+        (replica,) = f.wait_ready(1)
+        (shard,) = replica["shards"]
+        assert (replica["engine_version"], shard["engine_version"]) == (SIM_VERSION, SIM_VERSION), f.dump()
+
