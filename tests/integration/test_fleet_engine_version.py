@@ -2,7 +2,7 @@
 
 Real control plane, agent and engine simulator, which answers vLLM's ``GET /version``
 (``{"version": ...}``). The version travels in ``shard_status`` and shows on
-``GET /v1/replicas``, for the replica and its rank-0 shard.
+``GET /v1/replicas``, for the replica and its rank-0 shard, and in ``llmgw ctl replicas``.
 """
 
 from __future__ import annotations
@@ -21,4 +21,5 @@ def test_replica_shows_the_version_its_engine_reports(tmp_path):
         (replica,) = f.wait_ready(1)
         (shard,) = replica["shards"]
         assert (replica["engine_version"], shard["engine_version"]) == (SIM_VERSION, SIM_VERSION), f.dump()
+        assert f"engine {SIM_VERSION}" in f.ctl("replicas").stdout
 
