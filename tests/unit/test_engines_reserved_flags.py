@@ -116,6 +116,7 @@ def test_reserved_flags_are_not_emitted_yet(engine, model):
     (("--disaggregation-transfer-backend", "nixl"), "--disaggregation-transfer-backend"),
     (("--disaggregation-bootstrap-port", "8998"), "--disaggregation-bootstrap-port"),
     (("--disaggregation-ib-device", "mlx5_0"), "--disaggregation-ib-device"),
+    (("--load-publish-endpoint", "auto"), "--load-publish-endpoint"),
 ])
 def test_sglang_kv_events_and_disaggregation_flags_are_reserved(args, flag):
     problem, path = refused("sglang", *args)

@@ -27,7 +27,8 @@ since before the pinned 0.5.23; they are owned, because an engine a profile
 switched to HTTPS would be probed and routed to over HTTP and never be Ready.
 
 Reserved for llmgw: ``--kv-events-config`` (the KV event publisher, whose
-endpoint the agent chooses) and the flags that make a replica one side of
+endpoint the agent chooses) with ``--load-publish-endpoint`` (the load feed
+that needs that publisher and binds a wildcard TCP address), and the flags that make a replica one side of
 prefill/decode disaggregation, SGLang's counterpart of vLLM's
 ``--kv-transfer-config``: ``--disaggregation-mode`` (its role),
 ``--disaggregation-transfer-backend`` (the connector),
@@ -90,6 +91,8 @@ _OWNED = (
     OwnedFlag(("--ssl-keyfile-password",), _USE_NO_TLS),
     OwnedFlag(("--enable-ssl-refresh",), _USE_NO_TLS),
     OwnedFlag(("--kv-events-config",), USE_KV_EVENTS),
+    # the runtime-load feed for load-aware routers: it needs a --kv-events-config publisher
+    OwnedFlag(("--load-publish-endpoint",), USE_KV_EVENTS),
     OwnedFlag(("--disaggregation-mode",), USE_KV_TRANSFER),
     OwnedFlag(("--disaggregation-transfer-backend",), USE_KV_TRANSFER),
     OwnedFlag(("--disaggregation-bootstrap-port",), USE_KV_TRANSFER),
