@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import signal
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,6 +94,16 @@ def test_llama_server_serves_tls_with_the_engine_certificate(served):
         argv = cmdline(s["pid"])
         assert argv[argv.index("--ssl-cert-file") + 1] == str(f.root / "engine.crt")
         assert (r["endpoint"], r["clear_text"]) == (f"https://127.0.0.1:{s['port']}", False)
+
+
+def test_replicas_show_the_build_llama_server_reports(served):
+    """Read once after Ready from /props (its build_info, behind the engine key), over TLS."""
+    res = subprocess.run([str(LLAMA), "--version"], capture_output=True, text=True, timeout=60)
+    # "version: 0.5.0-dev (build 1, commit 0c1e570)"; build_info names the same commit
+    commit = re.search(r"commit ([0-9a-f]{7,})", res.stdout + res.stderr)
+    assert commit, res.stdout + res.stderr
+    for r in served.f.ready_replicas():
+        assert r["engine_version"] and commit[1] in r["engine_version"], r
 
 
 def test_liveness_reads_the_engines_metrics_and_sends_it_no_completions(served):

@@ -33,7 +33,7 @@ from llmgw import compat
 from llmgw.agent import liveness, procident
 from llmgw.agent.driver import ExitReport, LaunchRefused, LaunchSteps, Readiness, Started
 from llmgw.agent.ports import choose_port
-from llmgw.agent.probe import EngineTLSClient, base_url, completion_probe, get_text, probe_host
+from llmgw.agent.probe import EngineTLSClient, base_url, completion_probe, engine_version, get_text, probe_host
 from llmgw.agent.procident import ProcessIdentity
 from llmgw.agent.shard import Shard, SupervisorConfig
 from llmgw.agent.shardstate import ShardState
@@ -265,6 +265,10 @@ class PopenDriver:
             if shard.exited.is_set() or shard.end_intent is not None or shard.state is not ShardState.STARTING:
                 return Readiness.ENDED
             if ok:
+                if shard.port:
+                    shard.engine_version = await engine_version(
+                        self._http(), url, str(shard.spec["profile"]["engine"]),
+                        self.config.health.timeout, shard.spec.get("api_key"), self._engine_tls(shard))
                 return Readiness.READY
             wait = min(self.config.probe_interval, max(0.0, shard.deadline - time.monotonic()))
             try:

@@ -115,3 +115,41 @@ async def get_text(session: aiohttp.ClientSession, url: str, timeout: float,
         return None, f"{what}: no answer within {timeout:g}s"
     except aiohttp.ClientError as e:
         return None, f"{what}: {type(e).__name__}: {e}"
+
+
+# Where each engine says which release it is, and the field that holds it: vLLM's ``/version``,
+# SGLang's ``/server_info`` (``/get_server_info`` before 0.5.2x, now deprecated with a log line per
+# call), llama-server's ``/props`` (its ``build_info``, e.g. ``b7100-1a2b3c4``).
+VERSION_ENDPOINTS: dict[str, tuple[str, str]] = {
+    "vllm": ("/version", "version"),
+    "sglang": ("/server_info", "version"),
+    "llamacpp": ("/props", "build_info"),
+}
+MAX_VERSION = 256
+
+
+def version_from(engine: str, body: str) -> str | None:
+    """The version in an engine's answer on its version endpoint; None when it holds none."""
+    if engine not in VERSION_ENDPOINTS:
+        return None
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return None
+    value = doc.get(VERSION_ENDPOINTS[engine][1]) if isinstance(doc, dict) else None
+    if not isinstance(value, str):
+        return None
+    value = value.strip()[:MAX_VERSION]
+    return value if value and value.isprintable() else None
+
+
+async def engine_version(session: aiohttp.ClientSession, url: str, engine: str, timeout: float,
+                         api_key: str | None = None, tls: EngineTLSClient | None = None) -> str | None:
+    """The engine's own word on its release, read once after Ready; None when it gives none.
+
+    Informational only: an engine that does not answer is no less Ready.
+    """
+    if engine not in VERSION_ENDPOINTS:
+        return None
+    status, body = await get_text(session, url + VERSION_ENDPOINTS[engine][0], timeout, "version", api_key, tls)
+    return version_from(engine, body) if status == 200 else None

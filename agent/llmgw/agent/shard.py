@@ -88,6 +88,7 @@ class Shard:
     kill_at: float | None = None  # time.monotonic() at which a stopping engine gets SIGKILL
     kill_changed: asyncio.Event = field(default_factory=asyncio.Event)
     last_probe: str = ""
+    engine_version: str | None = None  # what rank 0 says it is, read once after Ready
 
     @property
     def shard_id(self) -> str:

@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_GRACE = 60.0  # seconds past a ping an agent waits for a word before ``registered`` says otherwise
 MAX_RETRY_AFTER = 300.0  # the longest Retry-After obeyed (a server's mistake must not park a node for hours)
-DOWN_TYPES = ("registered", "liveness", "start", "stop", "drain", "error")
+DOWN_TYPES = ("registered", "liveness", "accepts", "start", "stop", "drain", "error")
 
 Discover = Callable[[], Awaitable[HardwareInventory]]
 
@@ -224,6 +224,7 @@ class StreamClient:
             queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
             # Snapshot and queue hookup happen with no await in between, so no
             # transition can fall between what register says and what follows it.
+            self.supervisor.accept_fields(())  # a fresh stream: nothing optional until its control plane says
             queue.put_nowait(self.register_message(hw))
             self._queue = queue
             sender = asyncio.create_task(self._sender(ws, queue), name="stream sender")
@@ -353,6 +354,8 @@ class StreamClient:
                 self._retime.set()
             log.debug("pinging the control plane every %gs; waiting %gs past a ping for a word before redialling",
                      self._advertised_keepalive, self.grace)
+        elif kind == "accepts":
+            self.supervisor.accept_fields(msg["shard_status"])
         elif kind == "start":
             try:
                 self.supervisor.start(msg["spec"])

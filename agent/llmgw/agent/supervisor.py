@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import Any, Iterable
 
 from llmgw import compat
 from llmgw.agent import liveness
@@ -55,6 +55,10 @@ class Supervisor:
         self.emit = emit
         self.driver: EngineDriver = driver if driver is not None else PopenDriver(config, statedir)
         self.shards: dict[str, Shard] = {}
+        # Optional shard_status fields the control plane on the current stream said it accepts
+        # (``accepts``): agents upgrade first, and an older control plane closes the stream on a
+        # field it does not know.
+        self.accepted: frozenset[str] = frozenset()
 
     # ------------------------------------------------------------------ reports
     def live_shards(self) -> list[Shard]:
@@ -88,11 +92,22 @@ class Supervisor:
             msg["address"] = self.config.advertise_address
             if shard.tls:
                 msg["scheme"] = shard.scheme
+        if shard.engine_version is not None and "engine_version" in self.accepted:
+            msg["engine_version"] = shard.engine_version
         if reason:
             msg["reason"] = reason[:MAX_REASON]
         if output_tail is not None:
             msg["output_tail"] = output_tail[-MAX_TAIL:]
         return msg
+
+    def accept_fields(self, fields: Iterable[str]) -> None:
+        """What the control plane on this stream accepts; the Ready shards' versions go to one that
+        newly takes them (its ``register`` went out before it could say so)."""
+        before, self.accepted = self.accepted, frozenset(fields)
+        if "engine_version" in self.accepted - before:
+            for shard in self.live_shards():
+                if shard.state is ShardState.READY and shard.engine_version is not None:
+                    self.emit(self.status_message(shard))
 
     def gpus_held(self, exclude: str | None = None) -> dict[int, str]:
         """GPU index -> the live shard holding it (``exclude``: a shard asking about the others)."""
@@ -130,7 +145,7 @@ class Supervisor:
             started_at=shard.started_at,
             start_deadline=shard.deadline if shard.state is ShardState.STARTING else None,
             argv=shard.argv, extra={"launch_marker": shard.launch_marker, "log_offset": shard.log_offset,
-                                    "tls": shard.tls}))
+                                    "tls": shard.tls, "engine_version": shard.engine_version}))
 
     def _tail(self, shard: Shard) -> str:
         tail = self.driver.tail(shard)
@@ -461,6 +476,7 @@ class Supervisor:
                       deadline=deadline, adopted=True, identity=record.process, port=record.port,
                       master_port=record.master_port, argv=record.argv,
                       tls=record.extra.get("tls") is True,
+                      engine_version=_version(record.extra.get("engine_version")),
                       launch_marker=str(record.extra.get("launch_marker", "")),
                       log_offset=_offset(record.extra.get("log_offset")))
         self.shards[shard.shard_id] = shard
@@ -497,3 +513,8 @@ class Supervisor:
 def _offset(value: Any) -> int | None:
     """A recorded log offset, or None (a record from before offsets were kept: the marker is used)."""
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _version(value: Any) -> str | None:
+    """A recorded engine version, or None (a record from before versions were read, or none was given)."""
+    return value if isinstance(value, str) and value else None

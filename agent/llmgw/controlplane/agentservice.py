@@ -47,6 +47,8 @@ log = logging.getLogger("llmgw.controlplane.agents")
 REGISTER_TIMEOUT = 30.0  # seconds an upgraded stream may stay silent before its register
 POLICY_VIOLATION = 1008  # WebSocket close code for refused identity / invalid message
 SEND_QUEUE = 1024  # messages buffered per stream before the stream counts as stuck
+# Optional shard_status / shard_report fields this control plane takes, announced in ``accepts``.
+ACCEPTED_SHARD_FIELDS = ("engine_version",)
 
 
 class StreamSession:
@@ -179,12 +181,16 @@ class AgentService:
         ``liveness`` is a message of its own: an agent that predates it
         ignores it (with a warning) and keeps its registration, where an
         unknown field in ``registered`` would make it refuse the message.
+        ``accepts`` follows, for the same reason.
         """
         lc = self.cp.lifecycle()
         session.send({"type": "registered", "epoch": epoch, "heartbeat_interval": lc.heartbeat_interval,
                       **self.cp.leader_fields()})
         session.send({"type": "liveness", "keepalive_interval": lc.keepalive_interval,
                       "stream_grace": lc.stream_grace})
+        # Optional fields this control plane takes in shard_status: an agent newer than the
+        # control plane (agents upgrade first) sends none a control plane has not named here.
+        session.send({"type": "accepts", "shard_status": list(ACCEPTED_SHARD_FIELDS)})
 
     async def _keepalive(self, ws: web.WebSocketResponse, raw: Any, node_id: str, epoch: int) -> None:
         """A ping or pong: the stream is alive (not a heartbeat: the node's silence is judged on those)."""

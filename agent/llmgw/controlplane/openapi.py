@@ -121,7 +121,7 @@ SHAPES: dict[str, dict[str, Any]] = {
         "state_for_s": OPT_SECONDS, "reason": OPT_STR, "output_tail": OPT_STR, "pid": {"type": ["integer", "null"]},
         "process": nullable(ref("stream", "process")), "port": {"type": ["integer", "null"]},
         "master_port": {"type": ["integer", "null"]}, "address": OPT_STR,
-        "scheme": {"enum": ["http", "https", None]}, "adopted": BOOL,
+        "scheme": {"enum": ["http", "https", None]}, "engine_version": OPT_STR, "adopted": BOOL,
         "progress": {"type": ["object", "null"]},
     }),
     "Replica": obj({
@@ -129,7 +129,8 @@ SHAPES: dict[str, dict[str, Any]] = {
         "state": {"enum": list(REPLICA_STATES)},
         "reason": OPT_STR, "adopted": BOOL, "age_s": OPT_SECONDS, "ready_for_s": OPT_SECONDS,
         "restarts": {"type": "integer", "minimum": 0}, "replaces": OPT_STR, "placement": {},
-        "endpoint": OPT_STR, "clear_text": {"type": ["boolean", "null"]}, "retry_in_s": OPT_SECONDS,
+        "endpoint": OPT_STR, "engine_version": OPT_STR, "clear_text": {"type": ["boolean", "null"]},
+        "retry_in_s": OPT_SECONDS,
         "last_failure": {"type": ["object", "null"]},
         "shards": {"type": "array", "items": shape("Shard")},
     }),

@@ -282,6 +282,8 @@ class Reconciler:
                 setattr(s, key, msg[key])
         if msg.get("port") is not None:  # each report of an endpoint says how it serves (absent: http)
             s.scheme = msg.get("scheme", "http")
+        if msg.get("engine_version") is not None:
+            s.engine_version = msg["engine_version"]
         return [f"{sid} on {node_id}: {state}" + (f" ({msg['reason']})" if msg.get("reason") else "")]
 
     def observe_progress(self, node_id: str, msg: dict[str, Any], now: float) -> None:

@@ -122,6 +122,7 @@ class Shard:
     master_port: int | None = None
     address: str | None = None
     scheme: str = "http"  # "https": rank 0 serves TLS with its node's engine certificate
+    engine_version: str | None = None  # what rank 0 says it is (the agent reads it once after Ready)
     adopted: bool = False
     dispatched_at: float | None = None
     state_since: float = 0.0

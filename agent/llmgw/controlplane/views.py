@@ -157,6 +157,7 @@ def shard_view(s: Shard, now: float) -> dict[str, Any]:
         "master_port": s.master_port,
         "address": s.address,
         "scheme": s.scheme if s.port else None,
+        "engine_version": s.engine_version,
         "adopted": s.adopted,
         "progress": None if s.progress is None else {k: v for k, v in s.progress.items() if k != "at"},
     }
@@ -188,6 +189,8 @@ def replica_view(cp: ControlPlane, r: Replica, now: float) -> dict[str, Any]:
         "ejections": ejections_view(cp, r.replica_id, now),
         "placement": r.placement_detail,
         "endpoint": endpoint,
+        # the engine release rank 0 reports (vLLM's /version ...), once it has been Ready
+        "engine_version": r0.engine_version if r0 is not None else None,
         # prompts and the engine key cross the node network in clear text to this replica
         "clear_text": None if endpoint is None else r0.scheme != "https",
         "retry_in_s": (round(max(0.0, hist.next_attempt_at - now), 3)

@@ -283,6 +283,8 @@ def format_replicas(doc: dict[str, Any]) -> list[str]:
                 bits.append(f"pid {s['pid']}")
             if s.get("port"):
                 bits.append(f"port {s['port']}")
+            if s.get("engine_version"):
+                bits.append(f"engine {s['engine_version']}")
             if s.get("adopted"):
                 bits.append("adopted")
             out.append("  " + "  ".join(bits))

@@ -55,6 +55,15 @@ USE_TLS = ("the agent serves TLS with the node's engine certificate (engine_tls 
            "verify it against the fleet CA; routers present no client certificate")
 USE_KEY = ("the control plane issues each replica its own engine key, which only the router and the agent's "
            "probe use")
+# Reserved for what llmgw configures itself: KV event publishing (for cache-aware routing) binds an
+# endpoint the agent must choose and see (an ipc:// path under the shard's state directory, never a
+# tcp://* a hand-written config opens on every interface), and KV transfer pairs prefill and decode
+# replicas whose roles and ports placement assigns.
+USE_KV_EVENTS = ("reserved for llmgw, which configures the engine's KV event publisher itself "
+                 "(on an endpoint the agent chooses)")
+USE_KV_TRANSFER = ("reserved for llmgw, which configures KV transfer between replicas (prefill/decode "
+                   "disaggregation) itself, from the roles and ports placement assigns")
+USE_HTTP = "the router speaks OpenAI HTTP to rank 0 on the agent-assigned port"
 
 
 @dataclass(frozen=True)
@@ -79,12 +88,15 @@ class FlagSyntax:
     ``abbreviations``: Python's argparse (vLLM, SGLang) accepts any unambiguous
     prefix of a long flag, so ``--por 9000`` is ``--port 9000``.
     ``attached_short``: argparse reads ``-n2`` as ``-n 2`` for one-letter flags.
+    ``dotted``: vLLM's FlexibleArgumentParser merges ``--kv-transfer-config.kv_role x``
+    into ``--kv-transfer-config '{"kv_role": "x"}'``, so the flag is what precedes the dot.
     llama.cpp's own parser does none of these.
     """
 
     underscores: bool = False
     abbreviations: bool = False
     attached_short: bool = False
+    dotted: bool = False
 
 
 ARGPARSE = FlagSyntax(abbreviations=True, attached_short=True)
@@ -92,6 +104,8 @@ ARGPARSE = FlagSyntax(abbreviations=True, attached_short=True)
 
 def _flag_name(token: str, syntax: FlagSyntax) -> str:
     name = token.split("=", 1)[0]
+    if syntax.dotted and name.startswith("-"):
+        name = name.split(".", 1)[0]
     if syntax.underscores and name.startswith("--"):
         key, dot, rest = name[2:].partition(".")
         name = "--" + key.replace("_", "-") + dot + rest
@@ -165,10 +179,13 @@ class MemoryFraction:
     index: int  # of the flag in extra_args, for a config error's pointer
 
 
-def find_memory_fraction(args: Sequence[object], flag: str, syntax: FlagSyntax) -> MemoryFraction | str | None:
-    """The last setting of ``flag`` in ``args`` (argparse keeps the last), read under every spelling
-    the engine accepts; the problem's text when its value is not a fraction in (0, 1]; None when unset."""
-    hits = find_owned(args, (OwnedFlag((flag,), ""),), syntax)
+def find_memory_fraction(
+    args: Sequence[object], flag: str, syntax: FlagSyntax, aliases: tuple[str, ...] = ()
+) -> MemoryFraction | str | None:
+    """The last setting of ``flag`` (or one of its ``aliases``) in ``args`` (argparse keeps the last), read
+    under every spelling the engine accepts; the problem's text when its value is not a fraction in (0, 1];
+    None when unset."""
+    hits = find_owned(args, (OwnedFlag((flag, *aliases), ""),), syntax)
     if not hits:
         return None
     i, token, _ = hits[-1]
@@ -350,6 +367,7 @@ class Adapter:
     # The flag that caps the share of each GPU's memory the engine takes
     # (weights, activations and KV cache together); placement counts it.
     memory_fraction_flag: str | None = None
+    memory_fraction_aliases: tuple[str, ...] = ()  # other names the engine accepts for it
     # Whether the pinned release can serve HTTPS (the adapter then emits its
     # certificate flags in ``engine_args`` when the context carries a pair).
     tls_capable: bool = False
@@ -395,7 +413,8 @@ class Adapter:
         """The memory share ``profile``'s flags give the engine; None when they leave the engine's default."""
         if self.memory_fraction_flag is None:
             return None
-        found = find_memory_fraction(profile.extra_args, self.memory_fraction_flag, self.syntax)
+        found = find_memory_fraction(profile.extra_args, self.memory_fraction_flag, self.syntax,
+                                     self.memory_fraction_aliases)
         return found if isinstance(found, MemoryFraction) else None
 
     def profile_problems(self, profile: Profile) -> list[str]:
@@ -411,9 +430,11 @@ class Adapter:
                                    self.syntax)
         problems += env_problems(profile, {**self.forbidden_env, **self.key_env_owned()})
         if self.memory_fraction_flag is not None:
-            found = find_memory_fraction(profile.extra_args, self.memory_fraction_flag, self.syntax)
+            spellings = (self.memory_fraction_flag, *self.memory_fraction_aliases)
+            found = find_memory_fraction(profile.extra_args, self.memory_fraction_flag, self.syntax,
+                                         self.memory_fraction_aliases)
             if isinstance(found, str):
-                hit = find_owned(profile.extra_args, (OwnedFlag((self.memory_fraction_flag,), ""),), self.syntax)
+                hit = find_owned(profile.extra_args, (OwnedFlag(spellings, ""),), self.syntax)
                 problems.append(Problem(found, f"extra_args/{hit[-1][0]}"))
         return problems
 

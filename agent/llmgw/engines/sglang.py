@@ -19,10 +19,24 @@ adapter writes ``api-key: <key>`` to a 0600 file in the shard's private
 directory and passes ``--config <file>``: the key never shows in ``ps``.
 ``--config`` was already owned, so a profile cannot bring its own.
 
-No TLS: the pinned release (0.5.5) has no ``--ssl-*`` flags (its uvicorn is
-started without any), so an SGLang rank 0 serves plain HTTP on the node's
-fleet address even when the agent has an engine certificate, and the
-control plane shows its endpoint as ``http://``.
+No TLS yet: an SGLang rank 0 serves plain HTTP on the node's fleet address
+even when the agent has an engine certificate, and the control plane shows its
+endpoint as ``http://``.  SGLang has had ``--ssl-keyfile``/``--ssl-certfile``
+(and ``--ssl-ca-certs``, ``--ssl-keyfile-password``, ``--enable-ssl-refresh``)
+since before the pinned 0.5.23; they are owned, because an engine a profile
+switched to HTTPS would be probed and routed to over HTTP and never be Ready.
+
+Reserved for llmgw: ``--kv-events-config`` (the KV event publisher, whose
+endpoint the agent chooses) with ``--load-publish-endpoint`` (the load feed
+that needs that publisher and binds a wildcard TCP address), and the flags that make a replica one side of
+prefill/decode disaggregation, SGLang's counterpart of vLLM's
+``--kv-transfer-config``: ``--disaggregation-mode`` (its role),
+``--disaggregation-transfer-backend`` (the connector),
+``--disaggregation-bootstrap-port`` (a port on the prefill node) and
+``--disaggregation-ib-device`` (its NICs).  They are owned though the adapter
+does not emit them yet; the decode-side tuning flags
+(``--disaggregation-decode-*``) stay the profile's.  ``--smg-grpc-mode``
+replaced ``--grpc-mode`` (kept as a deprecated alias): both are owned.
 """
 
 from __future__ import annotations
@@ -35,7 +49,10 @@ from llmgw.engines.common import (
     ARGPARSE,
     USE_GPUS,
     USE_HOST,
+    USE_HTTP,
     USE_KEY,
+    USE_KV_EVENTS,
+    USE_KV_TRANSFER,
     USE_LISTED,
     USE_MAX_LEN,
     USE_NODES,
@@ -50,6 +67,9 @@ from llmgw.engines.common import (
     OwnedFlag,
 )
 
+_USE_NO_TLS = ("llmgw runs SGLang over plain HTTP (its endpoint is http://), so an engine switched to HTTPS "
+               "would never pass the agent's probe")
+
 _OWNED = (
     OwnedFlag(("--model-path", "--model"), USE_SOURCE),
     OwnedFlag(("--host",), USE_HOST),
@@ -63,7 +83,20 @@ _OWNED = (
     OwnedFlag(("--dist-init-addr", "--nccl-init-addr"), USE_PLACEMENT),
     OwnedFlag(("--base-gpu-id",), USE_GPUS),
     OwnedFlag(("--gpu-id-step",), USE_GPUS),
-    OwnedFlag(("--grpc-mode",), "the router speaks OpenAI HTTP to rank 0"),
+    OwnedFlag(("--smg-grpc-mode",), USE_HTTP),
+    OwnedFlag(("--grpc-mode",), USE_HTTP),
+    OwnedFlag(("--ssl-keyfile",), _USE_NO_TLS),
+    OwnedFlag(("--ssl-certfile",), _USE_NO_TLS),
+    OwnedFlag(("--ssl-ca-certs",), _USE_NO_TLS),
+    OwnedFlag(("--ssl-keyfile-password",), _USE_NO_TLS),
+    OwnedFlag(("--enable-ssl-refresh",), _USE_NO_TLS),
+    OwnedFlag(("--kv-events-config",), USE_KV_EVENTS),
+    # the runtime-load feed for load-aware routers: it needs a --kv-events-config publisher
+    OwnedFlag(("--load-publish-endpoint",), USE_KV_EVENTS),
+    OwnedFlag(("--disaggregation-mode",), USE_KV_TRANSFER),
+    OwnedFlag(("--disaggregation-transfer-backend",), USE_KV_TRANSFER),
+    OwnedFlag(("--disaggregation-bootstrap-port",), USE_KV_TRANSFER),
+    OwnedFlag(("--disaggregation-ib-device",), USE_KV_TRANSFER),
     OwnedFlag(("--config",), USE_LISTED),
 )
 

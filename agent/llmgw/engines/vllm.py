@@ -1,7 +1,8 @@
 """vLLM: ``vllm serve <model> --host H --port P ...``.
 
-Flags follow vLLM v0.11.1 and later (checked against vllm/engine/arg_utils.py,
-vllm/entrypoints/openai/cli_args.py and vllm/config/parallel.py).  Multi-node
+Flags follow vLLM v0.11.1 and later, checked against the pinned release (0.33:
+vllm/engine/arg_utils.py, vllm/entrypoints/common/cli_args.py and
+vllm/config/parallel.py; see tests/engines/versions).  Multi-node
 uses the multiprocessing backend, which v0.11.1 introduced (vLLM PR #23691)
 and the distributed-serving docs describe under "Running vLLM with
 MultiProcessing": every node runs ``vllm serve`` with the same parallel sizes
@@ -27,6 +28,17 @@ prompts and the engine key never cross the node network in clear text, and
 a restart (a replica outliving its certificate would be refused by every
 router).  The ssl flags are owned: ``--ssl-ca-certs``/``--ssl-cert-reqs`` would
 demand client certificates routers do not present.
+
+Reserved for llmgw: ``--kv-events-config`` (the KV event publisher, whose
+endpoint the agent chooses) and ``--kv-transfer-config`` (prefill/decode
+disaggregation, whose roles and ports placement assigns) are owned though the
+adapter does not emit them yet, in every form vLLM's parser accepts, including
+the dotted ``--kv-transfer-config.kv_role kv_producer``.  Also owned since
+0.33: ``--device-ids`` (physical GPUs chosen around CUDA_VISIBLE_DEVICES),
+``--grpc`` (a gRPC server on ``--port`` in place of HTTP), ``--grpc-port`` (a
+second listener on a port the agent did not assign) and
+``--data-parallel-multi-port-external-lb``; ``--device-memory-utilization``
+is read as the memory share, like ``--gpu-memory-utilization`` (its alias).
 """
 
 from __future__ import annotations
@@ -34,8 +46,12 @@ from __future__ import annotations
 from llmgw.catalog import Model, Profile
 from llmgw.engines.base import LaunchContext
 from llmgw.engines.common import (
+    USE_GPUS,
     USE_HOST,
+    USE_HTTP,
     USE_KEY,
+    USE_KV_EVENTS,
+    USE_KV_TRANSFER,
     USE_LISTED,
     USE_MAX_LEN,
     USE_NODES,
@@ -83,6 +99,12 @@ _OWNED = (
     OwnedFlag(("--data-parallel-backend", "-dpb"), USE_REPLICAS),
     OwnedFlag(("--data-parallel-hybrid-lb", "-dph"), USE_REPLICAS),
     OwnedFlag(("--data-parallel-external-lb", "-dpe"), USE_REPLICAS),
+    OwnedFlag(("--data-parallel-multi-port-external-lb", "-dpm"), USE_REPLICAS),
+    OwnedFlag(("--device-ids",), USE_GPUS),
+    OwnedFlag(("--grpc",), USE_HTTP),
+    OwnedFlag(("--grpc-port",), USE_HTTP),
+    OwnedFlag(("--kv-events-config",), USE_KV_EVENTS),
+    OwnedFlag(("--kv-transfer-config",), USE_KV_TRANSFER),
     OwnedFlag(("--ssl-keyfile",), USE_TLS),
     OwnedFlag(("--ssl-certfile",), USE_TLS),
     OwnedFlag(("--ssl-ca-certs",), USE_TLS),
@@ -104,10 +126,11 @@ _MULTI_NODE_OWNED = (
 class VLLMAdapter(Adapter):
     name = "vllm"
     default_command = ("vllm",)
-    # FlexibleArgumentParser: underscores become dashes; argparse abbreviations.
-    syntax = FlagSyntax(underscores=True, abbreviations=True, attached_short=True)
+    # FlexibleArgumentParser: underscores become dashes; argparse abbreviations; ``--flag.key value``.
+    syntax = FlagSyntax(underscores=True, abbreviations=True, attached_short=True, dotted=True)
     key_flags = (OwnedFlag(("--api-key",), USE_KEY),)
     memory_fraction_flag = "--gpu-memory-utilization"
+    memory_fraction_aliases = ("--device-memory-utilization",)
     key_env = "VLLM_API_KEY"
     tls_capable = True
 
