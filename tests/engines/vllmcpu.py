@@ -72,6 +72,9 @@ def environment(base: Mapping[str, str] | None = None, *, dev_mode: bool = False
     env.update(OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_TARGET_DEVICE="cpu", PYTHONHASHSEED="0", PYTHONUNBUFFERED="1",
                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    # An llmgw agent running anywhere on this host (other tests) stops an engine-looking process no
+    # record of its own describes (llmgw.agent.adoption), unless the process names another node.
+    env["LLMGW_NODE_ID"] = f"bare-vllm-{os.getpid()}"
     if dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
     env.pop("PYTHONPATH", None)  # the engine's venv, not the test's code
