@@ -250,3 +250,12 @@ def test_no_input_raises_anything_but_a_decode_error(payload):
         decode_batch(payload)
     except KVEventDecodeError:
         pass
+
+
+def test_a_deeply_nested_payload_is_a_decode_error_not_a_crash():
+    deep: list = []
+    for _ in range(1020):  # msgpack's own nesting limit is near 1024; Python's recursion limit 1000
+        deep = [deep]
+    for payload in (msgpack.packb([1.0, [["Unknown", deep]]]), b"\x91" * 5000):
+        with pytest.raises(KVEventDecodeError):
+            decode_batch(payload)
