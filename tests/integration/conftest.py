@@ -5,7 +5,7 @@ Most of these tests wait on real processes (a control plane noticing a silent no
 engine getting ready) and use little CPU, so several run side by side. Each file stays on
 one worker, as ``--dist loadfile`` would keep it: its module fixtures (a 200-node fleet,
 an etcd cluster) are built once. The files that load the CPU for long (simulated fleets of
-hundreds of nodes, fuzzing, the real llama-server, the chaos run) share one group, so they
+hundreds of nodes, fuzzing, the real llama-server and vLLM, the chaos run) share one group, so they
 run one after another on one worker and never starve each other into a timeout.
 """
 
@@ -23,6 +23,7 @@ CPU_HEAVY = frozenset({
     "test_fleet_stall.py",
     "test_llamacpp_e2e.py",
     "test_router_openai.py",
+    "test_vllm_kv_events.py",
 })
 
 

