@@ -72,7 +72,8 @@ def build_app(cfg: RouterSettings, table: EndpointTable, metrics: RouterMetrics 
     proxy = Proxy(cfg, routing, metrics, pending)
     c = cfg.clients
     admission = Admission(Caps(c.max_requests_per_key, c.max_requests_per_source, c.max_body_bytes_per_key,
-                               c.max_body_bytes_per_source), c.bounds(), proxy.keys, cfg.limits.max_body_bytes)
+                               c.max_body_bytes_per_source), c.bounds(), proxy.keys, cfg.limits.max_body_bytes,
+                          metrics)
     app = web.Application(client_max_size=cfg.limits.max_body_bytes)
     app[PROXY_KEY] = proxy
     handle = admission.wrap(proxy.handle)
