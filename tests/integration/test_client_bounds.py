@@ -190,6 +190,10 @@ def _chunked(key: str | None) -> bytes:
     return _head(key, b"Transfer-Encoding: chunked\r\n")
 
 
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
 def _status(answer: bytes) -> int:
     return int(answer.split(b" ", 2)[1]) if answer.startswith(b"HTTP/1.1 ") else 0
 
@@ -280,6 +284,45 @@ def test_router_counts_bodies_cut_by_the_deadline_and_chunked_bodies_over_the_li
         assert router.metric("llmgw_router_errors_total", model="-", **{"class": "body_timeout"}) == 1
         assert router.metric("llmgw_router_requests_total", model="-", status="413") == 1
         assert router.metric("llmgw_router_errors_total", model="-", **{"class": "too_large"}) == 1
+
+
+def test_router_reserves_a_chunked_body_as_it_arrives_and_releases_it(tmp_path):
+    """Chunked bodies used to reserve limits.max_body_bytes each: one held the whole of a key's byte cap."""
+    (sim,) = start_sims(1)
+    doc = _keyed([{"id": "e", "model": "m", "url": sim.url}], {"max_body_bytes": MIB},
+                 {"max_requests_per_key": 0, "max_requests_per_source": 0, "max_body_bytes_per_key": MIB,
+                  "max_body_bytes_per_source": 0, "body_grace": 60})
+    body = json.dumps({"model": "m", "messages": MSG, "max_tokens": 2}).encode()
+    try:
+        with RouterProcess(doc, tmp=tmp_path) as router:
+            async def scenario():
+                # eight chunked bodies of one key, ten bytes in each, all held at once
+                held = await _open(router.port, 8, _chunked("k1") + _chunk(body[:10]))
+                probe = await asyncio.to_thread(_post, router, "k1", body)  # and a declared body beside them
+                assert probe.status_code == 200, probe.text
+                answers = []
+                for r, w in held:
+                    w.write(_chunk(body[10:]) + b"0\r\n\r\n")
+                    head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 60)
+                    answers.append(_status(head))
+                    w.close()
+                assert answers == [200] * 8, answers
+                # a chunked body that crosses the key's cap mid-body, with another one holding most of it
+                (r1, w1), = await _open(router.port, 1, _chunked("k1") + _chunk(b"{" + b" " * (MIB - 1000)))
+                until_refused = await asyncio.to_thread(_refused_until, router, "k1", b" " * 2000, "key")
+                assert until_refused >= 1
+                (r2, w2), = await _open(router.port, 1, _chunked("k1") + _chunk(b"{"))  # admitted: one byte
+                w2.write(_chunk(b" " * 2000))  # crosses the cap
+                status, err = await _answer(r2)
+                assert status == 429 and "for this key" in err["message"], err
+                for w in (w1, w2):
+                    w.close()
+
+            asyncio.run(scenario())
+            # every reservation was given back: a body of the whole cap is admitted (and is not JSON)
+            until(lambda: _post(router, "k1", b"x" * (MIB - 1)).status_code == 400, "the cap to be free again", 60)
+    finally:
+        sim.stop()
 
 
 def _cp(tmp_path, clients: dict) -> Fleet:

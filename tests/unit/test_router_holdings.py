@@ -59,6 +59,33 @@ def test_a_cap_of_zero_is_no_cap():
     assert h.check("a", "k", 64 * MIB) is None
 
 
+def test_a_body_grows_its_reservation_until_a_cap_and_a_refusal_reserves_nothing():
+    h = Holdings(Caps(requests_per_key=0, requests_per_source=0, body_bytes_per_key=100, body_bytes_per_source=1000))
+    other = _take(h, "b", "k", 30)  # the same key from elsewhere holds 30
+    held = _take(h, "a", "k", 0)  # a chunked body: nothing reserved up front
+    assert h.grow(held[0], held[1], 60) is None
+    assert (h.by_source["a"].bytes, h.by_key["k"].bytes) == (60, 90)
+    refusal = h.grow(held[0], held[1], 11)
+    assert refusal is not None and refusal.klass == "max_body_bytes_per_key"
+    assert (h.by_source["a"].bytes, h.by_key["k"].bytes) == (60, 90)  # unchanged by the refusal
+    assert h.grow(held[0], held[1], 10) is None  # exactly at the cap is within it
+    h.shrink(held[0], held[1], 70)
+    _give(h, "a", "k", held, 0)
+    assert h.by_key["k"].bytes == 30 and "a" not in h.by_source
+    _give(h, "b", "k", other, 30)
+    assert h.by_key == {} and h.by_source == {}
+
+
+def test_the_source_cap_bounds_growth_of_an_anonymous_body():
+    h = Holdings(Caps(requests_per_key=0, requests_per_source=0, body_bytes_per_key=10, body_bytes_per_source=100))
+    held = _take(h, "a", None, 0)
+    assert h.grow(held[0], None, 100) is None
+    assert h.grow(held[0], None, 1).klass == "max_body_bytes_per_source"
+    h.shrink(held[0], None, 100)
+    _give(h, "a", None, held, 0)
+    assert h.by_source == {}
+
+
 def test_refusals_are_counted_as_answered_requests_of_no_model_and_as_errors_of_their_class():
     m = RouterMetrics(CollectorRegistry())
     m.refused(429, "max_requests_per_key", 0.0)

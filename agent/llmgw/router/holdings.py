@@ -2,7 +2,10 @@
 
 Pure bookkeeping, no I/O: ``admission`` reads bodies and answers, this
 decides.  A request takes its place (one request, and its declared body
-size) when it is admitted, and gives it back when it ends.
+size) when it is admitted; a body of no declared size (chunked) then
+``grow``s its holding as its bytes arrive, so a small chunked body costs
+what it sent, not ``limits.max_body_bytes``.  Each ``take`` and ``grow`` is
+given back exactly once, by whoever made it, when the request ends.
 
 A refusal names its cap (``Refusal.klass``, the ``clients`` setting that
 refused it): that is the class it is counted under in
@@ -101,8 +104,30 @@ class Holdings:
 
     @staticmethod
     def give(table: dict[str, Held], name: str, held: Held, n: int) -> None:
-        """Undo a ``take`` of ``n`` bytes."""
+        """Undo a ``take`` of ``n`` bytes (and whatever ``grow`` added must be given back before)."""
         held.requests -= 1
         held.bytes -= n
         if held.requests <= 0:
             table.pop(name, None)
+
+    def grow(self, source: Held, key: Held | None, n: int) -> Refusal | None:
+        """Reserve ``n`` more body bytes for a request already taken, unless that crosses a byte cap.
+
+        Nothing is reserved on a refusal. Give the bytes back with ``shrink``.
+        """
+        caps = self.caps
+        if caps.body_bytes_per_source and source.bytes + n > caps.body_bytes_per_source:
+            return self._bytes[0]
+        if key is not None and caps.body_bytes_per_key and key.bytes + n > caps.body_bytes_per_key:
+            return self._bytes[1]
+        source.bytes += n
+        if key is not None:
+            key.bytes += n
+        return None
+
+    @staticmethod
+    def shrink(source: Held, key: Held | None, n: int) -> None:
+        """Give back ``n`` bytes that ``grow`` reserved."""
+        source.bytes -= n
+        if key is not None:
+            key.bytes -= n
