@@ -246,7 +246,17 @@ class LimitedTCPSite(FactorySite):
 
 
 class BodyTooSlow(Exception):
-    """The client did not send its body at the minimum rate."""
+    """The client did not send its body at the minimum rate; ``waited``: the seconds it was given."""
+
+    def __init__(self, allowed: float, bounds: ClientBounds) -> None:
+        super().__init__(f"request body not received within {allowed:g}s (at least {bounds.body_min_rate} "
+                         f"bytes/s after {bounds.body_grace:g}s)")
+        self.waited = allowed
+
+
+def body_allowance(length: int, bounds: ClientBounds) -> float:
+    """Seconds a body of ``length`` bytes may take: ``body_grace``, then at least ``body_min_rate``."""
+    return bounds.body_grace + length / bounds.body_min_rate
 
 
 async def read_body(request: web.BaseRequest, length: int, bounds: ClientBounds) -> bytes:
@@ -257,10 +267,9 @@ async def read_body(request: web.BaseRequest, length: int, bounds: ClientBounds)
     """
     if request.content.is_eof():
         return await request.read()
-    allowed = bounds.body_grace + length / bounds.body_min_rate
+    allowed = body_allowance(length, bounds)
     try:
         async with compat.timeout(allowed):
             return await request.read()
     except TimeoutError:
-        raise BodyTooSlow(f"request body not received within {allowed:g}s (at least {bounds.body_min_rate} "
-                          f"bytes/s after {bounds.body_grace:g}s)") from None
+        raise BodyTooSlow(allowed, bounds) from None

@@ -11,6 +11,7 @@ condition.
 from __future__ import annotations
 
 import asyncio
+import json
 import ssl
 import subprocess
 import threading
@@ -20,6 +21,7 @@ import httpx
 import pytest
 
 from fleet import ADMIN_TOKEN, Fleet, until
+from llmgw.router.auth import hash_key
 from llmgw.tls.context import client_context
 from tests.support.procfs import rss_kib
 from router_support import RouterProcess, openai_client, router_doc, start_sims
@@ -162,6 +164,165 @@ def test_router_held_bodies_cost_at_most_the_cap_and_are_cut(tmp_path):
         with httpx.Client(timeout=30) as c:
             r = c.post(router.url + "/v1/chat/completions", content=b"x" * (15 * mib))
             assert r.status_code == 400  # admitted (not 429): the cut bodies gave their bytes back
+
+
+MIB = 1 << 20
+SCRAPE_TOKEN = "prometheus-scrape-token"
+
+
+def _keyed(endpoints: list[dict], limits: dict, clients: dict) -> dict:
+    return router_doc(endpoints, allow_unauthenticated=False, limits=limits, clients=clients,
+                      api_keys=[{"name": k, "sha256": hash_key(f"sk-{k}")} for k in ("k1", "k2")],
+                      metrics_tokens=[{"name": "prometheus", "sha256": hash_key(SCRAPE_TOKEN)}])
+
+
+def _head(key: str | None, framing: bytes) -> bytes:
+    auth = b"Authorization: Bearer sk-%s\r\n" % key.encode() if key else b""
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n%s%s\r\n"
+            % (auth, framing))
+
+
+def _declared(key: str | None, size: int) -> bytes:
+    return _head(key, b"Content-Length: %d\r\n" % size)
+
+
+def _chunked(key: str | None) -> bytes:
+    return _head(key, b"Transfer-Encoding: chunked\r\n")
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def _status(answer: bytes) -> int:
+    return int(answer.split(b" ", 2)[1]) if answer.startswith(b"HTTP/1.1 ") else 0
+
+
+async def _answer(reader: asyncio.StreamReader) -> tuple[int, dict]:
+    """Status and OpenAI error of one answer, read as soon as it is whole.
+
+    Not at the close: after answering a request whose body it did not read, aiohttp reads and
+    discards what the client still sends for up to 10 s (lingering close) before it closes.
+    """
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 60)
+    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    body = await asyncio.wait_for(reader.readexactly(length), 60)
+    return _status(head), json.loads(body)["error"]
+
+
+def _post(router: RouterProcess, key: str, body: bytes) -> httpx.Response:
+    with httpx.Client(timeout=30) as c:
+        return c.post(router.url + "/v1/chat/completions", content=body,
+                      headers={"Authorization": f"Bearer sk-{key}", "Content-Type": "application/json"})
+
+
+def _refused_until(router: RouterProcess, key: str, body: bytes, cap: str) -> int:
+    """Post until one answer is the 429 of ``cap``'s owner ("key" or "source"); the 429s seen."""
+    seen = 0
+
+    def refused():
+        nonlocal seen
+        r = _post(router, key, body)
+        if r.status_code != 429:
+            return False
+        seen += 1
+        err = r.json()["error"]
+        assert r.headers["Retry-After"] == "1" and err["code"] == "rate_limit_exceeded", r.text
+        return f"for this {cap}" in err["message"]
+    until(refused, f"a 429 from the {cap} cap", 60, interval=0.02)
+    return seen
+
+
+def test_router_counts_the_requests_its_caps_refuse_by_the_cap(tmp_path):
+    """Refused by a client cap: in requests_total (model "-", 429) and in errors_total under the cap's name."""
+    doc = _keyed([{"id": "e", "model": "m", "url": "http://127.0.0.1:9"}], {"max_body_bytes": MIB},
+                 {"max_requests_per_key": 1, "max_requests_per_source": 0, "max_body_bytes_per_key": 0,
+                  "max_body_bytes_per_source": MIB, "body_grace": 60})
+    with RouterProcess(doc, tmp=tmp_path) as router:
+        router.metrics_token = SCRAPE_TOKEN
+
+        async def scenario():
+            # k1 holds its one request, a body one byte in: its next requests are over the key's cap
+            (r1, w1), = await _open(router.port, 1, _declared("k1", 100) + b"{")
+            by_key = await asyncio.to_thread(_refused_until, router, "k1", b"{}", "key")
+            # k2 holds the rest of the address's body bytes: anything more from it is over the source's cap
+            (r2, w2), = await _open(router.port, 1, _declared("k2", MIB - 100) + b"{")
+            by_source = await asyncio.to_thread(_refused_until, router, "k2", b"{}", "source")
+            for w in (w1, w2):
+                w.close()
+            return by_key, by_source
+
+        by_key, by_source = asyncio.run(scenario())
+        assert router.metric("llmgw_router_errors_total", model="-", **{"class": "max_requests_per_key"}) == by_key
+        assert router.metric("llmgw_router_errors_total", model="-",
+                             **{"class": "max_body_bytes_per_source"}) == by_source
+        assert router.metric("llmgw_router_requests_total", model="-", status="429") == by_key + by_source
+        assert router.metric("llmgw_router_request_duration_seconds_count", model="-") >= by_key + by_source
+        text = router.get("/metrics", headers={"Authorization": f"Bearer {SCRAPE_TOKEN}"}).decode()
+        assert "k1" not in text and "k2" not in text and '"127.0.0.1"' not in text  # no key, no address
+
+
+def test_router_counts_bodies_cut_by_the_deadline_and_chunked_bodies_over_the_limit(tmp_path):
+    doc = _keyed([{"id": "e", "model": "m", "url": "http://127.0.0.1:9"}], {"max_body_bytes": 64 * 1024},
+                 {"body_grace": 0.5, "body_min_rate": MIB})
+    with RouterProcess(doc, tmp=tmp_path) as router:
+        router.metrics_token = SCRAPE_TOKEN
+
+        async def scenario():
+            (r1, w1), = await _open(router.port, 1, _declared("k1", 1000) + b"{")  # held one byte in
+            # over the limit with its last byte, and nothing after it: every byte sent is read
+            (r2, w2), = await _open(router.port, 1, _chunked("k1") + b"%x\r\n" % (64 * 1024 + 1) + b"x" * (64 * 1024 + 1))
+            out = await asyncio.gather(_answer(r1), _answer(r2))
+            for w in (w1, w2):
+                w.close()
+            return out
+
+        (slow, slow_err), (large, large_err) = asyncio.run(scenario())
+        assert slow == 408 and slow_err["code"] == "request_timeout", slow_err
+        assert large == 413 and large_err["code"] == "request_too_large", large_err
+        assert router.metric("llmgw_router_requests_total", model="-", status="408") == 1
+        assert router.metric("llmgw_router_errors_total", model="-", **{"class": "body_timeout"}) == 1
+        assert router.metric("llmgw_router_requests_total", model="-", status="413") == 1
+        assert router.metric("llmgw_router_errors_total", model="-", **{"class": "too_large"}) == 1
+
+
+def test_router_reserves_a_chunked_body_as_it_arrives_and_releases_it(tmp_path):
+    """Chunked bodies used to reserve limits.max_body_bytes each: one held the whole of a key's byte cap."""
+    (sim,) = start_sims(1)
+    doc = _keyed([{"id": "e", "model": "m", "url": sim.url}], {"max_body_bytes": MIB},
+                 {"max_requests_per_key": 0, "max_requests_per_source": 0, "max_body_bytes_per_key": MIB,
+                  "max_body_bytes_per_source": 0, "body_grace": 60})
+    body = json.dumps({"model": "m", "messages": MSG, "max_tokens": 2}).encode()
+    try:
+        with RouterProcess(doc, tmp=tmp_path) as router:
+            async def scenario():
+                # eight chunked bodies of one key, ten bytes in each, all held at once
+                held = await _open(router.port, 8, _chunked("k1") + _chunk(body[:10]))
+                probe = await asyncio.to_thread(_post, router, "k1", body)  # and a declared body beside them
+                assert probe.status_code == 200, probe.text
+                answers = []
+                for r, w in held:
+                    w.write(_chunk(body[10:]) + b"0\r\n\r\n")
+                    head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 60)
+                    answers.append(_status(head))
+                    w.close()
+                assert answers == [200] * 8, answers
+                # a chunked body that crosses the key's cap mid-body, with another one holding most of it
+                (r1, w1), = await _open(router.port, 1, _chunked("k1") + _chunk(b"{" + b" " * (MIB - 1000)))
+                until_refused = await asyncio.to_thread(_refused_until, router, "k1", b" " * 2000, "key")
+                assert until_refused >= 1
+                (r2, w2), = await _open(router.port, 1, _chunked("k1") + _chunk(b"{"))  # admitted: one byte
+                w2.write(_chunk(b" " * 2000))  # crosses the cap
+                status, err = await _answer(r2)
+                assert status == 429 and "for this key" in err["message"], err
+                for w in (w1, w2):
+                    w.close()
+
+            asyncio.run(scenario())
+            # every reservation was given back: a body of the whole cap is admitted (and is not JSON)
+            until(lambda: _post(router, "k1", b"x" * (MIB - 1)).status_code == 400, "the cap to be free again", 60)
+    finally:
+        sim.stop()
 
 
 def _cp(tmp_path, clients: dict) -> Fleet:

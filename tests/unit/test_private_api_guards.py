@@ -22,6 +22,7 @@ from aiohttp.test_utils import make_mocked_request
 from llmgw.clientbounds import LimitedTCPSite, SourceGate
 from llmgw.controlplane import tlssite
 from llmgw.controlplane.tlssite import TLS_READ_BUFFER, HandshakeLoggingSite
+from llmgw.router.admission import BODY_CACHE_ATTR
 from llmgw.router.proxy import HOLD_HEADERS_ATTR
 from llmgw.router.serve import tracker_stop
 from llmgw.tls import init_ca, issue_router
@@ -155,6 +156,24 @@ def test_aiohttp_StreamResponse__send_headers_immediately_holds_the_head_for_the
     assert asyncio.run(head_sent_at_prepare(hold=False)), "aiohttp no longer sends the head at prepare()"
     assert not asyncio.run(head_sent_at_prepare(hold=True)), \
         "aiohttp ignores StreamResponse._send_headers_immediately: the head is sent at prepare() regardless"
+
+
+def test_aiohttp_BaseRequest__read_bytes_is_the_body_read_returns():
+    assert BODY_CACHE_ATTR == "_read_bytes"
+    # one of aiohttp's own attributes: setting it warns of nothing
+    assert BODY_CACHE_ATTR in web.BaseRequest.ATTRS, \
+        "aiohttp.web.BaseRequest._read_bytes is gone: see llmgw.router.admission.BODY_CACHE_ATTR"
+
+    async def body_read() -> bytes:
+        payload = aiohttp.StreamReader(mock.Mock(_reading_paused=False), 2 ** 16, loop=asyncio.get_running_loop())
+        payload.feed_data(b"what the stream still holds")
+        payload.feed_eof()
+        request = make_mocked_request("POST", "/", payload=payload)
+        setattr(request, BODY_CACHE_ATTR, b"the body read before")
+        return await request.read()
+
+    assert asyncio.run(body_read()) == b"the body read before", \
+        "aiohttp's request.read() ignores BaseRequest._read_bytes: a chunked body would reach the proxy empty"
 
 
 def test_multiprocessing_resource_tracker__resource_tracker__stop_is_there():

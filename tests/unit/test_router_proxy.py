@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 from proxy_harness import DONE, METRICS_TOKEN, ROLE, SCRAPE, Engine, Router, chunk, eps, error_event, events, stream
 
-from llmgw.router.app import PROXY_KEY
+from llmgw.router.app import ADMISSION_KEY, PROXY_KEY
 from llmgw.router.auth import hash_key
 from llmgw.router.endpoints import Endpoint
 from tests.support.polling import run_async as run, until_async
@@ -290,6 +290,88 @@ async def test_body_bytes_over_the_sources_cap_are_refused_before_they_are_read(
         assert head.startswith(b"HTTP/1.1 408")
         writer.close()
         assert (await r.post())[0] == 200  # its reservation went with it
+    await a.stop()
+
+
+def _chunked_head() -> bytes:
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n")
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+async def _connect(r, data: bytes):
+    host, port = r.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(data)
+    await writer.drain()
+    return reader, writer
+
+
+async def _status(reader) -> int:
+    return int((await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)).split(b" ", 2)[1])
+
+
+def _held(r) -> int:
+    """Body bytes the router holds for 127.0.0.1 now (0 once nothing is in flight)."""
+    held = r.app[ADMISSION_KEY].holdings.by_source.get("127.0.0.1")
+    return held.bytes if held is not None else 0
+
+
+def _nothing_held(r) -> bool:
+    h = r.app[ADMISSION_KEY].holdings
+    return h.by_source == {} and h.by_key == {}
+
+
+@run
+async def test_a_chunked_body_holds_what_it_sent_and_gives_it_back_however_it_ends():
+    a = await Engine(healthy()).start()
+    doc = {"limits": {"max_body_bytes": 4096},
+           "clients": {"max_body_bytes_per_source": 4096, "max_requests_per_source": 0, "body_grace": 30}}
+    body = json.dumps({"model": "m", "messages": []}).encode()
+    async with Router(eps(a), doc) as r:
+        # served: the engine gets the body as sent, and the bytes it held are given back
+        reader, writer = await _connect(r, _chunked_head() + _chunk(body[:5]))
+        await until_async(lambda: _held(r) == 5, "the first chunk held", 20)
+        writer.write(_chunk(body[5:]) + b"0\r\n\r\n")
+        assert await _status(reader) == 200 and a.requests[-1][1] == body
+        writer.close()
+        await until_async(lambda: _nothing_held(r), "the served body given back", 20)
+        # a body that crosses the source's cap mid-body, beside one holding most of it: 429, both given back
+        r1, w1 = await _connect(r, _chunked_head() + _chunk(b"{" + b" " * 3999))
+        await until_async(lambda: _held(r) == 4000, "4000 bytes held", 20)
+        r2, w2 = await _connect(r, _chunked_head() + _chunk(b"{"))
+        await until_async(lambda: _held(r) == 4001, "the second body's first byte held", 20)
+        w2.write(_chunk(b" " * 96))
+        assert await _status(r2) == 429
+        await until_async(lambda: _held(r) == 4000, "the refused body's bytes given back", 20)
+        # the client that hangs up mid-body gives its bytes back
+        w1.transport.abort()
+        await until_async(lambda: _nothing_held(r), "the abandoned body given back", 20)
+        # past limits.max_body_bytes on its own: 413, given back
+        r3, w3 = await _connect(r, _chunked_head() + _chunk(b"{" + b" " * 4096))
+        assert await _status(r3) == 413
+        await until_async(lambda: _nothing_held(r), "the body over the limit given back", 20)
+        for w in (w2, w3):
+            w.close()
+        assert await r.metric("llmgw_router_errors_total", model="-", **{"class": "max_body_bytes_per_source"}) == 1
+        assert await r.metric("llmgw_router_errors_total", model="-", **{"class": "too_large"}) == 1
+    await a.stop()
+
+
+@run
+async def test_a_chunked_body_too_slow_is_cut_and_gives_its_bytes_back():
+    a = await Engine(healthy()).start()
+    doc = {"limits": {"max_body_bytes": 4096}, "clients": {"body_grace": 0.2, "body_min_rate": 1 << 30}}
+    async with Router(eps(a), doc) as r:
+        reader, writer = await _connect(r, _chunked_head() + _chunk(b"{"))
+        assert await _status(reader) == 408
+        await until_async(lambda: _nothing_held(r), "the cut body given back", 20)
+        writer.close()
+        assert await r.metric("llmgw_router_errors_total", model="-", **{"class": "body_timeout"}) == 1
+        assert await r.metric("llmgw_router_requests_total", model="-", status="408") == 1
     await a.stop()
 
 

@@ -32,10 +32,11 @@ from .proxy import OPENAI_POST_PATHS, Proxy
 from .runtime import Routing, run_housekeeping
 from .settings import RouterSettings
 
-__all__ = ["build_app", "RouterSettings", "RUNNER_KWARGS", "PROXY_KEY", "runner_kwargs"]
+__all__ = ["build_app", "RouterSettings", "RUNNER_KWARGS", "PROXY_KEY", "ADMISSION_KEY", "runner_kwargs"]
 
 RUNNER_KWARGS = {"access_log": None, "handler_cancellation": True}
 PROXY_KEY: web.AppKey[Proxy] = web.AppKey("llmgw_router_proxy", Proxy)
+ADMISSION_KEY: web.AppKey[Admission] = web.AppKey("llmgw_router_admission", Admission)
 
 
 def runner_kwargs(cfg: RouterSettings) -> dict:
@@ -72,9 +73,11 @@ def build_app(cfg: RouterSettings, table: EndpointTable, metrics: RouterMetrics 
     proxy = Proxy(cfg, routing, metrics, pending)
     c = cfg.clients
     admission = Admission(Caps(c.max_requests_per_key, c.max_requests_per_source, c.max_body_bytes_per_key,
-                               c.max_body_bytes_per_source), c.bounds(), proxy.keys, cfg.limits.max_body_bytes)
+                               c.max_body_bytes_per_source), c.bounds(), proxy.keys, cfg.limits.max_body_bytes,
+                          metrics)
     app = web.Application(client_max_size=cfg.limits.max_body_bytes)
     app[PROXY_KEY] = proxy
+    app[ADMISSION_KEY] = admission
     handle = admission.wrap(proxy.handle)
     for path in OPENAI_POST_PATHS:
         app.router.add_post(path, handle)

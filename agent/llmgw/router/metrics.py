@@ -42,7 +42,9 @@ class RouterMetrics:
         self.errors = Counter(
             "llmgw_router_errors", "Client-visible errors by class (bad_request, unauthorized, "
             "model_not_found, too_large, saturated, unavailable, upstream_error, upstream_timeout, "
-            "stream_broken, stream_error, internal, unknown_url, method_not_allowed).",
+            "stream_broken, stream_error, internal, unknown_url, method_not_allowed; refused by a client cap: "
+            "max_requests_per_key, max_requests_per_source, max_body_bytes_per_key, max_body_bytes_per_source; "
+            "body_timeout).",
             ["model", "class"], registry=r)
         self.attempts = Counter(
             "llmgw_router_upstream_attempts", "Requests sent to engines, by outcome (ok, client_error, "
@@ -93,6 +95,15 @@ class RouterMetrics:
         if c is None:
             c = self._errors[(model, klass)] = self.errors.labels(model, klass)
         c.inc()
+
+    def refused(self, status: int, klass: str, seconds: float) -> None:
+        """A request refused before its body was read (a client cap, the body deadline, a chunked body too large).
+
+        Counted as the proxy counts its own answers, under model ``-`` (the body
+        that names the model was not read), so a dashboard of outcomes sees it.
+        """
+        self.request_done("-", status, seconds)
+        self.error("-", klass)
 
     def render(self) -> bytes:
         path = multiprocess_dir()
