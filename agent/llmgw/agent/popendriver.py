@@ -21,6 +21,7 @@ model can generate); liveness after Ready is ``/health`` plus progress on
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import secrets
@@ -106,6 +107,17 @@ def signal_verified(identity: ProcessIdentity, sig: int, *, group: bool) -> bool
     return True
 
 
+def socket_dir(statedir: ShardStore, shard_id: str) -> str:
+    """A 0700 directory of the shard's for the unix sockets its engine binds (KV events), as
+    ``<state_dir>/kv/<12 hex digits of the shard id's sha256>``: shard ids embed model and profile
+    names of any length, and a unix socket path holds 107 bytes."""
+    d = statedir.root / "kv" / hashlib.sha256(shard_id.encode()).hexdigest()[:12]
+    for p in (d.parent, d):
+        p.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(p, 0o700)
+    return str(d)
+
+
 def offline_env(model: Model) -> dict[str, str]:
     """An engine on a fetched repository loads it as it is: no hub behind the agent's back."""
     if model.kind not in (SourceKind.REPO, SourceKind.HF):
@@ -159,6 +171,8 @@ class PopenDriver:
                 command=self.config.engine_commands.get(profile.engine),
                 api_key=spec.get("api_key") or None,
                 secret_dir=str(self.statedir.secret_dir(shard.shard_id)),
+                shard_id=shard.shard_id,
+                socket_dir=socket_dir(self.statedir, shard.shard_id) if profile.kv_events else None,
                 **self._tls_files(profile)))
         except (ProfileError, LaunchContextError) as e:
             raise LaunchRefused(str(e)) from e
