@@ -226,9 +226,12 @@ def test_kv_events_are_published_on_the_ipc_socket_the_agent_chose(served):
 
 
 def test_sigterm_on_retire_stops_vllm_within_the_grace(served):
-    """Last: it retires the module's only replica."""
+    """Last: it retires the module's only replica. The shard's socket directory goes with it."""
     f = served.f
     s = shard_of(f, "tiny")
+    argv = cmdline(s["pid"])
+    sockets = Path(json.loads(argv[argv.index("--kv-events-config") + 1])["endpoint"].removeprefix("ipc://")).parent
+    assert sockets.is_dir()
     f.config["deployments"] = []
     f.write_config()
     f.server.signal(signal.SIGHUP)
@@ -238,6 +241,7 @@ def test_sigterm_on_retire_stops_vllm_within_the_grace(served):
           "the retired shard to stop", timeout=120, on_timeout=f.dump)
     assert "sending SIGKILL" not in agent.life_output(), "vLLM exited on SIGTERM, within the grace"
     assert gone(s["pid"], served.python)
+    assert not sockets.exists(), "the shard's end removed its socket directory"
     assert re.search(r"Shutting down|Finished server process", engine_log(f, s["shard_id"])), \
         engine_log(f, s["shard_id"])[-3000:]
 

@@ -9,13 +9,11 @@ stays refused with the setting on.
 import copy
 import json
 import os
-from pathlib import Path
 
 import pytest
 
-from llmgw.agent.popendriver import socket_dir
 from llmgw.agent.shard import spec_profile
-from llmgw.agent.statedir import StateDir
+from llmgw.agent.statedir import StateDir, socket_dir
 from llmgw.catalog import Catalog, Model, Profile
 from llmgw.config import ConfigInvalid
 from llmgw.controlplane.replicas import profile_to_dict, spec_matches
@@ -73,11 +71,26 @@ def test_no_socket_dir_or_a_path_past_the_unix_socket_limit_is_refused_before_la
 def test_the_agent_gives_each_shard_a_short_private_socket_dir(tmp_path):
     store = StateDir(tmp_path / "state")
     long_id = "a-model-with-a-very-long-name-indeed.and-a-long-profile-name-too.0-a1b2c3/r0"
-    d = socket_dir(store, long_id)
-    assert Path(d).parent == store.root / "kv" and len(Path(d).name) == 12
-    assert os.stat(d).st_mode & 0o777 == 0o700 and os.stat(Path(d).parent).st_mode & 0o777 == 0o700
-    assert socket_dir(store, long_id) == d and socket_dir(store, long_id + "x") != d
-    assert len(d) + len("/replay") == len(str(store.root)) + len("/kv/0123456789ab/replay")
+    d = socket_dir(store.root, long_id)
+    assert d.parent == store.root / "kv" and len(d.name) == 12
+    assert os.stat(d).st_mode & 0o777 == 0o700 and os.stat(d.parent).st_mode & 0o777 == 0o700
+    assert socket_dir(store.root, long_id) == d and socket_dir(store.root, long_id + "x") != d
+    assert len(str(d)) == len(str(store.root)) + len("/kv/0123456789ab")
+
+
+def test_a_shard_that_ends_leaves_no_socket_behind(tmp_path):
+    """An engine killed outright leaves its bound sockets; the shard's end removes them with its keys."""
+    import socket
+
+    store = StateDir(tmp_path / "state")
+    d = socket_dir(store.root, SHARD)
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(d / "ev"))
+    (d / "replay").write_bytes(b"")
+    other = socket_dir(store.root, SHARD + "x")
+    store.remove_secrets(SHARD)
+    assert not d.exists() and other.is_dir()
+    store.remove_secrets(SHARD)  # nothing left: no error
 
 
 def test_a_hand_written_kv_events_config_stays_refused_with_the_setting_on():

@@ -21,7 +21,6 @@ model can generate); liveness after Ready is ``/health`` plus progress on
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import os
 import secrets
@@ -38,7 +37,7 @@ from llmgw.agent.probe import EngineTLSClient, base_url, completion_probe, engin
 from llmgw.agent.procident import ProcessIdentity
 from llmgw.agent.shard import Shard, SupervisorConfig
 from llmgw.agent.shardstate import ShardState
-from llmgw.agent.statedir import ShardStore
+from llmgw.agent.statedir import ShardStore, socket_dir
 from llmgw.catalog import Model, Profile, SourceKind
 from llmgw.tls.files import write_atomic
 
@@ -107,17 +106,6 @@ def signal_verified(identity: ProcessIdentity, sig: int, *, group: bool) -> bool
     return True
 
 
-def socket_dir(statedir: ShardStore, shard_id: str) -> str:
-    """A 0700 directory of the shard's for the unix sockets its engine binds (KV events), as
-    ``<state_dir>/kv/<12 hex digits of the shard id's sha256>``: shard ids embed model and profile
-    names of any length, and a unix socket path holds 107 bytes."""
-    d = statedir.root / "kv" / hashlib.sha256(shard_id.encode()).hexdigest()[:12]
-    for p in (d.parent, d):
-        p.mkdir(mode=0o700, exist_ok=True)
-        os.chmod(p, 0o700)
-    return str(d)
-
-
 def offline_env(model: Model) -> dict[str, str]:
     """An engine on a fetched repository loads it as it is: no hub behind the agent's back."""
     if model.kind not in (SourceKind.REPO, SourceKind.HF):
@@ -172,7 +160,7 @@ class PopenDriver:
                 api_key=spec.get("api_key") or None,
                 secret_dir=str(self.statedir.secret_dir(shard.shard_id)),
                 shard_id=shard.shard_id,
-                socket_dir=socket_dir(self.statedir, shard.shard_id) if profile.kv_events else None,
+                socket_dir=str(socket_dir(self.statedir.root, shard.shard_id)) if profile.kv_events else None,
                 **self._tls_files(profile)))
         except (ProfileError, LaunchContextError) as e:
             raise LaunchRefused(str(e)) from e
