@@ -67,6 +67,8 @@ class Profile:
     env: tuple[tuple[str, str], ...] = ()
     start_timeout: float = 900.0
     max_concurrency: int | None = None  # per-endpoint limit the router enforces
+    # The engine publishes its prefix cache's KV events on an endpoint the agent chooses (vLLM only).
+    kv_events: bool = False
 
     @property
     def gpus_total(self) -> int:
@@ -125,6 +127,7 @@ class Catalog:
                 env=tuple(sorted(p.get("env", {}).items())),
                 start_timeout=float(p.get("start_timeout", 900)),
                 max_concurrency=p.get("max_concurrency"),
+                kv_events=p.get("kv_events", False),
             )
         deployments = tuple(
             Deployment(model=d["model"], profile=d["profile"], replicas=d["replicas"])

@@ -56,12 +56,22 @@ def command(python: str | os.PathLike, model: str | os.PathLike, port: int, *, s
             extra: tuple[str, ...] = ()) -> list[str]:
     """The argv that serves ``model`` on CPU with prefix caching and KV events."""
     argv = [str(python), *ENTRY, "--model", str(model), "--served-model-name", served_name,
-            "--host", host, "--port", str(port), "--max-model-len", str(max_model_len),
-            "--block-size", str(BLOCK_SIZE), "--dtype", "float32", "--max-num-seqs", "4",
+            "--host", host, "--port", str(port), "--max-model-len", str(max_model_len), *ENGINE_ARGS,
             "--enable-prefix-caching", "--kv-events-config", json.dumps(kv_events, separators=(",", ":"))]
     if num_blocks is not None:  # a small cache, so a few prompts evict (BlockRemoved)
         argv += ["--num-gpu-blocks-override", str(num_blocks)]
     return argv + list(extra)
+
+
+# What the engine needs on a machine of a few shared cores, besides what `environment` adds for a bare
+# engine: one OpenMP thread, unbound, a small KV space, the CPU platform, no hub and no usage reports.
+# A fleet's profile sets these as its env.
+ENGINE_ENV = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1",
+              "VLLM_TARGET_DEVICE": "cpu", "PYTHONUNBUFFERED": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+              "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+# The flags a fleet's profile adds to the adapter's (the CPU attention backend needs float32 here and
+# a block size that is a multiple of 32).
+ENGINE_ARGS = ("--dtype", "float32", "--block-size", str(BLOCK_SIZE), "--max-num-seqs", "4")
 
 
 def environment(base: Mapping[str, str] | None = None, *, dev_mode: bool = False) -> dict[str, str]:
@@ -69,9 +79,7 @@ def environment(base: Mapping[str, str] | None = None, *, dev_mode: bool = False
     small KV space, and a fixed PYTHONHASHSEED, which seeds vLLM's block-hash chain, so the same
     requests publish the same hashes. ``dev_mode`` opens /reset_prefix_cache (AllBlocksCleared)."""
     env = dict(os.environ if base is None else base)
-    env.update(OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_CPU_KVCACHE_SPACE="1",
-               VLLM_TARGET_DEVICE="cpu", PYTHONHASHSEED="0", PYTHONUNBUFFERED="1",
-               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env.update(ENGINE_ENV, PYTHONHASHSEED="0")
     # An llmgw agent running anywhere on this host (other tests) stops an engine-looking process no
     # record of its own describes (llmgw.agent.adoption), unless the process names another node.
     env["LLMGW_NODE_ID"] = f"bare-vllm-{os.getpid()}"

@@ -1,10 +1,11 @@
-"""A fleet whose engines are a real ``llama-server`` (this module holds no tests).
+"""A fleet whose engines are real: ``llama-server`` or vLLM's CPU build (this module holds no tests).
 
-The agents launch the binary ``tests/engines/build-llama-server`` built, through the
-llama.cpp adapter's argv (the agent's ``engines:`` maps ``llamacpp`` to it), serving
-the tiny GGUF model ``tinymodel.write_model`` generates. Tests using it skip, naming
-the command that builds the binary, when it is not there; ``make test`` builds it
-first, so CI never skips them.
+``engine_fleet`` is one node whose agent's ``engines:`` maps an engine to a real command, so the
+agent launches it through that engine's adapter. ``llama_fleet`` runs the binary
+``tests/engines/build-llama-server`` built, serving the tiny GGUF model ``tinymodel.write_model``
+generates; tests using it skip, naming the command that builds the binary, when it is not there
+(``make test`` builds it first, so CI never skips them). The vLLM tests install their engine in a
+fixture (``realvllm.vllm_python``) and pass its command to ``engine_fleet``.
 """
 
 from __future__ import annotations
@@ -27,19 +28,26 @@ needs_llama_server = pytest.mark.skipif(
            "(make test does)")
 
 
-def llama_fleet(root: Path, models: list[dict[str, Any]], deployments: list[dict[str, Any]],
-                profiles: list[dict[str, Any]] | None = None, gpus: int = 2, agent: dict[str, Any] | None = None,
-                **fleet_kw: Any) -> Fleet:
-    """A one-node fleet with a router whose ``llamacpp`` engine is the built ``llama-server``."""
-    assert LLAMA is not None
+def engine_fleet(root: Path, engine: str, command: list[str], models: list[dict[str, Any]],
+                 deployments: list[dict[str, Any]], profiles: list[dict[str, Any]], gpus: int = 2,
+                 agent: dict[str, Any] | None = None, **fleet_kw: Any) -> Fleet:
+    """A one-node fleet with a router whose agent runs ``engine`` as ``command`` (agent.yaml ``engines``)."""
     f = Fleet(root, nodes={"a": gpus}, router=True, router_http=True, **fleet_kw)
     f.config["models"] = models
-    f.config["profiles"] = profiles or [{"name": "cpu", "engine": "llamacpp", "start_timeout": 120}]
+    f.config["profiles"] = profiles
     f.config["deployments"] = deployments
     f.write_config()
     edit_agent_config(f.agents["a"], lambda d: d.update(
-        engines={"llamacpp": [str(LLAMA)]}, model_dir=str(root / "models"), **(agent or {})))
+        engines={engine: command}, model_dir=str(root / "models"), **(agent or {})))
     return f
+
+
+def llama_fleet(root: Path, models: list[dict[str, Any]], deployments: list[dict[str, Any]],
+                profiles: list[dict[str, Any]] | None = None, **kw: Any) -> Fleet:
+    """A one-node fleet with a router whose ``llamacpp`` engine is the built ``llama-server``."""
+    assert LLAMA is not None
+    return engine_fleet(root, "llamacpp", [str(LLAMA)], models, deployments,
+                        profiles or [{"name": "cpu", "engine": "llamacpp", "start_timeout": 120}], **kw)
 
 
 def client(f: Fleet, **kw: Any) -> openai.OpenAI:

@@ -47,6 +47,9 @@ def _cases(engine: str, model_path: str) -> list[tuple[Profile, LaunchContext]]:
         (Profile("tls", engine), LaunchContext(**HTTP, model_path=model_path, gpu_indices=(0,),
                                                tls_cert="/etc/llmgw/engine.crt", tls_key="/etc/llmgw/engine.key")),
     ]
+    if engine == "vllm":  # the api_server module takes the model as --model
+        cases.append((Profile("one", engine), LaunchContext(**HTTP, model_path=model_path, gpu_indices=(0,), command=(
+            "python", "-m", "vllm.entrypoints.openai.api_server"))))
     if engine != "llamacpp":
         pp = Profile("pp", engine, tensor_parallel_size=2, pipeline_parallel_size=2)
         cases.append((pp, LaunchContext(**HTTP, model_path=model_path, gpu_indices=(0, 1, 2, 3))))

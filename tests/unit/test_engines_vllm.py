@@ -219,3 +219,33 @@ def test_context_contradicting_the_profile_is_a_context_error(kw, needle):
 def test_multi_node_without_master_addr_is_a_context_error():
     with pytest.raises(LaunchContextError, match="master_addr"):
         build_launch(HUB, MULTI, ctx(rank=1, nnodes=2, gpu_indices=GPUS))
+
+
+API_SERVER = ("/opt/vllm-cpu/bin/python", "-m", "vllm.entrypoints.openai.api_server")
+
+
+def test_the_api_server_module_gets_the_model_as_an_option():
+    """Its parser never reads a positional model (it would serve vLLM's default model instead)."""
+    spec = build_launch(HUB, Profile("p", "vllm"), ctx(command=API_SERVER))
+    assert spec.argv == (
+        *API_SERVER, "--model", HUB.source,
+        "--host", "10.0.0.5", "--port", "8001",
+        "--served-model-name", "llama",
+        "--tensor-parallel-size", "1", "--pipeline-parallel-size", "1",
+    )
+
+
+@pytest.mark.parametrize("command", [
+    ("vllm",), ("/opt/venv/bin/vllm",), ("python", "-m", "vllm.entrypoints.cli.main"),
+    ("llmgw-engine-sim",), ("python", "vllm.entrypoints.openai.api_server"),
+])
+def test_every_other_command_gets_serve_and_the_positional_model(command):
+    spec = build_launch(HUB, Profile("p", "vllm"), ctx(command=command))
+    assert spec.argv[len(command):len(command) + 2] == ("serve", HUB.source)
+    assert "--model" not in spec.argv
+
+
+def test_the_api_server_module_cannot_run_a_multi_node_shard():
+    with pytest.raises(ProfileError, match="no headless worker mode.*vllm console script"):
+        build_launch(HUB, MULTI, ctx(rank=1, nnodes=2, master_addr="10.0.0.5", gpu_indices=GPUS,
+                                     command=API_SERVER))

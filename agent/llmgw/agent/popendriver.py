@@ -37,7 +37,7 @@ from llmgw.agent.probe import EngineTLSClient, base_url, completion_probe, engin
 from llmgw.agent.procident import ProcessIdentity
 from llmgw.agent.shard import Shard, SupervisorConfig
 from llmgw.agent.shardstate import ShardState
-from llmgw.agent.statedir import ShardStore
+from llmgw.agent.statedir import ShardStore, socket_dir
 from llmgw.catalog import Model, Profile, SourceKind
 from llmgw.tls.files import write_atomic
 
@@ -159,6 +159,8 @@ class PopenDriver:
                 command=self.config.engine_commands.get(profile.engine),
                 api_key=spec.get("api_key") or None,
                 secret_dir=str(self.statedir.secret_dir(shard.shard_id)),
+                shard_id=shard.shard_id,
+                socket_dir=str(socket_dir(self.statedir.root, shard.shard_id)) if profile.kv_events else None,
                 **self._tls_files(profile)))
         except (ProfileError, LaunchContextError) as e:
             raise LaunchRefused(str(e)) from e

@@ -125,4 +125,5 @@ def spec_profile(spec: dict[str, Any]) -> Profile:
         env=tuple(sorted(p.get("env", {}).items())),
         start_timeout=float(p["start_timeout"]),
         max_concurrency=p.get("max_concurrency"),
+        kv_events=bool(p.get("kv_events", False)),
     )

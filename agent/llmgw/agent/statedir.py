@@ -13,6 +13,7 @@ Layout::
     <state_dir>/logs/<shard>.log      engine stdout+stderr only, appended across lives
     <state_dir>/logs/<shard>.agent.log the agent's notes about that engine (launch, adoption, exit)
     <state_dir>/secrets/<shard>/      0700: files holding the engine key (SGLang's --config)
+    <state_dir>/kv/<12 hex digits>/   0700: the unix sockets the engine binds (vLLM's KV events)
 
 A record holds the shard spec, engine key included: it is how the key
 survives an agent restart (adoption reports it back), so records stay 0600
@@ -26,6 +27,7 @@ power cut along with the process's absence (the boot id then disagrees).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -125,6 +127,23 @@ def _file_name(shard_id: str) -> str:
     return quote(shard_id, safe="")
 
 
+def socket_dir(root: Path, shard_id: str) -> Path:
+    """The shard's 0700 directory for the unix sockets its engine binds (KV events), created.
+
+    Named by the first 12 hex digits of the shard id's SHA-256, not by the id itself: shard
+    ids carry model and profile names of any length, and a unix socket path holds 107 bytes.
+    """
+    d = _socket_dir_path(root, shard_id)
+    for p in (d.parent, d):
+        p.mkdir(mode=PRIVATE_DIR, exist_ok=True)
+        os.chmod(p, PRIVATE_DIR)
+    return d
+
+
+def _socket_dir_path(root: Path, shard_id: str) -> Path:
+    return root / "kv" / hashlib.sha256(shard_id.encode()).hexdigest()[:12]
+
+
 class ShardStore(Protocol):
     """What the supervisor and its engine drivers need of a state directory, by shard id.
 
@@ -201,12 +220,13 @@ class StateDir(ShardStore):
         return d
 
     def remove_secrets(self, shard_id: str) -> None:
-        d = self.secrets_dir / _file_name(shard_id)
-        if not d.is_dir():
-            return
-        for f in d.iterdir():
-            f.unlink(missing_ok=True)
-        d.rmdir()
+        """The shard's key files and its socket directory (a socket an engine killed outright leaves)."""
+        for d in (self.secrets_dir / _file_name(shard_id), _socket_dir_path(self.root, shard_id)):
+            if not d.is_dir():
+                continue
+            for f in d.iterdir():
+                f.unlink(missing_ok=True)
+            d.rmdir()
 
     def write(self, record: ShardRecord) -> None:
         data = json.dumps(record.to_dict(), indent=1, sort_keys=True).encode()

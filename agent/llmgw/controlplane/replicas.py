@@ -55,10 +55,13 @@ def model_to_dict(m: Model) -> dict[str, Any]:
 
 
 def profile_to_dict(p: Profile) -> dict[str, Any]:
-    return {"name": p.name, "engine": p.engine, "tensor_parallel_size": p.tensor_parallel_size,
-            "pipeline_parallel_size": p.pipeline_parallel_size, "nodes": p.nodes,
-            "extra_args": list(p.extra_args), "env": dict(p.env), "start_timeout": p.start_timeout,
-            "max_concurrency": p.max_concurrency}
+    d = {"name": p.name, "engine": p.engine, "tensor_parallel_size": p.tensor_parallel_size,
+         "pipeline_parallel_size": p.pipeline_parallel_size, "nodes": p.nodes,
+         "extra_args": list(p.extra_args), "env": dict(p.env), "start_timeout": p.start_timeout,
+         "max_concurrency": p.max_concurrency}
+    if p.kv_events:  # only when set: an agent that predates it refuses the key
+        d["kv_events"] = True
+    return d
 
 
 def _normal(d: dict[str, Any], template: dict[str, Any]) -> dict[str, Any]:
@@ -74,7 +77,9 @@ def spec_matcher(model: Model, profile: Profile) -> Callable[[dict[str, Any]], b
         got_p = _normal(spec.get("profile", {}), want_p)
         got_p["extra_args"] = list(got_p["extra_args"] or [])
         got_p["env"] = dict(got_p["env"] or {})
-        return _normal(spec.get("model", {}), want_m) == want_m and got_p == want_p
+        # absent means off, so the template alone would miss a profile that turned kv_events off
+        got_p["kv_events"] = bool(spec.get("profile", {}).get("kv_events"))
+        return _normal(spec.get("model", {}), want_m) == want_m and got_p == {**want_p, "kv_events": profile.kv_events}
 
     return matches
 

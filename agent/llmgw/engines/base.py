@@ -83,6 +83,10 @@ class LaunchContext:
     # TLS with them where the engine can; one that cannot keeps plain HTTP.
     tls_cert: str | None = None
     tls_key: str | None = None
+    shard_id: str = ""  # which shard this launches (names its KV event topic)
+    # A 0700 directory of this shard's, with a short path, for the unix sockets the engine binds
+    # (the KV event publisher's ipc:// endpoints); None where the caller gives none.
+    socket_dir: str | None = None
 
 
 @dataclass(frozen=True)

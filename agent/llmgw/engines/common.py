@@ -371,6 +371,8 @@ class Adapter:
     # Whether the pinned release can serve HTTPS (the adapter then emits its
     # certificate flags in ``engine_args`` when the context carries a pair).
     tls_capable: bool = False
+    # Whether the adapter configures the engine's KV event publisher (a profile's ``kv_events``).
+    kv_events_capable: bool = False
 
     # -- what subclasses describe -------------------------------------------------
     def owned_flags(self, profile: Profile) -> tuple[OwnedFlag, ...]:
@@ -425,6 +427,9 @@ class Adapter:
         problems += shape
         if not shape:
             problems += self.engine_problems(profile)
+        if profile.kv_events and not self.kv_events_capable:
+            problems.append(Problem(f"kv_events: the {self.name} adapter does not configure KV events; "
+                                    "only vllm profiles can publish them", "kv_events"))
         problems += args_type_problems(profile)
         problems += owned_problems(self.name, profile.extra_args, self.owned_flags(profile) + self.key_flags,
                                    self.syntax)

