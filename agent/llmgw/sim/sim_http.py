@@ -34,7 +34,7 @@ from llmgw.sim.sim_args import SimConfig
 from llmgw.sim.sim_knobs import Knobs
 from llmgw.sim.sim_metrics import CONTENT_TYPE, SimMetrics
 from llmgw.sim.sim_output import BadRequest, ToolCall, choices_count, generate, stop_strings, tool_call
-from llmgw.sim.sim_kvcache import Allocation, KVCache, token_id
+from llmgw.sim.sim_kvcache import Allocation, KVCache, token_id, token_ids
 from llmgw.sim.sim_kvpublish import KVEventPublisher
 from llmgw.sim.sim_tokens import (
     PromptError,
@@ -105,7 +105,7 @@ class SimState:
                           enable_caching=cfg.enable_prefix_caching, record_events=publisher is not None)
         self.publisher = publisher
         self._seen = (0, 0)  # the cache's (queries, hits) already on the counters
-        self._kv_waiters: deque[tuple[asyncio.Future, list[int], int]] = deque()
+        self._kv_waiters: deque[tuple[asyncio.Future, list[int] | list[str], int]] = deque()
         self._out_ids: list[int] = []
         self.tokens = TokenBytes()
         self.created = int(time.time())
@@ -143,7 +143,9 @@ class SimState:
             try:
                 if not hung:
                     for prompt in prompts:
-                        allocs.append(await self._kv_admit([token_id(w) for w in prompt], max_new))
+                        # without prefix caching nothing is hashed: the words' count is all it needs
+                        ids = token_ids(prompt) if self.kv.enable_caching else prompt
+                        allocs.append(await self._kv_admit(ids, max_new))
             except BaseException:
                 self._release(allocs, 0)
                 self._slots.release()
@@ -176,7 +178,7 @@ class SimState:
         self.metrics.waiting.set(self.waiting)
         self.metrics.waiting_capacity.set(self.waiting)
 
-    async def _kv_admit(self, ids: list[int], max_new: int) -> Allocation:
+    async def _kv_admit(self, ids: list[int] | list[str], max_new: int) -> Allocation:
         if not self._kv_waiters:
             alloc = self.kv.admit(ids, max_new)
             if alloc is not None:

@@ -38,6 +38,7 @@ publish; ``llmgw.kvevents`` has their wire form.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import pickle
@@ -68,7 +69,14 @@ def none_hash(env: Mapping[str, str] | None = None) -> bytes:
 
 def hash_block(parent: bytes | None, token_ids: Sequence[int], root: bytes) -> bytes:
     """``hash_block_tokens``: the block's hash covers its parent's hash and its own tokens."""
-    return sha256_pickle((parent or root, tuple(token_ids), None))
+    return _hash_block(parent or root, tuple(token_ids))
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _hash_block(parent: bytes, tokens: tuple[int, ...]) -> bytes:
+    # Memoized as vLLM memoizes it: shared prefixes hash the same blocks over and over, and the
+    # pickling is most of a request's cost in the simulator.
+    return sha256_pickle((parent, tokens, None))
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, root: bytes, parent: bytes | None = None,
@@ -92,6 +100,29 @@ def token_id(word: str) -> int:
     if word.isdigit() and len(word) < 10:
         return int(word)
     return zlib.crc32(word.encode()) & 0x7FFFFFFF
+
+
+_IDS: dict[str, int] = {}
+_IDS_MAX = 1 << 16
+
+
+def token_ids(words: Sequence[str]) -> list[int]:
+    """Ids of a prompt's words, memoized: prompts repeat words, and this was a third of a
+    request's cost in the simulator (a plain dict: an LRU's bookkeeping cost more than it saved)."""
+    ids = _IDS
+    try:
+        return [ids[w] for w in words]
+    except KeyError:
+        pass
+    if len(ids) > _IDS_MAX:
+        ids.clear()
+    out = []
+    for w in words:
+        i = ids.get(w)
+        if i is None:
+            i = ids[w] = token_id(w)
+        out.append(i)
+    return out
 
 
 class KVConfigError(ValueError):
