@@ -178,25 +178,35 @@ def test_shared_prefix_chains_counters_evictions_and_replay_after_a_subscriber_r
 def test_a_request_waits_while_the_blocks_it_needs_are_held(engine):
     sim, _, _ = engine
     assert metric(sim, "vllm:num_requests_waiting") == 0
+    done = threading.Event()
     results = []
 
-    def send(prompt, n):
-        results.append(complete(sim, prompt, n))
+    def hog():
+        # 16 prompt tokens + 5000 to generate: more than the 8 usable blocks, so it holds them all,
+        # streaming until the test has seen the other request wait, then hanging up (which frees them)
+        body = {"model": "m", "prompt": tail(70), "max_tokens": 5000, "stream": True}
+        with httpx.stream("POST", f"{sim.base_url}/completions", json=body, timeout=60) as r:
+            for _ in r.iter_lines():
+                if done.is_set():
+                    break
 
-    # 16 prompt tokens + 150 to generate: more than the 8 usable blocks, so it holds them all
-    hog = threading.Thread(target=send, args=(tail(70), 150))
-    hog.start()
-    until(lambda: metric(sim, "vllm:kv_cache_usage_perc") == 1.0, "the first request to hold the cache")
-    waiter = threading.Thread(target=send, args=(tail(71), 1))
-    waiter.start()
-    until(lambda: metric(sim, "vllm:num_requests_waiting") == 1, "the second request to wait for blocks")
-    assert metric(sim, "vllm:num_requests_running") == 1
-    assert waiting_for(sim, "capacity") == 1 and waiting_for(sim, "deferred") == 0
-    hog.join(60)
-    waiter.join(60)
-    assert len(results) == 2
+    holder = threading.Thread(target=hog)
+    waiter = threading.Thread(target=lambda: results.append(complete(sim, tail(71) + [1])))
+    holder.start()
+    try:
+        until(lambda: metric(sim, "vllm:kv_cache_usage_perc") == 1.0, "the first request to hold the cache")
+        waiter.start()
+        until(lambda: metric(sim, "vllm:num_requests_waiting") == 1, "the second request to wait for blocks")
+        assert metric(sim, "vllm:num_requests_running") == 1 and not results
+        assert waiting_for(sim, "capacity") == 1 and waiting_for(sim, "deferred") == 0
+    finally:
+        done.set()
+        holder.join(60)
+        if waiter.is_alive():
+            waiter.join(60)
+    assert len(results) == 1 and results[0]["usage"]["completion_tokens"] == 1
+    until(lambda: metric(sim, "vllm:kv_cache_usage_perc") == 0.0, "every block to be free again")
     assert metric(sim, "vllm:num_requests_waiting") == 0
-    assert metric(sim, "vllm:kv_cache_usage_perc") == 0.0
 
 
 def test_tcp_wildcard_endpoints_are_refused_before_anything_listens(tmp_path):
