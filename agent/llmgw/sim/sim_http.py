@@ -1,7 +1,10 @@
 """The simulator's HTTP surface: vLLM's OpenAI-compatible API, shapes included.
 
 Routes: GET /health, /v1/models, /metrics, /version; POST /v1/chat/completions,
-/v1/completions, /v1/embeddings.  Errors use vLLM's body
+/v1/completions, /v1/embeddings, and /reset_prefix_cache with VLLM_SERVER_DEV_MODE=1
+(vLLM's dev route).  Completions run through :meth:`SimState.run`: admission to a batch
+bounded by ``--max-num-seqs`` and KV blocks (sim_kvcache), prefill, and the KV events of
+each step (sim_kvpublish).  Errors use vLLM's body
 ``{"error": {"message", "type", "param", "code"}}``; an API key is enforced on
 /v1 paths only, answering 401 ``{"error": "Unauthorized"}`` as vLLM's
 middleware does.  A failure mid-stream is reported in-band, the way vLLM's
