@@ -20,6 +20,11 @@ Bad input raises :class:`KVEventDecodeError` (a ``ValueError``) naming where it 
 e.g. ``events[1].block_hashes[0]: expected an int or bytes, got str``; no other exception
 escapes, so one malformed batch costs its caller that batch and nothing else.
 
+The encoder (:func:`encode_batch`, :func:`encode_message`, :func:`encode_replay`) writes what the
+current vLLM writes, for the engine simulator: events as maps tagged by ``"type"`` whose fields
+with a default are left out while they hold it (msgspec's ``omit_defaults``), inside the
+positional batch ``[ts, events, data_parallel_rank]``; ``positional=True`` writes 0.13's arrays.
+
 Pure logic: no sockets here; the subscriber hands over the frames it received.
 """
 
@@ -42,6 +47,10 @@ BLOCK_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality", "owne
 ALL_BLOCKS_CLEARED_FIELDS: tuple[str, ...] = ()
 BATCH_FIELDS = ("ts", "events", "data_parallel_rank")
 TAG_KEY = "type"  # msgspec's tag field for ``tag=True``; the tag value is the class name
+
+# Fields vLLM declares without a default: always on the wire, even when None (the rest are left
+# out while None, msgspec's omit_defaults).
+_NO_DEFAULT = {"BlockStored": 7, "BlockRemoved": 2, "AllBlocksCleared": 0}
 
 # Fields a batch or event cannot do without; the rest default to None (older releases lack them).
 _REQUIRED = {
@@ -344,3 +353,56 @@ def decode_replay(frames: Sequence[bytes]) -> Message | None:
     except Exception:
         raise KVEventDecodeError("topic: not UTF-8") from None
     return Message(topic, seq, decode_batch(frames[2]))
+
+
+# ------------------------------------------------------------------------ encoding
+
+# 0.13's positional events: all its fields, none with a default (later fields trail when set).
+_POSITIONAL_MIN = {"BlockStored": 6, "BlockRemoved": 2, "AllBlocksCleared": 0}
+_FIELDS_OF = {BlockStored: ("BlockStored", BLOCK_STORED_FIELDS), BlockRemoved: ("BlockRemoved", BLOCK_REMOVED_FIELDS),
+              AllBlocksCleared: ("AllBlocksCleared", ALL_BLOCKS_CLEARED_FIELDS)}
+
+
+def _plain(v: Any) -> Any:
+    return [_plain(x) for x in v] if isinstance(v, tuple) else v
+
+
+def encode_event(event: KVEvent, *, positional: bool = False) -> Any:
+    """One event as vLLM's msgspec writes it: a map tagged by ``"type"`` (current releases) or,
+    with ``positional``, ``[tag, field, ...]`` up to the last field that is set (0.13)."""
+    if isinstance(event, UnknownEvent):
+        raise TypeError("an UnknownEvent cannot be encoded: its fields are not known")
+    tag, names = _FIELDS_OF[type(event)]
+    values = [_plain(getattr(event, n)) for n in names]
+    if positional:
+        end = len(values)
+        while end > _POSITIONAL_MIN[tag] and values[end - 1] is None:
+            end -= 1
+        return [tag, *values[:end]]
+    out: dict[str, Any] = {TAG_KEY: tag}
+    for i, (name, value) in enumerate(zip(names, values)):
+        if value is not None or i < _NO_DEFAULT[tag]:
+            out[name] = value
+    return out
+
+
+def encode_batch(batch: EventBatch, *, positional: bool = False) -> bytes:
+    """The msgpack payload: ``[ts, events, data_parallel_rank]``, the rank left out when None."""
+    raw: list[Any] = [batch.ts, [encode_event(e, positional=positional) for e in batch.events]]
+    if batch.data_parallel_rank is not None:
+        raw.append(batch.data_parallel_rank)
+    return msgpack.packb(raw, use_bin_type=True)
+
+
+def encode_message(topic: str, seq: int, payload: bytes) -> list[bytes]:
+    """The three frames a PUB socket sends: topic, 8-byte big-endian sequence, payload."""
+    return [topic.encode("utf-8"), encode_seq(seq), payload]
+
+
+def encode_replay(topic: str, seq: int, payload: bytes) -> list[bytes]:
+    """One replayed batch as 0.32's ROUTER sends it after the peer's identity: ``[b"", topic, seq,
+    payload]``."""
+    return [b"", *encode_message(topic, seq, payload)]
+
+
+REPLAY_END = [b"", b"", encode_seq(END_SEQ), b""]  # 0.32's end-of-replay marker

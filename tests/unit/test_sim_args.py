@@ -129,3 +129,71 @@ def test_sglang_other_ranks_are_headless_and_need_a_rendezvous():
     assert cfg.headless and (cfg.master_addr, cfg.master_port) == ("10.0.0.1", 5000)
     with pytest.raises(ArgvError, match="dist-init-addr"):
         parse_argv(["sglang", "--model-path", "m", "--nnodes", "2"])
+
+
+# ------------------------------------------------------------------ KV events and the KV cache
+
+KV_ON = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "ipc:///run/r1/kv.sock",
+         "replay_endpoint": "ipc:///run/r1/kv-replay.sock", "topic": "kv@r1@m"}
+
+
+def _kv(doc, *more):
+    import json
+    return parse_vllm(["m", "--enable-prefix-caching", "--kv-events-config", json.dumps(doc), *more])
+
+
+def test_kv_events_config_is_read_as_vllm_reads_it():
+    cfg = _kv(KV_ON, "--num-gpu-blocks-override", "16", "--block-size", "32")
+    assert cfg.kv_events.endpoint == "ipc:///run/r1/kv.sock"
+    assert cfg.kv_events.replay_endpoint == "ipc:///run/r1/kv-replay.sock"
+    assert (cfg.kv_events.topic, cfg.kv_events.buffer_steps) == ("kv@r1@m", 10_000)
+    assert (cfg.num_gpu_blocks, cfg.block_size) == (16, 32)
+    # publisher defaults to zmq once events are on; off (or the null publisher) publishes nothing
+    assert _kv({"enable_kv_cache_events": True, "endpoint": "ipc:///x"}).kv_events is not None
+    assert _kv({**KV_ON, "enable_kv_cache_events": False}).kv_events is None
+    assert _kv({**KV_ON, "publisher": "null"}).kv_events is None
+    assert parse_vllm(["m"]).kv_events is None and parse_vllm(["m"]).block_size == 16
+
+
+@pytest.mark.parametrize("endpoint,needle", [
+    ("tcp://*:5557", "binds every network interface"),
+    ("tcp://[::]:5557", "binds every network interface"),
+    ("tcp://127.0.0.1:5557", "only ipc:// endpoints"),
+    ("ipc://", "only ipc:// endpoints"),
+])
+@pytest.mark.parametrize("field", ["endpoint", "replay_endpoint"])
+def test_kv_event_endpoints_other_than_ipc_are_refused(endpoint, needle, field):
+    with pytest.raises(ArgvError, match=f"Invalid endpoint: kv_events_config.{field} .*{needle}"):
+        _kv({**KV_ON, field: endpoint})
+
+
+def test_the_default_endpoint_is_vllms_wildcard_and_is_refused():
+    with pytest.raises(ArgvError, match=r"'tcp://\*:5557' binds every network interface"):
+        _kv({"enable_kv_cache_events": True})
+
+
+def test_ipc_with_data_parallel_ranks_is_refused_as_vllm_refuses_it():
+    with pytest.raises(ArgvError, match="Invalid endpoint: must contain 'inproc' or 'tcp'"):
+        _kv(KV_ON, "--data-parallel-size", "2")
+
+
+@pytest.mark.parametrize("value,needle", [
+    ("{not json", "not JSON"),
+    ("[1]", "expected a JSON object"),
+    ('{"enable_kv_cache_events": true, "endpint": "ipc:///x"}', "unexpected field 'endpint'"),
+    ('{"enable_kv_cache_events": "yes"}', "enable_kv_cache_events: wrong type str"),
+    ('{"buffer_steps": true}', "buffer_steps: wrong type bool"),
+    ('{"publisher": "kafka"}', "'kafka' is not one of"),
+    ('{"hwm": 0}', "hwm: must be >= 1"),
+])
+def test_a_bad_kv_events_config_exits_2_naming_the_field(value, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_vllm(["m", "--kv-events-config", value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --kv-events-config" in err and needle in err
+
+
+def test_a_kv_cache_of_fewer_than_two_blocks_is_refused():
+    with pytest.raises(ArgvError, match="at least 2 blocks"):
+        parse_vllm(["m", "--num-gpu-blocks-override", "1"])

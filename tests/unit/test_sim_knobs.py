@@ -20,6 +20,22 @@ def test_values_are_read():
     assert k.fault == Fault("crash-after", 3)
 
 
+def test_the_timing_model_knobs_are_read_and_off_by_default():
+    assert (Knobs().prefill_token_latency, Knobs().decode_batch_slowdown) == (0.0, 0.0)
+    k = knobs_from_env({"LLMGW_SIM_PREFILL_TOKEN_LATENCY": "0.0002", "LLMGW_SIM_DECODE_BATCH_SLOWDOWN": "0.05"})
+    assert (k.prefill_token_latency, k.decode_batch_slowdown) == (0.0002, 0.05)
+
+
+@pytest.mark.parametrize("name,value", [
+    ("LLMGW_SIM_PREFIX_CACHE_BLOCKS", "1"),  # one block is the null block: nothing could run
+    ("LLMGW_SIM_PREFILL_TOKEN_LATENCY", "-1"),
+    ("LLMGW_SIM_DECODE_BATCH_SLOWDOWN", "nan"),
+])
+def test_kv_and_timing_knobs_out_of_range_name_the_variable(name, value):
+    with pytest.raises(KnobError, match=name):
+        knobs_from_env({name: value})
+
+
 @pytest.mark.parametrize("value,fault", [
     ("", Fault()), ("hang", Fault("hang")), ("http-500", Fault("http-500")),
     ("exit-during-start", Fault("exit-during-start")), ("error-chunk-after:0", Fault("error-chunk-after", 0)),

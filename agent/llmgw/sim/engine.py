@@ -31,6 +31,7 @@ from llmgw import compat
 from llmgw.sim.sim_args import ArgvError, SimConfig, parse_argv
 from llmgw.sim.sim_http import SIM_VERSION, SimState, build_app
 from llmgw.sim.sim_knobs import KnobError, Knobs, knobs_from_env
+from llmgw.sim.sim_kvpublish import KVEventPublisher, PublisherError, load_zmq
 
 PROG = "llmgw-engine-sim"
 
@@ -177,9 +178,21 @@ async def serve(cfg: SimConfig, knobs: Knobs) -> int:
             _engine_core_failure(log)
             return 1
         log.info("default_loader.py:267", f"Loading weights took {knobs.startup_delay:.2f} seconds")
-        log.info("kv_cache_utils.py:1087", f"GPU KV cache size: {knobs.prefix_cache_blocks * cfg.block_size:,} tokens")
+        blocks = cfg.num_gpu_blocks or knobs.prefix_cache_blocks
+        log.info("kv_cache_utils.py:1087", f"GPU KV cache size: {blocks * cfg.block_size:,} tokens")
+        publisher = None
+        if cfg.kv_events is not None:
+            try:
+                publisher = KVEventPublisher(cfg.kv_events)
+            except PublisherError as e:
+                log.error("kv_events.py:352", str(e))
+                sys.stderr.write(f"RuntimeError: {e}\n")
+                sys.stderr.flush()
+                return 1
+            log.info("kv_events.py:398", "Starting ZMQ publisher thread")
+            publisher.start()
 
-        state = SimState(cfg, knobs)
+        state = SimState(cfg, knobs, publisher)
         # In-flight requests get a short grace on SIGTERM, then are cancelled.
         runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None,
                                shutdown_timeout=1.0)
@@ -206,6 +219,8 @@ async def serve(cfg: SimConfig, knobs: Knobs) -> int:
     sys.stdout.write("INFO:     Shutting down\n")
     sys.stdout.flush()
     await runner.cleanup()
+    if publisher is not None:
+        publisher.close()
     return 0
 
 
@@ -238,6 +253,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KnobError as e:
         sys.stderr.write(f"{PROG}: {e}\n")
         return 2
+    if cfg.kv_events is not None:
+        try:
+            load_zmq()  # before anything starts: the flag is useless without it
+        except PublisherError as e:
+            sys.stderr.write(f"{PROG}: {e}\n")
+            return 1
     if cfg.dialect == "vllm" and not cfg.api_keys and os.environ.get("VLLM_API_KEY"):
         cfg = dataclasses.replace(cfg, api_keys=(os.environ["VLLM_API_KEY"],))
     return _run(cfg, knobs)

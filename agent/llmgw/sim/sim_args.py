@@ -19,6 +19,7 @@ than ignored, so a flag the real engine would reject never passes here.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -27,7 +28,20 @@ from typing import Any, NoReturn, Sequence
 
 import yaml
 
+from llmgw.sim.sim_kvcache import DEFAULT_BLOCK_SIZE
+
 DIALECTS = ("serve", "sglang", "llama-server")
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's ``--kv-events-config`` (``vllm/config/kv_events.py``), the fields the simulator uses."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
 
 
 @dataclass(frozen=True)
@@ -49,9 +63,11 @@ class SimConfig:
     headless: bool = False  # a worker rank: no HTTP, stays alive
     api_keys: tuple[str, ...] = ()
     enable_prefix_caching: bool = True
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     max_num_seqs: int = 256
     enable_prompt_tokens_details: bool = False
+    num_gpu_blocks: int | None = None  # --num-gpu-blocks-override; None: LLMGW_SIM_PREFIX_CACHE_BLOCKS
+    kv_events: KVEventsConfig | None = None  # None: no KV events published
     # PEM paths: serve HTTPS with them (vLLM's --ssl-keyfile/--ssl-certfile,
     # llama-server's --ssl-key-file/--ssl-cert-file); None: plain HTTP
     ssl_keyfile: str | None = None
@@ -96,6 +112,71 @@ def _non_default(parsed: dict[str, Any], defaults: dict[str, Any], skip: tuple[s
 
 
 # --------------------------------------------------------------------------- vLLM
+
+# KVEventsConfig's fields and defaults in vLLM 0.33 (its pydantic config refuses any other key).
+_KV_EVENTS_FIELDS: dict[str, tuple[type | tuple[type, ...], Any]] = {
+    "enable_kv_cache_events": (bool, False),
+    "publisher": ((str, type(None)), None),
+    "endpoint": (str, "tcp://*:5557"),
+    "replay_endpoint": ((str, type(None)), None),
+    "buffer_steps": (int, 10_000),
+    "hwm": (int, 100_000),
+    "max_queue_size": (int, 100_000),
+    "topic": (str, ""),
+}
+
+
+def kv_events_json(value: str) -> dict[str, Any]:
+    """``--kv-events-config``'s JSON, checked field by field as vLLM's config class checks it."""
+    try:
+        doc = json.loads(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    out = {k: default for k, (_, default) in _KV_EVENTS_FIELDS.items()}
+    for key, v in doc.items():
+        if key not in _KV_EVENTS_FIELDS:
+            raise argparse.ArgumentTypeError(
+                f"KVEventsConfig: unexpected field {key!r} (known: {', '.join(_KV_EVENTS_FIELDS)})")
+        types = _KV_EVENTS_FIELDS[key][0]
+        if isinstance(v, bool) is not (types is bool) or not isinstance(v, types):
+            raise argparse.ArgumentTypeError(f"KVEventsConfig.{key}: wrong type {type(v).__name__}")
+        out[key] = v
+    if out["publisher"] is None:
+        out["publisher"] = "zmq" if out["enable_kv_cache_events"] else "null"
+    if out["publisher"] not in ("null", "zmq"):
+        raise argparse.ArgumentTypeError(
+            f"KVEventsConfig.publisher: {out['publisher']!r} is not one of 'null', 'zmq'")
+    for key in ("buffer_steps", "hwm", "max_queue_size"):
+        if out[key] < 1:
+            raise argparse.ArgumentTypeError(f"KVEventsConfig.{key}: must be >= 1, got {out[key]}")
+    return out
+
+
+def _ipc_endpoint(field_name: str, endpoint: str) -> None:
+    """The simulator publishes only on ipc:// (a path on this host): a ``tcp://*`` endpoint would
+    listen on every interface, and any other address is one vLLM would connect out to."""
+    if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
+        return
+    if endpoint.startswith("tcp://") and ("*" in endpoint or "::" in endpoint):
+        raise ArgvError(f"Invalid endpoint: kv_events_config.{field_name} {endpoint!r} binds every network "
+                        "interface; publish KV events on an ipc:// endpoint")
+    raise ArgvError(f"Invalid endpoint: kv_events_config.{field_name} {endpoint!r}: only ipc:// endpoints are "
+                    "supported")
+
+
+def kv_events_config(doc: dict[str, Any] | None, data_parallel_size: int) -> KVEventsConfig | None:
+    if doc is None or not doc["enable_kv_cache_events"] or doc["publisher"] == "null":
+        return None
+    _ipc_endpoint("endpoint", doc["endpoint"])
+    if doc["replay_endpoint"] is not None:
+        _ipc_endpoint("replay_endpoint", doc["replay_endpoint"])
+    if data_parallel_size > 1:  # vLLM's offset_endpoint_port for ranks above 0
+        raise ArgvError("Invalid endpoint: must contain 'inproc' or 'tcp'")
+    return KVEventsConfig(endpoint=doc["endpoint"], replay_endpoint=doc["replay_endpoint"], topic=doc["topic"],
+                          buffer_steps=doc["buffer_steps"], hwm=doc["hwm"])
+
 
 def _vllm_parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, usage=f"{prog} [model_tag] [options]")
@@ -159,6 +240,8 @@ def _vllm_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", type=str, default="auto")
     p.add_argument("--enable-prefix-caching", action=bool_opt, default=None)
     p.add_argument("--prefix-caching-hash-algo", type=str, default="sha256")
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    p.add_argument("--kv-events-config", type=kv_events_json, default=None)
     p.add_argument("--cpu-offload-gb", type=float, default=0)
     # Scheduler
     p.add_argument("--max-num-batched-tokens", type=human_readable_int, default=None)
@@ -208,6 +291,9 @@ def parse_vllm(args: Sequence[str], prog: str = "vllm serve") -> SimConfig:
             "nnodes > 1 can only be set when distributed executor backend is mp, uni "
             "or external_launcher."
         )
+    if ns.num_gpu_blocks_override is not None and ns.num_gpu_blocks_override < 2:
+        raise ArgvError(f"num_gpu_blocks_override={ns.num_gpu_blocks_override}: the KV cache needs at least 2 "
+                        "blocks (one is the null block)")
     world = ns.tensor_parallel_size * ns.pipeline_parallel_size
     if world % ns.nnodes:
         raise ArgvError(f"world size {world} (tp x pp) is not divisible by nnodes={ns.nnodes}")
@@ -229,9 +315,11 @@ def parse_vllm(args: Sequence[str], prog: str = "vllm serve") -> SimConfig:
         headless=ns.headless,
         api_keys=keys,
         enable_prefix_caching=ns.enable_prefix_caching is not False,
-        block_size=ns.block_size or 16,
+        block_size=ns.block_size or DEFAULT_BLOCK_SIZE,
         max_num_seqs=ns.max_num_seqs or 256,
         enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
+        num_gpu_blocks=ns.num_gpu_blocks_override,
+        kv_events=kv_events_config(ns.kv_events_config, ns.data_parallel_size),
         ssl_keyfile=ns.ssl_keyfile,
         ssl_certfile=ns.ssl_certfile,
         non_default=non_default,

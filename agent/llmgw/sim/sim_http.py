@@ -1,7 +1,10 @@
 """The simulator's HTTP surface: vLLM's OpenAI-compatible API, shapes included.
 
 Routes: GET /health, /v1/models, /metrics, /version; POST /v1/chat/completions,
-/v1/completions, /v1/embeddings.  Errors use vLLM's body
+/v1/completions, /v1/embeddings, and /reset_prefix_cache with VLLM_SERVER_DEV_MODE=1
+(vLLM's dev route).  Completions run through :meth:`SimState.run`: admission to a batch
+bounded by ``--max-num-seqs`` and KV blocks (sim_kvcache), prefill, and the KV events of
+each step (sim_kvpublish).  Errors use vLLM's body
 ``{"error": {"message", "type", "param", "code"}}``; an API key is enforced on
 /v1 paths only, answering 401 ``{"error": "Unauthorized"}`` as vLLM's
 middleware does.  A failure mid-stream is reported in-band, the way vLLM's
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import hmac
 import json
@@ -24,6 +28,7 @@ import os
 import struct
 import sys
 import time
+from collections import deque
 from typing import Any
 
 from aiohttp import web
@@ -32,11 +37,13 @@ from llmgw.sim.sim_args import SimConfig
 from llmgw.sim.sim_knobs import Knobs
 from llmgw.sim.sim_metrics import CONTENT_TYPE, SimMetrics
 from llmgw.sim.sim_output import BadRequest, ToolCall, choices_count, generate, stop_strings, tool_call
-from llmgw.sim.sim_prefix import PrefixCache
+from llmgw.sim.sim_kvcache import Allocation, KVCache, token_id, token_ids
+from llmgw.sim.sim_kvpublish import KVEventPublisher
 from llmgw.sim.sim_tokens import (
     PromptError,
     TokenBytes,
     chat_prompt_tokens,
+    token_text,
     completion_prompts,
     embedding_inputs,
 )
@@ -70,16 +77,39 @@ class Rejected(Exception):
         self.response = error_response(code, message, param)
 
 
-class SimState:
-    """Everything the handlers share: config, knobs, counters, the prefix cache."""
+class Run:
+    """A request admitted to the running batch: its hold on the KV cache and what it generated."""
 
-    def __init__(self, cfg: SimConfig, knobs: Knobs) -> None:
+    __slots__ = ("allocs", "cached", "generated", "prefill_s")
+
+    def __init__(self, allocs: list[Allocation], cached: int) -> None:
+        self.allocs = allocs
+        self.cached = cached  # prompt tokens found in the prefix cache
+        self.generated = 0  # tokens of the first choice, set by the handler: stored as blocks on finish
+        self.prefill_s = 0.0  # the prefill time it was given
+
+
+class SimState:
+    """Everything the handlers share: config, knobs, counters, the KV cache and its publisher.
+
+    Admission follows vLLM's scheduler: at most ``--max-num-seqs`` requests run, and a request
+    runs only once the KV blocks for its sequence are free; the rest wait, first come first
+    served (``vllm:num_requests_waiting``). Each admission and each finish is one engine step,
+    whose KV events go out as one batch.
+    """
+
+    def __init__(self, cfg: SimConfig, knobs: Knobs, publisher: KVEventPublisher | None = None) -> None:
         self.cfg = cfg
         self.knobs = knobs
         self.model_name = cfg.served_names[0]
         self.max_model_len = cfg.max_model_len or knobs.max_model_len
         self.metrics = SimMetrics(self.model_name)
-        self.cache = PrefixCache(knobs.prefix_cache_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.kv = KVCache(cfg.num_gpu_blocks or knobs.prefix_cache_blocks, cfg.block_size,
+                          enable_caching=cfg.enable_prefix_caching, record_events=publisher is not None)
+        self.publisher = publisher
+        self._seen = (0, 0)  # the cache's (queries, hits) already on the counters
+        self._kv_waiters: deque[tuple[asyncio.Future, list[int] | list[str], int]] = deque()
+        self._out_ids: list[int] = []
         self.tokens = TokenBytes()
         self.created = int(time.time())
         self._slots = asyncio.Semaphore(cfg.max_num_seqs)
@@ -97,33 +127,119 @@ class SimState:
             sys.stderr.write(f"WARNING {time.strftime('%m-%d %H:%M:%S')} [sim] fault {self.knobs.fault.kind} begins\n")
             sys.stderr.flush()
 
-    # admission: at most --max-num-seqs requests run, the rest wait (and are counted)
-    async def __aenter__(self) -> "SimState":
-        self.waiting += 1
-        self.metrics.waiting.set(self.waiting)
+    def token_latency(self) -> float:
+        """Seconds per generated token now: decoding slows as the batch grows."""
+        k = self.knobs
+        return k.token_latency * (1.0 + k.decode_batch_slowdown * max(self.running - 1, 0))
+
+    @contextlib.asynccontextmanager
+    async def run(self, prompts: list[list[str]], max_new: int, hung: bool = False):
+        """Admit a request (``prompts``, each generating up to ``max_new`` tokens), prefill it,
+        yield its :class:`Run`, and free what it holds when it ends, however it ends.
+
+        A hung engine core schedules nothing: no prefill, no KV, nothing counted.
+        """
+        self._set_waiting(+1)
+        allocs: list[Allocation] = []
         try:
             await self._slots.acquire()
+            try:
+                if not hung:
+                    for prompt in prompts:
+                        # without prefix caching nothing is hashed: the words' count is all it needs
+                        ids = token_ids(prompt) if self.kv.enable_caching else prompt
+                        allocs.append(await self._kv_admit(ids, max_new))
+            except BaseException:
+                self._release(allocs, 0)
+                self._slots.release()
+                raise
         finally:
-            self.waiting -= 1
-            self.metrics.waiting.set(self.waiting)
+            self._set_waiting(-1)
         self.running += 1
         self.metrics.running.set(self.running)
-        return self
+        run = Run(allocs, sum(a.cached_tokens for a in allocs))
+        try:
+            if not hung:
+                for prompt in prompts:
+                    self.metrics.prompt_tokens.inc(len(prompt))
+                    self.metrics.iteration_tokens.observe(len(prompt))
+                self._step()
+                run.prefill_s = self.knobs.prefill_token_latency * (sum(len(p) for p in prompts) - run.cached)
+                if run.prefill_s > 0:
+                    await asyncio.sleep(run.prefill_s)
+            yield run
+        finally:
+            self.running -= 1
+            self.metrics.running.set(self.running)
+            self._release(run.allocs, run.generated)
+            self._slots.release()
 
-    async def __aexit__(self, *exc: object) -> None:
-        self.running -= 1
-        self.metrics.running.set(self.running)
-        self._slots.release()
+    # ------------------------------------------------------------------ KV admission
 
-    def prefill(self, tokens: list[str]) -> int:
-        """Account one prompt: prefix-cache lookup and prompt-token counters."""
-        before_q, before_h = self.cache.queries, self.cache.hits
-        cached = self.cache.lookup_and_insert(tokens)
-        self.metrics.prefix_queries.inc(self.cache.queries - before_q)
-        self.metrics.prefix_hits.inc(self.cache.hits - before_h)
-        self.metrics.prompt_tokens.inc(len(tokens))
-        self.metrics.iteration_tokens.observe(len(tokens))
-        return cached
+    def _set_waiting(self, delta: int) -> None:
+        self.waiting += delta
+        self.metrics.waiting.set(self.waiting)
+        self.metrics.waiting_capacity.set(self.waiting)
+
+    async def _kv_admit(self, ids: list[int] | list[str], max_new: int) -> Allocation:
+        if not self._kv_waiters:
+            alloc = self.kv.admit(ids, max_new)
+            if alloc is not None:
+                return alloc
+        fut = asyncio.get_running_loop().create_future()
+        entry = (fut, ids, max_new)
+        self._kv_waiters.append(entry)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # admitted as the request went away
+                self._release([fut.result()], 0)
+            else:
+                try:
+                    self._kv_waiters.remove(entry)
+                except ValueError:
+                    pass
+            raise
+
+    def _release(self, allocs: list[Allocation], generated: int) -> None:
+        if not allocs:
+            return
+        out = self._output_ids(generated) if self.kv.enable_caching else ()
+        for alloc in allocs:
+            self.kv.release(alloc, out)
+        while self._kv_waiters:  # first come, first served: the head waits, so do those behind it
+            fut, ids, max_new = self._kv_waiters[0]
+            if fut.cancelled():
+                self._kv_waiters.popleft()
+                continue
+            alloc = self.kv.admit(ids, max_new)
+            if alloc is None:
+                break
+            self._kv_waiters.popleft()
+            fut.set_result(alloc)
+        self._step()
+
+    def _output_ids(self, n: int) -> list[int]:
+        while len(self._out_ids) < n:
+            self._out_ids.append(token_id(token_text(len(self._out_ids)).strip()))
+        return self._out_ids[:n]
+
+    def _step(self) -> None:
+        """An engine step ended: the cache's gauges and counters, and its KV events as one batch."""
+        kv, m = self.kv, self.metrics
+        q, h = self._seen
+        if kv.queries != q:
+            m.prefix_queries.inc(kv.queries - q)
+            m.prefix_hits.inc(kv.hits - h)
+            self._seen = (kv.queries, kv.hits)
+        m.kv_cache_usage.set(kv.usage())
+        if self.publisher is not None:
+            self.publisher.publish(kv.drain())
+
+    def reset_prefix_cache(self) -> bool:
+        ok = self.kv.reset()
+        self._step()
+        return ok
 
 
 # --------------------------------------------------------------------- request parsing
@@ -265,7 +381,7 @@ async def hang_forever() -> None:
 
 async def generate_steps(state: SimState, steps: int, width: int) -> None:
     """A non-streamed generation's engine steps: one per token, paced like a stream, each counted."""
-    latency = state.knobs.token_latency
+    latency = state.token_latency()
     clock = asyncio.get_running_loop().time
     start = clock()
     for i in range(steps):
@@ -287,7 +403,7 @@ async def stream_tokens(
     """Write the chunks of ``len(prefixes)`` identical choices, interleaved token by token
     as vLLM streams n > 1; returns how many token steps were written."""
     toks = gen.pieces
-    latency = state.knobs.token_latency
+    latency = state.token_latency()
     final = gen.n - 1
     written = 0
     # Token i is due at start + (i+1) * latency: pacing from a fixed origin keeps
@@ -354,10 +470,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     written = 0
     finished = "abort"
     resp: web.StreamResponse | None = None
-    async with state:
-        # A hung engine core schedules nothing: no prefill, no engine step, nothing counted.
-        hung = state.faulting("hang")
-        cached = 0 if hung else state.prefill(prompt)
+    hung = state.faulting("hang")
+    async with state.run([prompt], gen.n * choices, hung) as run:
+        cached = run.cached
         try:
             if stream:
                 resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
@@ -423,6 +538,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 raise
             return resp
         finally:
+            run.generated = written // choices
             state.metrics.generation_tokens.inc(written)
             state.metrics.finished(finished)
 
@@ -467,9 +583,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     written = 0
     finished = "abort"
     resp: web.StreamResponse | None = None
-    async with state:
-        hung = state.faulting("hang")
-        cached = 0 if hung else sum(state.prefill(p) for p in prompts)
+    hung = state.faulting("hang")
+    async with state.run(prompts, max(g.n for g in gens) * choices, hung) as run:
+        cached = run.cached
         try:
             if stream:
                 resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
@@ -522,6 +638,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                 raise
             return resp
         finally:
+            run.generated = written // (choices * len(prompts))  # per sequence, for its stored blocks
             state.metrics.generation_tokens.inc(written)
             state.metrics.finished(finished)
 
@@ -609,6 +726,13 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    """vLLM's dev route (``VLLM_SERVER_DEV_MODE=1``): drop the prefix cache, publishing
+    ``AllBlocksCleared``; ``{"success": false}`` while running requests hold blocks, as vLLM answers."""
+    state: SimState = request.app["state"]
+    return web.json_response({"success": state.reset_prefix_cache()})
+
+
 async def version(request: web.Request) -> web.Response:
     return web.json_response({"version": SIM_VERSION})
 
@@ -688,5 +812,7 @@ def build_app(state: SimState) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/embeddings", embeddings)
+    if os.environ.get("VLLM_SERVER_DEV_MODE") == "1":
+        app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     app.router.add_route("*", "/{tail:.*}", not_found)
     return app

@@ -4,10 +4,16 @@
 variable                        default meaning
 =============================== ======= =============================================
 LLMGW_SIM_STARTUP_DELAY         0       seconds of "loading" before the port listens
-LLMGW_SIM_TOKEN_LATENCY         0       seconds per generated token
+LLMGW_SIM_TOKEN_LATENCY         0       seconds per generated token (one request alone)
+LLMGW_SIM_DECODE_BATCH_SLOWDOWN 0       how much longer each token takes per other running
+                                        request: token latency x (1 + this x (running - 1))
+LLMGW_SIM_PREFILL_TOKEN_LATENCY 0       seconds of prefill per prompt token not found in the
+                                        prefix cache, before the first token
 LLMGW_SIM_OUTPUT_TOKENS         16      tokens generated when a request sets no max_tokens
 LLMGW_SIM_EMBED_DIM             16      embedding dimensions
-LLMGW_SIM_PREFIX_CACHE_BLOCKS   4096    prefix-cache capacity, in blocks
+LLMGW_SIM_PREFIX_CACHE_BLOCKS   4096    KV-cache size in blocks (vLLM's num_gpu_blocks, one
+                                        of them the null block); it bounds the prefix cache
+                                        and the running batch; --num-gpu-blocks-override wins
 LLMGW_SIM_MAX_MODEL_LEN         8192    context length when --max-model-len is absent
                                         (stands in for the model's config.json)
 LLMGW_SIM_FAULT                 (none)  one injected failure, see below
@@ -62,6 +68,8 @@ class Fault:
 class Knobs:
     startup_delay: float = 0.0
     token_latency: float = 0.0
+    decode_batch_slowdown: float = 0.0
+    prefill_token_latency: float = 0.0
     output_tokens: int = 16
     embed_dim: int = 16
     prefix_cache_blocks: int = 4096
@@ -130,9 +138,11 @@ def knobs_from_env(env: Mapping[str, str]) -> Knobs:
     return Knobs(
         startup_delay=_number(env, "LLMGW_SIM_STARTUP_DELAY", 0.0, integer=False, minimum=0),
         token_latency=_number(env, "LLMGW_SIM_TOKEN_LATENCY", 0.0, integer=False, minimum=0),
+        decode_batch_slowdown=_number(env, "LLMGW_SIM_DECODE_BATCH_SLOWDOWN", 0.0, integer=False, minimum=0),
+        prefill_token_latency=_number(env, "LLMGW_SIM_PREFILL_TOKEN_LATENCY", 0.0, integer=False, minimum=0),
         output_tokens=_number(env, "LLMGW_SIM_OUTPUT_TOKENS", 16, integer=True, minimum=1),
         embed_dim=_number(env, "LLMGW_SIM_EMBED_DIM", 16, integer=True, minimum=1),
-        prefix_cache_blocks=_number(env, "LLMGW_SIM_PREFIX_CACHE_BLOCKS", 4096, integer=True, minimum=0),
+        prefix_cache_blocks=_number(env, "LLMGW_SIM_PREFIX_CACHE_BLOCKS", 4096, integer=True, minimum=2),
         max_model_len=_number(env, "LLMGW_SIM_MAX_MODEL_LEN", 8192, integer=True, minimum=1),
         fault=parse_onset(env.get("LLMGW_SIM_FAULT_ONSET", ""), parse_fault(env.get("LLMGW_SIM_FAULT", ""))),
     )

@@ -29,6 +29,17 @@ class SimMetrics:
 
         self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        # New in 0.32: the same queue by reason; the simulator's requests wait only for capacity
+        # (a free slot or KV blocks), never for a LoRA budget or a KV transfer ("deferred").
+        by_reason = Gauge(
+            "vllm:num_requests_waiting_by_reason",
+            "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling "
+            "capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked "
+            "status). Sum of all reasons equals vllm:num_requests_waiting.",
+            labels + ["reason"], registry=self.registry,
+        )
+        self.waiting_capacity = by_reason.labels(*values, "capacity")
+        by_reason.labels(*values, "deferred").set(0)
         self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         self.prefix_queries = counter(
             "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
