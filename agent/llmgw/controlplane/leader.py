@@ -6,7 +6,11 @@ whose txn succeeds leads; the key's create revision is its **term**: etcd
 revisions only grow, so every later leader has a higher term, and the term
 is the epoch the leader stamps on what it tells agents and routers.
 
-Renew: a keep-alive every ``renew_interval``.  A leader that cannot renew
+Renew: a keep-alive every ``renew_interval``, given until the deadline below
+to be answered and asked of the next etcd member when one is silent, while
+the members already asked keep their chance (a member whose raft leader died
+answers once a new one is elected, within the deadline when
+``lease_ttl - 2 * renew_interval`` exceeds etcd's election time).  A leader that cannot renew
 steps down *before* its lease can lapse at etcd: ``is_leader`` turns false
 ``lease_ttl - renew_interval`` seconds after the last keep-alive that was
 sent and answered, computed on the monotonic clock at every call, so a
@@ -152,11 +156,12 @@ class Elector:
         if term is None:
             return False
         sent = self.clock()
-        ttl = await self.etcd.keepalive(term.lease)
+        # An answer after the deadline is no use: the calls may take until then, and no longer.
+        ttl = await self.etcd.keepalive(term.lease, budget=max(0.0, self._deadline - sent))
         if ttl <= 0:
             self._lost("the lease expired at etcd")
             return False
-        ok, _ = await self.etcd.txn([self._compare_ours(term)], [])
+        ok, _ = await self.etcd.txn([self._compare_ours(term)], [], budget=max(0.0, self._deadline - self.clock()))
         if not ok and self.term is term:
             self._lost("the leader key is no longer ours")
             return False
