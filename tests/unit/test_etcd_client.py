@@ -128,3 +128,28 @@ def test_a_renewal_may_take_until_the_leaders_deadline_and_no_longer():
     assert e._deadline == 100.0 + 3 - 0.5, "the deadline runs from when the renewal was sent"
     now[0] = 103.0  # past the deadline: is_leader is false and nothing waits
     assert not e.is_leader
+
+
+class RevokingEtcd(RecordingEtcd):
+    def __init__(self) -> None:
+        super().__init__()
+        self.revoked: list[int] = []
+
+    async def revoke(self, lease: int) -> None:
+        self.revoked.append(lease)
+
+
+def test_a_leader_that_stepped_down_revokes_its_old_lease_on_the_way_out():
+    """It stepped down before the lease could lapse: until revoked, the key blocks the standby."""
+    now = [100.0]
+    etcd = RevokingEtcd()
+    changes = []
+    e = Elector(etcd, "/t", "a", None, 3, 0.5, clock=lambda: now[0],  # type: ignore[arg-type]
+                on_change=lambda leading, epoch: changes.append(leading))
+    e.term, e._deadline = Term(5, 5, 7), 101.5
+    now[0] = 102.0
+    assert not e.is_leader and changes == [False]
+    asyncio.run(e.resign())
+    assert etcd.revoked == [7]
+    asyncio.run(e.resign())
+    assert etcd.revoked == [7], "revoked once"

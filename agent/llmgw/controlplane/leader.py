@@ -86,6 +86,7 @@ class Elector:
         self.leader: LeaderInfo | None = None  # the last leader seen (ourselves included)
         self._deadline = float("-inf")  # is_leader is false from then on unless a renewal moves it
         self._lease: int | None = None
+        self._given_up: int | None = None  # the lease of a term we stepped down from: revoked on the way out
         self.highest_epoch = 0  # the highest term seen, ours or another's
 
     # ------------------------------------------------------------ authority
@@ -107,6 +108,7 @@ class Elector:
         if self.term is None:
             return
         log.warning("stepping down as leader (term %d): %s", self.term.epoch, why)
+        self._given_up = self.term.lease
         self.term = None
         self._deadline = float("-inf")
         self._lease = None  # a fresh lease for the next campaign: the old one may still hold the key at etcd
@@ -185,17 +187,23 @@ class Elector:
         return ok
 
     async def resign(self) -> None:
-        """Give the key up now (a clean stop): a standby takes over at once, not after the TTL."""
-        lease = self.term.lease if self.term else self._lease
+        """Give the key up now (a clean stop, or the exit after stepping down): a standby takes over at once.
+
+        After a step-down the old lease may still hold the key at etcd (it
+        steps down before the lease can lapse, and a new raft leader extends
+        every lease by its election timeout): revoking it spares the standby
+        that wait whenever etcd answers again.
+        """
+        leases = {self.term.lease if self.term else self._lease, self._given_up} - {None}
         if self.term is not None:
             log.warning("giving the lead up (term %d)", self.term.epoch)
         # not _lost(): a resignation is this process's own choice, not news for on_change
-        self.term, self._deadline, self._lease = None, float("-inf"), None
-        if lease is not None:
+        self.term, self._deadline, self._lease, self._given_up = None, float("-inf"), None, None
+        for lease in sorted(leases):
             try:
                 await self.etcd.revoke(lease)
             except EtcdUnavailable as e:
-                log.warning("could not revoke the lease (it lapses by itself within %ds): %s", self.ttl, e)
+                log.warning("could not revoke lease %x (it lapses by itself within %ds): %s", lease, self.ttl, e)
 
     # ----------------------------------------------------------------- loop
     async def run(self, stop: asyncio.Event | None = None) -> None:
