@@ -9,11 +9,12 @@ write is never sent to two members at once, and no call outlives its budget.
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from aiohttp import web
 
-from llmgw.controlplane.etcd import AsyncEtcd, EtcdUnavailable
+from llmgw.controlplane.etcd import AsyncEtcd, EtcdUnavailable, _Calls, b64
 from llmgw.controlplane.leader import Elector, Term
 from tests.support.ports import free_port
 
@@ -153,3 +154,36 @@ def test_a_leader_that_stepped_down_revokes_its_old_lease_on_the_way_out():
     assert etcd.revoked == [7]
     asyncio.run(e.resign())
     assert etcd.revoked == [7], "revoked once"
+
+
+class CampaignEtcd(_Calls):
+    """The key already exists under our own lease: an earlier campaign of ours won, its answer lost."""
+
+    def __init__(self, lease: int, key_lease: int) -> None:
+        self.lease, self.key_lease = lease, key_lease
+
+    async def keepalive(self, lease: int, budget: float | None = None) -> int:
+        return 3 if lease == self.lease else 0
+
+    async def grant(self, ttl: int) -> int:
+        return self.lease
+
+    async def txn(self, compare, success, failure=None, budget=None):
+        kv = {"key": b64("/t/leader"), "value": b64(json.dumps({"name": "a", "url": None})),
+              "create_revision": "5", "mod_revision": "6", "lease": str(self.key_lease)}
+        return False, {"header": {"revision": "9"}, "responses": [{"response_range": {"kvs": [kv]}}]}
+
+
+def test_a_campaign_finding_the_key_under_its_own_lease_leads_on_it():
+    now = [100.0]
+    e = Elector(CampaignEtcd(7, key_lease=7), "/t", "a", None, 3, 0.5, clock=lambda: now[0])  # type: ignore[arg-type]
+    e._lease = 7
+    assert asyncio.run(e.campaign_once())
+    assert e.is_leader and e.term == Term(5, 6, 7) and e.epoch == 5
+    assert e._deadline == 100.0 + 3 - 0.5
+
+
+def test_a_campaign_finding_the_key_under_another_lease_stands_by():
+    e = Elector(CampaignEtcd(7, key_lease=8), "/t", "a", None, 3, 0.5)  # type: ignore[arg-type]
+    assert not asyncio.run(e.campaign_once())
+    assert not e.is_leader and e.leader is not None and e.leader.epoch == 5

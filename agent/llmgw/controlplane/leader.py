@@ -134,15 +134,13 @@ class Elector:
             [self.etcd.range_op(self.key)])
         if ok:
             rev = int(doc["header"]["revision"])
-            self.term = Term(rev, rev, self._lease)
-            self._deadline = sent + self.ttl - self.renew
-            self.leader = LeaderInfo(self.name, self.url, rev)
-            self.highest_epoch = max(self.highest_epoch, rev)
-            log.warning("leading the control planes (term %d, lease %ds, renewed every %gs)", rev, self.ttl, self.renew)
-            if self.on_change is not None:
-                self.on_change(True, rev)
-            return True
+            return self._lead(Term(rev, rev, self._lease), sent)
         (kv,) = self.etcd.txn_ranges(doc) or [None]
+        if kv is not None and kv.lease == self._lease:
+            # An earlier campaign of ours created the key but its answer was lost (a member that applied it
+            # answered too late, and the next refused the second try): the key is ours. Not leading on it
+            # would keep it alive under our lease, and every control plane standing by, for good.
+            return self._lead(Term(kv.create_revision, kv.mod_revision, self._lease), sent)
         if kv is not None:
             seen = LeaderInfo.from_kv(kv)
             if seen != self.leader:
@@ -151,6 +149,18 @@ class Elector:
             self.leader = seen
             self.highest_epoch = max(self.highest_epoch, seen.epoch)
         return False
+
+    def _lead(self, term: Term, sent: float) -> bool:
+        """Lead as ``term``, whose lease was granted or renewed by a call sent at ``sent``."""
+        self.term = term
+        self._deadline = sent + self.ttl - self.renew
+        self.leader = LeaderInfo(self.name, self.url, term.epoch)
+        self.highest_epoch = max(self.highest_epoch, term.epoch)
+        log.warning("leading the control planes (term %d, lease %ds, renewed every %gs)",
+                    term.epoch, self.ttl, self.renew)
+        if self.on_change is not None:
+            self.on_change(True, term.epoch)
+        return True
 
     async def renew_once(self) -> bool:
         """Renew the lease and check the key is still ours; False (and stepped down) when not."""
