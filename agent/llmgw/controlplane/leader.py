@@ -17,7 +17,9 @@ sent and answered, computed on the monotonic clock at every call, so a
 process that was paused (SIGSTOP, a long GC, VM steal) and wakes past that
 point is no longer leader before it can act, whatever its loop was doing.
 A keep-alive answered with TTL 0 (the lease expired or was revoked) and a
-leader key no longer ours end the term at once.
+leader key no longer ours end the term at once.  The lease of a term that
+ended is revoked by ``resign`` on the way out, so a standby need not wait for
+it to lapse.
 
 Fenced writes: ``fenced`` wraps operations in a txn that compares the
 leader key's mod revision with the one this leader wrote; a deposed leader's
