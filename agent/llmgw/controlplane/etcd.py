@@ -7,12 +7,14 @@ compare-and-put, a read) is five JSON calls, about 2.5 ms each on loopback.
 Keys and values travel base64-encoded; 64-bit integers as JSON strings;
 fields at their zero value are left out of answers (a failed txn has no
 ``succeeded``, an empty range no ``kvs``, an expired lease's keep-alive no
-``TTL``).  ``EtcdClient`` tries the configured endpoints in turn and sticks
-to the last one that answered.
+``TTL``).  The clients try the configured endpoints in turn, each for at
+most ``timeout``, and stick to the last one that answered; the lease's
+renewals are hedged across them (``AsyncEtcd``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import ssl
@@ -99,33 +101,106 @@ def _check(endpoint: str, path: str, r: httpx.Response) -> dict[str, Any]:
     return doc
 
 
+async def _cancel(tasks: set[asyncio.Task[Any]]) -> None:
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class AsyncEtcd(_Calls):
-    """The control plane's asyncio client: election, keep-alive, fenced writes."""
+    """The control plane's asyncio client: election, keep-alive, fenced writes.
+
+    ``timeout`` is how long one endpoint is waited for before the next is
+    asked.  A call given a ``budget`` (seconds for the whole call) and
+    ``hedge`` keeps waiting on the endpoints already asked while it asks the
+    next: an etcd member whose raft leader just died holds a keep-alive until
+    a new leader is elected (1 to 2 s with etcd's defaults) and then answers
+    it, so giving up on it after ``timeout`` would throw away the renewal
+    that was about to succeed; a member that hangs (stopped, cut) costs
+    ``timeout`` before the next is asked, never the whole budget.  Only
+    idempotent calls are hedged (a keep-alive, a compare without writes).
+    """
 
     def __init__(self, endpoints: tuple[str, ...], tls: ssl.SSLContext | None = None, timeout: float = 2.0):
         self.endpoints = list(endpoints)
+        self.timeout = float(timeout)
         self._client = httpx.AsyncClient(verify=tls if tls is not None else True, timeout=timeout)
 
-    async def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        errors = []
-        for i, endpoint in enumerate(list(self.endpoints)):
-            try:
-                r = await self._client.post(endpoint.rstrip("/") + path, content=json.dumps(body))
-                doc = _check(endpoint, path, r)
-            except (httpx.HTTPError, EtcdUnavailable) as e:
-                errors.append(f"{endpoint}: {str(e) or type(e).__name__}")
-                continue
-            if i:  # stick to the one that answered
-                self.endpoints.insert(0, self.endpoints.pop(i))
-            return doc
-        raise EtcdUnavailable("; ".join(errors))
+    async def _post(self, endpoint: str, path: str, body: bytes, timeout: float) -> dict[str, Any]:
+        r = await self._client.post(endpoint.rstrip("/") + path, content=body, timeout=max(0.001, timeout))
+        return _check(endpoint, path, r)
+
+    async def call(self, path: str, body: dict[str, Any], budget: float | None = None,
+                   hedge: bool = False) -> dict[str, Any]:
+        """The first answer from the endpoints, tried in turn; EtcdUnavailable when none answers in ``budget``.
+
+        Without ``hedge`` one endpoint is asked at a time, each for at most
+        ``timeout`` (on the event loop's clock: a member that trickles bytes
+        cannot defeat it); with it, an endpoint that fails or has not answered
+        in ``timeout`` brings in the next while the earlier ones keep their
+        chance until the budget ends.  The default budget is ``timeout`` per
+        endpoint.
+        """
+        loop = asyncio.get_running_loop()
+        order = list(self.endpoints)
+        end = loop.time() + (budget if budget is not None else self.timeout * len(order))
+        content = json.dumps(body).encode()
+        asked: dict[asyncio.Task[dict[str, Any]], str] = {}
+        errors: dict[str, str] = {}
+        pending: set[asyncio.Task[dict[str, Any]]] = set()
+
+        def ask_next() -> None:
+            endpoint = order[len(asked)]
+            task = asyncio.ensure_future(self._post(endpoint, path, content, end - loop.time()))
+            asked[task] = endpoint
+            pending.add(task)
+
+        try:
+            while (left := end - loop.time()) > 0:
+                if not pending:
+                    if len(asked) == len(order):
+                        break
+                    ask_next()
+                more = len(asked) < len(order)  # the last endpoint asked may take what is left of the budget
+                done, _ = await asyncio.wait(pending, timeout=min(self.timeout, left) if more else left,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                pending.difference_update(done)
+                for task in done:
+                    try:
+                        doc = task.result()
+                    except (httpx.HTTPError, EtcdUnavailable) as e:
+                        errors[asked[task]] = str(e) or type(e).__name__
+                        continue
+                    self._prefer(asked[task])
+                    return doc
+                if more and not done:  # silent for `timeout`: ask the next, giving this one up unless hedging
+                    if not hedge:
+                        await _cancel(pending)
+                        errors.update({asked[t]: f"no answer in {self.timeout:g}s" for t in pending})
+                        pending.clear()
+                    ask_next()
+                elif more and hedge and pending:  # a failure while others are still waited for
+                    ask_next()
+        finally:
+            await _cancel(pending)
+        for endpoint in order:
+            if endpoint not in errors:
+                errors[endpoint] = "no answer in time" if endpoint in asked.values() else "not asked: out of time"
+        raise EtcdUnavailable("; ".join(f"{e}: {errors[e]}" for e in order))
+
+    def _prefer(self, endpoint: str) -> None:
+        """Stick to the endpoint that answered: the next call asks it first."""
+        if endpoint in self.endpoints and self.endpoints[0] != endpoint:
+            self.endpoints.remove(endpoint)
+            self.endpoints.insert(0, endpoint)
 
     async def grant(self, ttl: int) -> int:
         return int((await self.call("/v3/lease/grant", {"TTL": ttl}))["ID"])
 
-    async def keepalive(self, lease: int) -> int:
-        """The lease's TTL after renewing it; 0 when it has expired (or was revoked)."""
-        doc = await self.call("/v3/lease/keepalive", {"ID": str(lease)})
+    async def keepalive(self, lease: int, budget: float | None = None) -> int:
+        """The lease's TTL after renewing it; 0 when it has expired (or was revoked).  Hedged: idempotent."""
+        doc = await self.call("/v3/lease/keepalive", {"ID": str(lease)}, budget, hedge=budget is not None)
         return int((doc.get("result") or {}).get("TTL", 0))
 
     async def revoke(self, lease: int) -> None:
@@ -135,8 +210,12 @@ class AsyncEtcd(_Calls):
         return self.first_kv(await self.call("/v3/kv/range", {"key": b64(key)}))
 
     async def txn(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
-                  failure: list[dict[str, Any]] | None = None) -> tuple[bool, dict[str, Any]]:
-        doc = await self.call("/v3/kv/txn", self.txn_body(compare, success, failure))
+                  failure: list[dict[str, Any]] | None = None,
+                  budget: float | None = None) -> tuple[bool, dict[str, Any]]:
+        """A txn; hedged within ``budget`` only when it writes nothing (a compare, reads)."""
+        ops = success + (failure or [])
+        hedge = budget is not None and all("request_range" in op for op in ops)
+        doc = await self.call("/v3/kv/txn", self.txn_body(compare, success, failure), budget, hedge)
         return bool(doc.get("succeeded")), doc
 
     async def aclose(self) -> None:

@@ -6,14 +6,20 @@ whose txn succeeds leads; the key's create revision is its **term**: etcd
 revisions only grow, so every later leader has a higher term, and the term
 is the epoch the leader stamps on what it tells agents and routers.
 
-Renew: a keep-alive every ``renew_interval``.  A leader that cannot renew
+Renew: a keep-alive every ``renew_interval``, given until the deadline below
+to be answered and asked of the next etcd member when one is silent, while
+the members already asked keep their chance (a member whose raft leader died
+answers once a new one is elected, within the deadline when
+``lease_ttl - 2 * renew_interval`` exceeds etcd's election time).  A leader that cannot renew
 steps down *before* its lease can lapse at etcd: ``is_leader`` turns false
 ``lease_ttl - renew_interval`` seconds after the last keep-alive that was
 sent and answered, computed on the monotonic clock at every call, so a
 process that was paused (SIGSTOP, a long GC, VM steal) and wakes past that
 point is no longer leader before it can act, whatever its loop was doing.
 A keep-alive answered with TTL 0 (the lease expired or was revoked) and a
-leader key no longer ours end the term at once.
+leader key no longer ours end the term at once.  The lease of a term that
+ended is revoked by ``resign`` on the way out, so a standby need not wait for
+it to lapse.
 
 Fenced writes: ``fenced`` wraps operations in a txn that compares the
 leader key's mod revision with the one this leader wrote; a deposed leader's
@@ -82,6 +88,7 @@ class Elector:
         self.leader: LeaderInfo | None = None  # the last leader seen (ourselves included)
         self._deadline = float("-inf")  # is_leader is false from then on unless a renewal moves it
         self._lease: int | None = None
+        self._given_up: int | None = None  # the lease of a term we stepped down from: revoked on the way out
         self.highest_epoch = 0  # the highest term seen, ours or another's
 
     # ------------------------------------------------------------ authority
@@ -103,6 +110,7 @@ class Elector:
         if self.term is None:
             return
         log.warning("stepping down as leader (term %d): %s", self.term.epoch, why)
+        self._given_up = self.term.lease
         self.term = None
         self._deadline = float("-inf")
         self._lease = None  # a fresh lease for the next campaign: the old one may still hold the key at etcd
@@ -128,15 +136,13 @@ class Elector:
             [self.etcd.range_op(self.key)])
         if ok:
             rev = int(doc["header"]["revision"])
-            self.term = Term(rev, rev, self._lease)
-            self._deadline = sent + self.ttl - self.renew
-            self.leader = LeaderInfo(self.name, self.url, rev)
-            self.highest_epoch = max(self.highest_epoch, rev)
-            log.warning("leading the control planes (term %d, lease %ds, renewed every %gs)", rev, self.ttl, self.renew)
-            if self.on_change is not None:
-                self.on_change(True, rev)
-            return True
+            return self._lead(Term(rev, rev, self._lease), sent)
         (kv,) = self.etcd.txn_ranges(doc) or [None]
+        if kv is not None and kv.lease == self._lease:
+            # An earlier campaign of ours created the key but its answer was lost (a member that applied it
+            # answered too late, and the next refused the second try): the key is ours. Not leading on it
+            # would keep it alive under our lease, and every control plane standing by, for good.
+            return self._lead(Term(kv.create_revision, kv.mod_revision, self._lease), sent)
         if kv is not None:
             seen = LeaderInfo.from_kv(kv)
             if seen != self.leader:
@@ -146,17 +152,30 @@ class Elector:
             self.highest_epoch = max(self.highest_epoch, seen.epoch)
         return False
 
+    def _lead(self, term: Term, sent: float) -> bool:
+        """Lead as ``term``, whose lease was granted or renewed by a call sent at ``sent``."""
+        self.term = term
+        self._deadline = sent + self.ttl - self.renew
+        self.leader = LeaderInfo(self.name, self.url, term.epoch)
+        self.highest_epoch = max(self.highest_epoch, term.epoch)
+        log.warning("leading the control planes (term %d, lease %ds, renewed every %gs)",
+                    term.epoch, self.ttl, self.renew)
+        if self.on_change is not None:
+            self.on_change(True, term.epoch)
+        return True
+
     async def renew_once(self) -> bool:
         """Renew the lease and check the key is still ours; False (and stepped down) when not."""
         term = self.term
         if term is None:
             return False
         sent = self.clock()
-        ttl = await self.etcd.keepalive(term.lease)
+        # An answer after the deadline is no use: the calls may take until then, and no longer.
+        ttl = await self.etcd.keepalive(term.lease, budget=max(0.0, self._deadline - sent))
         if ttl <= 0:
             self._lost("the lease expired at etcd")
             return False
-        ok, _ = await self.etcd.txn([self._compare_ours(term)], [])
+        ok, _ = await self.etcd.txn([self._compare_ours(term)], [], budget=max(0.0, self._deadline - self.clock()))
         if not ok and self.term is term:
             self._lost("the leader key is no longer ours")
             return False
@@ -180,17 +199,23 @@ class Elector:
         return ok
 
     async def resign(self) -> None:
-        """Give the key up now (a clean stop): a standby takes over at once, not after the TTL."""
-        lease = self.term.lease if self.term else self._lease
+        """Give the key up now (a clean stop, or the exit after stepping down): a standby takes over at once.
+
+        After a step-down the old lease may still hold the key at etcd (it
+        steps down before the lease can lapse, and a new raft leader extends
+        every lease by its election timeout): revoking it spares the standby
+        that wait whenever etcd answers again.
+        """
+        leases = {self.term.lease if self.term else self._lease, self._given_up} - {None}
         if self.term is not None:
             log.warning("giving the lead up (term %d)", self.term.epoch)
         # not _lost(): a resignation is this process's own choice, not news for on_change
-        self.term, self._deadline, self._lease = None, float("-inf"), None
-        if lease is not None:
+        self.term, self._deadline, self._lease, self._given_up = None, float("-inf"), None, None
+        for lease in sorted(leases):
             try:
                 await self.etcd.revoke(lease)
             except EtcdUnavailable as e:
-                log.warning("could not revoke the lease (it lapses by itself within %ds): %s", self.ttl, e)
+                log.warning("could not revoke lease %x (it lapses by itself within %ds): %s", lease, self.ttl, e)
 
     # ----------------------------------------------------------------- loop
     async def run(self, stop: asyncio.Event | None = None) -> None:

@@ -338,7 +338,7 @@ async def serve(settings: ServerSettings, config_path: str | None = None,
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if elector is not None and not deposed:
+        if elector is not None:  # deposed too: the lease it stepped down from may still hold the key
             await elector.resign()  # a standby takes over now, not a lease later
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
