@@ -508,3 +508,15 @@ def router_endpoints(port: int) -> int | None:
         return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).json()["endpoints"]
     except (httpx.HTTPError, ValueError, KeyError):
         return None
+
+
+def role(f: "Fleet", url: str) -> str | None:
+    """"leader", "standby", or None when it does not answer."""
+    try:
+        with httpx.Client(base_url=url, verify=client_context(f.pki.ca_cert, *f.pki.admin), timeout=3) as c:
+            r = c.get("/v1/nodes")
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    return r.headers.get("X-Llmgw-Role", "leader")

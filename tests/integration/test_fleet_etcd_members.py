@@ -18,10 +18,9 @@ import pytest
 import yaml
 
 from etcdproc import CutRelay, EtcdCluster
-from fleet import (Fleet, Proc, edit_agent_config, free_port, gpu_owners, llmgw_argv, router_endpoints,
+from fleet import (Fleet, Proc, edit_agent_config, free_port, gpu_owners, llmgw_argv, role, router_endpoints,
                    shard_identities, standalone_router, until)
 from openai_load import LOAD_PROFILE, StreamingLoad
-from test_fleet_failover import role
 
 pytestmark = pytest.mark.integration
 

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from etcdproc import Etcd
-from fleet import (Fleet, Proc, edit_agent_config, free_port, llmgw_argv, router_endpoints, shard_identities,
+from fleet import (Fleet, Proc, edit_agent_config, free_port, llmgw_argv, role, router_endpoints, shard_identities,
                    standalone_router, until)
 from llmgw.tls import client_context
 from openai_load import LOAD_PROFILE, StreamingLoad
@@ -38,18 +38,6 @@ def second_server(f: Fleet, etcd: Etcd, name: str) -> tuple[Proc, str]:
     proc = Proc(name, llmgw_argv("server", "--config", str(path)), f.root / f"{name}.log", f.root)
     f.extra.append(proc)
     return proc, url
-
-
-def role(f: Fleet, url: str) -> str | None:
-    """"leader", "standby", or None when it does not answer."""
-    try:
-        with httpx.Client(base_url=url, verify=client_context(f.pki.ca_cert, *f.pki.admin), timeout=3) as c:
-            r = c.get("/v1/nodes")
-    except httpx.HTTPError:
-        return None
-    if r.status_code != 200:
-        return None
-    return r.headers.get("X-Llmgw-Role", "leader")
 
 
 def test_the_standby_takes_over_a_killed_leader_and_a_woken_leader_cannot_act(tmp_path):
