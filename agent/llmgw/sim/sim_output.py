@@ -63,7 +63,7 @@ def choices_count(body: dict[str, Any]) -> int:
     if n is None:
         return 1
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise BadRequest(f"n must be at least 1, got {n}.", "n")
+        raise BadRequest(f"n must be at least 1, got {n}.")  # vLLM names no param here
     return n
 
 
@@ -150,3 +150,47 @@ def _value(schema: dict[str, Any]) -> Any:
         props = schema.get("properties") or {}
         return {k: _value(props.get(k) or {}) for k in schema.get("required") or () if isinstance(k, str)}
     return {"string": "tok0", "integer": 0, "number": 0, "boolean": False, "array": [], "null": None}.get(kind, None)
+
+
+# The log-probabilities the simulator reports: fixed values, the sampled token the likeliest.
+SAMPLED_LOGPROB = -0.5
+OTHER_LOGPROB = -2.5
+
+
+def logprobs_requested(body: dict[str, Any], chat: bool) -> int | None:
+    """How many alternatives a request's log-probabilities list per token; None when it asks for none."""
+    if chat:
+        if not body.get("logprobs"):
+            return None
+        top = body.get("top_logprobs") or 0
+    else:
+        top = body.get("logprobs")
+        if top is None or isinstance(top, bool):
+            return None
+    if not isinstance(top, int) or top < 0:
+        raise BadRequest(f"logprobs must be a non-negative integer, got {top}.", "logprobs")
+    return top
+
+
+def _alternatives(piece: str, top: int) -> list[tuple[str, float]]:
+    """The sampled token first, then ``top - 1`` others (vLLM lists the sampled one among the top)."""
+    return [(piece, SAMPLED_LOGPROB)] + [(f"{piece}~{j}", OTHER_LOGPROB - j) for j in range(1, top)]
+
+
+def chat_logprobs(pieces: tuple[str, ...] | list[str], top: int) -> dict[str, Any]:
+    """A chat choice's ``logprobs``, as vLLM's ChatCompletionLogProbs."""
+    def entry(token: str, lp: float) -> dict[str, Any]:
+        return {"token": token, "logprob": lp, "bytes": list(token.encode())}
+
+    return {"content": [{**entry(p, SAMPLED_LOGPROB), "top_logprobs": [entry(t, lp) for t, lp in _alternatives(p, top)]}
+                        for p in pieces]}
+
+
+def completion_logprobs(pieces: tuple[str, ...] | list[str], top: int) -> dict[str, Any]:
+    """A completion choice's ``logprobs``, as vLLM's (OpenAI's legacy) CompletionLogProbs."""
+    offsets, at = [], 0
+    for p in pieces:
+        offsets.append(at)
+        at += len(p)
+    return {"text_offset": offsets, "token_logprobs": [SAMPLED_LOGPROB] * len(pieces), "tokens": list(pieces),
+            "top_logprobs": [dict(_alternatives(p, max(top, 1))) for p in pieces]}
