@@ -230,6 +230,22 @@ def test_token_counters(sim):
     assert metric(sim, "vllm:generation_tokens_total") == g0 + 3
 
 
+def test_per_request_metrics_count_each_request(sim):
+    """vLLM's per-request histograms: latencies, sizes and parameters, one sample per request."""
+    names = ("vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count",
+             "vllm:request_queue_time_seconds_count", "vllm:inter_token_latency_seconds_count",
+             "vllm:request_generation_tokens_sum", "vllm:request_prompt_tokens_sum", "vllm:request_params_n_sum",
+             "vllm:request_params_max_tokens_sum")
+    before = {n: metric(sim, n) for n in names}
+    client(sim).completions.create(model="m", prompt="a b c d", max_tokens=3, n=2)
+    after = {n: metric(sim, n) - before[n] for n in names}
+    assert after == {"vllm:time_to_first_token_seconds_count": 1, "vllm:e2e_request_latency_seconds_count": 1,
+                     "vllm:request_queue_time_seconds_count": 1, "vllm:inter_token_latency_seconds_count": 2,
+                     "vllm:request_generation_tokens_sum": 3, "vllm:request_prompt_tokens_sum": 4,
+                     "vllm:request_params_n_sum": 2, "vllm:request_params_max_tokens_sum": 3}
+    assert metric(sim, "vllm:num_preemptions_total") == 0  # it never preempts
+
+
 def test_requests_beyond_max_num_seqs_wait_and_are_counted(tmp_path):
     with start_sim(extra_args=("--max-num-seqs", "1"), env={"LLMGW_SIM_FAULT": "hang"},
                    log_dir=tmp_path) as s:

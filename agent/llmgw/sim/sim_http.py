@@ -155,12 +155,16 @@ class SimState:
         return k.token_latency * (1.0 + k.decode_batch_slowdown * max(self.running - 1, 0))
 
     @contextlib.asynccontextmanager
-    async def run(self, prompts: list[list[str]], max_new: int, hung: bool = False):
+    async def run(self, prompts: list[list[str]], max_new: int, hung: bool = False, n: int = 1,
+                  max_tokens: int | None = None):
         """Admit a request (``prompts``, each generating up to ``max_new`` tokens), prefill it,
         yield its :class:`Run`, and free what it holds when it ends, however it ends.
+        ``n`` and ``max_tokens`` (per choice) are the request's parameters, for its metrics.
 
         A hung engine core schedules nothing: no prefill, no KV, nothing counted.
         """
+        clock = time.monotonic
+        arrived = clock()
         self._set_waiting(+1)
         allocs: list[Allocation] = []
         try:
@@ -180,21 +184,40 @@ class SimState:
         self.running += 1
         self.metrics.running.set(self.running)
         run = Run(allocs, sum(a.cached_tokens for a in allocs))
+        m = self.metrics
+        first_token = None
         try:
             if not hung:
+                m.queue_time.observe(clock() - arrived)
                 for prompt in prompts:
-                    self.metrics.prompt_tokens.inc(len(prompt))
-                    self.metrics.iteration_tokens.observe(len(prompt))
+                    m.prompt_tokens.inc(len(prompt))
+                    m.iteration_tokens.observe(len(prompt))
+                    m.request_prompt_tokens.observe(len(prompt))
+                    m.params_n.observe(n)
+                    m.params_max_tokens.observe(max_tokens if max_tokens is not None else max_new // max(n, 1))
+                m.prompt_tokens_cached.inc(run.cached)
                 self._step()
                 run.prefill_s = self.knobs.prefill_token_latency * (sum(len(p) for p in prompts) - run.cached)
                 if run.prefill_s > 0:
                     await asyncio.sleep(run.prefill_s)
+                # the first token comes one decode step after prefill (stream_tokens paces it so)
+                first_token = clock() + self.token_latency()
             yield run
         finally:
             self.running -= 1
-            self.metrics.running.set(self.running)
+            m.running.set(self.running)
             self._release(run.allocs, run.generated)
             self._slots.release()
+            if first_token is not None and run.generated > 0:
+                end = clock()
+                m.ttft.observe(max(first_token - arrived, 0.0))
+                m.e2e.observe(end - arrived)
+                if run.generated > 1:
+                    gap = max(end - first_token, 0.0) / (run.generated - 1)
+                    for _ in range(run.generated - 1):
+                        m.inter_token.observe(gap)
+                for _ in prompts:
+                    m.request_generation_tokens.observe(run.generated)
 
     # ------------------------------------------------------------------ KV admission
 
@@ -547,7 +570,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     finished = "abort"
     resp: web.StreamResponse | None = None
     hung = state.faulting("hang")
-    async with state.run([prompt], gen.n * choices, hung) as run:
+    async with state.run([prompt], gen.n * choices, hung, choices, n) as run:
         cached = run.cached
         try:
             if stream:
@@ -664,7 +687,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     finished = "abort"
     resp: web.StreamResponse | None = None
     hung = state.faulting("hang")
-    async with state.run(prompts, max(g.n for g in gens) * choices, hung) as run:
+    async with state.run(prompts, max(g.n for g in gens) * choices, hung, choices,
+                         max(g.n for g in gens)) as run:
         cached = run.cached
         try:
             if stream:
