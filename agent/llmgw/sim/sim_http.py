@@ -496,6 +496,7 @@ async def stream_tokens(
     prefixes: list[bytes],
     mid: bytes,
     last: bytes,
+    ends: list[bytes] | None = None,
 ) -> int:
     """Write the chunks of ``len(prefixes)`` identical choices, interleaved token by token
     as vLLM streams n > 1; returns how many token steps were written."""
@@ -511,7 +512,7 @@ async def stream_tokens(
         if latency:
             delay = start + (i + 1) * latency - clock()
             await asyncio.sleep(delay if delay > 0 else 0)
-        end = last if i == final else mid
+        end = ends[i] if ends is not None else last if i == final else mid
         for prefix in prefixes:
             await resp.write(prefix + toks[i] + end)
         state.metrics.iteration_tokens.observe(len(prefixes))
@@ -523,14 +524,22 @@ async def stream_tokens(
 
 async def stream_choices(request: web.Request, resp: web.StreamResponse, state: SimState, gen: Generation,
                          lead: str, indices: range, opening: str, closing: str, mid_extra: str = "",
-                         tail: str = "") -> int:
+                         tail: str = "", fingerprint: str | None = None, logprobs: list[str] | None = None) -> int:
     """Stream ``gen`` as the choices ``indices``: each chunk is ``lead`` + the choice's ``opening``,
     the token text, ``closing`` and the finish fields. A fault ends it with vLLM's error event.
     Returns the token steps written."""
     prefixes = [f'data: {lead},"choices":[{{"index":{i},{opening}"'.encode() for i in indices]
+    # vLLM ends each choice's last chunk with the fingerprint, unless a usage chunk follows with it
+    fp = f',"system_fingerprint":{_dumps(fingerprint)}' if fingerprint else ""
     mid = f'{closing},"logprobs":null,"finish_reason":null{mid_extra}{tail}}}]}}\n\n'.encode()
-    last = f'{closing},"logprobs":null,{gen.finish()}{tail}}}]}}\n\n'.encode()
-    steps = await stream_tokens(request, resp, state, gen, prefixes, mid, last)
+    last = f'{closing},"logprobs":null,{gen.finish()}{tail}}}]{fp}}}\n\n'.encode()
+    ends = None
+    if logprobs is not None:  # a token's logprobs in its own chunk: per-token ends, only when asked
+        final = gen.n - 1
+        ends = [(f'{closing},"logprobs":{lp},' + (f'{gen.finish()}{tail}}}]{fp}}}\n\n' if i == final else
+                                                  f'"finish_reason":null{mid_extra}{tail}}}]}}\n\n')).encode()
+                for i, lp in enumerate(logprobs)]
+    steps = await stream_tokens(request, resp, state, gen, prefixes, mid, last, ends)
     if gen.faulted:
         await sse_error(resp)
     return steps
@@ -587,10 +596,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                         .encode()
                     )
                 if call is not None:
-                    written = await stream_tool_call(resp, lead, choices, call)
+                    written = await stream_tool_call(resp, lead, choices, call,
+                                                     None if include_usage else state.fingerprint)
                 else:
+                    lps = None if top is None else [_dumps(chat_logprobs([p], top)) for p in gen.text_pieces]
                     steps = await stream_choices(request, resp, state, gen, lead, range(choices),
-                                                 '"delta":{"content":', '"}', tail=',"token_ids":null')
+                                                 '"delta":{"content":', '"}', tail=',"token_ids":null',
+                                                 fingerprint=None if include_usage else state.fingerprint,
+                                                 logprobs=lps)
                     if gen.faulted:
                         written = steps * choices
                         return resp
@@ -650,7 +663,8 @@ def call_tokens(call: ToolCall) -> int:
     return max(1, len(call.arguments.split()))
 
 
-async def stream_tool_call(resp: web.StreamResponse, lead: str, choices: int, call: ToolCall) -> int:
+async def stream_tool_call(resp: web.StreamResponse, lead: str, choices: int, call: ToolCall,
+                           fingerprint: str | None) -> int:
     """vLLM's streamed tool call: the call's id and name, its arguments, then the finish."""
     for index in range(choices):
         entry = call.message_entry()
@@ -659,7 +673,8 @@ async def stream_tool_call(resp: web.StreamResponse, lead: str, choices: int, ca
         for delta in ({"tool_calls": [opening]}, {"tool_calls": [{"index": 0, "function": {"arguments": call.arguments}}]}):
             await resp.write(f'data: {lead},"choices":[{_dumps({"index": index, "delta": delta, "logprobs": None, "finish_reason": None})}]}}\n\n'.encode())
         final = {"index": index, "delta": {}, "logprobs": None, "finish_reason": call.finish_reason, "stop_reason": None}
-        await resp.write(f'data: {lead},"choices":[{_dumps(final)}]}}\n\n'.encode())
+        fp = f',"system_fingerprint":{_dumps(fingerprint)}' if fingerprint else ""
+        await resp.write(f'data: {lead},"choices":[{_dumps(final)}]{fp}}}\n\n'.encode())
     return call_tokens(call) * choices
 
 
@@ -699,9 +714,18 @@ async def completions(request: web.Request) -> web.StreamResponse:
                 head = {"id": rid, "object": "text_completion", "created": created, "model": model}
                 lead = _dumps(head)[:-1]
                 for p, gen in enumerate(gens):
+                    lps = None
+                    if top is not None:
+                        offsets = [0]
+                        for piece in gen.text_pieces:
+                            offsets.append(offsets[-1] + len(piece))
+                        lps = [_dumps(completion_logprobs([piece], top, at))
+                               for piece, at in zip(gen.text_pieces, offsets)]
                     steps = await stream_choices(request, resp, state, gen, lead,
                                                  range(p * choices, (p + 1) * choices), '"text":', '"',
-                                                 ',"stop_reason":null', ',"prompt_token_ids":null,"token_ids":null')
+                                                 ',"stop_reason":null', ',"prompt_token_ids":null,"token_ids":null',
+                                                 fingerprint=None if include_usage else state.fingerprint,
+                                                 logprobs=lps)
                     if gen.faulted:
                         written += steps * choices
                         return resp

@@ -174,6 +174,8 @@ def logprobs_requested(body: dict[str, Any], chat: bool) -> int | None:
 
 def _alternatives(piece: str, top: int) -> list[tuple[str, float]]:
     """The sampled token first, then ``top - 1`` others (vLLM lists the sampled one among the top)."""
+    if top < 1:
+        return []
     return [(piece, SAMPLED_LOGPROB)] + [(f"{piece}~{j}", OTHER_LOGPROB - j) for j in range(1, top)]
 
 
@@ -186,9 +188,10 @@ def chat_logprobs(pieces: tuple[str, ...] | list[str], top: int) -> dict[str, An
                         for p in pieces]}
 
 
-def completion_logprobs(pieces: tuple[str, ...] | list[str], top: int) -> dict[str, Any]:
-    """A completion choice's ``logprobs``, as vLLM's (OpenAI's legacy) CompletionLogProbs."""
-    offsets, at = [], 0
+def completion_logprobs(pieces: tuple[str, ...] | list[str], top: int, at: int = 0) -> dict[str, Any]:
+    """A completion choice's ``logprobs``, as vLLM's (OpenAI's legacy) CompletionLogProbs; ``at``:
+    the first piece's offset in the choice's text (a streamed chunk carries one piece)."""
+    offsets = []
     for p in pieces:
         offsets.append(at)
         at += len(p)
