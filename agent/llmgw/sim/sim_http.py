@@ -1,6 +1,6 @@
 """The simulator's HTTP surface: vLLM's OpenAI-compatible API, shapes included.
 
-Routes: GET /health, /v1/models, /metrics, /version; POST /v1/chat/completions,
+Routes: GET /health, /ping (also POST), /load, /v1/models, /metrics, /version; POST /v1/chat/completions,
 /v1/completions, /v1/embeddings, and /reset_prefix_cache with VLLM_SERVER_DEV_MODE=1
 (vLLM's dev route).  Completions run through :meth:`SimState.run`: admission to a batch
 bounded by ``--max-num-seqs`` and KV blocks (sim_kvcache), prefill, and the KV events of
@@ -560,8 +560,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         if state.faulting("http-500"):
             raise Rejected(500, ENGINE_DEAD)
         stream, include_usage, choices, stops = check_common(body)
+        messages = body.get("messages")
+        if not isinstance(messages, list):  # the request model's own check: FastAPI's 400
+            detail = (("missing", "Field required") if messages is None else ("list_type", "Input should be a valid list"))
+            raise Rejected(400, _validation(detail[0], "body.messages", detail[1]), "body.messages", VALIDATION)
         try:
-            prompt = chat_prompt_tokens(body.get("messages"))
+            prompt = chat_prompt_tokens(messages)
             call = tool_call(body)
         except PromptError as e:
             raise Rejected(400, str(e), "messages") from None
@@ -865,6 +869,12 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
     return web.json_response({"success": state.reset_prefix_cache()})
 
 
+async def load(request: web.Request) -> web.Response:
+    """vLLM's /load: in-flight requests when started with --enable-server-load-tracking, which the
+    simulator does not take; without it vLLM answers 0, as here."""
+    return web.json_response({"server_load": 0})
+
+
 async def version(request: web.Request) -> web.Response:
     return web.json_response({"version": SIM_VERSION})
 
@@ -926,8 +936,8 @@ async def fault_middleware(request: web.Request, handler):
     state: SimState = request.app["state"]
     if state.faulting("wedge"):
         await hang_forever()
-    if state.faulting("engine-dead") and (request.path == "/health" or request.path.startswith("/v1/")):
-        if request.path == "/health":
+    if state.faulting("engine-dead") and (request.path in ("/health", "/ping") or request.path.startswith("/v1/")):
+        if request.path in ("/health", "/ping"):
             return web.Response(status=500)
         return error_response(500, ENGINE_DEAD)
     return await handler(request)
@@ -938,6 +948,10 @@ def build_app(state: SimState) -> web.Application:
     app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
     app["state"] = state
     app.router.add_get("/health", health)
+    # vLLM's /ping (SageMaker's health route): /health's answer, on GET and POST
+    app.router.add_get("/ping", health)
+    app.router.add_post("/ping", health)
+    app.router.add_get("/load", load)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/version", version)
