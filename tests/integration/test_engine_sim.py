@@ -61,7 +61,7 @@ def sim(tmp_path_factory):
     with start_sim(
         model="/models/sim-llama",
         extra_args=("--served-model-name", "m", "alias", "--enable-prompt-tokens-details",
-                    "--max-model-len", "4096"),
+                    "--max-model-len", "4096", "--tool-call-parser", "hermes"),
         env={"LLMGW_SIM_OUTPUT_TOKENS": "6", "LLMGW_SIM_EMBED_DIM": "24"},
         log_dir=tmp_path_factory.mktemp("sim"),
     ) as s:

@@ -566,7 +566,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             raise Rejected(400, _validation(detail[0], "body.messages", detail[1]), "body.messages", VALIDATION)
         try:
             prompt = chat_prompt_tokens(messages)
-            call = tool_call(body)
+            call = tool_call(body, state.cfg.tool_call_parser)
         except PromptError as e:
             raise Rejected(400, str(e), "messages") from None
         except BadRequest as e:

@@ -9,12 +9,13 @@ Pure functions over the request body and the simulator's token texts (``tok0 tok
   ``stop_reason`` the matched string. The tokens generated up to the match count in
   ``usage``. Streaming holds the text back the same way, so the streamed deltas join
   to the same text.
-* ``tool_choice`` naming a function, or ``"required"``: vLLM constrains decoding to a
-  call of that (the first) tool, so the message is ``content: ""`` with one
+* ``tool_choice`` naming a function, or ``"required"``: refused (400) unless the engine
+  runs with ``--tool-call-parser``, as vLLM 0.32 refuses them; with one, vLLM constrains
+  decoding to a call of that (the first) tool, so the message is ``content: ""`` with one
   ``tool_calls`` entry whose ``arguments`` satisfy the function's parameter schema;
   ``finish_reason`` is ``"stop"`` for a named function and ``"tool_calls"`` for
-  ``"required"`` (serving_chat.py). ``"auto"`` is refused with vLLM's message, since
-  the simulator runs no ``--tool-call-parser``.
+  ``"required"`` (serving_chat.py). ``"auto"`` is refused with vLLM's message: the
+  simulator does not choose between text and a call.
 """
 
 from __future__ import annotations
@@ -108,8 +109,9 @@ class ToolCall:
                 "function": {"name": self.name, "arguments": self.arguments}}
 
 
-def tool_call(body: dict[str, Any]) -> ToolCall | None:
-    """The forced tool call of a chat request, None when it generates text; BadRequest as vLLM refuses."""
+def tool_call(body: dict[str, Any], parser: str | None) -> ToolCall | None:
+    """The forced tool call of a chat request, None when it generates text; BadRequest as vLLM refuses.
+    ``parser``: the engine's ``--tool-call-parser``, without which vLLM forces no call."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if choice is None and tools:
         choice = "auto"
@@ -123,11 +125,15 @@ def tool_call(body: dict[str, Any]) -> ToolCall | None:
     if choice == "required":
         if not functions:
             return None  # vLLM treats "required" with no tools as "none", as OpenAI does
+        if parser is None:
+            raise BadRequest('tool_choice="required" requires --tool-call-parser to be set')
         return ToolCall(str(functions[0].get("name")), _arguments(functions[0].get("parameters")), "tool_calls")
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(name, str) or not name:
         raise BadRequest(f"Invalid value for `tool_choice`: {choice}! Only named tools, \"none\", \"auto\" "
                          "or \"required\" are supported.", "tool_choice")
+    if parser is None:
+        raise BadRequest(f'tool_choice=function "{name}" requires --tool-call-parser to be set')
     for f in functions:
         if f.get("name") == name:
             return ToolCall(name, _arguments(f.get("parameters")), "stop")
