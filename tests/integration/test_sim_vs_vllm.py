@@ -42,6 +42,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 MODEL = "tiny"
 MAX_LEN = 512
 CHAT = [{"role": "user", "content": "hello there"}]
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 # The random tiny model may sample its end-of-sequence token at any step: ignore it, so both
 # engines generate exactly max_tokens and the token-count-shaped parts (logprobs lists, chunk
 # counts) compare. (n > 1 needs sampling: vLLM refuses it with temperature 0.)
@@ -105,6 +106,11 @@ DOMAIN = {"object", "finish_reason", "role", "type", "owned_by", "model", "id", 
           "system_fingerprint", "version", "organization", "index"}
 
 
+# Containers whose keys or length are generated data: a token's UTF-8 bytes, and the legacy
+# completions' top_logprobs entries ({token: logprob}); the chat format's entries are objects.
+DATA = {"bytes", "top_logprobs[]"}
+
+
 def kind(v: Any) -> str:
     return {type(None): "null", bool: "bool", int: "int", float: "float", str: "str", list: "list",
             dict: "object"}.get(type(v), type(v).__name__)
@@ -114,6 +120,12 @@ def shape_diff(path: str, real: Any, sim: Any, out: list[str], key: str = "") ->
     """Append to ``out`` every difference of shape between ``real`` and ``sim`` under ``path``."""
     if kind(real) != kind(sim):
         out.append(f"{path}: {kind(real)} in vllm, {kind(sim)} in sim")
+    elif key in DATA and isinstance(real, (dict, list)):
+        # data, not structure: its keys or length are the generated tokens; only the value types count
+        values = (lambda v: v.values()) if isinstance(real, dict) else (lambda v: v)
+        real_kinds, sim_kinds = {kind(v) for v in values(real)}, {kind(v) for v in values(sim)}
+        if real_kinds and sim_kinds and real_kinds != sim_kinds:
+            out.append(f"{path}: values {sorted(real_kinds)} in vllm, {sorted(sim_kinds)} in sim")
     elif isinstance(real, dict):
         for k in sorted(real.keys() - sim.keys()):
             out.append(f"{path}: key {k!r} missing in sim")
@@ -125,7 +137,7 @@ def shape_diff(path: str, real: Any, sim: Any, out: list[str], key: str = "") ->
         if len(real) != len(sim):
             out.append(f"{path}: {len(real)} items in vllm, {len(sim)} in sim")
         for i, (r, s) in enumerate(zip(real, sim)):
-            shape_diff(f"{path}[{i}]", r, s, out, key)
+            shape_diff(f"{path}[{i}]", r, s, out, key if isinstance(r, dict) and "logprob" in r else f"{key}[]")
     elif key in DOMAIN and _HEX.sub("<hex>", str(real)) != _HEX.sub("<hex>", str(sim)):
         out.append(f"{path}: {real!r} in vllm, {sim!r} in sim")
     return out
@@ -173,9 +185,21 @@ def compare_json(pair: Pair, path: str, route: str, body: Any, headers: dict[str
     return real.json(), sim.json()
 
 
+def by_choice(events: list[Any]) -> list[Any]:
+    """The events with each choice's chunks together (role chunks first, usage and [DONE] last): vLLM
+    interleaves n > 1 choices in whatever order the engine returns them, a client may not rely on it."""
+    def order(e: Any) -> tuple[int, int]:
+        if not isinstance(e, dict) or not e.get("choices"):
+            return (2, 0)
+        c = e["choices"][0]
+        return (0 if "role" in c.get("delta", {}) else 1, c["index"])
+
+    return sorted(events, key=order)
+
+
 def compare_stream(pair: Pair, path: str, route: str, body: dict) -> tuple[list, list]:
     real, sim = both(pair, lambda e: sse(post(e, route, {**body, "stream": True})))
-    assert_same_shape(path, {"chunk": real}, {"chunk": sim})
+    assert_same_shape(path, {"chunk": by_choice(real)}, {"chunk": by_choice(sim)})
     return real, sim
 
 
@@ -200,6 +224,11 @@ def test_models_health_and_version(pair):
     assert_same_shape("models", real.json(), sim.json())
     real, sim = both(pair, lambda e: httpx.get(f"{e.url}/health", timeout=30))
     assert (real.status_code, real.content) == (sim.status_code, sim.content) == (200, b"")
+    for method in ("GET", "POST"):  # /ping: /health's answer, for load balancers that probe it
+        real, sim = both(pair, lambda e: httpx.request(method, f"{e.url}/ping", timeout=30))
+        assert (real.status_code, real.content) == (sim.status_code, sim.content) == (200, b"")
+    real, sim = both(pair, lambda e: httpx.get(f"{e.url}/load", timeout=30).json())
+    assert real == sim == {"server_load": 0}
     real, sim = both(pair, lambda e: httpx.get(f"{e.url}/version", timeout=30).json())
     assert real == sim == {"version": vllmcpu.version("VLLM_CPU")}
 
@@ -227,6 +256,15 @@ def test_completion_stream_with_usage(pair):
     compare_stream(pair, "completion.stream", "/v1/completions",
                    {"model": MODEL, "prompt": "hello world", "max_tokens": 3,
                     "stream_options": {"include_usage": True}, **FULL})
+
+
+def test_streams_without_usage_and_with_logprobs(pair):
+    """Without a usage chunk, each choice's last chunk carries the fingerprint; logprobs ride in each chunk."""
+    compare_stream(pair, "chat.stream_logprobs", "/v1/chat/completions",
+                   {"model": MODEL, "messages": CHAT, "max_tokens": 3, "n": 2, "logprobs": True, "top_logprobs": 2,
+                    **FULL})
+    compare_stream(pair, "completion.stream_logprobs", "/v1/completions",
+                   {"model": MODEL, "prompt": "hello world", "max_tokens": 3, "logprobs": 1, **FULL})
 
 
 def test_stop_string_ends_with_stop_and_the_matched_string(pair):
@@ -264,6 +302,17 @@ def test_max_tokens_past_the_context_is_cut_at_the_context_with_length(pair):
     ("stream_options_without_stream", "/v1/chat/completions",
      {"model": MODEL, "messages": CHAT, "stream_options": {"include_usage": True}}, AUTH),
     ("body_not_an_object", "/v1/completions", "[1]", AUTH),
+    ("messages_not_a_list", "/v1/chat/completions", {"model": MODEL, "messages": "hello"}, AUTH),
+    ("messages_missing", "/v1/chat/completions", {"model": MODEL}, AUTH),
+    ("empty_prompt", "/v1/completions", {"model": MODEL, "prompt": "", "max_tokens": 2}, AUTH),
+    ("max_tokens_zero", "/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 0}, AUTH),
+    # both run without --tool-call-parser: vLLM 0.32 forces no tool call then, and chooses none
+    ("named_tool_without_parser", "/v1/chat/completions",
+     {"model": MODEL, "messages": CHAT, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     AUTH),
+    ("required_tool_without_parser", "/v1/chat/completions",
+     {"model": MODEL, "messages": CHAT, "tools": TOOLS, "tool_choice": "required"}, AUTH),
+    ("auto_tool_without_parser", "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "tools": TOOLS}, AUTH),
     ("wrong_key", "/v1/chat/completions", {"model": MODEL, "messages": CHAT},
      {"Authorization": "Bearer not-the-key"}),
     ("no_key", "/v1/completions", {"model": MODEL, "prompt": "hello"}, {}),
