@@ -24,6 +24,7 @@ CPU_HEAVY = frozenset({
     "test_fleet_stall.py",
     "test_llamacpp_e2e.py",
     "test_router_openai.py",
+    "test_sim_vs_vllm.py",
     "test_vllm_e2e.py",
     "test_vllm_kv_events.py",
 })

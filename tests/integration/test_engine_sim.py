@@ -61,7 +61,7 @@ def sim(tmp_path_factory):
     with start_sim(
         model="/models/sim-llama",
         extra_args=("--served-model-name", "m", "alias", "--enable-prompt-tokens-details",
-                    "--max-model-len", "4096"),
+                    "--max-model-len", "4096", "--tool-call-parser", "hermes"),
         env={"LLMGW_SIM_OUTPUT_TOKENS": "6", "LLMGW_SIM_EMBED_DIM": "24"},
         log_dir=tmp_path_factory.mktemp("sim"),
     ) as s:
@@ -161,7 +161,7 @@ def test_unknown_model_is_404_in_vllms_error_shape(sim):
     with pytest.raises(openai.NotFoundError) as e:
         client(sim).chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
     assert e.value.response.json() == {"error": {
-        "message": "The model `gpt-4` does not exist.", "type": "NotFoundError",
+        "message": "The model `gpt-4` does not exist. Valid aliases: m, alias.", "type": "NotFoundError",
         "param": "model", "code": 404}}
 
 
@@ -169,12 +169,17 @@ def test_invalid_json_is_400_in_vllms_error_shape(sim):
     status, body = post_raw(sim, "/v1/chat/completions", b"{not json")
     assert status == 400
     assert set(body["error"]) == {"message", "type", "param", "code"}
-    assert body["error"]["type"] == "BadRequestError" and body["error"]["code"] == 400
+    # vLLM answers a body its request model cannot parse with FastAPI's type and the location
+    assert body["error"]["type"] == "Bad Request" and body["error"]["code"] == 400
+    assert body["error"]["param"] == "body.1" and "JSON decode error" in body["error"]["message"]
 
 
 def test_context_length_is_enforced(sim):
-    with pytest.raises(openai.BadRequestError, match="maximum context length is 4096"):
+    with pytest.raises(openai.BadRequestError, match="cannot be greater than max_model_len=4096"):
         client(sim).completions.create(model="m", prompt="x", max_tokens=5000)
+    # below max_model_len, max_tokens past the context's end generates up to it (vLLM 0.32)
+    done = client(sim).completions.create(model="m", prompt="x", max_tokens=4096)
+    assert done.choices[0].finish_reason == "length" and done.usage.total_tokens == 4096
 
 
 def test_api_key_is_required_on_v1_only(tmp_path):
@@ -223,6 +228,22 @@ def test_token_counters(sim):
     client(sim).completions.create(model="m", prompt="a b c d", max_tokens=3)
     assert metric(sim, "vllm:prompt_tokens_total") == p0 + 4
     assert metric(sim, "vllm:generation_tokens_total") == g0 + 3
+
+
+def test_per_request_metrics_count_each_request(sim):
+    """vLLM's per-request histograms: latencies, sizes and parameters, one sample per request."""
+    names = ("vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count",
+             "vllm:request_queue_time_seconds_count", "vllm:inter_token_latency_seconds_count",
+             "vllm:request_generation_tokens_sum", "vllm:request_prompt_tokens_sum", "vllm:request_params_n_sum",
+             "vllm:request_params_max_tokens_sum")
+    before = {n: metric(sim, n) for n in names}
+    client(sim).completions.create(model="m", prompt="a b c d", max_tokens=3, n=2)
+    after = {n: metric(sim, n) - before[n] for n in names}
+    assert after == {"vllm:time_to_first_token_seconds_count": 1, "vllm:e2e_request_latency_seconds_count": 1,
+                     "vllm:request_queue_time_seconds_count": 1, "vllm:inter_token_latency_seconds_count": 2,
+                     "vllm:request_generation_tokens_sum": 3, "vllm:request_prompt_tokens_sum": 4,
+                     "vllm:request_params_n_sum": 2, "vllm:request_params_max_tokens_sum": 3}
+    assert metric(sim, "vllm:num_preemptions_total") == 0  # it never preempts
 
 
 def test_requests_beyond_max_num_seqs_wait_and_are_counted(tmp_path):

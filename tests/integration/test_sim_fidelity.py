@@ -34,7 +34,8 @@ def engines(tmp_path_factory):
     model = root / "tiny.gguf"
     write_model(model)
     with start_llama_server(model, MODEL, root) as llama, \
-            start_sim(model=str(model), extra_args=("--served-model-name", MODEL), log_dir=root) as sim:
+            start_sim(model=str(model), extra_args=("--served-model-name", MODEL, "--tool-call-parser", "hermes"),
+                      log_dir=root) as sim:
         yield {"llama.cpp": llama, "sim": sim}
 
 

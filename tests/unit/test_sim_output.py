@@ -47,8 +47,19 @@ TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {
          {"type": "function", "function": {"name": "time"}}]
 
 
+PARSER = "hermes"  # a --tool-call-parser: vLLM forces no tool call without one
+
+
+def test_forced_tool_calls_need_a_tool_call_parser_as_in_vllm():
+    with pytest.raises(BadRequest, match='tool_choice=function "weather" requires --tool-call-parser'):
+        tool_call({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "weather"}}}, None)
+    with pytest.raises(BadRequest, match='tool_choice="required" requires --tool-call-parser'):
+        tool_call({"tools": TOOLS, "tool_choice": "required"}, None)
+    assert tool_call({"tools": TOOLS, "tool_choice": "none"}, None) is None
+
+
 def test_a_named_tool_choice_calls_it_with_schema_valid_arguments_and_finishes_with_stop():
-    call = tool_call({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "weather"}}})
+    call = tool_call({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "weather"}}}, PARSER)
     assert call.name == "weather" and call.finish_reason == "stop"
     assert json.loads(call.arguments) == {"city": "tok0", "days": 0, "unit": "c"}
     entry = call.message_entry()
@@ -56,16 +67,16 @@ def test_a_named_tool_choice_calls_it_with_schema_valid_arguments_and_finishes_w
 
 
 def test_required_calls_the_first_tool_and_finishes_with_tool_calls():
-    call = tool_call({"tools": TOOLS, "tool_choice": "required"})
+    call = tool_call({"tools": TOOLS, "tool_choice": "required"}, PARSER)
     assert (call.name, call.finish_reason) == ("weather", "tool_calls")
-    assert tool_call({"tools": [], "tool_choice": "required"}) is None
+    assert tool_call({"tools": [], "tool_choice": "required"}, PARSER) is None
 
 
 def test_auto_without_a_parser_unknown_names_and_no_tools_are_refused_as_vllm_refuses_them():
-    assert tool_call({}) is None and tool_call({"tools": TOOLS, "tool_choice": "none"}) is None
+    assert tool_call({}, PARSER) is None and tool_call({"tools": TOOLS, "tool_choice": "none"}, PARSER) is None
     with pytest.raises(BadRequest, match="--enable-auto-tool-choice"):
-        tool_call({"tools": TOOLS})
+        tool_call({"tools": TOOLS}, PARSER)
     with pytest.raises(BadRequest, match="does not match any"):
-        tool_call({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}})
+        tool_call({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, PARSER)
     with pytest.raises(BadRequest, match="`tools` must be set"):
-        tool_call({"tool_choice": "required"})
+        tool_call({"tool_choice": "required"}, PARSER)

@@ -206,7 +206,7 @@ async def serve(cfg: SimConfig, knobs: Knobs) -> int:
     host = cfg.host or "0.0.0.0"
     scheme = "https" if ssl_context is not None else "http"
     log.info("api_server.py:1912", f"Starting vLLM API server 0 on {scheme}://{host}:{cfg.port}")
-    log.info("launcher.py:34", "Available routes are: /health, /v1/models, /metrics, /version, "
+    log.info("launcher.py:34", "Available routes are: /health, /ping, /load, /v1/models, /metrics, /version, "
              "/v1/chat/completions, /v1/completions, /v1/embeddings")
     if cfg.dialect == "sglang":
         log.info("http_server.py:1214", "The server is fired up and ready to roll!")

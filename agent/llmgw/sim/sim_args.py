@@ -66,6 +66,7 @@ class SimConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     max_num_seqs: int = 256
     enable_prompt_tokens_details: bool = False
+    tool_call_parser: str | None = None  # vLLM: forced tool calls (named, "required") need one since 0.2x
     num_gpu_blocks: int | None = None  # --num-gpu-blocks-override; None: LLMGW_SIM_PREFIX_CACHE_BLOCKS
     kv_events: KVEventsConfig | None = None  # None: no KV events published
     # PEM paths: serve HTTPS with them (vLLM's --ssl-keyfile/--ssl-certfile,
@@ -318,6 +319,7 @@ def parse_vllm(args: Sequence[str], prog: str = "vllm serve") -> SimConfig:
         block_size=ns.block_size or DEFAULT_BLOCK_SIZE,
         max_num_seqs=ns.max_num_seqs or 256,
         enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
+        tool_call_parser=ns.tool_call_parser or None,
         num_gpu_blocks=ns.num_gpu_blocks_override,
         kv_events=kv_events_config(ns.kv_events_config, ns.data_parallel_size),
         ssl_keyfile=ns.ssl_keyfile,

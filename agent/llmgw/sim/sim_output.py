@@ -9,12 +9,13 @@ Pure functions over the request body and the simulator's token texts (``tok0 tok
   ``stop_reason`` the matched string. The tokens generated up to the match count in
   ``usage``. Streaming holds the text back the same way, so the streamed deltas join
   to the same text.
-* ``tool_choice`` naming a function, or ``"required"``: vLLM constrains decoding to a
-  call of that (the first) tool, so the message is ``content: ""`` with one
+* ``tool_choice`` naming a function, or ``"required"``: refused (400) unless the engine
+  runs with ``--tool-call-parser``, as vLLM 0.32 refuses them; with one, vLLM constrains
+  decoding to a call of that (the first) tool, so the message is ``content: ""`` with one
   ``tool_calls`` entry whose ``arguments`` satisfy the function's parameter schema;
   ``finish_reason`` is ``"stop"`` for a named function and ``"tool_calls"`` for
-  ``"required"`` (serving_chat.py). ``"auto"`` is refused with vLLM's message, since
-  the simulator runs no ``--tool-call-parser``.
+  ``"required"`` (serving_chat.py). ``"auto"`` is refused with vLLM's message: the
+  simulator does not choose between text and a call.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def choices_count(body: dict[str, Any]) -> int:
     if n is None:
         return 1
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise BadRequest(f"n must be at least 1, got {n}.", "n")
+        raise BadRequest(f"n must be at least 1, got {n}.")  # vLLM names no param here
     return n
 
 
@@ -108,8 +109,9 @@ class ToolCall:
                 "function": {"name": self.name, "arguments": self.arguments}}
 
 
-def tool_call(body: dict[str, Any]) -> ToolCall | None:
-    """The forced tool call of a chat request, None when it generates text; BadRequest as vLLM refuses."""
+def tool_call(body: dict[str, Any], parser: str | None) -> ToolCall | None:
+    """The forced tool call of a chat request, None when it generates text; BadRequest as vLLM refuses.
+    ``parser``: the engine's ``--tool-call-parser``, without which vLLM forces no call."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if choice is None and tools:
         choice = "auto"
@@ -123,11 +125,15 @@ def tool_call(body: dict[str, Any]) -> ToolCall | None:
     if choice == "required":
         if not functions:
             return None  # vLLM treats "required" with no tools as "none", as OpenAI does
+        if parser is None:
+            raise BadRequest('tool_choice="required" requires --tool-call-parser to be set')
         return ToolCall(str(functions[0].get("name")), _arguments(functions[0].get("parameters")), "tool_calls")
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(name, str) or not name:
         raise BadRequest(f"Invalid value for `tool_choice`: {choice}! Only named tools, \"none\", \"auto\" "
                          "or \"required\" are supported.", "tool_choice")
+    if parser is None:
+        raise BadRequest(f'tool_choice=function "{name}" requires --tool-call-parser to be set')
     for f in functions:
         if f.get("name") == name:
             return ToolCall(name, _arguments(f.get("parameters")), "stop")
@@ -150,3 +156,50 @@ def _value(schema: dict[str, Any]) -> Any:
         props = schema.get("properties") or {}
         return {k: _value(props.get(k) or {}) for k in schema.get("required") or () if isinstance(k, str)}
     return {"string": "tok0", "integer": 0, "number": 0, "boolean": False, "array": [], "null": None}.get(kind, None)
+
+
+# The log-probabilities the simulator reports: fixed values, the sampled token the likeliest.
+SAMPLED_LOGPROB = -0.5
+OTHER_LOGPROB = -2.5
+
+
+def logprobs_requested(body: dict[str, Any], chat: bool) -> int | None:
+    """How many alternatives a request's log-probabilities list per token; None when it asks for none."""
+    if chat:
+        if not body.get("logprobs"):
+            return None
+        top = body.get("top_logprobs") or 0
+    else:
+        top = body.get("logprobs")
+        if top is None or isinstance(top, bool):
+            return None
+    if not isinstance(top, int) or top < 0:
+        raise BadRequest(f"logprobs must be a non-negative integer, got {top}.", "logprobs")
+    return top
+
+
+def _alternatives(piece: str, top: int) -> list[tuple[str, float]]:
+    """The sampled token first, then ``top - 1`` others (vLLM lists the sampled one among the top)."""
+    if top < 1:
+        return []
+    return [(piece, SAMPLED_LOGPROB)] + [(f"{piece}~{j}", OTHER_LOGPROB - j) for j in range(1, top)]
+
+
+def chat_logprobs(pieces: tuple[str, ...] | list[str], top: int) -> dict[str, Any]:
+    """A chat choice's ``logprobs``, as vLLM's ChatCompletionLogProbs."""
+    def entry(token: str, lp: float) -> dict[str, Any]:
+        return {"token": token, "logprob": lp, "bytes": list(token.encode())}
+
+    return {"content": [{**entry(p, SAMPLED_LOGPROB), "top_logprobs": [entry(t, lp) for t, lp in _alternatives(p, top)]}
+                        for p in pieces]}
+
+
+def completion_logprobs(pieces: tuple[str, ...] | list[str], top: int, at: int = 0) -> dict[str, Any]:
+    """A completion choice's ``logprobs``, as vLLM's (OpenAI's legacy) CompletionLogProbs; ``at``:
+    the first piece's offset in the choice's text (a streamed chunk carries one piece)."""
+    offsets = []
+    for p in pieces:
+        offsets.append(at)
+        at += len(p)
+    return {"text_offset": offsets, "token_logprobs": [SAMPLED_LOGPROB] * len(pieces), "tokens": list(pieces),
+            "top_logprobs": [dict(_alternatives(p, max(top, 1))) for p in pieces]}

@@ -74,6 +74,8 @@ def chat_prompt_tokens(messages: Any) -> list[str]:
 
 def completion_prompts(prompt: Any) -> list[list[str]]:
     """The prompts of a completions request: str, [str], [int] or [[int]]."""
+    if prompt is None or prompt == "" or (isinstance(prompt, list) and any(p in ("", []) for p in prompt)):
+        raise PromptError("Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)")
     if isinstance(prompt, str):
         return [prompt.split()]
     if isinstance(prompt, list) and prompt:
