@@ -32,7 +32,7 @@ import vllmcpu
 from llmgw.agent.liveness import PENDING, PROGRESS
 from realvllm import start_vllm, tiny_hf_model, vllm_python  # noqa: F401 (fixtures)
 from simproc import SimProcess, start_sim_argv
-from test_runtime_smoke import dashboard_metrics, scrape
+from tests.support.dashboard import dashboard_metrics, scrape
 from tests.support.ports import free_port
 
 pytestmark = pytest.mark.integration
