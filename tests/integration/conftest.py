@@ -30,6 +30,9 @@ CPU_HEAVY = frozenset({
 })
 
 
+# tryfirst: pytest-xdist's own hook turns the marks into the ids it schedules by; a mark added
+# after it has run groups nothing.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         name = item.path.name
