@@ -396,7 +396,9 @@ def test_a_deployment_that_cannot_start_fails_the_last_play_naming_it_and_why(si
     change = site["unready"]
     run = change["run"]
     assert run.rc != 0, run.explain()
-    (report,) = run.task("Report what is not Ready")
+    reports = run.task("Report what is not Ready")
+    assert len(reports) == 1, run.explain()  # the run failed before its report: say where
+    (report,) = reports
     assert report.status == "failed", report.res
     message = report.res["msg"]
     assert "the fleet did not reach its declared replicas in time" in message, message
