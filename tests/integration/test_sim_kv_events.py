@@ -23,8 +23,9 @@ import pytest
 
 zmq = pytest.importorskip("zmq")
 
-from llmgw.kvevents import BlockRemoved, BlockStored, Message, decode_message, decode_replay, encode_seq  # noqa: E402
+from llmgw.kvevents import BlockRemoved, BlockStored  # noqa: E402
 from tests.integration.simproc import start_sim  # noqa: E402
+from tests.support.kvsub import Subscriber, replay  # noqa: E402
 from tests.support.polling import until  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -76,27 +77,6 @@ def waiting_for(sim, reason: str) -> float:
     return float(value)
 
 
-class Subscriber:
-    def __init__(self, ctx, d: Path) -> None:
-        self.sock = ctx.socket(zmq.SUB)
-        self.sock.setsockopt(zmq.SUBSCRIBE, TOPIC.encode())
-        self.sock.connect(f"ipc://{d}/kv.sock")
-        self.got: list[Message] = []
-
-    def pump(self) -> list[Message]:
-        while self.sock.poll(50):
-            self.got.append(decode_message(self.sock.recv_multipart()))
-        return self.got
-
-    def stored(self, tokens: list[int]) -> list[BlockStored]:
-        self.pump()
-        return [e for m in self.got for e in m.batch.events
-                if isinstance(e, BlockStored) and e.token_ids == tuple(tokens)]
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-
-
 def joined(sim, sub: Subscriber) -> None:
     """PUB/SUB drops what is published before the subscription reaches the publisher: send
     throwaway one-block prompts until one's event arrives."""
@@ -109,25 +89,9 @@ def joined(sim, sub: Subscriber) -> None:
     until(probe, "the subscription to reach the publisher", interval=0)
 
 
-def replay(ctx, d: Path, start: int) -> list[Message]:
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.connect(f"ipc://{d}/kv-replay.sock")
-    try:
-        dealer.send_multipart([b"", encode_seq(start)])
-        out = []
-        while True:
-            assert dealer.poll(30_000), "the replay socket did not answer"
-            msg = decode_replay(dealer.recv_multipart())
-            if msg is None:
-                return out
-            out.append(msg)
-    finally:
-        dealer.close(linger=0)
-
-
 def test_shared_prefix_chains_counters_evictions_and_replay_after_a_subscriber_restart(engine):
     sim, d, ctx = engine
-    sub = Subscriber(ctx, d)
+    sub = Subscriber(ctx, f"ipc://{d}/kv.sock", TOPIC)
     joined(sim, sub)
 
     a, b = SHARED + tail(1) + [7], SHARED + tail(2) + [7]
@@ -155,7 +119,7 @@ def test_shared_prefix_chains_counters_evictions_and_replay_after_a_subscriber_r
     complete(sim, c)
     big = tail(50, 8 * BS)
     complete(sim, big)
-    missed = replay(ctx, d, last + 1)
+    missed = replay(ctx, f"ipc://{d}/kv-replay.sock", last + 1, wait=30)
     assert [m.seq for m in missed] == list(range(last + 1, last + 1 + len(missed)))
     assert {m.topic for m in missed} == {TOPIC}
     events = [e for m in missed for e in m.batch.events]
@@ -170,7 +134,7 @@ def test_shared_prefix_chains_counters_evictions_and_replay_after_a_subscriber_r
     assert metric(sim, "vllm:prefix_cache_hits_total") == h1
 
     # a restarted subscriber catches up from 0: every batch, in order, no gap, the ones seen equal
-    everything = replay(ctx, d, 0)
+    everything = replay(ctx, f"ipc://{d}/kv-replay.sock", 0, wait=30)
     assert [m.seq for m in everything] == list(range(len(everything)))
     assert everything[seqs[0]:seqs[0] + len(seqs)] == sub.got
 

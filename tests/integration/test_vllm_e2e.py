@@ -29,9 +29,10 @@ import zmq
 
 import vllmcpu
 from fleet import Fleet, shard_identities, until
-from llmgw.kvevents import BlockStored, Message, decode_message
+from llmgw.kvevents import BlockStored
 from realengine import client, cmdline, engine_fleet, engine_log, shard_of
 from realvllm import tiny_hf_model, vllm_python  # noqa: F401 (fixtures)
+from tests.support.kvsub import Subscriber
 
 pytestmark = pytest.mark.integration
 
@@ -167,23 +168,6 @@ def test_liveness_reads_vllms_metrics_and_sends_it_no_completions(served):
     until(lambda: requests("GET /metrics") >= metrics + 6, "six more liveness checks")
     assert requests("POST /v1/completions") == completions
     assert shard_of(f, "tiny")["pid"] == shard["pid"]  # and the checks passed: same engine, still Ready
-
-
-class Subscriber:
-    def __init__(self, ctx: zmq.Context, endpoint: str, topic: str) -> None:
-        self.sock = ctx.socket(zmq.SUB)
-        self.sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
-        self.sock.connect(endpoint)
-        self.got: list[Message] = []
-
-    def pump(self) -> list[Message]:
-        while self.sock.poll(50):
-            self.got.append(decode_message(self.sock.recv_multipart()))
-        return self.got
-
-    def stored(self, tokens: list[int]) -> list[BlockStored]:
-        self.pump()
-        return [e for m in self.got for e in m.batch.events if isinstance(e, BlockStored) and e.token_ids == tuple(tokens)]
 
 
 def block(seed: int) -> list[int]:

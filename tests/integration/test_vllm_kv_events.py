@@ -17,8 +17,9 @@ import httpx
 import pytest
 import zmq
 
-from llmgw.kvevents import BlockStored, Message, decode_message, decode_replay, encode_seq
+from llmgw.kvevents import BlockStored, Message
 from realvllm import start_vllm, tiny_hf_model, vllm_python  # noqa: F401 (fixtures)
+from tests.support.kvsub import Subscriber, replay
 from tests.support.polling import until
 
 pytestmark = pytest.mark.integration
@@ -54,27 +55,6 @@ def counter(eng, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
-class Subscriber:
-    def __init__(self, ctx: zmq.Context, kv: dict) -> None:
-        self.sock = ctx.socket(zmq.SUB)
-        self.sock.setsockopt(zmq.SUBSCRIBE, TOPIC.encode())
-        self.sock.connect(kv["endpoint"])
-        self.got: list[Message] = []
-
-    def pump(self) -> list[Message]:
-        while self.sock.poll(50):
-            self.got.append(decode_message(self.sock.recv_multipart()))
-        return self.got
-
-    def stored(self, tokens: list[int]) -> list[BlockStored]:
-        """BlockStored events received so far whose blocks hold exactly ``tokens``."""
-        self.pump()
-        return [e for m in self.got for e in m.batch.events if isinstance(e, BlockStored) and e.token_ids == tuple(tokens)]
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-
-
 def joined(eng, sub: Subscriber) -> None:
     """PUB/SUB drops what is published before a subscription reaches the publisher: send
     throwaway prompts (each a new block) until one's event arrives."""
@@ -87,25 +67,9 @@ def joined(eng, sub: Subscriber) -> None:
     until(probe, "the subscription to reach the publisher", interval=0)
 
 
-def replay(ctx: zmq.Context, kv: dict, start: int) -> list[Message]:
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.connect(kv["replay_endpoint"])
-    try:
-        dealer.send_multipart([b"", encode_seq(start)])
-        out = []
-        while True:
-            assert dealer.poll(60_000), "the replay socket did not answer"
-            msg = decode_replay(dealer.recv_multipart())
-            if msg is None:
-                return out
-            out.append(msg)
-    finally:
-        dealer.close(linger=0)
-
-
 def test_shared_prefix_chains_and_replay_after_a_subscriber_restart(engine):
     eng, kv, ctx = engine
-    sub = Subscriber(ctx, kv)
+    sub = Subscriber(ctx, kv["endpoint"], TOPIC)
     joined(eng, sub)
 
     a, b = SHARED + tail(1), SHARED + tail(2)
@@ -126,13 +90,13 @@ def test_shared_prefix_chains_and_replay_after_a_subscriber_restart(engine):
     sub.close()
     c = b + tail(3)
     complete(eng, c)
-    missed = until(lambda: [m for m in replay(ctx, kv, last + 1) for e in m.batch.events
+    missed = until(lambda: [m for m in replay(ctx, kv["replay_endpoint"], last + 1) for e in m.batch.events
                             if isinstance(e, BlockStored) and e.parent_block_hash == second.block_hashes[0]],
                    "the missed batch in the replay")
     (third,) = [e for e in missed[0].batch.events if isinstance(e, BlockStored)]
     assert third.token_ids == tuple(c[96:]) and missed[0].seq > last and missed[0].topic == TOPIC
 
     # a restarted subscriber catches up from the start: the same batches, in order, no gaps
-    everything = replay(ctx, kv, 0)
+    everything = replay(ctx, kv["replay_endpoint"], 0)
     assert [m.seq for m in everything] == list(range(len(everything)))
     assert everything[seqs[0]:seqs[0] + len(seqs)] == sub.got
