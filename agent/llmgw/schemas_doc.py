@@ -64,7 +64,9 @@ def _rows(schema: dict[str, Any], node: dict[str, Any], prefix: str, required: s
         desc = (sub.get("description") or raw.get("description") or "").replace("|", "\\|")
         if other:
             desc = (desc + " " if desc else "") + f"See {other.removesuffix('.schema.json')}."
-        default = f"`{json.dumps(sub['default'])}`" if "default" in sub else ""
+        # a default beside a $ref ({"$ref": "#/$defs/seconds", "default": 2}) is the key's own
+        stated = raw if "default" in raw else sub
+        default = f"`{json.dumps(stated['default'])}`" if "default" in stated else ""
         req = "yes" if key in required else ""
         out.append(f"| `{path}` | {_type(schema, sub) or ('object' if other else '')} | {req} | {default} | "
                    f"{_bounds(sub)} | {desc} |")
