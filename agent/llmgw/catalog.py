@@ -15,6 +15,7 @@ from enum import Enum
 from typing import Any
 
 from llmgw.repository import HUB_PREFIX, is_repository_url
+from llmgw.schemadefaults import with_defaults
 
 
 class SourceKind(str, Enum):
@@ -104,6 +105,7 @@ class Catalog:
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> "Catalog":
+        cfg = with_defaults(cfg, "server")  # a profile's defaults are the schema's
         models = {}
         for m in cfg.get("models", ()):
             models[m["name"]] = Model(
@@ -120,14 +122,14 @@ class Catalog:
             profiles[p["name"]] = Profile(
                 name=p["name"],
                 engine=p["engine"],
-                tensor_parallel_size=p.get("tensor_parallel_size", 1),
-                pipeline_parallel_size=p.get("pipeline_parallel_size", 1),
-                nodes=p.get("nodes", 1),
+                tensor_parallel_size=p["tensor_parallel_size"],
+                pipeline_parallel_size=p["pipeline_parallel_size"],
+                nodes=p["nodes"],
                 extra_args=tuple(p.get("extra_args", ())),
                 env=tuple(sorted(p.get("env", {}).items())),
-                start_timeout=float(p.get("start_timeout", 900)),
+                start_timeout=float(p["start_timeout"]),
                 max_concurrency=p.get("max_concurrency"),
-                kv_events=p.get("kv_events", False),
+                kv_events=p["kv_events"],
             )
         deployments = tuple(
             Deployment(model=d["model"], profile=d["profile"], replicas=d["replicas"])

@@ -22,6 +22,7 @@ from llmgw.clientbounds import ClientBounds
 from llmgw.config import ConfigError, ConfigInvalid, read_yaml, schema_errors
 from llmgw.engines import ProfileError, validate_profile
 from llmgw.hardware.types import FabricDeclaration
+from llmgw.schemadefaults import with_defaults
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,8 @@ class LivenessPolicy:
 
 
 def policy_errors(values: Mapping[str, float], pointer: str = "/health") -> Iterable[tuple[str, str]]:
-    """Checks the schema cannot express, as (JSON pointer, message)."""
-    p = {**LivenessPolicy().__dict__, **values}
+    """Checks the schema cannot express, as (JSON pointer, message); absent values are the schema's defaults."""
+    p = with_defaults({"health": dict(values)}, "agent")["health"]
     if p["fail_after"] < p["interval"]:
         yield (f"{pointer}/fail_after", f"must be >= interval ({p['interval']:g}): two failed checks "
                                         "are needed to fail a shard")
@@ -108,17 +109,18 @@ class HASettings:
     cert: str | None = None
     key: str | None = None
     prefix: str = "/llmgw"
-    name: str = ""  # "" = the host name
+    name: str | None = None  # None: the host name
     advertise_url: str | None = None
     lease_ttl: int = 10
     renew_interval: float = 2.0
 
     @classmethod
     def from_config(cls, d: dict[str, Any]) -> "HASettings":
+        """From the ``ha`` section with the schema's defaults filled in (``llmgw.schemadefaults``)."""
         etcd = d["etcd"]
         return cls(tuple(etcd["endpoints"]), etcd.get("ca"), etcd.get("cert"), etcd.get("key"),
-                   etcd.get("prefix", "/llmgw"), d.get("name", ""), d.get("advertise_url"),
-                   int(d.get("lease_ttl", 10)), float(d.get("renew_interval", 2.0)))
+                   etcd["prefix"], d.get("name"), d.get("advertise_url"),
+                   int(d["lease_ttl"]), float(d["renew_interval"]))
 
 
 @dataclass(frozen=True)
@@ -248,7 +250,7 @@ def _run_checks(doc: Any, schema: Sequence[ConfigError],
 
 def _lifecycle_errors(doc: dict[str, Any]) -> list[ConfigError]:
     errors: list[ConfigError] = []
-    lc = {**Lifecycle().__dict__, **doc.get("lifecycle", {})}
+    lc = doc["lifecycle"]
     if lc["unreachable_after"] <= lc["keepalive_interval"] + lc["heartbeat_interval"]:
         errors.append(ConfigError(
             "/lifecycle/unreachable_after",
@@ -264,7 +266,7 @@ def _lifecycle_errors(doc: dict[str, Any]) -> list[ConfigError]:
 
 
 def _restart_errors(doc: dict[str, Any]) -> list[ConfigError]:
-    rs = {**RestartPolicy().__dict__, **doc.get("restart", {})}
+    rs = doc["restart"]
     if rs["backoff_max"] < rs["backoff_initial"]:
         return [ConfigError("/restart/backoff_max", f"must be >= backoff_initial ({rs['backoff_initial']})")]
     return []
@@ -376,6 +378,7 @@ def _state_dir_errors(doc: dict[str, Any]) -> list[ConfigError]:
 
 
 def _server_semantic_errors(doc: Any, schema: Sequence[ConfigError] = ()) -> list[ConfigError]:
+    doc = with_defaults(doc, "server")
     checks: list[tuple[tuple[str, ...], Check]] = [
         (("/lifecycle",), _lifecycle_errors),
         (("/restart",), _restart_errors),
@@ -400,7 +403,7 @@ def _ha_errors(doc: dict[str, Any]) -> list[ConfigError]:
     if ha is None:
         return []
     out = []
-    ttl, renew = ha.get("lease_ttl", 10), ha.get("renew_interval", 2)
+    ttl, renew = ha["lease_ttl"], ha["renew_interval"]
     if renew * 2 > ttl:
         out.append(ConfigError("/ha/renew_interval", f"must be at most half of lease_ttl ({ttl}): the leader "
                                                        "must renew at least twice before it steps down"))
@@ -430,22 +433,23 @@ def parse_server_settings(doc: Any, source: str = "server.yaml") -> ServerSettin
     errors = schema + _server_semantic_errors(doc, schema)
     if errors:
         raise ConfigInvalid(source, errors)
-    api = doc["api"]
+    d = with_defaults(doc, "server")
+    api = d["api"]
     return ServerSettings(
-        api_host=api["listen"].get("host", "0.0.0.0"),
+        api_host=api["listen"]["host"],
         api_port=api["listen"]["port"],
-        catalog=Catalog.from_config(doc),
-        tls=_tls(doc.get("tls")),
-        insecure_no_tls=bool(doc.get("insecure_no_tls", False)),
+        catalog=Catalog.from_config(d),
+        tls=_tls(d.get("tls")),
+        insecure_no_tls=bool(d["insecure_no_tls"]),
         admin_tokens=tuple((t["name"], t["sha256"]) for t in api.get("admin_tokens", ())),
-        lifecycle=Lifecycle(**{**Lifecycle().__dict__, **doc.get("lifecycle", {})}),
-        restart=RestartPolicy(**{**RestartPolicy().__dict__, **doc.get("restart", {})}),
-        memory_headroom=float(doc.get("placement", {}).get("memory_headroom", 0.2)),
-        router=doc.get("router"),
-        router_ejections=EjectionPolicy(**{**EjectionPolicy().__dict__, **doc.get("router_ejections", {})}),
-        api_clients=ApiClients(**api.get("clients", {})),
-        state_dir=doc.get("state_dir"),
-        ha=HASettings.from_config(doc["ha"]) if "ha" in doc else None,
+        lifecycle=Lifecycle(**d["lifecycle"]),
+        restart=RestartPolicy(**d["restart"]),
+        memory_headroom=float(d["placement"]["memory_headroom"]),
+        router=doc.get("router"),  # as written: the router fills its own defaults
+        router_ejections=EjectionPolicy(**d["router_ejections"]),
+        api_clients=ApiClients(**api["clients"]),
+        state_dir=d.get("state_dir"),
+        ha=HASettings.from_config(d["ha"]) if "ha" in d else None,
         raw=doc,
     )
 
@@ -479,20 +483,20 @@ def _agent_url_errors(doc: dict[str, Any]) -> list[ConfigError]:
 
 def _reconnect_errors(doc: dict[str, Any]) -> list[ConfigError]:
     cp = doc["control_plane"]
-    if cp.get("reconnect_max", 30) < cp.get("reconnect_initial", 1):
+    if cp["reconnect_max"] < cp["reconnect_initial"]:
         return [ConfigError("/control_plane/reconnect_max", "must be >= reconnect_initial")]
     return []
 
 
 def _fetch_errors(doc: dict[str, Any]) -> list[ConfigError]:
-    fetch = {**FetchPolicy().__dict__, **doc.get("fetch", {})}
+    fetch = doc["fetch"]
     if fetch["backoff_max"] < fetch["backoff_initial"]:
         return [ConfigError("/fetch/backoff_max", f"must be >= backoff_initial ({fetch['backoff_initial']})")]
     return []
 
 
 def _health_errors(doc: dict[str, Any]) -> list[ConfigError]:
-    return [ConfigError(pointer, message) for pointer, message in policy_errors(doc.get("health", {}))]
+    return [ConfigError(pointer, message) for pointer, message in policy_errors(doc["health"])]
 
 
 def _engine_ports_errors(doc: dict[str, Any]) -> list[ConfigError]:
@@ -516,6 +520,7 @@ def _fabric_errors(doc: dict[str, Any]) -> list[ConfigError]:
 
 
 def _agent_semantic_errors(doc: Any, schema: Sequence[ConfigError] = ()) -> list[ConfigError]:
+    doc = with_defaults(doc, "agent")
     return _run_checks(doc, schema, [
         (("/insecure_no_tls", "/tls"), _agent_tls_errors),
         (("/tls", "/engine_tls"), _engine_tls_errors),
@@ -533,40 +538,41 @@ def parse_agent_settings(doc: Any, source: str = "agent.yaml") -> AgentSettings:
     errors = schema + _agent_semantic_errors(doc, schema)
     if errors:
         raise ConfigInvalid(source, errors)
-    state_dir = doc["state_dir"]
-    disc = doc.get("discovery", {})
-    ports = doc.get("engine_ports", {"first": 20000, "last": 20999})
-    advertise = doc.get("advertise_address", "127.0.0.1")
-    etls = doc.get("engine_tls")
+    d = with_defaults(doc, "agent")
+    state_dir = d["state_dir"]
+    disc = d["discovery"]
+    cp = d["control_plane"]
+    advertise = d["advertise_address"]
+    etls = d.get("engine_tls")
     return AgentSettings(
-        node_id=doc["node_id"],
-        control_plane_url=_urls(doc["control_plane"]["url"])[0],
-        control_plane_urls=_urls(doc["control_plane"]["url"]),
-        reconnect_initial=float(doc["control_plane"].get("reconnect_initial", 1)),
-        reconnect_max=float(doc["control_plane"].get("reconnect_max", 30)),
-        keepalive_interval=float(doc["control_plane"].get("keepalive_interval", 10)),
-        tls=_tls(doc.get("tls")),
-        insecure_no_tls=bool(doc.get("insecure_no_tls", False)),
+        node_id=d["node_id"],
+        control_plane_url=_urls(cp["url"])[0],
+        control_plane_urls=_urls(cp["url"]),
+        reconnect_initial=float(cp["reconnect_initial"]),
+        reconnect_max=float(cp["reconnect_max"]),
+        keepalive_interval=float(cp["keepalive_interval"]),
+        tls=_tls(d.get("tls")),
+        insecure_no_tls=bool(d["insecure_no_tls"]),
         state_dir=state_dir,
-        model_dir=doc.get("model_dir", str(Path(state_dir) / "models")),
+        # derived from other keys, so not a schema default (the schema's descriptions say so)
+        model_dir=d.get("model_dir") or str(Path(state_dir) / "models"),
         advertise_address=advertise,
         # the fleet address, not every interface: nothing else on the node's networks reaches an engine
-        engine_bind_host=doc.get("engine_bind_host", advertise),
-        allow_keyless_engines=bool(doc.get("allow_keyless_engines", False)),
-        engine_ports=(ports["first"], ports["last"]),
-        gpu_source=disc.get("gpus", "nvml"),
+        engine_bind_host=d.get("engine_bind_host") or advertise,
+        allow_keyless_engines=bool(d["allow_keyless_engines"]),
+        engine_ports=(d["engine_ports"]["first"], d["engine_ports"]["last"]),
+        gpu_source=disc["gpus"],
         hardware_file=disc.get("hardware_file"),
-        sysfs_root=disc.get("sysfs_root", "/sys/class/infiniband"),
+        sysfs_root=disc["sysfs_root"],
         fabrics=tuple(FabricDeclaration(
             f["name"], tuple(f["hcas"]), f.get("min_rate_gbps"), f.get("link_layer"),
             tuple((name, tuple(sorted(ident.items()))) for name, ident in sorted(f.get("identities", {}).items())))
-            for f in doc.get("fabrics", ())),
-        engine_commands={k: tuple(v) for k, v in doc.get("engines", {}).items()},
-        fetch=FetchPolicy(**doc.get("fetch", {})),
-        health=LivenessPolicy(**{k: float(v) for k, v in doc.get("health", {}).items()}),
-        rediscover_interval=float(disc.get("interval", 60)),
-        engine_tls=EngineTLS(etls["cert"], etls["key"], tuple(etls.get("engines", EngineTLS.engines)))
-        if etls else None,
+            for f in d.get("fabrics", ())),
+        engine_commands={k: tuple(v) for k, v in d.get("engines", {}).items()},
+        fetch=FetchPolicy(**d["fetch"]),
+        health=LivenessPolicy(**{k: float(v) for k, v in d["health"].items()}),
+        rediscover_interval=float(disc["interval"]),
+        engine_tls=EngineTLS(etls["cert"], etls["key"], tuple(etls["engines"])) if etls else None,
         raw=doc,
     )
 

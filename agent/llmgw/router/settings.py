@@ -12,6 +12,7 @@ from typing import Any, Mapping
 
 from llmgw.clientbounds import ClientBounds
 from llmgw.config import ConfigError, ConfigInvalid, schema_errors
+from llmgw.schemadefaults import with_defaults
 
 from .endpoints import Endpoint, EndpointURLError
 
@@ -146,30 +147,27 @@ class RouterSettings:
         errors = semantic_errors(doc)
         if errors:
             raise ConfigInvalid(source, errors)
-        return _build(doc)
+        return _build(with_defaults(doc, "router"))
 
 
 def _first(url: str | list[str]) -> str:
     return url if isinstance(url, str) else url[0]
 
 
-def _section(doc: Mapping[str, Any], key: str) -> Mapping[str, Any]:
-    return doc.get(key) or {}
-
-
 def semantic_errors(doc: Mapping[str, Any]) -> list[ConfigError]:
-    """Cross-field rules; ``doc`` already passed the schema."""
+    """Cross-field rules; ``doc`` already passed the schema (absent keys are the schema's defaults)."""
+    doc = with_defaults(doc, "router")
     errors: list[ConfigError] = []
-    if "tls" not in doc and not doc.get("insecure_http", False):
+    if "tls" not in doc and not doc["insecure_http"]:
         errors.append(ConfigError(
             "/tls",
             "no tls section: the router serves HTTPS; give it a certificate and key (fleet CA: "
             "llmgw ctl cert router) or set insecure_http: true to serve plain HTTP",
         ))
-    if "tls" in doc and doc.get("insecure_http", False):
+    if "tls" in doc and doc["insecure_http"]:
         errors.append(ConfigError("/insecure_http", "true while a tls section is set; remove one of them"))
     keys = doc.get("api_keys") or []
-    if not keys and not doc.get("allow_unauthenticated", False):
+    if not keys and not doc["allow_unauthenticated"]:
         errors.append(ConfigError(
             "/api_keys",
             "no API keys configured; add keys or set allow_unauthenticated: true to serve without them",
@@ -199,20 +197,15 @@ def semantic_errors(doc: Mapping[str, Any]) -> list[ConfigError]:
         if ep.id in ids:
             errors.append(ConfigError(f"/static_endpoints/{i}/id", f"duplicate endpoint id {ep.id!r} (also /static_endpoints/{ids[ep.id]})"))
         ids.setdefault(ep.id, i)
-    t = _section(doc, "timeouts")
-    d = Timeouts()
-    per_try = t.get("per_try", d.per_try)
-    total = t.get("total", d.total)
+    t = doc["timeouts"]
+    per_try, total, first = t["per_try"], t["total"], t["first_token"]
     if per_try > total:
         errors.append(ConfigError("/timeouts/per_try", f"per_try ({per_try}) exceeds total ({total})"))
-    first = t.get("first_token", d.first_token)
     if first > total:
         errors.append(ConfigError("/timeouts/first_token", f"first_token ({first}) exceeds total ({total})"))
-    c = _section(doc, "clients")
-    cd = Clients()
-    limit = _section(doc, "limits").get("max_body_bytes", Limits().max_body_bytes)
+    limit = doc["limits"]["max_body_bytes"]
     for name in ("max_body_bytes_per_key", "max_body_bytes_per_source"):
-        cap = c.get(name, getattr(cd, name))
+        cap = doc["clients"][name]
         if cap and cap < limit:
             errors.append(ConfigError(f"/clients/{name}", f"{cap} is below limits.max_body_bytes ({limit}): "
                                       "a body of the largest size allowed could never be admitted"))
@@ -222,20 +215,20 @@ def semantic_errors(doc: Mapping[str, Any]) -> list[ConfigError]:
             errors.append(ConfigError(f"/metrics_tokens/{i}/name",
                                       f"duplicate token name {t['name']!r} (also /metrics_tokens/{token_names[t['name']]})"))
         token_names.setdefault(t["name"], i)
-    o = _section(doc, "outlier")
-    od = Outlier()
-    if o.get("base_ejection", od.base_ejection) > o.get("max_ejection", od.max_ejection):
+    o = doc["outlier"]
+    if o["base_ejection"] > o["max_ejection"]:
         errors.append(ConfigError("/outlier/base_ejection", "base_ejection exceeds max_ejection"))
     return errors
 
 
 def _build(doc: Mapping[str, Any]) -> RouterSettings:
-    listen = _section(doc, "listen")
+    """Settings from a valid document with the schema's defaults filled in."""
+    listen = doc["listen"]
     keys = tuple(
         ApiKey(
             name=k["name"],
             sha256=k["sha256"],
-            models=None if k.get("models", "*") == "*" else frozenset(k["models"]),
+            models=None if k["models"] == "*" else frozenset(k["models"]),
         )
         for k in doc.get("api_keys") or []
     )
@@ -248,25 +241,25 @@ def _build(doc: Mapping[str, Any]) -> RouterSettings:
     cp = doc.get("control_plane")
     tls = doc.get("tls")
     return RouterSettings(
-        host=listen.get("host", RouterSettings.host),
-        port=listen.get("port", RouterSettings.port),
-        backlog=listen.get("backlog", RouterSettings.backlog),
-        workers=doc.get("workers", 1),
+        host=listen["host"],
+        port=listen["port"],
+        backlog=listen["backlog"],
+        workers=doc["workers"],
         tls=TLS(tls["cert"], tls["key"]) if tls else None,
-        insecure_http=doc.get("insecure_http", False),
+        insecure_http=doc["insecure_http"],
         api_keys=keys,
-        allow_unauthenticated=doc.get("allow_unauthenticated", False),
+        allow_unauthenticated=doc["allow_unauthenticated"],
         static_endpoints=static,
         control_plane=ControlPlane(_first(cp["url"]), cp["ca"], cp["cert"], cp["key"],
                                    urls=(cp["url"],) if isinstance(cp["url"], str) else tuple(cp["url"]),
                                    revoked=cp.get("revoked")) if cp else None,
         engine_ca=doc.get("engine_ca"),
-        timeouts=Timeouts(**_section(doc, "timeouts")),
-        limits=Limits(**_section(doc, "limits")),
-        balancing=Balancing(**_section(doc, "balancing")),
-        retries=Retries(**_section(doc, "retries")),
-        outlier=Outlier(**_section(doc, "outlier")),
-        clients=Clients(**_section(doc, "clients")),
+        timeouts=Timeouts(**doc["timeouts"]),
+        limits=Limits(**doc["limits"]),
+        balancing=Balancing(**doc["balancing"]),
+        retries=Retries(**doc["retries"]),
+        outlier=Outlier(**doc["outlier"]),
+        clients=Clients(**doc["clients"]),
         metrics_tokens=tuple(MetricsToken(t["name"], t["sha256"]) for t in doc.get("metrics_tokens") or ()),
-        access_log=doc.get("access_log", True),
+        access_log=doc["access_log"],
     )
