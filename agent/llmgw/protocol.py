@@ -12,6 +12,13 @@ enum live here (no I/O, no imports from the rest of the package).
 - Message limits: the largest agent-stream frame either end accepts.
 - Shard states: what an agent reports about each shard (``stream.schema.json``
   holds the same list: a unit test keeps them equal).
+- Node, replica and cordon states: what the control plane's admin API reports
+  and what ``llmgw ctl`` and the Ansible collection read back.  The
+  collection, which runs without llmgw installed, keeps a copy in
+  ``plugins/module_utils/fleet_states.py`` that a unit test holds equal.
+
+Data carries a state's ``.value`` (a plain string); comparisons may use the
+member itself, which equals its value.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ LEADER_EPOCH_HEADER = "X-Llmgw-Leader-Epoch"
 MAX_MESSAGE = 4 * 1024 * 1024
 
 
-# -- shard states --------------------------------------------------------------------------
+# -- states --------------------------------------------------------------------------
 
 class ShardState(str, Enum):
     """A shard's state as its agent reports it (transitions: ``llmgw.agent.shardstate``)."""
@@ -49,3 +56,32 @@ class ShardState(str, Enum):
     @property
     def terminal(self) -> bool:
         return self in (ShardState.FAILED, ShardState.STOPPED)
+
+
+class NodeState(str, Enum):
+    """A node's lifecycle state as the control plane judges it (``llmgw.controlplane.lifecycle``)."""
+
+    READY = "ready"  # heard from within unreachable_after
+    UNREACHABLE = "unreachable"  # silent past unreachable_after: nothing new is placed there
+    LOST = "lost"  # silent past lost_after: its replicas are replaced elsewhere
+
+
+class ReplicaState(str, Enum):
+    """A replica's state in the control plane's book (``llmgw.controlplane.replicas``)."""
+
+    STARTING = "starting"  # placed; not every shard is ready
+    READY = "ready"  # every shard ready (rank 0 answered a completion probe)
+    FAILED = "failed"  # a shard failed or vanished; restarted after backoff
+    STOPPING = "stopping"  # retired: its shards are being stopped
+    DRAINING = "draining"  # retired by an operator: finishing in-flight work
+
+
+class Cordon(str, Enum):
+    """An operator's hold on a node; none (``null`` on the wire) is ``SCHEDULABLE``."""
+
+    CORDONED = "cordoned"  # nothing new is placed there
+    DRAINING = "draining"  # cordoned, and its replicas are moved elsewhere one at a time
+
+
+# How the API's answers, logs and ctl name a node without a cordon (its ``cordon`` is null).
+SCHEDULABLE = "schedulable"

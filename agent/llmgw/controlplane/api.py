@@ -40,7 +40,7 @@ from llmgw.controlplane.requestcount import AdminRequests
 from llmgw.controlplane.revocation import install, unless_revoked
 from llmgw.controlplane.state import ControlPlane
 from llmgw.controlplane.store import StoreError
-from llmgw.protocol import EJECTIONS_PATH, STREAM_PATH, WATCH_PATH
+from llmgw.protocol import EJECTIONS_PATH, SCHEDULABLE, STREAM_PATH, WATCH_PATH, Cordon
 from llmgw.router.watch import REVEAL_KEYS
 from llmgw.tls import IdentityError, Revocations, RevokedError, check_admin_identity, check_router_identity
 
@@ -312,10 +312,10 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
                 log.error("%s: cannot record %s: %s", node_id, state or "uncordon", e)
                 return web.json_response({"error": f"cannot record it, nothing changed: {e}"}, status=503)
             log.info("%s %s by %s (was %s)", node_id, state or "uncordoned", auth.check(request)[1],
-                     before or "schedulable")
+                     before or SCHEDULABLE)
             node = (views.node_cordon_view(cp, node_id) if node_id in cp.nodes
                     else {"node_id": node_id, "cordon": state})  # lifted before its node came back
-            return web.json_response({"node": node, "was": before}, status=202 if state == "draining" else 200)
+            return web.json_response({"node": node, "was": before}, status=202 if state == Cordon.DRAINING else 200)
         return act
 
     async def do_reload(request: web.Request) -> web.Response:
@@ -340,8 +340,8 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
     app.router.add_get("/v1/catalog", catalog)
     app.router.add_get("/v1/explain/{model}", explain)
     app.router.add_post("/v1/replicas/{replica_id}/drain", drain)
-    app.router.add_post("/v1/nodes/{node_id}/cordon", node_action("cordoned"))
-    app.router.add_post("/v1/nodes/{node_id}/drain", node_action("draining"))
+    app.router.add_post("/v1/nodes/{node_id}/cordon", node_action(Cordon.CORDONED.value))
+    app.router.add_post("/v1/nodes/{node_id}/drain", node_action(Cordon.DRAINING.value))
     app.router.add_post("/v1/nodes/{node_id}/uncordon", node_action(None))
     app.router.add_post("/v1/reload", do_reload)
     app.router.add_post(EJECTIONS_PATH, EjectionsAPI(cp, auth.router_name).handle)

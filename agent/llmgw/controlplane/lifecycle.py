@@ -30,15 +30,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 
+from llmgw.protocol import NodeState  # the API reports it: defined with the wire vocabulary, read here too
 from llmgw.settings import Lifecycle
-
-
-class NodeState(str, Enum):
-    READY = "ready"
-    UNREACHABLE = "unreachable"
-    LOST = "lost"
 
 
 @dataclass

@@ -25,6 +25,7 @@ from llmgw import __version__
 from llmgw.config import load_schema
 from llmgw.controlplane.listquery import MAX_LIMIT, NODE_STATES, REPLICA_STATES
 from llmgw.controlplane.replicas import GONE, WAITING
+from llmgw.protocol import Cordon
 
 OPENAPI_PATH = "/openapi.json"
 JSON = "application/json"
@@ -66,7 +67,7 @@ OPT_SECONDS = {"type": ["number", "null"], "minimum": 0}
 COUNTS = {"type": "object", "additionalProperties": {"type": "integer", "minimum": 0}}
 TIMINGS = {"heartbeat_interval_s": SECONDS, "unreachable_after_s": SECONDS, "lost_after_s": SECONDS}
 UNRECORDED = "the store (state_dir or etcd) could not record it; nothing changed"
-CORDON = {"enum": [None, "cordoned", "draining"]}
+CORDON = {"enum": [None, *(c.value for c in Cordon)]}
 NEXT = {"type": ["string", "null"], "description": "the `after` of the next page; null on the last (or unpaged)"}
 
 # The answers' shapes.  Where the answer carries something a schema file already

@@ -16,11 +16,10 @@ import re
 import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 from llmgw.catalog import Model, Profile
-from llmgw.protocol import ShardState
+from llmgw.protocol import ReplicaState, ShardState
 
 # States an agent reports (the wire's ShardState), as the plain strings shards hold; each
 # taken by name, so a reordered or extended enum cannot shift one name onto another's value.
@@ -36,14 +35,6 @@ RUNNING_STATES = frozenset(s.value for s in ShardState if not s.terminal)
 # Control-plane-only shard states: not yet sent to an agent (a worker rank
 # waits for rank 0's rendezvous port), or not reported by its agent.
 WAITING, GONE = "waiting", "gone"
-
-
-class ReplicaState(str, Enum):
-    STARTING = "starting"  # placed; not every shard is ready
-    READY = "ready"  # every shard ready (rank 0 answered a completion probe)
-    FAILED = "failed"  # a shard failed or vanished; restarted after backoff
-    STOPPING = "stopping"  # retired: its shards are being stopped
-    DRAINING = "draining"  # retired by an operator: finishing in-flight work
 
 
 def model_to_dict(m: Model) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from llmgw.durable import PRIVATE_MODE, write_atomic
+from llmgw.protocol import Cordon
 
 log = logging.getLogger("llmgw.controlplane.store")
 
@@ -44,7 +45,7 @@ EPOCH_BLOCK = 4096  # epochs reserved per durable write
 INTENT_KEY = "intent.json"
 EPOCH_KEY = "epoch.json"
 GRANT_SECRET_KEY = "grant-secret"
-CORDON_STATES = ("cordoned", "draining")
+CORDON_STATES = tuple(c.value for c in Cordon)
 _KEY = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 
 
@@ -157,7 +158,7 @@ class EtcdBackend:
 class Intent:
     """What operators asked for that no agent can report back."""
 
-    cordons: dict[str, str] = field(default_factory=dict)  # node id -> "cordoned" | "draining"
+    cordons: dict[str, str] = field(default_factory=dict)  # node id -> a Cordon value
     drains: set[str] = field(default_factory=set)  # replica ids drained by an operator, until they are gone
 
     def to_json(self) -> bytes:

@@ -17,6 +17,7 @@ from llmgw.controlplane.replicas import Replica, Shard, model_to_dict, profile_t
 from llmgw.controlplane.state import ControlPlane
 from llmgw.placement import format_result, place_many
 from llmgw.placement.memory import gib
+from llmgw.protocol import Cordon
 
 
 def _ago(now: float, t: float | None) -> float | None:
@@ -92,7 +93,7 @@ def node_cordon_view(cp: ControlPlane, node_id: str) -> dict[str, Any]:
     """A node's cordon and, while it drains, how many replicas are still on it and why a move waits."""
     rec = cp.nodes[node_id]
     out: dict[str, Any] = {"node_id": node_id, "cordon": rec.cordon}
-    if rec.cordon == "draining":
+    if rec.cordon == Cordon.DRAINING:
         on = cp.reconciler.book.replica_ids_on(node_id)  # the book's node index: no walk of the fleet
         out["replicas_left"] = len(on)
         out["drained"] = not on

@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from llmgw.protocol import ShardState
+from llmgw.protocol import Cordon, NodeState, ReplicaState, ShardState
 
 ENV = {"url": "LLMGW_URL", "ca": "LLMGW_CA", "cert": "LLMGW_CERT", "key": "LLMGW_KEY", "token": "LLMGW_TOKEN",
        "revoked": "LLMGW_REVOKED"}
@@ -215,7 +215,7 @@ def format_nodes(doc: dict[str, Any]) -> list[str]:
                      human_age(n.get("last_seen_s")), n.get("epoch")])
     out = table(["NODE", "STATE", "GPUS FREE", "ADDRESS", "AGENT", "LAST SEEN", "EPOCH"], rows)
     for n in doc.get("nodes", []):
-        if n["state"] != "ready" and n.get("reason"):
+        if n["state"] != NodeState.READY and n.get("reason"):
             out.append(f"{n['node_id']}: {n['state']} ({n['reason']})")
         if (n.get("hardware") or {}).get("sick_gpus"):
             out.append(f"{n['node_id']}: {n['hardware']['gpu_reason']}")
@@ -233,9 +233,9 @@ def format_nodes(doc: dict[str, Any]) -> list[str]:
 
 def cordon_lines(n: dict[str, Any]) -> list[str]:
     """What a cordoned or draining node tells the operator, under the table."""
-    if n.get("cordon") == "cordoned":
+    if n.get("cordon") == Cordon.CORDONED:
         return [f"{n['node_id']}: cordoned: nothing new is placed here (llmgw ctl uncordon {n['node_id']})"]
-    if n.get("cordon") != "draining":
+    if n.get("cordon") != Cordon.DRAINING:
         return []
     if n.get("drained"):
         return [f"{n['node_id']}: drained: no replica left; cordoned until llmgw ctl uncordon {n['node_id']}"]
@@ -273,7 +273,7 @@ def format_replicas(doc: dict[str, Any]) -> list[str]:
             out.append(f"    {r['state']}: {r['reason']}{retry}")
         if r.get("replaces"):
             out.append(f"    replacing {r['replaces']}: it stops once this one is Ready")
-        if r.get("sick") and r["state"] == "ready":
+        if r.get("sick") and r["state"] == ReplicaState.READY:
             out.append(f"    sick: {r['sick']}; its replacement starts first")
         out.extend(ejection_lines(r.get("ejections")))
         for s in r["shards"]:
@@ -294,7 +294,7 @@ def format_replicas(doc: dict[str, Any]) -> list[str]:
                 out.append(f"      {progress_line(s['progress'])}")
             out.extend(tail_lines(s.get("output_tail")))
         lf = r.get("last_failure")
-        if lf and r["state"] != "failed" and lf.get("replica_id") != r["replica_id"]:
+        if lf and r["state"] != ReplicaState.FAILED and lf.get("replica_id") != r["replica_id"]:
             out.append(f"    last failure ({lf.get('replica_id')}, {human_age(lf.get('ago_s'))} ago): {lf.get('reason')}")
     for u in doc.get("unplaced", []):
         out.append(f"{u['model']}/{u['profile']}#{u['slot']}: not placed: {u['reason']}")

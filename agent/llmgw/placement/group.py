@@ -14,11 +14,12 @@ from llmgw.hardware.topology import TIERS, UNKNOWN_RANK, label
 from llmgw.placement.memory import UNKNOWN_NOTE, MemoryNeed
 from llmgw.placement.shape import Choice, NodeShape, adapter_ranks, shape_of
 from llmgw.placement.types import NodeCapacity
+from llmgw.protocol import NodeState
 
 # Lifecycle states that read as themselves in a verdict; any other reason a
 # node is not schedulable (draining, cordoned, ...) is quoted after
 # "not schedulable:".
-_SELF_EXPLAINING = ("unreachable", "lost")
+_SELF_EXPLAINING = (NodeState.UNREACHABLE.value, NodeState.LOST.value)
 
 
 @dataclass(frozen=True)
