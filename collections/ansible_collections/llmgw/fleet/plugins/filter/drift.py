@@ -16,6 +16,7 @@ from datetime import datetime
 
 from ansible.errors import AnsibleFilterError
 from ansible.module_utils.parsing.convert_bool import boolean
+from ansible_collections.llmgw.fleet.plugins.module_utils.fleet_states import NODE_READY
 
 _RENDER_HINT = " (its agent.yaml was not rendered from this declaration: run site.yml)"
 
@@ -55,7 +56,7 @@ def _live_node_differences(host, hv, version):
     """A declared node the control plane knows: its state, fabrics and agent version."""
     out = []
     state = hv.get("llmgw_live_state")
-    if state != "ready":
+    if state != NODE_READY:
         reason = hv.get("llmgw_live_reason")
         out.append(_difference("node_not_ready", host, "%s: %s for %ss%s" % (
             host, state, hv.get("llmgw_live_state_for_s"), (": %s" % reason) if reason else "")))

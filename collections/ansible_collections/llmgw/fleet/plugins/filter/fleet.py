@@ -7,6 +7,7 @@ whose failure message tells the operator what is not Ready and why."""
 from __future__ import annotations
 
 from ansible.errors import AnsibleFilterError
+from ansible_collections.llmgw.fleet.plugins.module_utils.fleet_states import REPLICA_READY
 from ansible_collections.llmgw.fleet.plugins.module_utils.shard_states import READY as SHARD_READY
 
 
@@ -19,7 +20,7 @@ def short_deployments(deployments, replicas):
         ready = sum(
             1 for r in replicas
             if isinstance(r, dict) and r.get("model") == dep.get("model") and r.get("profile") == dep.get("profile")
-            and r.get("state") == "ready"
+            and r.get("state") == REPLICA_READY
         )
         if ready < int(dep.get("replicas", 0)):
             short.append("%s/%s: %d of %d Ready" % (dep.get("model"), dep.get("profile"), ready, int(dep.get("replicas", 0))))

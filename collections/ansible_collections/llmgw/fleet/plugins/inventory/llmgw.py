@@ -172,6 +172,7 @@ import ssl
 from ansible.errors import AnsibleParserError
 from ansible.module_utils.basic import missing_required_lib
 from ansible.plugins.inventory import BaseInventoryPlugin, Cacheable, Constructable
+from ansible_collections.llmgw.fleet.plugins.module_utils.fleet_states import REPLICA_READY
 from ansible_collections.llmgw.fleet.plugins.module_utils.shard_states import ENDED_STATES as ENDED_SHARD_STATES
 
 try:
@@ -425,7 +426,7 @@ def _cyclic_gc_paused():
 def _ready_by_deployment(replicas_doc):
     ready = {}
     for r in replicas_doc.get("replicas", ()):
-        if r.get("state") == "ready":
+        if r.get("state") == REPLICA_READY:
             key = (r["model"], r["profile"])
             ready[key] = ready.get(key, 0) + 1
     return ready
@@ -506,13 +507,13 @@ def _fleet_vars(data):
         mine = by_pair.get(pair, [])
         explain = data["explain"].get(d["model"]) or {}
         label = "%s/%s#" % pair
-        entry = {"replicas": d["replicas"], "ready": sum(1 for r in mine if r.get("state") == "ready")}
+        entry = {"replicas": d["replicas"], "ready": sum(1 for r in mine if r.get("state") == REPLICA_READY)}
         not_ready = [_compact({"replica_id": r["replica_id"], "state": r.get("state"), "reason": r.get("reason")})
-                     for r in mine if r.get("state") != "ready"]
+                     for r in mine if r.get("state") != REPLICA_READY]
         explained = [_compact({"replica": e.get("replica"), "placed": e.get("placed"), "reason": e.get("reason"),
                                "held": e.get("held"), "text": e.get("text")})
                      for e in explain.get("replicas", ())
-                     if str(e.get("replica", "")).startswith(label) and e.get("state") != "ready"]
+                     if str(e.get("replica", "")).startswith(label) and e.get("state") != REPLICA_READY]
         for key, value in (("not_ready", not_ready), ("unplaced", unplaced.get(pair)), ("explain", explained)):
             if value:
                 entry[key] = value

@@ -118,8 +118,10 @@ import urllib.parse
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.urls import open_url
+from ansible_collections.llmgw.fleet.plugins.module_utils.fleet_states import CORDONED, DRAINING
 
-WANT = {"cordoned": "cordoned", "drained": "draining", "schedulable": None}
+# The module's states (what the node should be) -> the cordon the API reports for it.
+WANT = {"cordoned": CORDONED, "drained": DRAINING, "schedulable": None}
 ACTION = {"cordoned": "cordon", "drained": "drain", "schedulable": "uncordon"}
 
 
