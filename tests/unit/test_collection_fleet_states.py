@@ -9,30 +9,17 @@ rather than literals of their own.
 
 from __future__ import annotations
 
-import ast
-import importlib.util
-from pathlib import Path
-
 from llmgw.protocol import SCHEDULABLE, Cordon, NodeState, ReplicaState
-from tests.support.statewords import API_WORDS, literal_state_comparisons
+from tests.support.statewords import API_WORDS, PLUGINS, imported_modules, literal_state_comparisons, load_module_utils
 
-ROOT = Path(__file__).resolve().parents[2]
-PLUGINS = ROOT / "collections" / "ansible_collections" / "llmgw" / "fleet" / "plugins"
 COPY = PLUGINS / "module_utils" / "fleet_states.py"
 WHY = "plugins/module_utils/fleet_states.py must say what llmgw.protocol says"
 # A literal that is one of those words but means something else there.
 NOT_THE_API = {("modules/daemon.py", "stopped"): "a systemd unit's state, the module's own option"}
 
 
-def load_copy():
-    spec = importlib.util.spec_from_file_location("collection_fleet_states", COPY)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_every_state_is_named_alike_in_the_collection():
-    copy = load_copy()
+    copy = load_module_utils("fleet_states")
     for prefix, enum, together in (("NODE_", NodeState, "NODE_STATES"), ("REPLICA_", ReplicaState, "REPLICA_STATES"),
                                    ("", Cordon, "CORDON_STATES")):
         for state in enum:
@@ -45,9 +32,7 @@ def test_every_state_is_named_alike_in_the_collection():
 
 def test_the_copy_imports_nothing():
     """It is loaded on controllers that have only Ansible: nothing beyond __future__."""
-    tree = ast.parse(COPY.read_text())
-    imports = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
-    assert [getattr(n, "module", None) for n in imports] == ["__future__"]
+    assert imported_modules(COPY) == ["__future__"]
 
 
 def test_the_plugins_compare_states_by_name():

@@ -8,28 +8,17 @@ This holds the copy to both, naming the state that drifted.
 
 from __future__ import annotations
 
-import ast
-import importlib.util
-from pathlib import Path
-
 from llmgw.controlplane import replicas
 from llmgw.protocol import ShardState
+from tests.support.statewords import PLUGINS, imported_modules, load_module_utils
 
-ROOT = Path(__file__).resolve().parents[2]
-FLEET = ROOT / "collections" / "ansible_collections" / "llmgw" / "fleet"
-COPY = FLEET / "plugins" / "module_utils" / "shard_states.py"
+FLEET = PLUGINS.parent
+COPY = PLUGINS / "module_utils" / "shard_states.py"
 WHY = "plugins/module_utils/shard_states.py must say what llmgw says"
 
 
-def load_copy():
-    spec = importlib.util.spec_from_file_location("collection_shard_states", COPY)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_every_wire_state_is_named_alike_in_the_collection():
-    copy = load_copy()
+    copy = load_module_utils("shard_states")
     for state in ShardState:
         assert getattr(copy, state.name, None) == state.value, f"{WHY}: {state.name} = {state.value!r}"
     assert copy.AGENT_STATES == tuple(s.value for s in ShardState), (
@@ -37,7 +26,7 @@ def test_every_wire_state_is_named_alike_in_the_collection():
 
 
 def test_terminal_and_ended_states_agree():
-    copy = load_copy()
+    copy = load_module_utils("shard_states")
     assert copy.TERMINAL_STATES == {s.value for s in ShardState if s.terminal} == replicas.ENDED_STATES, WHY
     assert (copy.WAITING, copy.GONE) == (replicas.WAITING, replicas.GONE), WHY
     assert copy.ENDED_STATES == replicas.ENDED_STATES | {replicas.GONE}, WHY
@@ -45,9 +34,7 @@ def test_terminal_and_ended_states_agree():
 
 def test_the_copy_imports_nothing():
     """It is loaded on controllers that have only Ansible: standard library at most, and here nothing."""
-    tree = ast.parse(COPY.read_text())
-    imports = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
-    assert [getattr(n, "module", None) for n in imports] == ["__future__"]
+    assert imported_modules(COPY) == ["__future__"]
 
 
 def test_the_plugins_keep_no_list_of_their_own():
