@@ -325,6 +325,35 @@ def test_router_reserves_a_chunked_body_as_it_arrives_and_releases_it(tmp_path):
         sim.stop()
 
 
+def test_router_cuts_a_chunked_body_that_falls_behind_the_minimum_rate_for_what_it_sent(tmp_path):
+    """A chunked body's deadline used to be the one of a body of limits.max_body_bytes (here over
+    1,000 s): ten bytes then silence held the connection that long. Now it is body_grace plus what
+    the body sent at body_min_rate, so it is cut, while one that keeps up past body_grace is read whole."""
+    doc = _keyed([{"id": "e", "model": "m", "url": "http://127.0.0.1:9"}], {"max_body_bytes": MIB},
+                 {"body_grace": 0.5, "body_min_rate": 1024})
+    with RouterProcess(doc, tmp=tmp_path) as router:
+        router.metrics_token = SCRAPE_TOKEN
+
+        async def scenario():
+            (r1, w1), = await _open(router.port, 1, _chunked("k1") + _chunk(b"{" + b" " * 9))  # then silence
+            (r2, w2), = await _open(router.port, 1, _chunked("k1") + _chunk(b" " * 2048))
+            # 2 KiB every 0.1 s, twenty times the minimum rate, for longer than body_grace: the
+            # deadline keeps moving ahead of it
+            for _ in range(10):
+                await asyncio.sleep(0.1)
+                w2.write(_chunk(b" " * 2048))
+            w2.write(_chunk(b"x") + b"0\r\n\r\n")  # whole, and not JSON: the proxy's 400
+            out = await asyncio.gather(_answer(r1), _answer(r2))
+            for w in (w1, w2):
+                w.close()
+            return out
+
+        (slow, slow_err), (steady, steady_err) = asyncio.run(scenario())
+        assert slow == 408 and slow_err["code"] == "request_timeout", slow_err
+        assert steady == 400 and steady_err["code"] == "invalid_json", steady_err
+        assert router.metric("llmgw_router_errors_total", model="-", **{"class": "body_timeout"}) == 1
+
+
 def _cp(tmp_path, clients: dict) -> Fleet:
     f = Fleet(tmp_path / "fleet", {})
     if clients:

@@ -13,7 +13,10 @@ is cut (408).  The reservation is released when the request ends.
 A chunked body has no declared size: it reserves its bytes as they arrive
 (reserving ``limits.max_body_bytes`` up front let a few small chunked
 requests take a key's whole byte cap), and is cut with the same 429 when
-it crosses a cap mid-body, or 413 past ``limits.max_body_bytes``.
+it crosses a cap mid-body, or 413 past ``limits.max_body_bytes``.  Its
+deadline grows the same way: it must keep sending at the minimum rate, so
+it is cut (408) once it has taken longer than ``body_grace`` plus what it
+sent so far at ``body_min_rate``.
 Callers the router cannot name (no key, an unknown key: the proxy refuses
 them) are held only to the source caps.
 
@@ -27,6 +30,7 @@ no await and no clock read for the accounting of refusals.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Awaitable, Callable
@@ -113,30 +117,41 @@ class Admission:
 
         ``got`` grows in the same step as the reservation (no await between), so
         the ``finally`` gives back exactly what was reserved, however this ends.
+        Its deadline follows ``got`` (``body_grace`` plus what it sent at
+        ``body_min_rate``), as a declared body's follows its size: a deadline
+        from ``limits.max_body_bytes`` let ten bytes hold a connection for as long
+        as a whole 16 MiB body may take.
         """
         holdings = self.holdings
         limit = self.max_body
-        allowed = body_allowance(limit, self.bounds)
+        bounds = self.bounds
+        loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
+        start = loop.time()
         got = 0
         try:
             body = bytearray()
             readany = request.content.readany
-            try:
-                async with compat.timeout(allowed):
-                    while chunk := await readany():
-                        n = len(chunk)
-                        if got + n > limit:
-                            return self._refuse(RouterError(
-                                413, f"request body exceeds the limit of {limit} bytes", INVALID_REQUEST,
-                                "request_too_large", klass="too_large"), time.perf_counter() - t0)
-                        refusal = holdings.grow(held_source, held_key, n)
-                        if refusal is not None:
-                            return self._over_cap(source, refusal, time.perf_counter() - t0)
-                        got += n
-                        body += chunk
-            except TimeoutError:
-                return self._too_slow(source, BodyTooSlow(allowed, self.bounds))
+            while True:
+                # armed for the bytes received so far and re-armed only when it fires: no timer per chunk
+                try:
+                    async with compat.timeout_at(start + body_allowance(got, bounds)):
+                        while chunk := await readany():
+                            n = len(chunk)
+                            if got + n > limit:
+                                return self._refuse(RouterError(
+                                    413, f"request body exceeds the limit of {limit} bytes", INVALID_REQUEST,
+                                    "request_too_large", klass="too_large"), time.perf_counter() - t0)
+                            refusal = holdings.grow(held_source, held_key, n)
+                            if refusal is not None:
+                                return self._over_cap(source, refusal, time.perf_counter() - t0)
+                            got += n
+                            body += chunk
+                    break
+                except TimeoutError:
+                    if loop.time() < start + body_allowance(got, bounds):
+                        continue  # bytes arrived since the timer was armed: they bought more time
+                    return self._too_slow(source, BodyTooSlow(body_allowance(got, bounds), bounds))
             setattr(request, BODY_CACHE_ATTR, bytes(body))
             del body  # not held twice while the request is forwarded
             return await handler(request)
