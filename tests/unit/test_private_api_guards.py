@@ -23,7 +23,7 @@ from llmgw.clientbounds import LimitedTCPSite, SourceGate
 from llmgw.controlplane import tlssite
 from llmgw.controlplane.tlssite import TLS_READ_BUFFER, HandshakeLoggingSite
 from llmgw.router.admission import BODY_CACHE_ATTR
-from llmgw.router.proxy import HOLD_HEADERS_ATTR
+from llmgw.router.relay import HOLD_HEADERS_ATTR
 from llmgw.router.serve import tracker_stop
 from llmgw.tls import init_ca, issue_router
 from llmgw.tls.files import write_pair
@@ -140,7 +140,7 @@ def test_control_plane_site_reads_1_KiB_at_a_time_and_the_routers_tls_on_the_sam
 def test_aiohttp_StreamResponse__send_headers_immediately_holds_the_head_for_the_first_write():
     assert HOLD_HEADERS_ATTR == "_send_headers_immediately"
     assert vars(web.StreamResponse).get(HOLD_HEADERS_ATTR) is True, \
-        "aiohttp.web.StreamResponse._send_headers_immediately is gone: see llmgw.router.proxy.HOLD_HEADERS_ATTR"
+        "aiohttp.web.StreamResponse._send_headers_immediately is gone: see llmgw.router.relay.HOLD_HEADERS_ATTR"
 
     async def head_sent_at_prepare(hold: bool) -> bool:
         writer = mock.Mock()

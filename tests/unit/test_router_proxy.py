@@ -736,7 +736,7 @@ async def test_impatient_clients_do_not_keep_a_hung_engine_in_rotation(sends_hea
         await _abandon(r, 0.2)
         await _abandon(r, 0.2)
         # the engine still works on them (as far as the router knows): their slots stay taken
-        await until_async(lambda: len(r.app[PROXY_KEY]._verdicts) == 2)
+        await until_async(lambda: len(r.app[PROXY_KEY].attempts.verdicts) == 2)
         assert rt.outstanding == 2
         await until_async(lambda: rt.outstanding == 0)
         outcome = "first_token_timeout" if sends_head else "timeout"
@@ -745,7 +745,7 @@ async def test_impatient_clients_do_not_keep_a_hung_engine_in_rotation(sends_hea
         assert await r.metric("llmgw_router_ejections_total", endpoint="e0") == 1
         st, _, body = await r.chat_stream()
         assert st == 503 and json.loads(body)["error"]["code"] == "no_healthy_endpoint"
-        assert not r.app[PROXY_KEY]._verdicts
+        assert not r.app[PROXY_KEY].attempts.verdicts
     never.set()
     await a.stop()
 
@@ -758,7 +758,7 @@ async def test_client_leaving_before_the_first_token_of_a_slow_but_working_engin
     async with Router(eps(a), {"timeouts": {"first_token": 5}, "outlier": {"consecutive_errors": 1}}) as r:
         rt = r.routing.runtimes()[0]
         await _abandon(r, 0.1)
-        await until_async(lambda: len(r.app[PROXY_KEY]._verdicts) == 1)
+        await until_async(lambda: len(r.app[PROXY_KEY].attempts.verdicts) == 1)
         assert rt.outstanding == 1  # held until the engine's first token shows it works
         await until_async(lambda: rt.outstanding == 0)
         assert await r.metric("llmgw_router_upstream_attempts_total", outcome="cancelled") == 1
@@ -781,11 +781,11 @@ async def test_shutdown_cancels_verdict_tasks_and_closes_their_connections():
     async with r:
         await _abandon(r, 0.2)
         proxy = r.app[PROXY_KEY]
-        await until_async(lambda: len(proxy._verdicts) == 1)
+        await until_async(lambda: len(proxy.attempts.verdicts) == 1)
         t = asyncio.get_running_loop().time()
     # (the Router context's exit ran the app's cleanup)
     assert asyncio.get_running_loop().time() - t < 5
-    assert not proxy._verdicts
+    assert not proxy.attempts.verdicts
     await asyncio.wait_for(closed.wait(), 5)
     never.set()
     await a.stop()
@@ -852,7 +852,7 @@ async def test_total_deadline_spends_no_retry_and_is_not_the_engines_fault():
         st, _, raw = await r.post(body={"model": "m", "messages": []})
         assert st == 504
         proxy = r.app[PROXY_KEY]
-        assert proxy.budget.total_retries == 0
+        assert proxy.forwarder.budget.total_retries == 0
         assert await r.metric("llmgw_router_retries_total") == 0
         assert [x.health.consecutive_failures for x in r.routing.runtimes()] == [0, 0]
         assert await r.metric("llmgw_router_upstream_attempts_total") == 1
@@ -864,8 +864,8 @@ async def test_total_deadline_spends_no_retry_and_is_not_the_engines_fault():
 @run
 async def test_sse_comments_do_not_feed_the_inter_token_watchdog(splice, monkeypatch):
     if not splice:
-        from llmgw.router import proxy as proxy_mod
-        monkeypatch.setattr(proxy_mod.Splice, "attach", classmethod(lambda cls, *a, **kw: None))
+        from llmgw.router import relay as relay_mod
+        monkeypatch.setattr(relay_mod.Splice, "attach", classmethod(lambda cls, *a, **kw: None))
 
     async def keepalive(request, body):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})

@@ -28,7 +28,8 @@ from .admission import Admission, Caps
 from .balancing import make_scorer
 from .endpoints import EndpointTable
 from .metrics import CONTENT_TYPE, RouterMetrics
-from .proxy import OPENAI_POST_PATHS, Proxy
+from .models import OPENAI_POST_PATHS
+from .proxy import Proxy
 from .runtime import Routing, run_housekeeping
 from .settings import RouterSettings
 

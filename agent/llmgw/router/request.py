@@ -1,19 +1,53 @@
-"""Reading what routing needs from a request body: ``model`` and ``stream``.
+"""Reading what the router needs from a client's request: who sent it, its id, ``model`` and ``stream``.
 
 The body is parsed once and never re-serialised: the engine receives the
 client's original bytes.  The parsed object is kept only for scorers that
-look at the prompt (prefix affinity).
+look at the prompt (prefix affinity).  Only headers checked here are
+copied into the engine's request.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import RouterError, bad_request
+from aiohttp import web
+
+from .auth import AuthFailure, KeyRing, Principal
+from .errors import AUTHENTICATION, RouterError, bad_request
 
 _DECODER = json.JSONDecoder()
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
+_HEADER_VALUE = re.compile(r"^[\t\x20-\x7e]{1,1024}$")  # what may be copied into an engine request line
+
+
+def authenticate(keys: KeyRing, request: web.Request) -> Principal:
+    """The caller's principal; a 401 ``RouterError`` for a key the router does not know."""
+    try:
+        return keys.authenticate(request.headers.get("Authorization"))
+    except AuthFailure as e:
+        raise RouterError(401, str(e), AUTHENTICATION, "invalid_api_key", klass="unauthorized") from None
+
+
+def request_id(request: web.Request) -> str:
+    """The client's X-Request-Id when it is acceptable, else a generated one."""
+    rid = request.headers.get("X-Request-Id")
+    if rid is None or not _REQUEST_ID.match(rid):
+        rid = os.urandom(12).hex()
+    return rid
+
+
+def engine_head(request: web.Request, stream: bool, rid: str) -> bytes:
+    """The header lines of the engine's request: the client's Accept if it is safe to copy, else the default."""
+    accept = request.headers.get("Accept")
+    if accept is None or not _HEADER_VALUE.match(accept):
+        accept = "text/event-stream" if stream else "application/json"
+    # parse_body proved the body is JSON, whatever the client's Content-Type said
+    return (b"Content-Type: application/json\r\nAccept: %s\r\nAccept-Encoding: identity\r\n"
+            b"X-Request-Id: %s\r\n" % (accept.encode("ascii"), rid.encode("ascii")))
 
 
 @dataclass(frozen=True)
@@ -75,4 +109,4 @@ def _json_type(v: Any) -> str:
     return "object"
 
 
-__all__ = ["ParsedRequest", "RouterError", "parse_body"]
+__all__ = ["ParsedRequest", "RouterError", "authenticate", "engine_head", "parse_body", "request_id"]

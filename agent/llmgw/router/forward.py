@@ -1,0 +1,91 @@
+"""Forwarding one request: which endpoint each try goes to, and whether another try may follow.
+
+The retry policy: a failed attempt (before the commit point) is retried on
+an endpoint not tried yet while the request's total deadline, its
+``retries.max_attempts`` and the router-wide retry budget allow; the
+deadline is checked first, so a retry that cannot happen spends no budget
+token.  When every try failed, the client gets the last failure (an
+engine's 429 passed through as it answered).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from .attempts import Attempts
+from .budget import RetryBudget
+from .context import RequestContext
+from .errors import SERVER, RouterError
+from .failures import Failed
+from .metrics import RouterMetrics
+from .request import engine_head
+from .runtime import ModelGroup, Routing
+from .settings import RouterSettings
+
+
+class Forwarder:
+    def __init__(self, settings: RouterSettings, routing: Routing, metrics: RouterMetrics,
+                 attempts: Attempts) -> None:
+        self.s = settings
+        self.routing = routing
+        self.metrics = metrics
+        self.attempts = attempts
+        r = settings.retries
+        self.budget = RetryBudget(r.budget_ratio, r.budget_min, r.budget_window)
+
+    async def forward(self, request: web.Request, ctx: RequestContext, group: ModelGroup, body: bytes,
+                      stream: bool, payload: dict) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        total_deadline = ctx.t0_loop + self.s.timeouts.total
+        headers = engine_head(request, stream, ctx.rid)
+        target = request.raw_path.encode("utf-8", "surrogateescape")  # path and query as the client sent them
+        self.budget.note_request()
+        tried: set[str] = set()
+        last: Failed | None = None
+        max_attempts = self.s.retries.max_attempts
+        while True:
+            # the deadline first: a retry that cannot happen spends no retry token
+            now = loop.time()
+            if now >= total_deadline:
+                break
+            pick = self.routing.pick(group, tried, payload)
+            if isinstance(pick, RouterError):
+                raise pick
+            if pick is None:  # a retry with nothing left to try
+                break
+            if last is not None:
+                if not self.budget.try_acquire():
+                    self.metrics.retries_denied.labels(group.model).inc()
+                    ctx.note = "retry_budget_exhausted"
+                    break
+                self.metrics.retries.labels(group.model, last.outcome).inc()
+            rt = pick
+            tried.add(rt.id)
+            ctx.attempts += 1
+            ctx.endpoint = rt.id
+            rt.outstanding += 1
+            try:
+                if stream:
+                    try_deadline = now + min(self.s.timeouts.per_try, self.s.timeouts.first_token)
+                    result = await self.attempts.stream(request, ctx, rt, group, target, body, headers,
+                                                       try_deadline, total_deadline)
+                else:
+                    result = await self.attempts.plain(ctx, rt, group, target, body, headers,
+                                                      now + self.s.timeouts.per_try, total_deadline)
+            finally:
+                rt.outstanding -= 1
+            if not isinstance(result, Failed):
+                return result
+            last = result
+            if not result.retryable or ctx.attempts >= max_attempts:
+                break
+        if last is None:  # total deadline passed before any attempt
+            raise RouterError(504, "request timed out before it could be sent", SERVER, "timeout",
+                              klass="upstream_timeout")
+        if last.upstream is not None:
+            ctx.status = last.upstream.status
+            self.metrics.error(ctx.model_label, last.error.klass)
+            return last.upstream
+        raise last.error
