@@ -240,6 +240,30 @@ async def test_metrics_need_a_metrics_token_unless_the_router_is_open():
 
 
 @run
+async def test_an_admitted_request_hashes_its_key_once():
+    """Admission authenticates before it reads the body; the proxy reuses that principal.
+
+    Hashing the key twice cost every request a second SHA-256 and lookup.
+    """
+    a = await Engine(healthy()).start()
+    keyed = {"allow_unauthenticated": False, "api_keys": [{"name": "k", "sha256": hash_key("sk-1")}]}
+    async with Router(eps(a), keyed) as r:
+        keys = r.app[PROXY_KEY].keys
+        calls = []
+        real = keys.authenticate
+
+        def counted(authorization):
+            calls.append(authorization)
+            return real(authorization)
+        keys.authenticate = counted
+        status_, _, _ = await r.post(body={"model": "m", "messages": []}, headers={"Authorization": "Bearer sk-1"})
+        assert status_ == 200 and len(calls) == 1
+        status_, _, _ = await r.post(body={"model": "m", "messages": []}, headers={"Authorization": "Bearer bad"})
+        assert status_ == 401  # refused by the proxy, as before
+    await a.stop()
+
+
+@run
 async def test_requests_over_a_keys_cap_get_429_with_retry_after_and_others_are_served():
     release = asyncio.Event()
 

@@ -44,6 +44,7 @@ from .auth import ANONYMOUS, AuthFailure, KeyRing
 from .errors import INVALID_REQUEST, RATE_LIMIT, RouterError
 from .holdings import Caps, Held, Holdings, Refusal
 from .metrics import RouterMetrics
+from .request import PRINCIPAL
 
 __all__ = ["Admission", "Caps", "BODY_CACHE_ATTR"]
 
@@ -82,6 +83,7 @@ class Admission:
             principal = self.keys.authenticate(request.headers.get("Authorization"))
         except AuthFailure:
             return await handler(request)  # refused by the proxy, before it reads the body
+        request[PRINCIPAL] = principal
         length = request.content_length
         chunked = False
         if length is None:

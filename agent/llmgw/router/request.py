@@ -24,8 +24,16 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
 _HEADER_VALUE = re.compile(r"^[\t\x20-\x7e]{1,1024}$")  # what may be copied into an engine request line
 
 
+# Where the admission step leaves the principal it authenticated, so the proxy
+# does not hash the same key a second time (request state: no client can set it).
+PRINCIPAL = "llmgw.principal"
+
+
 def authenticate(keys: KeyRing, request: web.Request) -> Principal:
     """The caller's principal; a 401 ``RouterError`` for a key the router does not know."""
+    principal = request.get(PRINCIPAL)
+    if principal is not None:
+        return principal
     try:
         return keys.authenticate(request.headers.get("Authorization"))
     except AuthFailure as e:
@@ -109,4 +117,4 @@ def _json_type(v: Any) -> str:
     return "object"
 
 
-__all__ = ["ParsedRequest", "RouterError", "authenticate", "engine_head", "parse_body", "request_id"]
+__all__ = ["PRINCIPAL", "ParsedRequest", "RouterError", "authenticate", "engine_head", "parse_body", "request_id"]
