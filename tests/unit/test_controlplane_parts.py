@@ -1,0 +1,81 @@
+"""The parts ``ControlPlane`` composes, each on its own: when a pass runs, who hears of endpoints,
+what is logged about waiting slots, and how the lifecycle's clocks excuse the control plane's stalls.
+
+``test_controlplane_state.py`` and ``test_controlplane_liveness.py`` drive them together
+through ``ControlPlane``; these pin each part's own rule.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from llmgw.controlplane.endpointfeed import EndpointFeed
+from llmgw.controlplane.lifecycle import NodeClock
+from llmgw.controlplane.lifecycletimers import STALL_EXCUSED_FROM, LifecycleTimers
+from llmgw.controlplane.passgate import FULL_PASS_EVERY, PassGate
+from llmgw.controlplane.unplacedlog import UnplacedLog
+from llmgw.settings import Lifecycle
+
+
+def test_a_settled_fleet_is_passed_whole_only_on_news_or_every_full_pass_period():
+    gate = PassGate()
+    assert gate.open(0.0), "the first tick reconciles"
+    gate.settled = True
+    assert not gate.open(1.0)
+    gate.mark()
+    assert not gate.woken.is_set() and gate.open(2.0), "found during a tick: due, the loop is not woken"
+    gate.kick()
+    assert gate.woken.is_set() and gate.open(3.0)
+    assert not gate.open(3.0 + FULL_PASS_EVERY - 0.1)
+    assert gate.open(3.0 + FULL_PASS_EVERY)
+    gate.settled = False
+    assert gate.open(3.0 + FULL_PASS_EVERY), "work left undone: every tick"
+
+
+def test_endpoints_reach_every_listener_once_per_change_even_when_one_fails():
+    feed, heard = EndpointFeed(), []
+
+    def broken(eps):
+        if eps:
+            raise RuntimeError("listener bug")
+
+    feed.subscribe(broken, [])
+    feed.subscribe(heard.append, [])
+    eps = [{"model": "m", "url": "http://10.0.0.1:1", "draining": False}]
+    feed.publish(eps)
+    feed.publish(list(eps))
+    assert heard == [[], eps], "an unchanged set is not handed out again; a failing listener stops no other"
+
+
+def test_waiting_slots_are_logged_once_per_deployment_and_reason(caplog):
+    log = UnplacedLog()
+    unplaced = {("m/p", n): "no GPU free" for n in range(7)} | {("m/p", 9): "restarting in 3s (failure 1)"}
+    with caplog.at_level(logging.WARNING, "llmgw.controlplane"):
+        log.log(unplaced)
+        log.log(dict(unplaced))
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line == "m/p: 7 replica(s) not placed, slot(s) #0, #1, #2, #3, #4 and 2 more: no GPU free"
+
+
+class _Lag:
+    def __init__(self, *late: float):
+        self.late = list(late)
+
+    def take(self) -> float:
+        return self.late.pop(0)
+
+
+def test_loop_lateness_is_excused_once_it_adds_up_and_a_larger_fleet_stretches_the_timings():
+    timers = LifecycleTimers(started_at=0.0)
+    small = STALL_EXCUSED_FROM * 0.6
+    timers.looplag = _Lag(small, small)
+    clocks = {"a": NodeClock.seen(0.0)}
+    timers.excuse_stall(clocks, 1.0)
+    assert timers.stalled == 0.0 and clocks["a"].last_seen == 0.0
+    timers.excuse_stall(clocks, 1.0)
+    assert timers.stalled == 2 * small and clocks["a"].last_seen > 0.0
+    lc = Lifecycle(max_heartbeats_per_second=10)
+    timers.grown_to(1000, lc)
+    timers.grown_to(10, lc)
+    assert lc.for_fleet(1000) != lc.for_fleet(10)
+    assert timers.lifecycle(lc) == lc.for_fleet(1000), "a timing never shrinks below what nodes were told"
