@@ -1,5 +1,6 @@
-"""The parts ``ControlPlane`` composes, each on its own: when a pass runs, who hears of endpoints,
-what is logged about waiting slots, and how the lifecycle's clocks excuse the control plane's stalls.
+"""The parts ``ControlPlane`` and ``llmgw server`` compose, each on its own: when a pass runs, who
+hears of endpoints, what is logged about waiting slots, how the lifecycle's clocks excuse the
+control plane's stalls, and what taking or losing the lead does.
 
 ``test_controlplane_state.py`` and ``test_controlplane_liveness.py`` drive them together
 through ``ControlPlane``; these pin each part's own rule.
@@ -7,12 +8,18 @@ through ``ControlPlane``; these pin each part's own rule.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
+from cp_state_fakes import Clock, settings
+
 from llmgw.controlplane.endpointfeed import EndpointFeed
+from llmgw.controlplane.leadership import LeaderHooks
 from llmgw.controlplane.lifecycle import NodeClock
 from llmgw.controlplane.lifecycletimers import STALL_EXCUSED_FROM, LifecycleTimers
 from llmgw.controlplane.passgate import FULL_PASS_EVERY, PassGate
+from llmgw.controlplane.state import ControlPlane
+from llmgw.controlplane.store import StoreError
 from llmgw.controlplane.unplacedlog import UnplacedLog
 from llmgw.settings import Lifecycle
 
@@ -79,3 +86,36 @@ def test_loop_lateness_is_excused_once_it_adds_up_and_a_larger_fleet_stretches_t
     timers.grown_to(10, lc)
     assert lc.for_fleet(1000) != lc.for_fleet(10)
     assert timers.lifecycle(lc) == lc.for_fleet(1000), "a timing never shrinks below what nodes were told"
+
+
+class _Elector:
+    def __init__(self):
+        self.is_leader, self.on_change, self.resigned = False, None, 0
+
+    async def resign(self):
+        self.resigned += 1
+
+
+def test_leader_hooks_take_over_on_leading_and_stop_the_process_when_deposed():
+    clock, elector, stop = Clock(), _Elector(), asyncio.Event()
+    cp = ControlPlane(settings(), clock=clock)
+    hooks = LeaderHooks(cp, elector, stop)
+    assert not cp.authority(), "a standby acts on nothing"
+    elector.is_leader = True
+    clock.t = 1050.0
+    elector.on_change(True, 7)
+    assert cp.authority() and cp.leader_fields() == {"leader_epoch": 7} and cp.started_at == 1050.0
+
+    def unreadable():
+        raise StoreError("etcd unreachable")
+
+    async def lead_blind():
+        cp.store.reload = unreadable
+        elector.on_change(True, 8)
+        await asyncio.sleep(0)
+
+    asyncio.run(lead_blind())
+    assert elector.resigned == 1 and cp.leader_epoch == 7, "a store it cannot read: the lead is given up"
+    assert not hooks.deposed and not stop.is_set()
+    elector.on_change(False, 7)
+    assert hooks.deposed and stop.is_set()
