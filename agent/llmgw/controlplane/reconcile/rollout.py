@@ -1,4 +1,9 @@
-"""The catalog's changes rolled out: replicas out of the catalog retired, changed ones replaced one at a time."""
+"""The catalog's changes rolled out: replicas out of the catalog retired, changed ones replaced one at a time.
+
+An adopted shard is kept when its model and profile are in the catalog
+exactly as it runs them, and stopped when they are not: nothing will route
+to it and it holds GPUs.
+"""
 
 from __future__ import annotations
 
