@@ -19,6 +19,7 @@ from llmgw.controlplane.reconcile.placement import Issuer, Room, create, placeme
 from llmgw.controlplane.reconcile.plan import Context, NodeView, Plan
 from llmgw.controlplane.reconcile.stopping import retire, stop_shards
 from llmgw.controlplane.replicas import ReplicaBook, ReplicaState
+from llmgw.protocol import Cordon
 
 
 def drain_nodes(book: ReplicaBook, issuer: Issuer, catalog: Catalog, nodes: Mapping[str, NodeView], now: float,
@@ -40,7 +41,7 @@ def drain_nodes(book: ReplicaBook, issuer: Issuer, catalog: Catalog, nodes: Mapp
                                f"{', '.join(sorted(twin.nodes()))} is Ready in its place")
         else:
             moving = True  # starting (or failed and waiting to be retired): one move at a time
-    draining = {n for n, v in nodes.items() if v.cordon == "draining"}
+    draining = {n for n, v in nodes.items() if v.cordon == Cordon.DRAINING}
     sick = [r for r in book.live() if r.sick is not None and r.surge_for is None]
     if moving or not (draining or sick) or ctx.in_grace:
         return
