@@ -42,15 +42,17 @@ a restart (a replica outliving its certificate would be refused by every
 router).  The ssl flags are owned: ``--ssl-ca-certs``/``--ssl-cert-reqs`` would
 demand client certificates routers do not present.  vLLM's refresher
 (vllm/entrypoints/launchers/utils/ssl.py in 0.33, the same code as 0.13's
-vllm/entrypoints/ssl.py) watches
-the two files with ``watchfiles.awatch(key, cert)``, whose inotify watch
-follows the inode: a renewal installed the safe way (written beside the file
-and renamed over it, as Ansible's ``copy`` does) is seen once, after which the
-watch sits on the replaced inode and every later renewal is missed, so an
-engine running past its second renewal serves an expired certificate.  The
-adapter sets ``WATCHFILES_FORCE_POLLING=1`` with the TLS flags: watchfiles then
-stats the paths (every 300 ms), which follows renames; nothing else in the API
-server uses watchfiles.  The variable is owned.
+vllm/entrypoints/ssl.py) watches the two files with
+``watchfiles.awatch(key, cert)``, whose inotify watch follows the inode: a
+renewal installed the safe way (written beside the file and renamed over it,
+as Ansible's ``copy`` does) is seen once, after which the watch sits on the
+replaced inode and every later renewal is missed, so an engine running past
+its second renewal keeps the first renewal's certificate until it expires.
+The adapter sets ``WATCHFILES_FORCE_POLLING=1`` with the TLS flags:
+watchfiles then stats the paths (every 300 ms), which follows renames (it
+compares modification times to the second, so a file replaced twice within
+one second is seen once); nothing else in the API server uses watchfiles.
+The variable is owned.
 
 Reserved for llmgw: ``--kv-events-config`` (the KV event publisher, whose
 endpoint the agent chooses) and ``--kv-transfer-config`` (prefill/decode
