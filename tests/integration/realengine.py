@@ -30,9 +30,11 @@ needs_llama_server = pytest.mark.skipif(
 
 def engine_fleet(root: Path, engine: str, command: list[str], models: list[dict[str, Any]],
                  deployments: list[dict[str, Any]], profiles: list[dict[str, Any]], gpus: int = 2,
-                 agent: dict[str, Any] | None = None, **fleet_kw: Any) -> Fleet:
-    """A one-node fleet with a router whose agent runs ``engine`` as ``command`` (agent.yaml ``engines``)."""
-    f = Fleet(root, nodes={"a": gpus}, router=True, router_http=True, **fleet_kw)
+                 agent: dict[str, Any] | None = None, sim_nodes: dict[str, int] | None = None,
+                 **fleet_kw: Any) -> Fleet:
+    """A fleet with a router whose node ``a`` runs ``engine`` as ``command`` (agent.yaml ``engines``);
+    ``sim_nodes`` (name -> GPUs) adds nodes whose agents run the simulator, as in every other fleet."""
+    f = Fleet(root, nodes={"a": gpus, **(sim_nodes or {})}, router=True, router_http=True, **fleet_kw)
     f.config["models"] = models
     f.config["profiles"] = profiles
     f.config["deployments"] = deployments

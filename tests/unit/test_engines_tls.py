@@ -112,3 +112,20 @@ def test_engine_tls_needs_the_fleet_ca():
     assert [err.pointer for err in e.value.errors] == ["/engine_tls"]
     s = parse_agent_settings({**AGENT, "engine_tls": {"cert": CERT, "key": KEY, "engines": ["vllm"]}})
     assert (s.engine_tls.cert, s.engine_tls.engines) == (CERT, ("vllm",))
+
+
+def test_vllm_polls_its_certificate_files_so_every_renewal_by_rename_is_seen(tmp_path):
+    """vLLM's --enable-ssl-refresh watches the two paths with watchfiles, whose inotify watch stays on
+    the inode a rename replaces: only the first renewal would be served. Polling follows the paths."""
+    spec = launch("vllm", HUB, tmp_path)
+    assert spec.env["WATCHFILES_FORCE_POLLING"] == "1" and "--enable-ssl-refresh" in spec.argv
+    plain = launch("vllm", HUB, tmp_path, tls_cert=None, tls_key=None)
+    assert "WATCHFILES_FORCE_POLLING" not in plain.env
+
+
+@pytest.mark.parametrize("value", ["0", "false"])
+def test_vllm_profile_cannot_turn_the_certificate_polling_off(value):
+    with pytest.raises(ProfileError) as e:
+        validate_profile(Profile("p", "vllm", env=(("WATCHFILES_FORCE_POLLING", value),)))
+    assert "env sets WATCHFILES_FORCE_POLLING" in str(e.value) and "engine_tls" in str(e.value)
+    assert e.value.paths == ("env/WATCHFILES_FORCE_POLLING",)

@@ -410,6 +410,10 @@ class Adapter:
     def key_env_owned(self) -> dict[str, str]:
         return {self.key_env: USE_KEY} if self.key_env else {}
 
+    def launch_env(self, ctx: LaunchContext) -> dict[str, str]:
+        """Variables the engine needs for what the adapter turned on in ``ctx`` (names in ``forbidden_env``)."""
+        return {}
+
     # -- shared -----------------------------------------------------------------
     def memory_fraction(self, profile: Profile) -> MemoryFraction | None:
         """The memory share ``profile``'s flags give the engine; None when they leave the engine's default."""
@@ -469,7 +473,7 @@ class Adapter:
         serves = self.serves_http(ctx)
         return LaunchSpec(
             argv=tuple(argv),
-            env={**build_env(profile, ctx), **key_env},
+            env={**build_env(profile, ctx), **self.launch_env(ctx), **key_env},
             serves_http=serves,
             port=ctx.port if serves else None,
             files=files,

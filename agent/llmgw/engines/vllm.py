@@ -40,7 +40,19 @@ prompts and the engine key never cross the node network in clear text, and
 ``--enable-ssl-refresh``, so a certificate renewed on disk is served without
 a restart (a replica outliving its certificate would be refused by every
 router).  The ssl flags are owned: ``--ssl-ca-certs``/``--ssl-cert-reqs`` would
-demand client certificates routers do not present.
+demand client certificates routers do not present.  vLLM's refresher
+(vllm/entrypoints/launchers/utils/ssl.py in 0.33, the same code as 0.13's
+vllm/entrypoints/ssl.py) watches the two files with
+``watchfiles.awatch(key, cert)``, whose inotify watch follows the inode: a
+renewal installed the safe way (written beside the file and renamed over it,
+as Ansible's ``copy`` does) is seen once, after which the watch sits on the
+replaced inode and every later renewal is missed, so an engine running past
+its second renewal keeps the first renewal's certificate until it expires.
+The adapter sets ``WATCHFILES_FORCE_POLLING=1`` with the TLS flags:
+watchfiles then stats the paths (every 300 ms), which follows renames (it
+compares modification times to the second, so a file replaced twice within
+one second is seen once); nothing else in the API server uses watchfiles.
+The variable is owned.
 
 Reserved for llmgw: ``--kv-events-config`` (the KV event publisher, whose
 endpoint the agent chooses) and ``--kv-transfer-config`` (prefill/decode
@@ -175,6 +187,10 @@ def kv_events_config(ctx: LaunchContext) -> str:
                        "replay_endpoint": replay, "topic": kv_events_topic(ctx)}, separators=(",", ":"))
 
 
+# watchfiles polls (stat by path) instead of inotify (by inode): see the module docstring.
+TLS_REFRESH_ENV = "WATCHFILES_FORCE_POLLING"
+
+
 # vLLM refuses nnodes > 1 unless the executor backend is mp (config/parallel.py).
 _MULTI_NODE_OWNED = (
     OwnedFlag(
@@ -193,6 +209,7 @@ class VLLMAdapter(Adapter):
     memory_fraction_flag = "--gpu-memory-utilization"
     memory_fraction_aliases = ("--device-memory-utilization",)
     key_env = "VLLM_API_KEY"
+    forbidden_env = {TLS_REFRESH_ENV: USE_TLS}
     tls_capable = True
     kv_events_capable = True
 
@@ -203,6 +220,9 @@ class VLLMAdapter(Adapter):
         return [Problem(f"extra_args sets {token} but kv_events is on: vLLM publishes KV events for its prefix "
                         "cache, which the adapter turns on", f"extra_args/{i}")
                 for i, token, _ in find_owned(profile.extra_args, (off,), self.syntax)]
+
+    def launch_env(self, ctx: LaunchContext) -> dict[str, str]:
+        return {TLS_REFRESH_ENV: "1"} if self.serves_tls(ctx) else {}
 
     def owned_flags(self, profile: Profile) -> tuple[OwnedFlag, ...]:
         return _OWNED + (_MULTI_NODE_OWNED if profile.nodes > 1 else ())
