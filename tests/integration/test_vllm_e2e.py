@@ -80,12 +80,6 @@ def served(vllm_python, tiny_hf_model, tmp_path_factory):  # noqa: F811
                                 "extra_args": [*vllmcpu.ENGINE_ARGS, *TOOL_ARGS], "env": vllmcpu.ENGINE_ENV}],
                      deployments=[{"model": "tiny", "profile": "cpu", "replicas": 1}],
                      agent={"health": HEALTH}, gpus=1, sim_nodes={"b": 1})
-    # A trickle of test requests leaves the router a retry budget of its minimum (3 in 10 s), which the
-    # SIGKILL test's dead endpoint would spend before it is ejected (5 refused connections in a row); at
-    # a fleet's rates the 20 % share covers it. Room for those retries, so that test sees every refused
-    # request retried on the other replica.
-    f.config["router"]["retries"] = {"budget_min": 50}
-    f.write_config()
     pairs = {}
     for node in ("a", "b"):
         pairs[node] = write_pair(root / f"engine-{node}", *issue_engine(f.pki.ca, [], ["127.0.0.1"]))

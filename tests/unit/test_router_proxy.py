@@ -414,6 +414,25 @@ async def test_retry_budget_caps_amplification():
 
 
 @run
+async def test_a_refused_connection_is_retried_without_spending_the_retry_budget():
+    """A refused connect put no request on any engine: its retry adds no load, so it is not rationed.
+
+    At a low request rate the budget is its minimum (3 per window): an engine
+    killed between two requests used to spend it on refused connects before
+    it was ejected, and clients got 502 while a healthy replica stood by.
+    """
+    good = await Engine(healthy()).start()
+    endpoints = [Endpoint("dead", "m", f"http://127.0.0.1:{closed_port()}"), Endpoint("good", "m", good.url)]
+    async with Router(endpoints, {"retries": {"budget_min": 0, "budget_ratio": 0}}) as r:
+        for _ in range(20):
+            st, _, body = await r.post()
+            assert st == 200, body
+        assert await r.metric("llmgw_router_retries_total", reason="connect") >= 1
+        assert await r.metric("llmgw_router_retries_denied_total") == 0
+    await good.stop()
+
+
+@run
 async def test_connect_refused_is_retried_and_ejects():
     good = await Engine(healthy()).start()
     dead_url = f"http://127.0.0.1:{closed_port()}"

@@ -56,7 +56,9 @@ class Forwarder:
             if pick is None:  # a retry with nothing left to try
                 break
             if last is not None:
-                if not self.budget.try_acquire():
+                # A refused or timed-out connect sent nothing: its retry is the request's only
+                # load on an engine, so only retries after work was done spend the budget.
+                if last.outcome != "connect" and not self.budget.try_acquire():
                     self.metrics.retries_denied.labels(group.model).inc()
                     ctx.note = "retry_budget_exhausted"
                     break
