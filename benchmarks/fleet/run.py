@@ -98,6 +98,8 @@ def wait_converged(f: Fleet, timeout: float) -> dict[str, Any]:
 
     def check() -> bool:
         nonlocal last
+        if f.server is not None and f.server.poll() is not None:
+            raise ServerExited(f.server.returncode)
         try:
             s = f.summary()
         except Exception as e:  # the control plane may still be starting or busy
@@ -118,7 +120,18 @@ def wait_converged(f: Fleet, timeout: float) -> dict[str, Any]:
     except TimeoutError:
         out["timed_out"] = True
         out["last"] = last
+    except ServerExited as e:
+        out["server_exited"] = e.returncode
+        out["last"] = last
     return out
+
+
+class ServerExited(Exception):
+    """The control plane being waited on exited (a leader that stepped down exits with status 3)."""
+
+    def __init__(self, returncode: int):
+        super().__init__(f"the control plane exited with status {returncode}")
+        self.returncode = returncode
 
 
 # ---------------------------------------------------------------- phases
@@ -338,7 +351,8 @@ def contention(n: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             after = st.get("registrations_per_node") or {}
             st.update(churn(log_since(f, offset)), converged="ready_s" in st,
                       registrations_mean=round((mean_registrations(after, n) or 0) - (mean_registrations(regs, n) or 0), 3))
-            st.update({k: f.sim_status().get(k) for k in ("refusals", "connect_errors")})
+            now_st = f.sim_status()  # the simulator counts from its start: the storm's share is the difference
+            st.update({k: (now_st.get(k) or 0) - (got.get(k) or 0) for k in ("refusals", "connect_errors")})
             out["storm"] = st
             log(f"{n}: contention storm {st}")
     finally:
@@ -363,14 +377,22 @@ def failover(n: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     out: dict[str, Any] = {**ha, "load_avg_1m": round(os.getloadavg()[0], 2)}
     f = Fleet(tmp / "failover", n, procs=args.procs, lifecycle=lifecycle(args), ha=ha)
     try:
-        came_up = cold(f, args.timeout)
-        out["cold_ready_s"] = came_up.get("to_ready_s")
-        if "ready_s" not in came_up:
-            out["cold"] = {k: v for k, v in came_up.items() if k != "summary"}
-            return out
-        f.lifecycle = {}  # the default startup_grace, the new leader's failover grace, as in the storm
+        # The standby runs from the start, as it would in production: a leader that cannot renew
+        # its lease during the cold start (its loop held by the registrations) hands over to it.
+        f.write_config()
+        f.start_server()
+        f.lifecycle = {}  # the standby's failover grace: the default startup_grace, as in the storm
         f.write_config()
         f.start_standby()
+        f.start_sim()
+        t0 = time.monotonic()
+        came_up = wait_converged(f, args.timeout)
+        out["cold_ready_s"] = round(time.monotonic() - t0, 1) if "ready_s" in came_up else None
+        if "ready_s" not in came_up:
+            out["cold"] = {k: v for k, v in came_up.items() if k != "summary"}
+            out["cold"]["leader_log"] = [line for line in log_since(f, 0).splitlines()
+                                         if "llmgw.controlplane.leader" in line][-3:]
+            return out
         before, regs = f.placements(), f.sim_status().get("registrations", 0)
         offset = log_size(f, "standby.log")
         f.kill_server()
@@ -742,7 +764,8 @@ def markdown(doc: dict[str, Any]) -> str:
     if doc.get("yardstick"):
         y = doc["yardstick"]
         out += ["", f"Yardstick (this machine's pure CPU speed): placement over 1,000 nodes, "
-                    f"{y['placement_decisions_per_s_1000_nodes']:,} decisions/s (median of {y['runs']}, load "
+                    f"{y['placement_decisions_per_s_1000_nodes']:,} decisions/s (median of {len(y['runs'])} runs: "
+                    f"{', '.join(f'{r:,}' for r in y['runs'])}; load "
                     f"{y['load_avg_1m']}). A machine with half the rate should expect about twice the CPU "
                     "figures above.", ""]
     for u in doc.get("updated", []):
