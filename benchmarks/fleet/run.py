@@ -700,11 +700,15 @@ def resilience(res: dict[str, Any]) -> list[tuple[str, str, Any, bool | None]]:
                          t if p.get("converged") else f"no ({p.get('timed_out') and 'timed out'})",
                          bool(p.get("converged")) and (t or 1e9) <= target))
             rows.append((f"{share} core, {what}: registrations per node", "≤ 1.1", p.get("registrations_mean"),
-                         (p.get("registrations_mean") or 9) <= 1.1))
+                         bool(p.get("converged")) and (p.get("registrations_mean") or 9) <= 1.1))
             rows.append((f"{share} core, {what}: connect errors / refusals / streams closed", "reported",
                          f"{p.get('connect_errors')} / {p.get('refusals')} / {p.get('streams_closed')}", None))
     fo = res.get("failover")
-    if fo and "skipped" not in fo:
+    if fo and "server_exited" in (fo.get("cold") or {}):
+        rows.append(("failover: the leader leads through the cold start", "yes",
+                     f"no: it stepped down (exit {fo['cold']['server_exited']}), its loop held past "
+                     "lease_ttl - renew_interval; the standby took over", False))
+    elif fo and "skipped" not in fo:
         ttl = fo["lease_ttl"]
         rows.append(("failover: SIGKILL of the leader to a new leader, s", f"≤ lease_ttl + 5 = {ttl + 5}",
                      fo.get("new_leader_s"), (fo.get("new_leader_s") or 1e9) <= ttl + 5))
