@@ -9,13 +9,17 @@
 - ``llmgw-fleet-sim`` runs the agents in ``procs`` worker processes, with a
   control socket for faults and a status file;
 - the benchmark reads the fleet through the admin API (``/v1/summary`` to
-  poll, ``/v1/replicas`` for before/after comparisons), as an operator would.
+  poll, ``/v1/replicas`` for before/after comparisons), as an operator would;
+- with ``ha`` (the failover phase) a one-member etcd (Debian's etcd-server)
+  and a second ``llmgw server`` stand beside it: the agents know both
+  addresses and follow whichever leads.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -88,6 +92,10 @@ class Fleet:
     started_at: float = 0.0
     cpu_share: float | None = None  # hold the control plane to this share of one CPU (contention)
     throttle: Throttle | None = None
+    ha: dict[str, Any] | None = None  # etcd election settings (lease_ttl, renew_interval): a standby beside
+    standby: subprocess.Popen | None = None
+    standby_port: int = 0
+    etcd: "EtcdServer | None" = None
 
     def __post_init__(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -99,6 +107,9 @@ class Fleet:
         self.server_pair = write_pair(pki / "server", *issue_server(self.ca, ["localhost"], ["127.0.0.1"]))
         self.admin_pair = write_pair(pki / "admin", *issue_admin(self.ca, "bench"))
         self.port = self.port or free_port()
+        if self.ha is not None:
+            self.standby_port = free_port()
+            self.etcd = EtcdServer(self.root / "etcd")
         self.status_path = self.root / "sim-status.json"
         self.control_path = self.root / "sim.sock"
         self.write_config()
@@ -106,30 +117,67 @@ class Fleet:
 
     # ------------------------------------------------------------- config
     def write_config(self, **lifecycle: Any) -> Path:
-        cfg = {"api": {"listen": {"host": "127.0.0.1", "port": self.port}},
+        path = self.root / "server.yaml"
+        path.write_text(yaml.safe_dump(self._config(self.port, "cp1", lifecycle), sort_keys=False))
+        if self.ha is not None:
+            (self.root / "standby.yaml").write_text(yaml.safe_dump(self._config(self.standby_port, "cp2", lifecycle),
+                                                                   sort_keys=False))
+        return path
+
+    def _config(self, port: int, name: str, lifecycle: dict[str, Any]) -> dict[str, Any]:
+        cfg = {"api": {"listen": {"host": "127.0.0.1", "port": port}},
                "tls": {"ca": str(self.ca.cert_path), "cert": str(self.server_pair[0]),
                        "key": str(self.server_pair[1])},
                "lifecycle": {**self.lifecycle, **lifecycle},
-               "state_dir": str(self.root / "cp-state"),  # grant.key: restarts adopt, not replace
+               "state_dir": str(self.root / f"{name}-state" if self.ha else self.root / "cp-state"),
                **catalog(self.nodes)}
-        path = self.root / "server.yaml"
-        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-        return path
+        if self.ha is not None and self.etcd is not None:
+            cfg["ha"] = {"etcd": {"endpoints": [self.etcd.url]}, "name": name,
+                         "advertise_url": f"https://127.0.0.1:{port}", **self.ha}
+        return cfg
 
     @property
     def url(self) -> str:
         return f"https://127.0.0.1:{self.port}"
 
     # ------------------------------------------------------------ processes
+    def _server_proc(self, config: str, log_name: str) -> subprocess.Popen:
+        if self.etcd is not None and not self.etcd.running():
+            self.etcd.start()
+        log = open(self.root / log_name, "ab")
+        return subprocess.Popen([sys.executable, "-m", "llmgw", "--log-level", os.environ.get("FLEET_CP_LOG", "INFO"),
+                                 "server", "--config", str(self.root / config)], stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
     def start_server(self) -> None:
-        log = open(self.root / "server.log", "ab")
-        self.server = subprocess.Popen([sys.executable, "-m", "llmgw", "--log-level", os.environ.get("FLEET_CP_LOG", "INFO"), "server", "--config",
-                                        str(self.root / "server.yaml")], stdout=log, stderr=subprocess.STDOUT,
-                                       start_new_session=True)
+        self.server = self._server_proc("server.yaml", "server.log")
         self.started_at = time.monotonic()
         until(lambda: self._healthy(), "the control plane's /healthz", 60, 0.2)
+        if self.ha is not None:
+            until(lambda: self.role(self.port) == "leader", "the control plane to lead", 60, 0.2)
         if self.cpu_share is not None:
             self.throttle = Throttle(self.server.pid, self.cpu_share).start()
+
+    def start_standby(self) -> None:
+        """The second control plane (``ha`` only): it stands by while the first leads."""
+        self.standby = self._server_proc("standby.yaml", "standby.log")
+        until(lambda: self.role(self.standby_port) == "standby", "the second control plane to stand by", 60, 0.2)
+
+    def role(self, port: int) -> str | None:
+        """"leader" or "standby" by the control plane's answer on ``port``; None when it does not answer."""
+        try:
+            with admin_client(f"https://127.0.0.1:{port}", self.ca.cert_path, self.admin_pair, timeout=3) as c:
+                r = c.get("/v1/summary")
+        except httpx.HTTPError:
+            return None
+        return r.headers.get("X-Llmgw-Role", "leader") if r.status_code == 200 else None
+
+    def promote_standby(self) -> None:
+        """The standby leads now: the admin API and the measurements follow it."""
+        assert self.standby is not None
+        self.server, self.standby = self.standby, None
+        self.port, self.standby_port = self.standby_port, 0
+        self.close_http()
 
     def _unthrottle(self) -> None:
         if self.throttle is not None:
@@ -148,6 +196,7 @@ class Fleet:
         log = open(self.root / "sim.log", "ab")
         self.sim = subprocess.Popen(
             [str(Path(sys.executable).parent / "llmgw-fleet-sim"), "--url", f"wss://127.0.0.1:{self.port}/v1/agent/stream",
+             *(["--url", f"wss://127.0.0.1:{self.standby_port}/v1/agent/stream"] if self.standby_port else []),
              "--ca-dir", str(self.ca.directory), "--cert-cache", str(cache), "--nodes", str(self.nodes),
              "--procs", str(self.procs), "--status-file", str(self.status_path), "--control", str(self.control_path),
              "--seed", "7", "--log-level", os.environ.get("FLEET_SIM_LOG", "WARNING"), *self.sim_args],
@@ -158,7 +207,7 @@ class Fleet:
 
     def stop(self) -> None:
         self._unthrottle()
-        for p in (self.sim, self.server):
+        for p in (self.sim, self.server, self.standby):
             if p is not None and p.poll() is None:
                 with _quiet():
                     os.killpg(p.pid, signal.SIGTERM)
@@ -167,6 +216,8 @@ class Fleet:
                 except subprocess.TimeoutExpired:
                     os.killpg(p.pid, signal.SIGKILL)
                     p.wait()
+        if self.etcd is not None:
+            self.etcd.stop()
         self.close_http()
 
     def sim_command(self, line: str) -> dict[str, Any]:
@@ -230,6 +281,53 @@ class Fleet:
     def server_rss(self) -> int:
         assert self.server is not None
         return procfs.rss_bytes(self.server.pid)
+
+
+class EtcdServer:
+    """One etcd member on loopback (Debian's etcd-server) for the control planes' election."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.client, self.peer = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.client}"
+        self.proc: subprocess.Popen | None = None
+
+    @staticmethod
+    def binary() -> str | None:
+        return shutil.which("etcd")
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> None:
+        binary = self.binary()
+        if binary is None:
+            raise RuntimeError("etcd is not installed (make etcd: Debian's etcd-server)")
+        self.root.mkdir(parents=True, exist_ok=True)
+        peer = f"http://127.0.0.1:{self.peer}"
+        self.proc = subprocess.Popen(
+            [binary, "--name", "bench", "--data-dir", str(self.root / "data"), "--listen-client-urls", self.url,
+             "--advertise-client-urls", self.url, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+             "--initial-cluster", f"bench={peer}", "--listen-metrics-urls", f"http://127.0.0.1:{free_port()}"],
+            stdout=open(self.root / "etcd.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+
+        def answers() -> bool:
+            try:
+                return httpx.post(f"{self.url}/v3/maintenance/status", json={}, timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        until(answers, "etcd to answer", 60, 0.2)
+
+    def stop(self) -> None:
+        if self.running():
+            assert self.proc is not None
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 class _quiet:

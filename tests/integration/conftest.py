@@ -17,6 +17,7 @@ CPU_HEAVY = frozenset({
     "test_admin_api_fuzz.py",
     "test_chaos.py",
     "test_client_bounds.py",
+    "test_fleet_bench_quick.py",
     "test_fleet_etcd_members.py",
     "test_fleet_failover.py",
     "test_fleet_grants.py",

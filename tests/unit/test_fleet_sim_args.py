@@ -57,6 +57,14 @@ def test_the_url_must_be_the_tls_stream(capsys, ca_dir) -> None:
     assert "argument --url: 'ws://127.0.0.1:8443/v1/agent/stream': expected wss://" in refused(capsys, argv)
 
 
+def test_every_url_is_kept_in_order_and_each_must_be_the_tls_stream(capsys, ca_dir) -> None:
+    standby = "wss://127.0.0.1:8444/v1/agent/stream"
+    args = build_parser().parse_args(base(ca_dir, "--url", standby))
+    assert args.url == ["wss://127.0.0.1:8443/v1/agent/stream", standby]
+    assert "argument --url: 'https://127.0.0.1:8444/': expected wss://" in refused(
+        capsys, base(ca_dir, "--url", "https://127.0.0.1:8444/"))
+
+
 def test_a_directory_without_a_ca_is_refused(capsys, tmp_path) -> None:
     assert f"argument --ca-dir: {tmp_path} holds no CA" in refused(capsys, base(tmp_path))
 

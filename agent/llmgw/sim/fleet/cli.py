@@ -93,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                "kill SHARE [RESTART_AFTER], restart SHARE, flap SHARE [PERIOD], slow SECONDS [SHARE], "
                "malformed SHARE, oversized SHARE, heal, help, quit.")
     g = p.add_argument_group("fleet")
-    g.add_argument("--url", required=True, type=_url, help="the control plane's stream, wss://HOST:PORT/v1/agent/stream")
+    g.add_argument("--url", required=True, type=_url, action="append",
+                   help="the control plane's stream, wss://HOST:PORT/v1/agent/stream; repeat it for a leader and "
+                        "its standbys (the agents follow the leader, as a real agent's list of addresses does)")
     g.add_argument("--ca-dir", required=True, type=Path, help="the fleet CA directory (ca.crt, ca.key) that issues node certificates")
     g.add_argument("--cert-cache", type=Path, default=Path(default_cert_cache()),
                    help="where issued keys and certificates are kept for reruns (default: %(default)s)")
@@ -241,7 +243,8 @@ async def _run(args: argparse.Namespace, ca: Any, assignment: list[str]) -> int:
                "progress_interval": args.progress_interval}
     engines_per_proc = [args.engines // args.procs + (1 if i < args.engines % args.procs else 0)
                         for i in range(args.procs)]
-    specs = [WorkerSpec(url=args.url, ca_file=str(ca.cert_path), cert_cache=str(args.cert_cache),
+    urls: str | list[str] = args.url[0] if len(args.url) == 1 else list(args.url)
+    specs = [WorkerSpec(url=urls, ca_file=str(ca.cert_path), cert_cache=str(args.cert_cache),
                         ca_fingerprint=ca_fingerprint(ca), node_ids=ids, templates=assignment,
                         extra_templates=dict(args.template), numbers=list(range(i, args.nodes, args.procs)),
                         timings=timings, reconnect_initial=args.reconnect_initial,
@@ -252,7 +255,7 @@ async def _run(args: argparse.Namespace, ca: Any, assignment: list[str]) -> int:
              for i in range(args.procs)]
     handles: list[Any] = ([LocalHandle(specs[0])] if args.procs == 1
                           else [ProcessHandle(s, "DEBUG" if args.log_level == "DEBUG" else "WARNING") for s in specs])
-    meta = {"url": args.url, "nodes_total": args.nodes, "procs_total": args.procs, "prefix": args.prefix}
+    meta = {"url": urls, "nodes_total": args.nodes, "procs_total": args.procs, "prefix": args.prefix}
     coord = Coordinator(handles, ids, args.seed, meta)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -266,7 +269,7 @@ async def _run(args: argparse.Namespace, ca: Any, assignment: list[str]) -> int:
             log.error("%s", e)
             coord.failed = str(e)
             return 1
-        log.info("%d agent(s) in %d process(es) dialling %s", args.nodes, args.procs, args.url)
+        log.info("%d agent(s) in %d process(es) dialling %s", args.nodes, args.procs, ", ".join(args.url))
         for cmd in start_commands(args):
             log.info("%s: %s", cmd.op, await coord.execute(cmd))
         if args.status_file is not None:

@@ -38,7 +38,7 @@ OPS = ("stats", "nodes", "silence", "heal", "kill", "restart", "flap", "slow", "
 class WorkerSpec:
     """Everything a worker needs; JSON-serialisable so a worker process can read it from a file."""
 
-    url: str
+    url: str | list[str]  # several: a leader and its standbys, in the agent's order
     ca_file: str
     cert_cache: str
     ca_fingerprint: str
