@@ -124,6 +124,19 @@ def _wrapper(tmp_path: Path) -> Path:
     return w
 
 
+def _blank_env_wrapper(tmp_path: Path) -> Path:
+    """An engine whose worker's environment reads empty, as vLLM's do.
+
+    vLLM names its EngineCore and worker processes with setproctitle, which
+    writes over the environment block: ``/proc/<pid>/environ`` shows none of
+    the agent's markers.
+    """
+    w = tmp_path / "engine-with-blank-worker"
+    w.write_text(f"#!/bin/sh\nenv -i sleep 100000 &\necho \"worker pid $!\"\nexec {' '.join(SIM)} \"$@\"\n")
+    w.chmod(0o755)
+    return w
+
+
 def _worker_pid(h: Harness, shard_id: str) -> int:
     m = re.search(r"worker pid (\d+)", h.statedir.log_path(shard_id).read_text())
     assert m, "wrapper did not start its worker"
@@ -156,6 +169,21 @@ def test_a_crashed_leaders_workers_are_killed_before_failed_is_reported(tmp_path
         await h.terminal("tiny.sim.1-hh/r0")
         assert seen_alive_at_report == [False], "failed promises free GPUs: the worker must be gone first"
     run(tmp_path, body, command=(str(_wrapper(tmp_path)),))
+
+
+def test_a_crashed_leaders_worker_without_markers_is_killed_too(tmp_path):
+    """A SIGKILLed vLLM API server left its EngineCore and workers running (their environment
+    blanked by setproctitle), holding the GPUs the agent then reported free."""
+    async def body(h, sup):
+        sup.start(make_spec("tiny.sim.1-hk/r0"))
+        await h.until(lambda: "ready" in h.states("tiny.sim.1-hk/r0"), "ready")
+        worker = procident.identify(_worker_pid(h, "tiny.sim.1-hk/r0"))
+        assert procident.read_environ(worker.pid) == {}, "the worker must look as vLLM's do"
+        os.kill(h.last("tiny.sim.1-hk/r0")["process"]["pid"], signal.SIGKILL)
+        end = await h.terminal("tiny.sim.1-hk/r0")
+        assert end["state"] == "failed"
+        assert not procident.is_running(worker), "a worker of the dead engine outlived the failed report"
+    run(tmp_path, body, command=(str(_blank_env_wrapper(tmp_path)),))
 
 
 def test_engine_ignoring_sigterm_is_killed_after_the_grace(tmp_path):

@@ -64,20 +64,28 @@ def describe_exit(returncode: int | None) -> str:
     return f"exited with status {returncode}"
 
 
-def group_members(pgid: int, shard_id: str, node_id: str) -> list[ProcessIdentity]:
-    """Live processes in group ``pgid`` that carry this shard's markers.
+def group_members(leader: ProcessIdentity, shard_id: str, node_id: str) -> list[ProcessIdentity]:
+    """Live processes left in the group ``leader`` led, once the leader is gone.
 
     Used once the group leader is gone (a dead engine's workers still holding
     GPUs): with the leader's identity unverifiable, a process is signalled
-    only if it is in that group *and* was launched for this very shard.
+    only if it is in that group and that session (the engine was started in a
+    session of its own; no process can join one from outside, and the kernel
+    hands out no pid still naming a live session), started no earlier than
+    the leader, and carries no other shard's markers.  The markers cannot be
+    required: vLLM names its processes with setproctitle, which writes the
+    title over the environment block, so ``/proc/<pid>/environ`` of an
+    ``EngineCore`` or a worker reads empty.
     """
     out = []
+    pgid = leader.pid
     for pid in procident.list_pids():
         st = procident.read_stat(pid)
-        if st is None or st.pgid != pgid or st.state in ("Z", "X"):
+        if (st is None or st.pgid != pgid or st.sid != pgid or st.state in ("Z", "X")
+                or st.start_time < leader.start_time):
             continue
         env = procident.read_environ(pid) or {}
-        if env.get(ENV_SHARD_ID) == shard_id and env.get(ENV_NODE_ID, node_id) == node_id:
+        if env.get(ENV_SHARD_ID, shard_id) == shard_id and env.get(ENV_NODE_ID, node_id) == node_id:
             ident = procident.identify(pid)
             if ident is not None:
                 out.append(ident)
@@ -364,7 +372,7 @@ class PopenDriver:
         """
         assert shard.identity is not None
         for _ in range(int(30 / self.config.poll_interval) + 1):
-            members = group_members(shard.identity.pid, shard.shard_id, self.config.node_id)
+            members = group_members(shard.identity, shard.shard_id, self.config.node_id)
             if not members:
                 return
             for m in members:
