@@ -148,3 +148,30 @@ def test_an_idle_stream_lives_on_the_pings_the_control_plane_asks_for(tmp_path: 
         assert "nothing from the control plane" not in agent.life_output()
         assert "stream closed" not in agent.life_output()
         assert f.nodes()[f.node_ids["a"]]["registrations"] == 1
+
+
+def test_a_restart_that_admits_its_fleet_slowly_holds_its_grace_and_moves_nothing(tmp_path: Path) -> None:
+    """After a restart the control plane admits agents at its own rate; the startup grace holds while
+    those it refused are due back. With a fixed grace, the replicas of agents still waiting in line
+    were placed again on the nodes already back, and the late agents' engines then stopped as
+    surplus: a 5,000-node storm on a loaded host restarted 2,190 replicas that way."""
+    nodes, replicas = 24, 12
+    lifecycle = {**LIFECYCLE, "startup_grace": 5.0, "max_registrations_per_second": 4.0}
+    with Fleet(tmp_path, nodes={}, replicas=replicas, lifecycle=lifecycle) as f:
+        f.start(agents=False)
+        sim = Sim(f, tmp_path, nodes=nodes, engines=0)
+        f.extra.append(sim.proc)
+        try:
+            sim.proc.start()
+            before = placement(ready(f, sim, nodes, replicas))
+            f.server.kill()
+            f.server.start()
+            after = ready(f, sim, nodes, replicas)
+            logged = f.server.life_output()
+            st = sim.status()
+        finally:
+            sim.close()
+        assert st["refusals"] > 0, "the restart admitted every agent at once: nothing was tested"
+        assert "admission: refusing new agent streams" in logged
+        assert placement(after) == before, "a replica moved or restarted across the restart"
+        assert_no_gpu_twice(after)

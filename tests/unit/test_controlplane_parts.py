@@ -16,7 +16,7 @@ from cp_state_fakes import Clock, settings
 from llmgw.controlplane.endpointfeed import EndpointFeed
 from llmgw.controlplane.leadership import LeaderHooks
 from llmgw.controlplane.lifecycle import NodeClock
-from llmgw.controlplane.lifecycletimers import STALL_EXCUSED_FROM, LifecycleTimers
+from llmgw.controlplane.lifecycletimers import MAX_GRACE_FACTOR, STALL_EXCUSED_FROM, LifecycleTimers
 from llmgw.controlplane.passgate import FULL_PASS_EVERY, PassGate
 from llmgw.controlplane.state import ControlPlane
 from llmgw.controlplane.store import StoreError
@@ -86,6 +86,23 @@ def test_loop_lateness_is_excused_once_it_adds_up_and_a_larger_fleet_stretches_t
     timers.grown_to(10, lc)
     assert lc.for_fleet(1000) != lc.for_fleet(10)
     assert timers.lifecycle(lc) == lc.for_fleet(1000), "a timing never shrinks below what nodes were told"
+
+
+def test_the_startup_grace_holds_while_agents_refused_during_it_are_due_back():
+    lc = Lifecycle(startup_grace=10.0)
+    timers = LifecycleTimers(started_at=100.0)
+    assert timers.grace_end(lc) == 110.0
+    timers.note_refused(105.0, 8, lc)  # told to come back within 8 s: due by 121 at the latest
+    assert timers.grace_end(lc) == 121.0 and timers.grace_left(115.0, lc) == 6.0
+    timers.note_refused(120.0, 30, lc)  # still refusing: held, but never past MAX_GRACE_FACTOR x startup_grace
+    assert timers.grace_end(lc) == 100.0 + MAX_GRACE_FACTOR * 10.0
+    clocks = {"a": NodeClock.seen(100.0)}
+    assert timers.evaluate(clocks, 125.0, lc) and timers.evaluation.in_grace
+    late = LifecycleTimers(started_at=100.0)
+    late.note_refused(111.0, 30, lc)  # after the grace ended: a settled fleet is judged as always
+    assert late.grace_end(lc) == 110.0
+    late.restart(200.0)
+    assert late.grace_end(lc) == 210.0
 
 
 class _Elector:

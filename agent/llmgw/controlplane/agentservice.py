@@ -169,6 +169,7 @@ class AgentService:
                                       lc.max_loop_lag)
         if retry is None:
             return None
+        self.cp.timers.note_refused(self.cp.clock(), retry, lc)
         if self.admission.refused % 100 == 1:  # a storm would otherwise log a line per refusal
             log.warning("admission: refusing new agent streams for now (from %s; %d refused so far, %d admitted): "
                         "retry after %ds", peer, self.admission.refused, self.admission.admitted, retry)

@@ -136,7 +136,7 @@ WATCH_HOLD = 25.0  # seconds a watch poll may wait for the startup grace (router
 
 def startup_grace_left(cp: ControlPlane) -> float:
     """Seconds of the startup grace left (0 after it): until then the endpoint set is still filling up."""
-    return max(0.0, cp.settings.lifecycle.startup_grace - (cp.clock() - cp.started_at))
+    return cp.timers.grace_left(cp.clock(), cp.settings.lifecycle)
 
 
 def grace_aware_watch(cp: ControlPlane, handler: Handler, stopping: asyncio.Event | None = None) -> Handler:

@@ -10,7 +10,8 @@ changed, so the rules below are tested without clocks or sockets.
   placed elsewhere.
 - A control plane that has just started declares nothing lost before
   ``startup_grace`` has passed, and silence is never counted from before it
-  started: it cannot tell an agent still backing off from a dead one.
+  started: it cannot tell an agent still backing off from a dead one.  The
+  grace lasts while agents it refused (admission) are still due back.
 - When more than ``max_unreachable_share`` of the (not yet lost) fleet is
   unreachable at once, the fault is far more likely on the control plane's
   side of the network than on every node at once, so nobody is declared
@@ -116,16 +117,19 @@ def evaluate(
     started_at: float,
     timings: Lifecycle,
     last_damped: float | None = None,
+    grace_until: float | None = None,
 ) -> Evaluation:
     """Advance every node's state by its silence; mutates ``clocks`` in place.
 
     ``last_damped``: the previous evaluation's ``last_damped``; the silence
-    that makes a node lost is not counted from before it.
+    that makes a node lost is not counted from before it.  ``grace_until``:
+    when the startup grace ends, if not ``startup_grace`` after ``started_at``
+    (it is held while agents still wait to be admitted).
     """
     # Called every tick over the whole fleet: one pass over the clocks, sorting
     # only the nodes that change (a settled fleet of 10,000 has none), not the fleet.
     transitions: list[Transition] = []
-    in_grace = now - started_at < timings.startup_grace
+    in_grace = now < grace_until if grace_until is not None else now - started_at < timings.startup_grace
     ready, unreachable_state, lost_state = NodeState.READY, NodeState.UNREACHABLE, NodeState.LOST
     after = timings.unreachable_after
     going: list[str] = []
@@ -162,8 +166,11 @@ def evaluate(
     due = sorted(n for n in down if silence(clocks[n], now, counted_from) > timings.lost_after)
     hold_reason: str | None = None
     if due and in_grace:
+        held_longer = now - started_at >= timings.startup_grace
         hold_reason = (f"control plane started {now - started_at:.1f}s ago "
-                       f"(startup_grace {timings.startup_grace:g}s): no node is declared lost yet")
+                       f"(startup_grace {timings.startup_grace:g}s"
+                       f"{', held while agents wait to be admitted' if held_longer else ''}): "
+                       "no node is declared lost yet")
     elif due and damped:
         hold_reason = (f"{unreachable} of {alive} nodes unreachable at once "
                        f"({share:.0%} > max_unreachable_share {timings.max_unreachable_share:.0%}): "

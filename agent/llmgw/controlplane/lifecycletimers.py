@@ -18,6 +18,10 @@ from llmgw.settings import Lifecycle
 log = logging.getLogger("llmgw.controlplane")
 
 STALL_EXCUSED_FROM = 0.25  # seconds of loop lateness, added up, before the nodes' deadlines are pushed back
+# The startup grace is held while agents refused by admission are due back, up to this many
+# times startup_grace: a restart that cannot admit its fleet within the grace must not judge
+# the agents still waiting in line (and re-place their replicas), nor wait forever.
+MAX_GRACE_FACTOR = 4.0
 
 
 class LifecycleTimers:
@@ -28,6 +32,7 @@ class LifecycleTimers:
         self.stalled = 0.0  # seconds of stall excused so far, for logs and tests
         self._stall_owed = 0.0  # loop lateness not yet excused (see excuse_stall)
         self._fleet_size = 0  # the most nodes known at once: sizes the heartbeat interval
+        self._refused_due = 0.0  # when the last agents refused during the grace are due back
 
     def lifecycle(self, configured: Lifecycle) -> Lifecycle:
         """The lifecycle timings in force: the configured ones, stretched for a large fleet.
@@ -52,7 +57,32 @@ class LifecycleTimers:
     def restart(self, now: float) -> None:
         """A new grace from ``now`` (taking the lead): nothing judged before agents have moved over."""
         self.started_at = now
+        self._refused_due = 0.0
         self.evaluation = Evaluation()
+
+    def grace_end(self, lc: Lifecycle) -> float:
+        """When the startup grace ends: ``startup_grace`` after the start, or later while refused agents are due.
+
+        An agent refused by admission is told a Retry-After and comes back
+        within twice that; until the last of them has, a silent node may be
+        one still in line, not a dead one.
+        """
+        base = self.started_at + lc.startup_grace
+        if self._refused_due <= base:
+            return base
+        return min(self._refused_due, self.started_at + MAX_GRACE_FACTOR * lc.startup_grace)
+
+    def grace_left(self, now: float, lc: Lifecycle) -> float:
+        return max(0.0, self.grace_end(lc) - now)
+
+    def note_refused(self, now: float, retry_after: float, lc: Lifecycle) -> None:
+        """An agent refused admission during the grace holds it until it is due back (``grace_end``).
+
+        Refusals after the grace has ended change nothing: a settled fleet's
+        nodes are judged by their silence as always.
+        """
+        if now < self.grace_end(lc):
+            self._refused_due = max(self._refused_due, now + 2 * retry_after)
 
     def evaluate(self, clocks: Mapping[str, NodeClock], now: float, lc: Lifecycle) -> bool:
         """Stalls excused, then every node judged; True when a pass should look again.
@@ -61,7 +91,7 @@ class LifecycleTimers:
         """
         self.excuse_stall(clocks, now)
         prev = self.evaluation
-        ev = evaluate(clocks, now, self.started_at, lc, prev.last_damped)
+        ev = evaluate(clocks, now, self.started_at, lc, prev.last_damped, self.grace_end(lc))
         if ev.hold_reason and ev.hold_reason != prev.hold_reason and ev.held:
             log.warning("not declaring %s lost: %s", ", ".join(ev.held), ev.hold_reason)
         self.evaluation = ev

@@ -30,7 +30,7 @@ def nodes_view(cp: ControlPlane, query: ListQuery = ListQuery()) -> dict[str, An
     ids, after = page(sorted(cp.nodes), query, lambda n: cp.nodes[n].clock.state.value)
     out = [node_view(cp, node_id, now) for node_id in ids]
     ev = cp.evaluation
-    grace_left = max(0.0, cp.settings.lifecycle.startup_grace - (now - cp.started_at))
+    grace_left = cp.timers.grace_left(now, cp.settings.lifecycle)
     return {"nodes": out, "next": after, "fleet": {
         "startup_grace_left_s": round(grace_left, 3),
         "unreachable_share": round(ev.unreachable_share, 4),
