@@ -46,6 +46,7 @@ from llmgw.tls.files import write_pair, write_public
 from llmgw.tls.issue import build_leaf, issue_engine, server_request
 from realengine import client, cmdline, engine_fleet, engine_log, shard_of
 from realvllm import tiny_hf_model, vllm_python  # noqa: F401 (fixtures)
+from tests.support import procfs
 from tests.support.kvsub import Subscriber
 
 pytestmark = pytest.mark.integration
@@ -454,6 +455,10 @@ def test_sigkill_of_vllm_restarts_it_while_the_other_replica_serves(served):
         [(round(x.start - killed, 2), repr(x.error)) for x in failed],
         [line for line in f.server.output(last=2_000_000).splitlines() if "status=200" not in line][-60:])
     assert len(failed) <= 2 and load.done(after=killed) > 4, (len(failed), load.done(after=killed))
+    # the killed API server's EngineCore and worker (their environment blanked by setproctitle) were
+    # reaped before the agent reported the engine failed, not left holding what the new engine needs
+    left = {p: st.comm for p, st in procfs.live().items() if st.sid == old["pid"] and st.state not in ("Z", "X")}
+    assert left == {}, f"processes of the killed engine's session survive: {left}"
 
 
 def test_sigterm_on_retire_stops_vllm_within_the_grace(served):
