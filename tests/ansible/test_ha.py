@@ -1,0 +1,283 @@
+"""playbooks/site.yml on a fleet with three control planes: the etcd members
+(llmgw.fleet.etcd), the control planes' `ha` section, and agents and routers given
+every control plane, through ansible-playbook on this machine (every host is this
+machine in a directory of its own, as inventory/local has it, on free loopback
+ports; services are plain background processes).
+
+check mode on a fresh machine writes nothing; the first run forms a three-member
+etcd cluster with TLS on every listener, starts three control planes of which
+exactly one leads, and its last play proves every declared replica Ready through
+the leader and a completion answered through the standalone router; a second run
+and a second check change nothing. etcd takes only members' certificates as peers
+(an agent's, from the same CA, is refused). SIGKILL of the leader: a standby leads within the
+lease. upgrade.yml restarts the control planes one at a time, the leader last.
+And a fleet with one control plane is rendered as it always was: no `ha`,
+one control-plane URL as a string.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import ssl
+import stat
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fleet_harness import REPO, run_playbook
+
+from tests.support.ports import free_port
+
+SITE = REPO / "playbooks" / "site.yml"
+UPGRADE = REPO / "playbooks" / "upgrade.yml"
+LOCAL = REPO / "inventory" / "local"
+CPS = ("local-cp1", "local-cp2", "local-cp3")
+LEASE_TTL, RENEW = 4, 1
+# The module fixture is four ansible-playbook runs with three control planes; it counts
+# against the first test's limit.
+pytestmark = [
+    pytest.mark.timeout(2400),
+    pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed (Debian: etcd-server)"),
+]
+
+
+def processes_under(root: Path) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+            environ = (entry / "environ").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if str(root) in cmdline or str(root) in environ:  # etcd takes its settings from its environment
+            pids.append(int(entry.name))
+    return pids
+
+
+def stop_everything(root: Path) -> None:
+    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 5)):
+        for pid in processes_under(root):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait
+        while processes_under(root) and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+
+def inventory(root: Path, hosts: dict) -> Path:
+    """An inventory beside inventory/local's group_vars and files, with these hosts."""
+    inv = root / "inventory"
+    inv.mkdir()
+    (inv / "group_vars").symlink_to(LOCAL / "group_vars")
+    (inv / "files").symlink_to(LOCAL / "files")
+    (inv / "hosts.yml").write_text(yaml.safe_dump({"all": {"children": hosts}}))
+    return inv / "hosts.yml"
+
+
+def source_copy(root: Path) -> Path:
+    """The runtime is built from a copy of the checkout taken now (see test_site)."""
+    source = root / "source"
+    shutil.copytree(REPO / "agent", source / "agent", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy2(REPO / name, source / name)
+    return source
+
+
+@pytest.fixture(scope="module")
+def ha(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ha")
+    ports = {cp: {"llmgw_api_port": free_port(), "llmgw_etcd_client_port": free_port(),
+                  "llmgw_etcd_peer_port": free_port()} for cp in CPS}
+    router = free_port()
+    first = 42000 + (os.getpid() % 100) * 100
+    hosts = {
+        "llmgw_control_plane": {"hosts": {cp: {**p, "llmgw_ha_address": "127.0.0.1"} for cp, p in ports.items()}},
+        "llmgw_agents": {"hosts": {"local-gpu0": {}}},
+        "llmgw_routers": {"hosts": {"local-router": {"llmgw_router_address": "127.0.0.1"}}},
+    }
+    inv = inventory(root, hosts)
+    extravars = {
+        "llmgw_source_dir": str(source_copy(root)),
+        "llmgw_prefix": str(root / "fleet") + "/{{ inventory_hostname }}",
+        "llmgw_pki_ca_dir": str(root / "pki"),
+        # standalone routers: a standby's in-process router knows no replica
+        "llmgw_control_plane_router": False,
+        "llmgw_router": {"listen": {"host": "127.0.0.1", "port": router}, "allow_unauthenticated": True},
+        "llmgw_engine_ports": {"first": first, "last": first + 99},
+        "etcd_install": False,
+        "etcd_binary": shutil.which("etcd"),
+        "llmgw_ha_lease_ttl": LEASE_TTL,
+        "llmgw_ha_renew_interval": RENEW,
+        "llmgw_verify_retries": 120,
+    }
+    runs: dict = {"root": root, "ports": ports, "router": router}
+    try:
+        runs["check-fresh"] = run_playbook(SITE, root / "runs", inventory=inv, extravars=extravars, check=True, diff=True)
+        runs["wrote-in-check"] = [p for p in (root / "fleet", root / "pki") if p.exists()]
+        runs["apply"] = run_playbook(SITE, root / "runs", inventory=inv, extravars=extravars)
+        runs["apply-again"] = run_playbook(SITE, root / "runs", inventory=inv, extravars=extravars)
+        runs["check-again"] = run_playbook(SITE, root / "runs", inventory=inv, extravars=extravars, check=True, diff=True)
+        if runs["apply"].rc == 0:
+            runs["upgrade"] = upgrade_the_control_planes(runs, inv, extravars)
+        yield runs
+    finally:
+        stop_everything(root)
+
+
+def admin_context(root: Path) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=str(root / "pki" / "ca.crt"))
+    ctx.load_cert_chain(str(root / "pki" / "admin.crt"), str(root / "pki" / "admin.key"))
+    return ctx
+
+
+def roles(ha) -> dict[str, str]:
+    """Each control plane's answer to an admin read: leader, standby, or why it did not answer."""
+    out = {}
+    for cp, p in ha["ports"].items():
+        try:
+            with urllib.request.urlopen(f"https://127.0.0.1:{p['llmgw_api_port']}/v1/replicas",
+                                        context=admin_context(ha["root"]), timeout=5) as response:
+                out[cp] = response.headers.get("X-Llmgw-Role") or "leader"
+        except (OSError, urllib.error.URLError) as e:
+            out[cp] = f"no answer: {e}"
+    return out
+
+
+def server_pid(root: Path, cp: str) -> int:
+    return json.loads((root / "fleet" / cp / "var" / "lib" / "llmgw" / "run" / "llmgw-server.pid").read_text())["pid"]
+
+
+def upgrade_the_control_planes(ha, inv: Path, extravars: dict) -> dict:
+    """A new build reaches the control planes (their copies of the wheel are not the
+    controller's any more): upgrade.yml restarts each, the leader last."""
+    root = ha["root"]
+    before = {"roles": roles(ha), "pids": {cp: server_pid(root, cp) for cp in CPS}}
+    for cp in CPS:
+        for wheel in (root / "fleet" / cp / "opt" / "llmgw" / "wheels").glob("*.whl"):
+            wheel.write_bytes(b"an older build")
+    run = run_playbook(UPGRADE, root / "runs", inventory=inv, extravars=extravars)
+    return {"run": run, "before": before, "after": {"roles": roles(ha), "pids": {cp: server_pid(root, cp) for cp in CPS}}}
+
+
+def installed(ha, host: str, name: str) -> dict:
+    return yaml.safe_load((ha["root"] / "fleet" / host / "etc" / "llmgw" / name).read_text())
+
+
+def test_check_mode_on_a_fresh_machine_changes_nothing(ha):
+    run = ha["check-fresh"]
+    assert run.rc == 0, run.explain()
+    assert ha["wrote-in-check"] == []
+
+
+def test_site_forms_etcd_and_one_control_plane_leads_and_the_fleet_serves(ha):
+    run = ha["apply"]
+    assert run.rc == 0, run.explain()
+    health = run.task("Wait until the cluster answers healthy")
+    assert sorted(r.host for r in health if r.status == "ok") == sorted(CPS), run.explain()
+    completion = [r for r in run.task("Send one chat completion through each router") if r.status == "ok"]
+    assert completion and completion[0].res["json"]["choices"], run.explain()
+    assert sorted(roles(ha).values()) == ["leader", "standby", "standby"], roles(ha)
+
+
+def test_the_documents_name_every_control_plane_and_etcd_member(ha):
+    apis = [f"127.0.0.1:{ha['ports'][cp]['llmgw_api_port']}" for cp in CPS]
+    etcd = [f"https://127.0.0.1:{ha['ports'][cp]['llmgw_etcd_client_port']}" for cp in CPS]
+    for cp in CPS:
+        server = installed(ha, cp, "server.yaml")
+        assert server["ha"]["etcd"]["endpoints"] == etcd
+        assert server["ha"]["name"] == cp
+        assert server["ha"]["advertise_url"] == f"https://127.0.0.1:{ha['ports'][cp]['llmgw_api_port']}"
+        assert server["ha"]["etcd"]["cert"].endswith("/etcd-client.crt")
+        key = Path(server["ha"]["etcd"]["key"])
+        assert stat.S_IMODE(key.stat().st_mode) == 0o600
+        data = ha["root"] / "fleet" / cp / "var" / "lib" / "llmgw" / "etcd"
+        assert stat.S_IMODE(data.stat().st_mode) == 0o700
+    assert installed(ha, "local-gpu0", "agent.yaml")["control_plane"]["url"] == [
+        f"wss://{a}/v1/agent/stream" for a in apis]
+    assert installed(ha, "local-router", "router.yaml")["control_plane"]["url"] == [f"https://{a}" for a in apis]
+
+
+def test_a_second_run_and_a_check_change_nothing(ha):
+    for name in ("apply-again", "check-again"):
+        run = ha[name]
+        assert run.rc == 0, run.explain()
+        assert run.changed() == 0, (name, run.explain())
+
+
+def etcd_status(ha, port_key: str, path: str, cert: str, key: str, body: bytes | None = None) -> int:
+    """A request to the first member's client or peer listener with a fleet certificate: the HTTP status."""
+    tls = ha["root"] / "fleet"
+    ctx = ssl.create_default_context(cafile=str(ha["root"] / "pki" / "ca.crt"))
+    ctx.load_cert_chain(str(tls / cert), str(tls / key))
+    port = ha["ports"][CPS[0]][port_key]
+    with urllib.request.urlopen(urllib.request.Request(f"https://127.0.0.1:{port}{path}", data=body),
+                                context=ctx, timeout=5) as response:
+        return response.status
+
+
+def test_etcd_serves_the_control_planes_and_takes_only_members_as_peers(ha):
+    """The control planes' certificate reads through the JSON gateway they use; at the peer
+    listener a member's certificate is taken and an agent's, from the same CA, refused."""
+    client = ("local-cp2/etc/llmgw/tls/etcd-client.crt", "local-cp2/etc/llmgw/tls/etcd-client.key")
+    assert etcd_status(ha, "llmgw_etcd_client_port", "/v3/kv/range", *client, body=b'{"key": "Lw=="}') == 200
+    member = ("local-cp2/etc/llmgw/tls/etcd.crt", "local-cp2/etc/llmgw/tls/etcd.key")
+    assert etcd_status(ha, "llmgw_etcd_peer_port", "/members", *member) == 200
+    with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
+        etcd_status(ha, "llmgw_etcd_peer_port", "/members", "local-gpu0/etc/llmgw/tls/node.crt",
+                    "local-gpu0/etc/llmgw/tls/node.key")
+
+
+def test_upgrade_restarts_the_control_planes_one_at_a_time_the_leader_last(ha):
+    upgrade = ha["upgrade"]
+    run = upgrade["run"]
+    assert run.rc == 0, run.explain()
+    (leader,) = [cp for cp, role in upgrade["before"]["roles"].items() if role == "leader"]
+    back = [r.host for r in run.task("Wait until this control plane is back, as a standby or as the leader")
+            if r.status == "ok"]
+    assert len(back) == 3 and back[-1] == leader, (back, leader)
+    assert all(upgrade["after"]["pids"][cp] != upgrade["before"]["pids"][cp] for cp in CPS), upgrade
+    assert sorted(upgrade["after"]["roles"].values()) == ["leader", "standby", "standby"], upgrade
+
+
+def test_a_standby_leads_after_the_leader_is_killed(ha):
+    """Last: it leaves the fleet with two control planes."""
+    before = roles(ha)
+    (leader,) = [cp for cp, role in before.items() if role == "leader"]
+    record = ha["root"] / "fleet" / leader / "var" / "lib" / "llmgw" / "run" / "llmgw-server.pid"
+    os.kill(json.loads(record.read_text())["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + LEASE_TTL + RENEW + 10  # the lease, a campaign, and a loaded machine's slack
+    after = roles(ha)
+    while time.monotonic() < deadline and list(after.values()).count("leader") != 1:
+        time.sleep(0.5)
+        after = roles(ha)
+    assert list(after.values()).count("leader") == 1 and after[leader].startswith("no answer"), after
+
+
+def test_one_control_plane_is_rendered_as_before(tmp_path):
+    """No ha, no etcd client certificate, one URL as a string: the quickstart's documents."""
+    inv = inventory(tmp_path, {"llmgw_control_plane": {"hosts": {"local-cp": {}}},
+                               "llmgw_agents": {"hosts": {"local-gpu0": {}}}})
+    playbook = tmp_path / "render.yml"
+    playbook.write_text(yaml.safe_dump([{
+        "hosts": "all", "gather_facts": False, "roles": ["llmgw.fleet.llmgw"],
+        "tasks": [{"name": "Show", "ansible.builtin.debug": {"msg": {
+            "server": "{{ llmgw_server_config }}", "agent": "{{ llmgw_agent_config.control_plane }}",
+            "router": "{{ llmgw_router_config.control_plane }}", "ha": "{{ llmgw_ha }}"}}}],
+    }]))
+    run = run_playbook(playbook, tmp_path / "runs", inventory=inv)
+    assert run.rc == 0, run.explain()
+    shown = {r.host: r.res["msg"] for r in run.task("Show")}
+    assert "ha" not in shown["local-cp"]["server"] and shown["local-cp"]["ha"] is False
+    assert shown["local-gpu0"]["agent"]["url"] == "wss://127.0.0.1:8443/v1/agent/stream"
+    assert shown["local-gpu0"]["router"]["url"] == "https://127.0.0.1:8443"
