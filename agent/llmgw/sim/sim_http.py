@@ -36,6 +36,7 @@ from aiohttp import web
 from llmgw.sim.sim_args import SimConfig
 from llmgw.sim.sim_knobs import Knobs
 from llmgw.sim.sim_metrics import CONTENT_TYPE, SimMetrics
+from llmgw.sim.sim_timing import inter_token
 from llmgw.sim.sim_output import (
     BadRequest,
     ToolCall,
@@ -152,7 +153,7 @@ class SimState:
     def token_latency(self) -> float:
         """Seconds per generated token now: decoding slows as the batch grows."""
         k = self.knobs
-        return k.token_latency * (1.0 + k.decode_batch_slowdown * max(self.running - 1, 0))
+        return inter_token(k.token_latency, k.decode_batch_slowdown, self.running)
 
     @contextlib.asynccontextmanager
     async def run(self, prompts: list[list[str]], max_new: int, hung: bool = False, n: int = 1,
