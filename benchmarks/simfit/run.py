@@ -352,7 +352,7 @@ def main() -> int:
             sim = measure(port, plan, args.seed)
         finally:
             stop(proc)
-    doc = {"command": "PYTHONPATH=agent .venv/bin/python benchmarks/simfit/run.py " + " ".join(sys.argv[1:]),
+    doc = {"command": " ".join(["PYTHONPATH=agent .venv/bin/python benchmarks/simfit/run.py", *sys.argv[1:]]),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
            "load_before": load_before, "load_after": [round(x, 2) for x in os.getloadavg()],
            "plan": plan, "real_engine": engine, "fit": fitted.__dict__, "sim_knobs": knobs,

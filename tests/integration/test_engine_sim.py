@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import re
 import signal
 import socket
@@ -484,6 +485,15 @@ def test_bad_knob_exits_2_naming_the_variable():
                        env={"LLMGW_SIM_FAULT": "melt", "PATH": "/usr/bin:/bin"})
     assert r.returncode == 2
     assert "LLMGW_SIM_FAULT='melt'" in r.stderr
+
+
+def test_unknown_timing_preset_exits_2_naming_the_variable_and_the_presets():
+    env = {"LLMGW_SIM_TIMING": "h100-llama70b", "PATH": "/usr/bin:/bin"}
+    if os.environ.get("PYTHONPATH"):  # the code under test, not an installed copy
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    r = subprocess.run(sim_command(["serve", "m"]), capture_output=True, text=True, timeout=20, env=env)
+    assert r.returncode == 2
+    assert "LLMGW_SIM_TIMING='h100-llama70b': unknown preset; known: vllm-cpu-tiny" in r.stderr
 
 
 def test_port_already_in_use_fails_start(tmp_path):

@@ -1,10 +1,43 @@
-"""The simulator's timing model and the least-squares fit of it to a real engine."""
+"""The simulator's timing presets (LLMGW_SIM_TIMING) and the least-squares fit that produces them."""
 
 import pytest
 
 from llmgw.sim import sim_timing
-from llmgw.sim.sim_knobs import knobs_from_env
-from llmgw.sim.sim_timing import fit, inter_token, least_squares, ttft
+from llmgw.sim.sim_knobs import KnobError, knobs_from_env
+from llmgw.sim.sim_timing import PRESETS, Fit, expand, fit, inter_token, least_squares, ttft
+
+
+def test_a_preset_fills_the_timing_knobs():
+    preset = PRESETS["vllm-cpu-tiny"].knobs
+    k = knobs_from_env({"LLMGW_SIM_TIMING": "vllm-cpu-tiny"})
+    assert k.prefill_token_latency == float(preset["LLMGW_SIM_PREFILL_TOKEN_LATENCY"]) > 0
+    assert k.token_latency == float(preset["LLMGW_SIM_TOKEN_LATENCY"]) > 0
+    assert k.decode_batch_slowdown == float(preset["LLMGW_SIM_DECODE_BATCH_SLOWDOWN"])
+
+
+def test_an_explicit_knob_wins_over_the_preset_and_an_empty_one_does_not():
+    k = knobs_from_env({"LLMGW_SIM_TIMING": "vllm-cpu-tiny", "LLMGW_SIM_TOKEN_LATENCY": "0.5",
+                        "LLMGW_SIM_PREFILL_TOKEN_LATENCY": ""})
+    assert k.token_latency == 0.5
+    assert k.prefill_token_latency == float(PRESETS["vllm-cpu-tiny"].knobs["LLMGW_SIM_PREFILL_TOKEN_LATENCY"])
+
+
+def test_no_preset_leaves_the_environment_as_it_is():
+    env = {"LLMGW_SIM_TOKEN_LATENCY": "0.1"}
+    assert expand(env) == env and expand({**env, "LLMGW_SIM_TIMING": "none"})["LLMGW_SIM_TOKEN_LATENCY"] == "0.1"
+    assert knobs_from_env({"LLMGW_SIM_TIMING": ""}).token_latency == 0.0
+
+
+def test_an_unknown_preset_names_the_variable_and_the_known_ones():
+    with pytest.raises(KnobError, match=r"LLMGW_SIM_TIMING='h100'.*vllm-cpu-tiny"):
+        knobs_from_env({"LLMGW_SIM_TIMING": "h100"})
+
+
+def test_every_preset_is_valid_and_says_where_it_came_from():
+    for name, preset in PRESETS.items():
+        assert set(preset.knobs) == set(Fit(0, 0, 1, 0).knobs()), name
+        knobs_from_env(dict(preset.knobs))  # parses: a preset cannot hold a value the knobs refuse
+        assert preset.source
 
 
 def test_least_squares_recovers_a_line_and_refuses_a_single_x():

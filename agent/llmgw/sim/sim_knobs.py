@@ -9,6 +9,8 @@ LLMGW_SIM_DECODE_BATCH_SLOWDOWN 0       how much longer each token takes per oth
                                         request: token latency x (1 + this x (running - 1))
 LLMGW_SIM_PREFILL_TOKEN_LATENCY 0       seconds of prefill per prompt token not found in the
                                         prefix cache, before the first token
+LLMGW_SIM_TIMING                (none)  a named preset of fitted timing figures (the three
+                                        above; explicit ones win), see sim_timing.py
 LLMGW_SIM_OUTPUT_TOKENS         16      tokens generated when a request sets no max_tokens
 LLMGW_SIM_EMBED_DIM             16      embedding dimensions
 LLMGW_SIM_PREFIX_CACHE_BLOCKS   4096    KV-cache size in blocks (vLLM's num_gpu_blocks, one
@@ -44,6 +46,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Mapping
+
+from llmgw.sim.sim_timing import expand
 
 FAULTS = ("exit-during-start", "crash-after", "hang", "error-chunk-after", "http-500", "wedge", "engine-dead")
 _COUNTED = ("crash-after", "error-chunk-after")
@@ -135,6 +139,10 @@ def _number(env: Mapping[str, str], name: str, default: float, *, integer: bool,
 
 
 def knobs_from_env(env: Mapping[str, str]) -> Knobs:
+    try:
+        env = expand(env)
+    except ValueError as e:
+        raise KnobError(str(e)) from None
     return Knobs(
         startup_delay=_number(env, "LLMGW_SIM_STARTUP_DELAY", 0.0, integer=False, minimum=0),
         token_latency=_number(env, "LLMGW_SIM_TOKEN_LATENCY", 0.0, integer=False, minimum=0),

@@ -26,7 +26,15 @@ class Preset:
     source: str  # the engine, model and machine the figures were fitted to
 
 
-PRESETS: dict[str, Preset] = {}
+PRESETS: dict[str, Preset] = {
+    # benchmarks/results/simfit.md: each point the median of 5 repeats on a shared 2-core machine
+    "vllm-cpu-tiny": Preset(
+        knobs={"LLMGW_SIM_PREFILL_TOKEN_LATENCY": "3.4e-05", "LLMGW_SIM_TOKEN_LATENCY": "0.00198",
+               "LLMGW_SIM_DECODE_BATCH_SLOWDOWN": "0.0349"},
+        source="vllm-cpu 0.32.0 (float32, one OpenMP thread, block size 32, prefix caching) serving the random "
+               "2-layer Llama of tests/engines/tinyhf.py on an Intel Xeon (2 shared cores); not a GPU",
+    ),
+}
 
 
 def expand(env: Mapping[str, str]) -> dict[str, str]:
