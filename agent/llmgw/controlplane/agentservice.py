@@ -39,7 +39,7 @@ from llmgw.controlplane.lifecycle import NodeState
 from llmgw.controlplane.messages import MessageProblem, dumps, parse_up
 from llmgw.controlplane.revocation import checked_identity
 from llmgw.controlplane.state import ControlPlane
-from llmgw.protocol import MAX_MESSAGE, STREAM_PATH
+from llmgw.protocol import MAX_MESSAGE
 from llmgw.tls import IdentityError, PeerIdentity, check_node_identity
 
 log = logging.getLogger("llmgw.controlplane.agents")
