@@ -30,8 +30,9 @@ from collections.abc import Mapping
 from typing import Any
 
 # NIXL_CONNECTOR_VERSION of the pinned vLLM (metadata.py). Prefill and decode engines refuse
-# each other's handshake unless their versions match, so a disaggregated pair must run one
-# vLLM release; the router itself only forwards the parameters.
+# each other's handshake unless a hash of (among others) the vLLM version, this version and
+# the transfer mode matches, so a disaggregated pair must run one vLLM release; the router
+# itself only forwards the parameters.
 NIXL_CONNECTOR_VERSION = 15
 
 # What the router puts in the prefill request's kv_transfer_params: "compute the prompt's KV
