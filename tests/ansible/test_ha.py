@@ -34,6 +34,7 @@ import yaml
 from fleet_harness import REPO, run_playbook
 
 from tests.support.ports import free_port
+from tests.support.procfs import processes_under
 
 SITE = REPO / "playbooks" / "site.yml"
 UPGRADE = REPO / "playbooks" / "upgrade.yml"
@@ -48,30 +49,15 @@ pytestmark = [
 ]
 
 
-def processes_under(root: Path) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
-            environ = (entry / "environ").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if str(root) in cmdline or str(root) in environ:  # etcd takes its settings from its environment
-            pids.append(int(entry.name))
-    return pids
-
-
 def stop_everything(root: Path) -> None:
     for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 5)):
-        for pid in processes_under(root):
+        for pid in processes_under(root, environ=True):
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + wait
-        while processes_under(root) and time.monotonic() < deadline:
+        while processes_under(root, environ=True) and time.monotonic() < deadline:
             time.sleep(0.2)
 
 

@@ -39,6 +39,7 @@ import yaml
 from fleet_harness import REPO, run_playbook
 
 from tests.support.ports import free_port
+from tests.support.procfs import processes_under
 
 SITE = REPO / "playbooks" / "site.yml"
 UPGRADE = REPO / "playbooks" / "upgrade.yml"
@@ -55,21 +56,6 @@ MISSING_WEIGHTS = "/nonexistent/llmgw-site-test/missing-weights"
 # The module fixture is eleven ansible-playbook runs (about ten minutes on two cores, twice that
 # under load); it counts against the first test's limit.
 pytestmark = pytest.mark.timeout(2700)
-
-
-def processes_under(root: Path) -> list[int]:
-    """Pids whose command line runs something installed under ``root`` (this test's fleet)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if str(root) in cmdline:
-            pids.append(int(entry.name))
-    return pids
 
 
 @pytest.fixture(scope="module")

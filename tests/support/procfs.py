@@ -92,3 +92,21 @@ def rss_kib(pid: int) -> int:
 def rss_bytes(pid: int) -> int:
     """Resident set size in bytes (``/proc/<pid>/statm``, one read, no line scan)."""
     return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE
+
+
+def processes_under(root: Path | str, environ: bool = False) -> list[int]:
+    """Pids whose command line (or, with ``environ``, environment) names ``root``: what a test
+    installed and started there. etcd takes its settings from its environment, hence ``environ``."""
+    needle = str(root).encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            found = needle in (entry / "cmdline").read_bytes() or (
+                environ and needle in (entry / "environ").read_bytes())
+        except OSError:
+            continue
+        if found:
+            pids.append(int(entry.name))
+    return pids
