@@ -161,6 +161,13 @@ PLUGINS = REPO / "collections" / "ansible_collections" / "llmgw" / "fleet" / "pl
 
 
 def load_plugin(path):
+    """A plugin file of the collection, imported by path as Ansible loads it.
+
+    Its own imports of the collection's module_utils resolve as under
+    Ansible's collection loader: through ``ansible_collections`` on the path.
+    """
+    if str(REPO / "collections") not in sys.path:
+        sys.path.append(str(REPO / "collections"))
     spec = importlib.util.spec_from_file_location(f"_llmgw_fleet_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

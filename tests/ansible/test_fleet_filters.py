@@ -10,17 +10,12 @@ llmgw runtime (nodes have it, the controller need not).
 from __future__ import annotations
 
 import ast
-import sys
 
 import pytest
 from ansible.errors import AnsibleFilterError
 
-from fleet_harness import PLUGINS, REPO, load_plugin
+from fleet_harness import PLUGINS, load_plugin
 
-
-# A plugin's own imports of the collection's module_utils resolve as under Ansible's collection loader.
-if str(REPO / "collections") not in sys.path:
-    sys.path.append(str(REPO / "collections"))
 
 fleet = load_plugin(PLUGINS / "filter" / "fleet.py")
 
