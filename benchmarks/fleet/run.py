@@ -193,7 +193,7 @@ def stall(f: Fleet, seconds: float) -> dict[str, Any]:
     assert f.server is not None
     load = os.getloadavg()[0]
     heartbeat = f.summary()["fleet"]["heartbeat_interval_s"]
-    before, regs, offset = f.placements(), f.sim_status().get("registrations", 0), log_size(f)
+    before, regs, offset = f.placements(), sim_settled(f).get("registrations", 0), log_size(f)
     f.server.send_signal(signal.SIGSTOP)
     time.sleep(seconds)
     f.server.send_signal(signal.SIGCONT)
@@ -393,7 +393,9 @@ def failover(n: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             out["cold"]["leader_log"] = [line for line in log_since(f, 0).splitlines()
                                          if "llmgw.controlplane.leader" in line][-3:]
             return out
-        before, regs = f.placements(), f.sim_status().get("registrations", 0)
+        # the simulator's status is written every second: read before it counts every agent, the
+        # registrations before the kill came out 0 and the failover's cost twice what it was
+        before, regs = f.placements(), sim_settled(f).get("registrations", 0)
         offset = log_size(f, "standby.log")
         f.kill_server()
         killed = time.monotonic()
