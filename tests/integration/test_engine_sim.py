@@ -480,17 +480,23 @@ def test_unknown_flag_exits_2_with_an_argparse_error():
     assert "error: unrecognized arguments: --not-a-vllm-flag" in r.stderr
 
 
+def bare_env(**knobs: str) -> dict[str, str]:
+    """Only ``knobs``, a PATH and the code under test (PYTHONPATH), not an installed copy."""
+    env = {"PATH": "/usr/bin:/bin", **knobs}
+    if os.environ.get("PYTHONPATH"):
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    return env
+
+
 def test_bad_knob_exits_2_naming_the_variable():
     r = subprocess.run(sim_command(["serve", "m"]), capture_output=True, text=True, timeout=60,
-                       env={"LLMGW_SIM_FAULT": "melt", "PATH": "/usr/bin:/bin"})
+                       env=bare_env(LLMGW_SIM_FAULT="melt"))
     assert r.returncode == 2
     assert "LLMGW_SIM_FAULT='melt'" in r.stderr
 
 
 def test_unknown_timing_preset_exits_2_naming_the_variable_and_the_presets():
-    env = {"LLMGW_SIM_TIMING": "h100-llama70b", "PATH": "/usr/bin:/bin"}
-    if os.environ.get("PYTHONPATH"):  # the code under test, not an installed copy
-        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    env = bare_env(LLMGW_SIM_TIMING="h100-llama70b")
     r = subprocess.run(sim_command(["serve", "m"]), capture_output=True, text=True, timeout=20, env=env)
     assert r.returncode == 2
     assert "LLMGW_SIM_TIMING='h100-llama70b': unknown preset; known: vllm-cpu-tiny" in r.stderr
