@@ -193,6 +193,16 @@ async def serve(cfg: SimConfig, knobs: Knobs) -> int:
             publisher.start()
 
         state = SimState(cfg, knobs, publisher)
+        if state.transfers is not None:
+            try:
+                await state.transfers.start()
+            except OSError as e:
+                sys.stderr.write(f"RuntimeError: NIXL side channel {state.transfers.host}:{state.transfers.port}: "
+                                 f"{e.strerror or e}\n")
+                sys.stderr.flush()
+                return 1
+            log.info("nixl_connector.py:412", f"NIXL side channel for engine {state.transfers.engine_id} "
+                     f"({cfg.kv_transfer.role}) on {state.transfers.host}:{state.transfers.port}")
         # In-flight requests get a short grace on SIGTERM, then are cancelled.
         runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None,
                                shutdown_timeout=1.0)
@@ -219,6 +229,8 @@ async def serve(cfg: SimConfig, knobs: Knobs) -> int:
     sys.stdout.write("INFO:     Shutting down\n")
     sys.stdout.flush()
     await runner.cleanup()
+    if state.transfers is not None:
+        await state.transfers.close()
     if publisher is not None:
         publisher.close()
     return 0

@@ -28,6 +28,7 @@ from typing import Any, NoReturn, Sequence
 
 import yaml
 
+from llmgw.sim.sim_disagg import KVTransferConfig, kv_transfer_json
 from llmgw.sim.sim_kvcache import DEFAULT_BLOCK_SIZE
 
 DIALECTS = ("serve", "sglang", "llama-server")
@@ -69,6 +70,7 @@ class SimConfig:
     tool_call_parser: str | None = None  # vLLM: forced tool calls (named, "required") need one since 0.2x
     num_gpu_blocks: int | None = None  # --num-gpu-blocks-override; None: LLMGW_SIM_PREFIX_CACHE_BLOCKS
     kv_events: KVEventsConfig | None = None  # None: no KV events published
+    kv_transfer: KVTransferConfig | None = None  # None: not one side of a disaggregated pair
     # PEM paths: serve HTTPS with them (vLLM's --ssl-keyfile/--ssl-certfile,
     # llama-server's --ssl-key-file/--ssl-cert-file); None: plain HTTP
     ssl_keyfile: str | None = None
@@ -243,6 +245,7 @@ def _vllm_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--prefix-caching-hash-algo", type=str, default="sha256")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p.add_argument("--kv-events-config", type=kv_events_json, default=None)
+    p.add_argument("--kv-transfer-config", type=kv_transfer_json, default=None)
     p.add_argument("--cpu-offload-gb", type=float, default=0)
     # Scheduler
     p.add_argument("--max-num-batched-tokens", type=human_readable_int, default=None)
@@ -322,6 +325,7 @@ def parse_vllm(args: Sequence[str], prog: str = "vllm serve") -> SimConfig:
         tool_call_parser=ns.tool_call_parser or None,
         num_gpu_blocks=ns.num_gpu_blocks_override,
         kv_events=kv_events_config(ns.kv_events_config, ns.data_parallel_size),
+        kv_transfer=ns.kv_transfer_config,
         ssl_keyfile=ns.ssl_keyfile,
         ssl_certfile=ns.ssl_certfile,
         non_default=non_default,

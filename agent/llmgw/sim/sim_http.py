@@ -50,6 +50,7 @@ from llmgw.sim.sim_output import (
 )
 from llmgw.sim.sim_kvcache import Allocation, KVCache, token_id, token_ids
 from llmgw.sim.sim_kvpublish import KVEventPublisher
+from llmgw.sim.sim_disagg import TransferError, Transfers, request_params
 from llmgw.sim.sim_tokens import (
     PromptError,
     TokenBytes,
@@ -100,13 +101,14 @@ class Rejected(Exception):
 class Run:
     """A request admitted to the running batch: its hold on the KV cache and what it generated."""
 
-    __slots__ = ("allocs", "cached", "generated", "prefill_s")
+    __slots__ = ("allocs", "cached", "generated", "prefill_s", "held")
 
     def __init__(self, allocs: list[Allocation], cached: int) -> None:
         self.allocs = allocs
         self.cached = cached  # prompt tokens found in the prefix cache
         self.generated = 0  # tokens of the first choice, set by the handler: stored as blocks on finish
         self.prefill_s = 0.0  # the prefill time it was given
+        self.held = False  # its blocks were handed to ``transfers`` for a remote decoder: not freed here
 
 
 class SimState:
@@ -139,6 +141,10 @@ class SimState:
         self.running = 0
         self.waiting = 0
         self.fault_on = knobs.fault.kind is not None and knobs.fault.onset == "start"
+        self.transfers = (Transfers(cfg.kv_transfer, lambda allocs: self._release(allocs, 0),
+                                    token_latency=knobs.kv_transfer_token_latency,
+                                    refuse=lambda: self.faulting("kv-transfer-fail"))
+                          if cfg.kv_transfer is not None else None)
 
     def faulting(self, kind: str) -> bool:
         """Whether fault ``kind`` is injected now (it may begin after start: LLMGW_SIM_FAULT_ONSET)."""
@@ -157,10 +163,11 @@ class SimState:
 
     @contextlib.asynccontextmanager
     async def run(self, prompts: list[list[str]], max_new: int, hung: bool = False, n: int = 1,
-                  max_tokens: int | None = None):
+                  max_tokens: int | None = None, transferred: int = 0):
         """Admit a request (``prompts``, each generating up to ``max_new`` tokens), prefill it,
         yield its :class:`Run`, and free what it holds when it ends, however it ends.
-        ``n`` and ``max_tokens`` (per choice) are the request's parameters, for its metrics.
+        ``n`` and ``max_tokens`` (per choice) are the request's parameters, for its metrics;
+        ``transferred`` prompt tokens came from a remote prefill (sim_disagg) and cost no prefill.
 
         A hung engine core schedules nothing: no prefill, no KV, nothing counted.
         """
@@ -198,7 +205,8 @@ class SimState:
                     m.params_max_tokens.observe(max_tokens if max_tokens is not None else max_new // max(n, 1))
                 m.prompt_tokens_cached.inc(run.cached)
                 self._step()
-                run.prefill_s = self.knobs.prefill_token_latency * (sum(len(p) for p in prompts) - run.cached)
+                uncached = max(sum(len(p) for p in prompts) - run.cached - transferred, 0)
+                run.prefill_s = self.knobs.prefill_token_latency * uncached
                 if run.prefill_s > 0:
                     await asyncio.sleep(run.prefill_s)
                 # the first token comes one decode step after prefill (stream_tokens paces it so)
@@ -207,7 +215,8 @@ class SimState:
         finally:
             self.running -= 1
             m.running.set(self.running)
-            self._release(run.allocs, run.generated)
+            if not run.held:
+                self._release(run.allocs, run.generated)
             self._slots.release()
             if first_token is not None and run.generated > 0:
                 end = clock()
@@ -553,6 +562,41 @@ async def sse_error(resp: web.StreamResponse) -> None:
 
 # --------------------------------------------------------------------------- handlers
 
+async def transfer_in(state: SimState, body: dict[str, Any], prompts: list[list[str]]) -> int:
+    """Prompt tokens pulled from a remote prefill for this request (0: none asked, or recomputed).
+
+    Under ``kv_load_failure_policy: "fail"`` a failed pull rejects the request with 500; under
+    ``"recompute"`` it is prefilled here. Either way this engine stays healthy.
+    """
+    t = state.transfers
+    params = request_params(body) if t is not None else None
+    if params is None or params.get("do_remote_prefill") is not True or not t.cfg.consumer or len(prompts) != 1:
+        return 0
+    try:
+        return await t.pull(params, len(prompts[0]))
+    except TransferError as e:
+        sys.stderr.write(f"WARNING {time.strftime('%m-%d %H:%M:%S')} [nixl_connector.py] "
+                         f"KV load failed: {e}\n")
+        sys.stderr.flush()
+        if t.cfg.load_failure_policy == "fail":
+            raise Rejected(500, f"KV transfer failed: {e}") from None
+        return 0
+
+
+def holds_for_decode(state: SimState, body: dict[str, Any], stream: bool, prompts: list[list[str]]) -> bool:
+    """Whether this request is a remote decoder's prefill: its blocks outlive it (sim_disagg)."""
+    t = state.transfers
+    params = request_params(body) if t is not None else None
+    return (params is not None and params.get("do_remote_decode") is True and t.cfg.producer
+            and not stream and len(prompts) == 1)
+
+
+def transfer_tail(state: SimState, run: Run, tail: dict[str, Any], rid: str, tokens: int) -> dict[str, Any]:
+    """``tail`` with the ``kv_transfer_params`` of blocks now held for a decoder."""
+    run.held = True
+    return {**tail, "kv_transfer_params": state.transfers.hold(rid, run.allocs, tokens)}
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state: SimState = request.app["state"]
     try:
@@ -574,8 +618,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             raise Rejected(400, str(e), e.param) from None
         n, reason = budget(state, body, len(prompt), chat=True)
         top = requested_logprobs(body, chat=True)
+        # the benchmarks' upstream: no coroutine for a request without a transfer
+        transferred = await transfer_in(state, body, [prompt]) if state.transfers is not None else 0
     except Rejected as r:
         return r.response
+    hold = state.transfers is not None and holds_for_decode(state, body, stream, [prompt])
 
     details = state.cfg.enable_prompt_tokens_details
     rid, created, model = f"chatcmpl-{request_id()}", int(time.time()), state.model_name
@@ -584,7 +631,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     finished = "abort"
     resp: web.StreamResponse | None = None
     hung = state.faulting("hang")
-    async with state.run([prompt], gen.n * choices, hung, choices, n) as run:
+    async with state.run([prompt], gen.n * choices, hung, choices, n, transferred=transferred) as run:
         cached = run.cached
         try:
             if stream:
@@ -640,6 +687,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 finish, stop_reason = gen.reason, gen.stop_reason
                 logprobs = chat_logprobs(gen.text_pieces, top) if top is not None else None
             finished = finish
+            tail = transfer_tail(state, run, _CHAT_TAIL, rid, len(prompt)) if hold else _CHAT_TAIL
             return web.Response(
                 text=_dumps({
                     "id": rid, "object": "chat.completion", "created": created, "model": model,
@@ -647,7 +695,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                                  "stop_reason": stop_reason, **_CHOICE_TAIL} for i in range(choices)],
                     "service_tier": None, "system_fingerprint": state.fingerprint,
                     "usage": usage(len(prompt), written, cached, details),
-                    **_CHAT_TAIL,
+                    **tail,
                 }),
                 content_type="application/json",
             )
@@ -697,8 +745,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
             raise Rejected(400, str(e), "prompt") from None
         gens = [Generation(state, *budget(state, body, len(p), chat=False), stops) for p in prompts]
         top = requested_logprobs(body, chat=False)
+        transferred = await transfer_in(state, body, prompts) if state.transfers is not None else 0
     except Rejected as r:
         return r.response
+    hold = state.transfers is not None and holds_for_decode(state, body, stream, prompts)
 
     details = state.cfg.enable_prompt_tokens_details
     rid, created, model = f"cmpl-{request_id()}", int(time.time()), state.model_name
@@ -708,7 +758,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     resp: web.StreamResponse | None = None
     hung = state.faulting("hang")
     async with state.run(prompts, max(g.n for g in gens) * choices, hung, choices,
-                         max(g.n for g in gens)) as run:
+                         max(g.n for g in gens), transferred=transferred) as run:
         cached = run.cached
         try:
             if stream:
@@ -758,13 +808,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
                          "stop_reason": gen.stop_reason, "token_ids": None, "prompt_logprobs": None,
                          "prompt_token_ids": None, "routed_experts": None} for j in range(choices)]
             finished = gens[-1].reason
+            tail = transfer_tail(state, run, _COMPLETION_TAIL, rid, total_prompt) if hold else _COMPLETION_TAIL
             return web.Response(
                 text=_dumps({
                     "id": rid, "object": "text_completion", "created": created, "model": model,
                     "choices": out,
                     "service_tier": None, "system_fingerprint": state.fingerprint,
                     "usage": usage(total_prompt, written, cached, details),
-                    **_COMPLETION_TAIL,
+                    **tail,
                 }),
                 content_type="application/json",
             )

@@ -9,6 +9,8 @@ LLMGW_SIM_DECODE_BATCH_SLOWDOWN 0       how much longer each token takes per oth
                                         request: token latency x (1 + this x (running - 1))
 LLMGW_SIM_PREFILL_TOKEN_LATENCY 0       seconds of prefill per prompt token not found in the
                                         prefix cache, before the first token
+LLMGW_SIM_KV_TRANSFER_TOKEN_LATENCY 0   seconds per prompt token a decoder pulls from a
+                                        remote prefill (--kv-transfer-config, sim_disagg)
 LLMGW_SIM_TIMING                (none)  a named preset of fitted timing figures (the three
                                         above; explicit ones win), see sim_timing.py
 LLMGW_SIM_OUTPUT_TOKENS         16      tokens generated when a request sets no max_tokens
@@ -34,7 +36,8 @@ Two more imitate a replica that served and then went bad, as vLLM does:
 ``wedge`` (the process lives, but no route answers any more, ``/health`` and
 ``/metrics`` included: an API server whose event loop is stuck) and
 ``engine-dead`` (``/health`` and every ``/v1`` request answer 500, as vLLM's
-API server does once its engine core died: ``EngineDeadError``).  A ``hang``
+API server does once its engine core died: ``EngineDeadError``).  ``kv-transfer-fail``
+makes a prefill engine's side channel refuse every pull (a broken fabric; sim_disagg).  A ``hang``
 that begins after start is vLLM's engine core stuck in a collective: ``/health``
 still 200 (it only checks that the core has not errored), new requests queue
 and ``vllm:iteration_tokens_total`` stops moving.  With a later onset, requests
@@ -49,7 +52,8 @@ from typing import Mapping
 
 from llmgw.sim.sim_timing import expand
 
-FAULTS = ("exit-during-start", "crash-after", "hang", "error-chunk-after", "http-500", "wedge", "engine-dead")
+FAULTS = ("exit-during-start", "crash-after", "hang", "error-chunk-after", "http-500", "wedge", "engine-dead",
+          "kv-transfer-fail")
 _COUNTED = ("crash-after", "error-chunk-after")
 
 
@@ -74,6 +78,7 @@ class Knobs:
     token_latency: float = 0.0
     decode_batch_slowdown: float = 0.0
     prefill_token_latency: float = 0.0
+    kv_transfer_token_latency: float = 0.0
     output_tokens: int = 16
     embed_dim: int = 16
     prefix_cache_blocks: int = 4096
@@ -148,6 +153,8 @@ def knobs_from_env(env: Mapping[str, str]) -> Knobs:
         token_latency=_number(env, "LLMGW_SIM_TOKEN_LATENCY", 0.0, integer=False, minimum=0),
         decode_batch_slowdown=_number(env, "LLMGW_SIM_DECODE_BATCH_SLOWDOWN", 0.0, integer=False, minimum=0),
         prefill_token_latency=_number(env, "LLMGW_SIM_PREFILL_TOKEN_LATENCY", 0.0, integer=False, minimum=0),
+        kv_transfer_token_latency=_number(env, "LLMGW_SIM_KV_TRANSFER_TOKEN_LATENCY", 0.0, integer=False,
+                                          minimum=0),
         output_tokens=_number(env, "LLMGW_SIM_OUTPUT_TOKENS", 16, integer=True, minimum=1),
         embed_dim=_number(env, "LLMGW_SIM_EMBED_DIM", 16, integer=True, minimum=1),
         prefix_cache_blocks=_number(env, "LLMGW_SIM_PREFIX_CACHE_BLOCKS", 4096, integer=True, minimum=2),

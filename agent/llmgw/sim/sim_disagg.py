@@ -1,0 +1,221 @@
+"""Prefill/decode disaggregation in the simulator, as vLLM's NixlConnector shows it to a router.
+
+``--kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":...}'`` makes the simulator one
+side of a disaggregated pair. What a router sees is vLLM's (``toy_proxy_server.py`` drives it):
+
+- **Prefill**: a request whose ``kv_transfer_params`` has ``do_remote_decode: true`` is
+  prefilled, answered (``max_tokens`` 1, not streamed, as the router sends it), and its KV
+  blocks are *held* for a remote decoder: the answer's ``kv_transfer_params`` say where
+  (``remote_engine_id``, ``remote_block_ids``, ``remote_request_id``, ``remote_host``,
+  ``remote_port``, ``tp_size``; the keys ``llmgw.kvtransfer`` requires). Held blocks are
+  freed when a decoder pulls them or after ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT`` seconds (vLLM's
+  variable, default 480): a decoder that comes later finds nothing.
+- **Decode**: a request whose ``kv_transfer_params`` has ``do_remote_prefill: true`` pulls the
+  blocks from the named engine's side channel before it runs; the prompt's prefill is replaced
+  by the transfer (``LLMGW_SIM_KV_TRANSFER_TOKEN_LATENCY`` seconds per token). A pull that
+  fails (unreachable side channel, another engine's id, blocks expired or already taken, a
+  prompt of another length) fails the request with HTTP 500 under
+  ``kv_load_failure_policy: "fail"`` and is prefilled locally under ``"recompute"`` (vLLM's
+  default); either way the decoder stays healthy.
+
+The side channel is the simulator's own stand-in for NIXL's (a ZMQ handshake, then RDMA or
+UCX reads): plain HTTP on ``VLLM_NIXL_SIDE_CHANNEL_HOST``:``VLLM_NIXL_SIDE_CHANNEL_PORT`` (vLLM's
+variables, defaults ``localhost`` and 5600), answering ``GET /nixl/<engine_id>/<request_id>``
+once per held request. The fault ``kv-transfer-fail`` makes it refuse every pull (a broken
+fabric). Output never depends on the transfer: the simulator's tokens are deterministic, so a
+disaggregated answer equals an aggregated one, as it must with a real engine under greedy decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import aiohttp
+from aiohttp import web
+
+ROLES = ("kv_producer", "kv_consumer", "kv_both")
+POLICIES = ("recompute", "fail")
+# KVTransferConfig's fields (vllm/config/kv_transfer.py): the simulator reads four, accepts the rest
+_FIELDS = {"kv_connector", "engine_id", "kv_buffer_device", "kv_buffer_size", "kv_role", "kv_rank",
+           "kv_parallel_size", "kv_ip", "kv_port", "kv_connector_extra_config", "kv_connector_module_path",
+           "enable_permute_local_kv", "kv_load_failure_policy"}
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """vLLM's ``--kv-transfer-config``, the fields the simulator uses."""
+
+    connector: str
+    role: str
+    load_failure_policy: str = "recompute"
+    engine_id: str | None = None  # None: a fresh uuid per process, as vLLM's default
+
+    @property
+    def producer(self) -> bool:
+        return self.role in ("kv_producer", "kv_both")
+
+    @property
+    def consumer(self) -> bool:
+        return self.role in ("kv_consumer", "kv_both")
+
+
+def kv_transfer_json(value: str) -> KVTransferConfig:
+    """``--kv-transfer-config``'s JSON, refused as vLLM's config class refuses it."""
+    try:
+        doc = json.loads(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    unknown = sorted(set(doc) - _FIELDS)
+    if unknown:
+        raise argparse.ArgumentTypeError(f"KVTransferConfig: unexpected field {unknown[0]!r}")
+    role = doc.get("kv_role")
+    if doc.get("kv_connector") is not None and role not in ROLES:
+        raise argparse.ArgumentTypeError(f"KVTransferConfig.kv_role: {role!r} is not one of {', '.join(ROLES)}")
+    policy = doc.get("kv_load_failure_policy", "recompute")
+    if policy not in POLICIES:
+        raise argparse.ArgumentTypeError(
+            f"KVTransferConfig.kv_load_failure_policy: {policy!r} is not one of {', '.join(POLICIES)}")
+    connector = doc.get("kv_connector")
+    if connector != "NixlConnector":
+        raise argparse.ArgumentTypeError(
+            f"KVTransferConfig.kv_connector: {connector!r}: the simulator models only NixlConnector")
+    engine_id = doc.get("engine_id")
+    if engine_id is not None and not (isinstance(engine_id, str) and engine_id):
+        raise argparse.ArgumentTypeError("KVTransferConfig.engine_id: expected a non-empty string")
+    return KVTransferConfig(connector, role, policy, engine_id)
+
+
+class TransferError(Exception):
+    """Why a decode could not pull its prefilled blocks."""
+
+
+def request_params(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The request's ``kv_transfer_params`` (vLLM: an object or absent)."""
+    params = body.get("kv_transfer_params")
+    return params if isinstance(params, dict) else None
+
+
+@dataclass
+class Held:
+    """A prefilled request's blocks, kept for the decoder that will pull them."""
+
+    allocs: list[Any]
+    tokens: int
+    expiry: asyncio.TimerHandle | None = None
+
+
+class Transfers:
+    """One engine's side of disaggregation: blocks held for decoders, pulls from prefill engines."""
+
+    def __init__(self, cfg: KVTransferConfig, release: Callable[[list[Any]], None],
+                 env: Mapping[str, str] = os.environ, token_latency: float = 0.0,
+                 refuse: Callable[[], bool] = lambda: False) -> None:
+        self.cfg = cfg
+        self.engine_id = cfg.engine_id or str(uuid.uuid4())
+        self.host = env.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "localhost")
+        self.port = int(env.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600"))
+        self.abort_timeout = float(env.get("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", "480"))
+        self.token_latency = token_latency
+        self._release = release
+        self._refuse = refuse
+        self.held: dict[str, Held] = {}
+        self._block_ids = itertools.count(1)
+        self._runner: web.AppRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self.pulled = 0  # transfers this engine served (prefill side) or completed (decode side)
+        self.failed = 0  # pulls that failed, either side
+
+    # ----------------------------------------------------------------- prefill side
+
+    def hold(self, request_id: str, allocs: list[Any], tokens: int) -> dict[str, Any]:
+        """Keep ``allocs`` for a decoder; the ``kv_transfer_params`` the answer carries."""
+        blocks = sum(getattr(a, "blocks", 0) for a in allocs)
+        held = Held(allocs, tokens)
+        held.expiry = asyncio.get_running_loop().call_later(self.abort_timeout, self._expire, request_id)
+        self.held[request_id] = held
+        return {"do_remote_prefill": True, "do_remote_decode": False,
+                "remote_block_ids": [next(self._block_ids) for _ in range(blocks)],
+                "remote_engine_id": self.engine_id, "remote_request_id": request_id,
+                "remote_host": self.host, "remote_port": self.port, "tp_size": 1, "transfer_mode": "pull"}
+
+    def _expire(self, request_id: str) -> None:
+        held = self.held.pop(request_id, None)
+        if held is not None:
+            self._release(held.allocs)
+
+    async def _serve_pull(self, request: web.Request) -> web.Response:
+        if self._refuse():
+            self.failed += 1
+            return web.json_response({"error": "NIXL transfer failed"}, status=500)
+        if request.match_info["engine"] != self.engine_id:
+            self.failed += 1
+            return web.json_response({"error": f"remote engine id mismatch: this is {self.engine_id}"}, status=409)
+        held = self.held.pop(request.match_info["request"], None)
+        if held is None:
+            self.failed += 1
+            return web.json_response({"error": "no blocks held for this request (expired or taken)"}, status=404)
+        if held.expiry is not None:
+            held.expiry.cancel()
+        self._release(held.allocs)
+        self.pulled += 1
+        return web.json_response({"engine_id": self.engine_id, "tokens": held.tokens})
+
+    async def start(self) -> None:
+        """Listen on the side channel (prefill side) and open the client for pulls (decode side)."""
+        if self.cfg.producer:
+            app = web.Application()
+            app.router.add_get("/nixl/{engine}/{request}", self._serve_pull)
+            self._runner = web.AppRunner(app, access_log=None)
+            await self._runner.setup()
+            await web.TCPSite(self._runner, self.host, self.port).start()
+
+    async def close(self) -> None:
+        for held in self.held.values():
+            if held.expiry is not None:
+                held.expiry.cancel()
+        self.held.clear()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+    # ----------------------------------------------------------------- decode side
+
+    async def pull(self, params: Mapping[str, Any], prompt_tokens: int) -> int:
+        """Pull a remote prefill's blocks; the prompt tokens they cover. Raises TransferError."""
+        try:
+            host, port = params["remote_host"], int(params["remote_port"])
+            engine, rid = str(params["remote_engine_id"]), str(params["remote_request_id"])
+        except (KeyError, TypeError, ValueError) as e:
+            self.failed += 1
+            raise TransferError(f"kv_transfer_params: {e!r}") from None
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+        try:
+            async with self._session.get(f"http://{host}:{port}/nixl/{engine}/{rid}") as resp:
+                doc = await resp.json(content_type=None)
+                if resp.status != 200:
+                    raise TransferError(f"{engine}: {doc.get('error', resp.status)}")
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            self.failed += 1
+            raise TransferError(f"side channel {host}:{port}: {e!r}") from None
+        except TransferError:
+            self.failed += 1
+            raise
+        tokens = doc.get("tokens")
+        if tokens != prompt_tokens:
+            self.failed += 1
+            raise TransferError(f"the prefill held {tokens} tokens, this prompt has {prompt_tokens}")
+        if self.token_latency > 0:
+            await asyncio.sleep(self.token_latency * tokens)
+        self.pulled += 1
+        return tokens
