@@ -11,6 +11,7 @@ prefill under ``"recompute"``, the decoder healthy after each.
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -81,6 +82,8 @@ def test_a_remote_prefill_then_decode_gives_the_aggregated_answer_and_pulls_once
     status, doc = post(decode.url, {"model": "m", "prompt": PROMPT, "max_tokens": 8, "kv_transfer_params": params})
     assert status == 500 and "expired or taken" in doc["error"]["message"]
     assert decode.health_status() == 200
+    assert metric(decode.url, "vllm:nixl_xfer_time_seconds_count") >= 1
+    assert metric(decode.url, "vllm:nixl_num_failed_transfers_total") >= 1
 
 
 def test_another_engines_id_fails_the_request_not_the_decoder(pair):
@@ -129,3 +132,19 @@ def test_an_unknown_connector_is_refused_at_start(tmp_path):
     with pytest.raises(SimStartError) as e:
         start_sim(extra_args=bad, log_dir=tmp_path, timeout=20)
     assert "the simulator models only NixlConnector" in e.value.output
+
+
+def test_blocks_no_decoder_pulls_are_freed_after_the_abort_timeout(tmp_path):
+    env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+           "VLLM_NIXL_ABORT_REQUEST_TIMEOUT": "0.5"}
+    with start_sim(env=env, extra_args=xfer_config("kv_producer"), log_dir=tmp_path) as prefill, \
+         start_sim(extra_args=xfer_config("kv_consumer"), log_dir=tmp_path) as decode:
+        params = prefill_once(prefill)
+        assert metric(prefill.url, "vllm:kv_cache_usage_perc") > 0  # held for the decoder
+        deadline = time.monotonic() + 10
+        while metric(prefill.url, "vllm:nixl_num_kv_expired_reqs_total") < 1:
+            assert time.monotonic() < deadline, "the held blocks never expired"
+            time.sleep(0.1)
+        assert metric(prefill.url, "vllm:kv_cache_usage_perc") == 0
+        status, doc = post(decode.url, {"model": "m", "prompt": PROMPT, "max_tokens": 4, "kv_transfer_params": params})
+        assert status == 500 and "expired or taken" in doc["error"]["message"]

@@ -18,6 +18,10 @@ side of a disaggregated pair. What a router sees is vLLM's (``toy_proxy_server.p
   ``kv_load_failure_policy: "fail"`` and is prefilled locally under ``"recompute"`` (vLLM's
   default); either way the decoder stays healthy.
 
+vLLM's NIXL metrics are served beside the others: ``vllm:nixl_xfer_time_seconds`` and
+``vllm:nixl_num_failed_transfers`` on the decoder, ``vllm:nixl_num_kv_expired_reqs`` on the
+prefill engine.
+
 The side channel is the simulator's own stand-in for NIXL's (a ZMQ handshake, then RDMA or
 UCX reads): plain HTTP on ``VLLM_NIXL_SIDE_CHANNEL_HOST``:``VLLM_NIXL_SIDE_CHANNEL_PORT`` (vLLM's
 variables, defaults ``localhost`` and 5600), answering ``GET /nixl/<engine_id>/<request_id>``
@@ -118,8 +122,9 @@ class Transfers:
 
     def __init__(self, cfg: KVTransferConfig, release: Callable[[list[Any]], None],
                  env: Mapping[str, str] = os.environ, token_latency: float = 0.0,
-                 refuse: Callable[[], bool] = lambda: False) -> None:
+                 refuse: Callable[[], bool] = lambda: False, metrics: Any = None) -> None:
         self.cfg = cfg
+        self.metrics = metrics  # sim_metrics.NixlMetrics, or None
         self.engine_id = cfg.engine_id or str(uuid.uuid4())
         self.host = env.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "localhost")
         self.port = int(env.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600"))
@@ -131,8 +136,6 @@ class Transfers:
         self._block_ids = itertools.count(1)
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
-        self.pulled = 0  # transfers this engine served (prefill side) or completed (decode side)
-        self.failed = 0  # pulls that failed, either side
 
     # ----------------------------------------------------------------- prefill side
 
@@ -151,22 +154,24 @@ class Transfers:
         held = self.held.pop(request_id, None)
         if held is not None:
             self._release(held.allocs)
+            if self.metrics is not None:
+                self.metrics.expired.inc()
+
+    def _failed(self) -> None:
+        if self.metrics is not None:
+            self.metrics.failed.inc()
 
     async def _serve_pull(self, request: web.Request) -> web.Response:
         if self._refuse():
-            self.failed += 1
             return web.json_response({"error": "NIXL transfer failed"}, status=500)
         if request.match_info["engine"] != self.engine_id:
-            self.failed += 1
             return web.json_response({"error": f"remote engine id mismatch: this is {self.engine_id}"}, status=409)
         held = self.held.pop(request.match_info["request"], None)
         if held is None:
-            self.failed += 1
             return web.json_response({"error": "no blocks held for this request (expired or taken)"}, status=404)
         if held.expiry is not None:
             held.expiry.cancel()
         self._release(held.allocs)
-        self.pulled += 1
         return web.json_response({"engine_id": self.engine_id, "tokens": held.tokens})
 
     async def start(self) -> None:
@@ -196,8 +201,9 @@ class Transfers:
             host, port = params["remote_host"], int(params["remote_port"])
             engine, rid = str(params["remote_engine_id"]), str(params["remote_request_id"])
         except (KeyError, TypeError, ValueError) as e:
-            self.failed += 1
+            self._failed()
             raise TransferError(f"kv_transfer_params: {e!r}") from None
+        started = asyncio.get_running_loop().time()
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
         try:
@@ -206,16 +212,17 @@ class Transfers:
                 if resp.status != 200:
                     raise TransferError(f"{engine}: {doc.get('error', resp.status)}")
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
-            self.failed += 1
+            self._failed()
             raise TransferError(f"side channel {host}:{port}: {e!r}") from None
         except TransferError:
-            self.failed += 1
+            self._failed()
             raise
         tokens = doc.get("tokens")
         if tokens != prompt_tokens:
-            self.failed += 1
+            self._failed()
             raise TransferError(f"the prefill held {tokens} tokens, this prompt has {prompt_tokens}")
         if self.token_latency > 0:
             await asyncio.sleep(self.token_latency * tokens)
-        self.pulled += 1
+        if self.metrics is not None:
+            self.metrics.xfer_time.observe(asyncio.get_running_loop().time() - started)
         return tokens

@@ -143,7 +143,8 @@ class SimState:
         self.fault_on = knobs.fault.kind is not None and knobs.fault.onset == "start"
         self.transfers = (Transfers(cfg.kv_transfer, lambda allocs: self._release(allocs, 0),
                                     token_latency=knobs.kv_transfer_token_latency,
-                                    refuse=lambda: self.faulting("kv-transfer-fail"))
+                                    refuse=lambda: self.faulting("kv-transfer-fail"),
+                                    metrics=self.metrics.nixl())
                           if cfg.kv_transfer is not None else None)
 
     def faulting(self, kind: str) -> bool:

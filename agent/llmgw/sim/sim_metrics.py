@@ -20,6 +20,7 @@ class SimMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name", "engine"]
         values = (model_name, engine)
+        self._values = values
 
         def gauge(name: str, doc: str):
             return Gauge(name, doc, labels, registry=self.registry).labels(*values)
@@ -93,6 +94,10 @@ class SimMetrics:
         )
         self._success = {r: success.labels(*values, r) for r in ("stop", "length", "abort")}
 
+    def nixl(self) -> "NixlMetrics":
+        """vLLM's NIXL connector metrics (kv_connector/v1/nixl/stats.py), registered only with a connector."""
+        return NixlMetrics(self.registry, self._values)
+
     def finished(self, reason: str) -> None:
         child = self._success.get(reason)
         if child is not None:
@@ -100,3 +105,21 @@ class SimMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class NixlMetrics:
+    """The NIXL metrics a router reads for transfer time and failures, under vLLM's names."""
+
+    def __init__(self, registry: CollectorRegistry, values: tuple[str, str]) -> None:
+        labels = ["model_name", "engine"]
+        self.xfer_time = Histogram(
+            "vllm:nixl_xfer_time_seconds", "Histogram of transfer duration for NIXL KV Cache transfers.", labels,
+            buckets=[0.001, 0.005, 0.01, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0], registry=registry,
+        ).labels(*values)
+        self.failed = Counter(
+            "vllm:nixl_num_failed_transfers", "Number of failed NIXL KV Cache transfers, including handshake and "
+            "notification failures. NOTE: KV expiry is tracked separately in vllm:nixl_num_kv_expired_reqs.",
+            labels, registry=registry).labels(*values)
+        self.expired = Counter(
+            "vllm:nixl_num_kv_expired_reqs", "Number of requests that had their KV expire. NOTE: This metric is "
+            "tracked on the P instance.", labels, registry=registry).labels(*values)
