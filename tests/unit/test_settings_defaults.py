@@ -40,6 +40,7 @@ TABLE = [
     (router_settings.Timeouts, "router", "/timeouts", {}),
     (router_settings.Limits, "router", "/limits", {}),
     (router_settings.Clients, "router", "/clients", {}),
+    (router_settings.Disaggregation, "router", "/disaggregation", {}),
     (router_settings.Balancing, "router", "/balancing", {}),
     (router_settings.Retries, "router", "/retries", {}),
     (router_settings.Outlier, "router", "/outlier", {}),

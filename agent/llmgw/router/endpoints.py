@@ -19,6 +19,9 @@ from urllib.parse import urlsplit
 from llmgw import compat
 
 
+ROLES = ("both", "prefill", "decode")
+
+
 class EndpointError(ValueError):
     """An endpoint description that cannot be routed to; the message names the field."""
 
@@ -40,6 +43,9 @@ class Endpoint:
     # The replica's engine key, sent upstream as "Authorization: Bearer"; never
     # printed (repr) and only in the watch answer given to a router identity.
     api_key: str | None = field(default=None, repr=False)
+    # A disaggregated model's endpoints: "prefill" only computes prompts for decoders
+    # (router/prefill.py), "decode" and "both" take the model's requests.
+    role: str = "both"
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -61,6 +67,8 @@ class Endpoint:
             not isinstance(self.max_concurrency, int) or isinstance(self.max_concurrency, bool) or self.max_concurrency < 1
         ):
             raise EndpointError(f"endpoint {self.id!r}: max_concurrency: must be a positive integer")
+        if self.role not in ROLES:
+            raise EndpointError(f"endpoint {self.id!r}: role: must be one of {', '.join(ROLES)}")
 
     @property
     def base_url(self) -> str:
@@ -78,6 +86,8 @@ class Endpoint:
         }
         if with_key and self.api_key:
             d["api_key"] = self.api_key
+        if self.role != "both":  # only when set: a router that predates roles refuses the key
+            d["role"] = self.role
         return d
 
     @classmethod
@@ -85,7 +95,7 @@ class Endpoint:
         """Build from a JSON object (watch API, static config); errors name ``where``."""
         if not isinstance(d, Mapping):
             raise EndpointError(f"{where}: expected an object, got {type(d).__name__}")
-        unknown = set(d) - {"id", "model", "url", "replica_id", "draining", "max_concurrency", "api_key"}
+        unknown = set(d) - {"id", "model", "url", "replica_id", "draining", "max_concurrency", "api_key", "role"}
         if unknown:
             raise EndpointError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
         for key in ("model", "url"):
@@ -98,6 +108,8 @@ class Endpoint:
         if api_key is not None and (not isinstance(api_key, str) or not api_key or not api_key.isascii()
                                     or not api_key.isprintable() or " " in api_key):
             raise EndpointError(f"{where}/api_key: must be a non-empty string of printable ASCII without spaces")
+        if "role" in d and d["role"] not in ROLES:
+            raise EndpointError(f"{where}/role: must be one of {', '.join(ROLES)}")
         if "draining" in d and not isinstance(d["draining"], bool):
             raise EndpointError(f"{where}/draining: must be a boolean")
         mc = d.get("max_concurrency")
@@ -112,6 +124,7 @@ class Endpoint:
                 draining=d.get("draining", False),
                 max_concurrency=mc,
                 api_key=api_key,
+                role=d.get("role", "both"),
             )
         except EndpointError as e:
             raise type(e)(f"{where}: {e}") from None

@@ -20,6 +20,7 @@ from .context import RequestContext
 from .errors import SERVER, RouterError
 from .failures import Failed
 from .metrics import RouterMetrics
+from .prefill import Prefill, decode_body
 from .request import engine_head
 from .runtime import ModelGroup, Routing
 from .settings import RouterSettings
@@ -34,6 +35,7 @@ class Forwarder:
         self.attempts = attempts
         r = settings.retries
         self.budget = RetryBudget(r.budget_ratio, r.budget_min, r.budget_window)
+        self.prefill = Prefill(settings, routing, metrics)
 
     async def forward(self, request: web.Request, ctx: RequestContext, group: ModelGroup, body: bytes,
                       stream: bool, payload: dict) -> web.StreamResponse:
@@ -42,6 +44,12 @@ class Forwarder:
         headers = engine_head(request, stream, ctx.rid)
         target = request.raw_path.encode("utf-8", "surrogateescape")  # path and query as the client sent them
         self.budget.note_request()
+        whole = body  # what a retry sends: a decoder that failed may have lost the prefilled blocks
+        if group.prefill is not None and self.prefill.wanted(group, target, body, payload):
+            params = await self.prefill.params(ctx, group, target, payload, engine_head(request, False, ctx.rid),
+                                               total_deadline)
+            if params is not None:
+                body = decode_body(payload, params)
         tried: set[str] = set()
         last: Failed | None = None
         max_attempts = self.s.retries.max_attempts
@@ -64,7 +72,9 @@ class Forwarder:
                     break
                 self.metrics.retries.labels(group.model, last.outcome).inc()
             rt = pick
-            tried.add(rt.id)
+            carried = body is not whole
+            if not carried:  # a decoder whose pull failed may take the request again, prefilling it
+                tried.add(rt.id)
             ctx.attempts += 1
             ctx.endpoint = rt.id
             rt.outstanding += 1
@@ -81,6 +91,7 @@ class Forwarder:
             if not isinstance(result, Failed):
                 return result
             last = result
+            body = whole
             if not result.retryable or ctx.attempts >= max_attempts:
                 break
         if last is None:  # total deadline passed before any attempt

@@ -49,7 +49,7 @@ class RouterMetrics:
         self.attempts = Counter(
             "llmgw_router_upstream_attempts", "Requests sent to engines, by outcome (ok, client_error, "
             "status_5xx, engine_auth, rate_limited, connect, timeout, first_token_timeout, inter_token_timeout, "
-            "inband_error, broken, cancelled, error).",
+            "inband_error, broken, cancelled, error; bad_prefill: a prefill answer a decoder could not use).",
             ["model", "endpoint", "outcome"], registry=r)
         self.retries = Counter(
             "llmgw_router_retries", "Retries made, by the failure that caused them.",
@@ -75,6 +75,13 @@ class RouterMetrics:
         self.inter_token = Histogram(
             "llmgw_router_inter_token_seconds", "Gap between consecutive chunks relayed on a stream.",
             ["model", "endpoint"], buckets=ITL_BUCKETS, registry=r)
+        self.prefill = Counter(
+            "llmgw_router_prefill", "Remote prefills of disaggregated models, by outcome (ok; fallback: every "
+            "prefill endpoint tried failed and the decoder prefilled; unavailable: no prefill endpoint could take it).",
+            ["model", "outcome"], registry=r)
+        self.prefill_seconds = Histogram(
+            "llmgw_router_prefill_seconds", "Time spent in the prefill phase, failed tries included.",
+            ["model"], buckets=TTFT_BUCKETS, registry=r)
         self.duration = Histogram(
             "llmgw_router_request_duration_seconds", "Whole request duration as seen by the router.",
             ["model"], buckets=DURATION_BUCKETS, registry=r)

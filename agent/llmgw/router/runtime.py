@@ -76,7 +76,10 @@ class EndpointRuntime:
 @dataclass(frozen=True)
 class ModelGroup:
     model: str
-    members: tuple[EndpointRuntime, ...]
+    members: tuple[EndpointRuntime, ...]  # what takes the model's requests (roles both and decode)
+    # A disaggregated model's prefill endpoints, a group of their own (ejected on their own
+    # failures); None: the model is served whole by each member.
+    prefill: "ModelGroup | None" = None
 
     def ejected_count(self, now: float) -> int:
         return sum(1 for m in self.members if m.health.is_ejected(now))
@@ -107,6 +110,7 @@ class Routing:
         rev, eps = self.table.snapshot()
         runtimes: dict[tuple[str, str, str, str | None], EndpointRuntime] = {}
         groups: dict[str, list[EndpointRuntime]] = {}
+        prefills: dict[str, list[EndpointRuntime]] = {}
         for ep in eps:
             key = (ep.id, ep.url, ep.model, ep.api_key)
             rt = self._runtimes.get(key)
@@ -115,13 +119,15 @@ class Routing:
             else:
                 rt.update(ep)
             runtimes[key] = rt
-            groups.setdefault(ep.model, []).append(rt)
+            (prefills if ep.role == "prefill" else groups).setdefault(ep.model, []).append(rt)
         for key, rt in self._runtimes.items():
             if key not in runtimes:
                 rt.retired = True
                 self._retired.append(rt)
         self._runtimes = runtimes
-        self._groups = {m: ModelGroup(m, tuple(v)) for m, v in groups.items()}
+        self._groups = {m: ModelGroup(m, tuple(groups.get(m, ())),
+                                      ModelGroup(m, tuple(prefills[m])) if m in prefills else None)
+                        for m in {**groups, **prefills}}
         self._rev = rev
 
     @property
@@ -156,6 +162,16 @@ class Routing:
         if tried:
             return None
         return self._why_none(group, now)
+
+    def pick_prefill(self, pgroup: ModelGroup, tried: set[str]) -> EndpointRuntime | None:
+        """The prefill endpoint with the fewest requests in flight that can take one more, else None."""
+        now = time.monotonic()
+        best = None
+        for m in pgroup.members:
+            if (m.outstanding < m.limit and not m.endpoint.draining and m.id not in tried and not m.retired
+                    and now >= m.health.ejected_until and (best is None or m.outstanding < best.outstanding)):
+                best = m
+        return best
 
     def _why_none(self, group: ModelGroup, now: float) -> RouterError:
         draining = sum(1 for m in group.members if m.endpoint.draining)

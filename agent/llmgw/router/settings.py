@@ -58,6 +58,14 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class Disaggregation:
+    """Two-phase serving of models with prefill endpoints (router/prefill.py)."""
+
+    min_prompt_bytes: int = 4096
+    prefill_timeout: float = 30.0
+
+
+@dataclass(frozen=True)
 class Clients:
     """What one client may hold of the router (0 disables a cap); see ``llmgw.clientbounds``."""
 
@@ -123,6 +131,7 @@ class RouterSettings:
     retries: Retries = field(default_factory=Retries)
     outlier: Outlier = field(default_factory=Outlier)
     clients: Clients = field(default_factory=Clients)
+    disaggregation: Disaggregation = field(default_factory=Disaggregation)
     metrics_tokens: tuple[MetricsToken, ...] = ()  # bearer tokens that may read /metrics
     access_log: bool = True
 
@@ -260,6 +269,7 @@ def _build(doc: Mapping[str, Any]) -> RouterSettings:
         retries=Retries(**doc["retries"]),
         outlier=Outlier(**doc["outlier"]),
         clients=Clients(**doc["clients"]),
+        disaggregation=Disaggregation(**doc["disaggregation"]),
         metrics_tokens=tuple(MetricsToken(t["name"], t["sha256"]) for t in doc.get("metrics_tokens") or ()),
         access_log=doc["access_log"],
     )
