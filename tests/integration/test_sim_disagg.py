@@ -73,14 +73,15 @@ def test_a_remote_prefill_then_decode_gives_the_aggregated_answer_and_pulls_once
     prefill, decode, _ = pair
     params = prefill_once(prefill)
     assert check_prefill_params(params) == []
-    assert len(params["remote_block_ids"]) >= 4
+    assert len(params["remote_block_ids"][0]) >= 4 and params["remote_num_tokens"] == 64
     status, doc = post(decode.url, {"model": "m", "prompt": PROMPT, "max_tokens": 8, "kv_transfer_params": params})
     assert status == 200, doc
     _, plain = post(decode.url, {"model": "m", "prompt": PROMPT, "max_tokens": 8})
     assert doc["choices"][0]["text"] == plain["choices"][0]["text"] == "tok0 tok1 tok2 tok3 tok4 tok5 tok6 tok7"
     # the blocks were handed over once: a second decode with the same parameters finds nothing
     status, doc = post(decode.url, {"model": "m", "prompt": PROMPT, "max_tokens": 8, "kv_transfer_params": params})
-    assert status == 500 and "expired or taken" in doc["error"]["message"]
+    assert status == 500 and doc["error"]["message"] == "Internal server error"
+    assert "expired or taken" in decode.output()
     assert decode.health_status() == 200
     assert metric(decode.url, "vllm:nixl_xfer_time_seconds_count") >= 1
     assert metric(decode.url, "vllm:nixl_num_failed_transfers_total") >= 1
@@ -90,7 +91,7 @@ def test_another_engines_id_fails_the_request_not_the_decoder(pair):
     prefill, decode, _ = pair
     params = {**prefill_once(prefill), "remote_engine_id": "00000000-bogus"}
     status, doc = post(decode.url, {"model": "m", "prompt": PROMPT, "max_tokens": 4, "kv_transfer_params": params})
-    assert status == 500 and "engine id mismatch" in doc["error"]["message"]
+    assert status == 500 and "engine id mismatch" in decode.output()
     assert decode.health_status() == 200
     status, _ = post(decode.url, {"model": "m", "prompt": PROMPT, "max_tokens": 4})
     assert status == 200
@@ -111,7 +112,7 @@ def test_a_prompt_of_another_length_is_refused(pair):
     params = prefill_once(prefill)
     status, doc = post(decode.url, {"model": "m", "prompt": PROMPT + " extra", "max_tokens": 4,
                                     "kv_transfer_params": params})
-    assert status == 500 and "this prompt has 65" in doc["error"]["message"]
+    assert status == 500 and "this prompt has 65" in decode.output()
 
 
 def test_a_broken_side_channel_fails_every_pull(tmp_path):
@@ -122,7 +123,7 @@ def test_a_broken_side_channel_fails_every_pull(tmp_path):
          start_sim(extra_args=xfer_config("kv_consumer"), log_dir=tmp_path) as decode:
         params = prefill_once(prefill)
         status, doc = post(decode.url, {"model": "m", "prompt": PROMPT, "max_tokens": 4, "kv_transfer_params": params})
-        assert status == 500 and "NIXL transfer failed" in doc["error"]["message"]
+        assert status == 500 and "NIXL transfer failed" in decode.output()
         assert prefill.health_status() == 200 and decode.health_status() == 200
 
 
@@ -147,4 +148,4 @@ def test_blocks_no_decoder_pulls_are_freed_after_the_abort_timeout(tmp_path):
             time.sleep(0.1)
         assert metric(prefill.url, "vllm:kv_cache_usage_perc") == 0
         status, doc = post(decode.url, {"model": "m", "prompt": PROMPT, "max_tokens": 4, "kv_transfer_params": params})
-        assert status == 500 and "expired or taken" in doc["error"]["message"]
+        assert status == 500 and "expired or taken" in decode.output()

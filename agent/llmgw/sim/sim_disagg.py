@@ -15,8 +15,9 @@ side of a disaggregated pair. What a router sees is vLLM's (``toy_proxy_server.p
   by the transfer (``LLMGW_SIM_KV_TRANSFER_TOKEN_LATENCY`` seconds per token). A pull that
   fails (unreachable side channel, another engine's id, blocks expired or already taken, a
   prompt of another length) fails the request with HTTP 500 under
-  ``kv_load_failure_policy: "fail"`` and is prefilled locally under ``"recompute"`` (vLLM's
-  default); either way the decoder stays healthy.
+  ``kv_load_failure_policy: "fail"`` (``"Internal server error"``, as vLLM says it; the reason
+  goes to the log) and is prefilled locally under ``"recompute"`` (vLLM's default); either way
+  the decoder stays healthy.
 
 vLLM's NIXL metrics are served beside the others: ``vllm:nixl_xfer_time_seconds`` and
 ``vllm:nixl_num_failed_transfers`` on the decoder, ``vllm:nixl_num_kv_expired_reqs`` on the
@@ -139,16 +140,19 @@ class Transfers:
 
     # ----------------------------------------------------------------- prefill side
 
-    def hold(self, request_id: str, allocs: list[Any], tokens: int) -> dict[str, Any]:
-        """Keep ``allocs`` for a decoder; the ``kv_transfer_params`` the answer carries."""
+    def hold(self, request_id: str, allocs: list[Any], tokens: int, cached: int = 0) -> dict[str, Any]:
+        """Keep ``allocs`` for a decoder; the ``kv_transfer_params`` the answer carries, shaped as
+        vLLM 0.32's (block ids one list per KV-cache group, the optional keys it fills in)."""
         blocks = sum(getattr(a, "blocks", 0) for a in allocs)
         held = Held(allocs, tokens)
         held.expiry = asyncio.get_running_loop().call_later(self.abort_timeout, self._expire, request_id)
         self.held[request_id] = held
         return {"do_remote_prefill": True, "do_remote_decode": False,
-                "remote_block_ids": [next(self._block_ids) for _ in range(blocks)],
+                "remote_block_ids": [[next(self._block_ids) for _ in range(blocks)]],
                 "remote_engine_id": self.engine_id, "remote_request_id": request_id,
-                "remote_host": self.host, "remote_port": self.port, "tp_size": 1, "transfer_mode": "pull"}
+                "remote_host": self.host, "remote_port": self.port, "tp_size": 1, "dcp_size": 1, "pp_size": 1,
+                "remote_num_tokens": tokens, "remote_blocks_expiry_time": None, "transfer_mode": "pull",
+                "remote_prefill_cached_tokens": cached}
 
     def _expire(self, request_id: str) -> None:
         held = self.held.pop(request_id, None)

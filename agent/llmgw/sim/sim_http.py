@@ -579,8 +579,8 @@ async def transfer_in(state: SimState, body: dict[str, Any], prompts: list[list[
         sys.stderr.write(f"WARNING {time.strftime('%m-%d %H:%M:%S')} [nixl_connector.py] "
                          f"KV load failed: {e}\n")
         sys.stderr.flush()
-        if t.cfg.load_failure_policy == "fail":
-            raise Rejected(500, f"KV transfer failed: {e}") from None
+        if t.cfg.load_failure_policy == "fail":  # vLLM says no more to the client; the reason is in its log
+            raise Rejected(500, "Internal server error") from None
         return 0
 
 
@@ -595,7 +595,7 @@ def holds_for_decode(state: SimState, body: dict[str, Any], stream: bool, prompt
 def transfer_tail(state: SimState, run: Run, tail: dict[str, Any], rid: str, tokens: int) -> dict[str, Any]:
     """``tail`` with the ``kv_transfer_params`` of blocks now held for a decoder."""
     run.held = True
-    return {**tail, "kv_transfer_params": state.transfers.hold(rid, run.allocs, tokens)}
+    return {**tail, "kv_transfer_params": state.transfers.hold(rid, run.allocs, tokens, run.cached)}
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
