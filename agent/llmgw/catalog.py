@@ -85,12 +85,47 @@ class Profile:
 
 
 @dataclass(frozen=True)
+class Autoscale:
+    """A deployment's demand-driven bounds and damping (the schema's ``autoscale`` block).
+
+    The defaults here are the schema's (``tests/unit/test_autoscale_catalog.py``
+    holds them equal); the rule that uses them is ``controlplane/autoscale.py``.
+    """
+
+    max: int
+    min: int = 1
+    signal: str = "outstanding"
+    target: float = 8.0
+    stable_window: float = 60.0
+    panic_window: float = 6.0
+    panic_threshold: float = 2.0
+    tolerance: float = 0.1
+    scale_down_cooldown: float = 300.0
+    max_step: int = 4
+
+    def clamp(self, n: int) -> int:
+        return max(self.min, min(self.max, n))
+
+    @classmethod
+    def from_config(cls, d: Mapping[str, Any]) -> "Autoscale":
+        return cls(max=int(d["max"]), min=int(d["min"]), signal=d["signal"], target=float(d["target"]),
+                   stable_window=float(d["stable_window"]), panic_window=float(d["panic_window"]),
+                   panic_threshold=float(d["panic_threshold"]), tolerance=float(d["tolerance"]),
+                   scale_down_cooldown=float(d["scale_down_cooldown"]), max_step=int(d["max_step"]))
+
+
+@dataclass(frozen=True)
 class Deployment:
-    """``replicas`` copies of ``model`` served with ``profile``."""
+    """``replicas`` copies of ``model`` served with ``profile``.
+
+    With ``autoscale``, ``replicas`` is only where the count starts: the
+    control plane's autoscaler decides the count the reconciler places.
+    """
 
     model: str
     profile: str
     replicas: int
+    autoscale: Autoscale | None = None
 
     @property
     def key(self) -> str:
@@ -132,7 +167,8 @@ class Catalog:
                 kv_events=p["kv_events"],
             )
         deployments = tuple(
-            Deployment(model=d["model"], profile=d["profile"], replicas=d["replicas"])
+            Deployment(model=d["model"], profile=d["profile"], replicas=d["replicas"],
+                       autoscale=Autoscale.from_config(d["autoscale"]) if "autoscale" in d else None)
             for d in cfg.get("deployments", ())
         )
         return cls(models=models, profiles=profiles, deployments=deployments)

@@ -347,6 +347,25 @@ def _reference_errors(doc: dict[str, Any]) -> list[ConfigError]:
     return errors
 
 
+def _autoscale_errors(doc: dict[str, Any]) -> list[ConfigError]:
+    """What the schema cannot say about an ``autoscale`` block: bounds and windows in order."""
+    errors = []
+    for i, d in enumerate(doc.get("deployments", ())):
+        a = d.get("autoscale")
+        if not isinstance(a, dict):
+            continue
+        where = f"/deployments/{i}/autoscale"
+        if "router" not in doc:
+            errors.append(ConfigError(where, "needs the in-process router (a `router` section): its requests "
+                                      "in flight are the signal, and without it the count would never move"))
+        if a["min"] > a["max"]:
+            errors.append(ConfigError(f"{where}/min", f"{a['min']} is more than max ({a['max']})"))
+        if a["panic_window"] > a["stable_window"]:
+            errors.append(ConfigError(f"{where}/panic_window", f"{a['panic_window']}s is longer than "
+                                      f"stable_window ({a['stable_window']}s): the panic window is the short one"))
+    return errors
+
+
 def _profile_errors(i: int) -> Check:
     """The engine adapter's checks of ``/profiles/i``, each problem at the key it is about."""
     def check(doc: dict[str, Any]) -> list[ConfigError]:
@@ -388,6 +407,7 @@ def _server_semantic_errors(doc: Any, schema: Sequence[ConfigError] = ()) -> lis
         (("/models",), _served_name_errors),
         (("/models",), _source_errors),
         (("/models", "/profiles", "/deployments"), _reference_errors),
+        (("/deployments",), _autoscale_errors),
         (("/router",), _router_errors),
         (("/state_dir",), _state_dir_errors),
         (("/ha",), _ha_errors),

@@ -31,6 +31,7 @@ TABLE = [
     (settings.ApiClients, "server", "/api/clients", {}),
     (settings.HASettings, "server", "/ha", {"prefix": ("/ha/etcd", "prefix")}),
     (catalog.Profile, "server", "/profiles/[]", {}),
+    (catalog.Autoscale, "server", "/deployments/[]/autoscale", {}),
     (settings.FetchPolicy, "agent", "/fetch", {}),
     (settings.LivenessPolicy, "agent", "/health", {}),
     (settings.EngineTLS, "agent", "/engine_tls", {}),

@@ -1,0 +1,57 @@
+"""The ``autoscale`` block of a deployment: parsed with the schema's defaults, refused at its JSON pointer."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from llmgw.catalog import Autoscale
+from llmgw.config import ConfigInvalid
+from llmgw.settings import parse_server_settings
+
+SERVER = {
+    "api": {"listen": {"port": 8443}},
+    "insecure_no_tls": True,
+    "router": {"listen": {"port": 8080}, "insecure_http": True, "allow_unauthenticated": True},
+    "models": [{"name": "m", "source": "Qwen/Qwen2.5-0.5B-Instruct"}],
+    "profiles": [{"name": "p", "engine": "vllm"}],
+    "deployments": [{"model": "m", "profile": "p", "replicas": 1, "autoscale": {"max": 4}}],
+}
+
+
+def errors(doc) -> dict[str, str]:
+    with pytest.raises(ConfigInvalid) as e:
+        parse_server_settings(doc)
+    return {x.pointer: x.message for x in e.value.errors}
+
+
+def test_defaults_are_the_schemas_and_a_plain_deployment_has_none():
+    doc = copy.deepcopy(SERVER)
+    doc["deployments"].append({"model": "m", "profile": "q", "replicas": 2})
+    doc["profiles"].append({"name": "q", "engine": "vllm"})
+    deps = parse_server_settings(doc).catalog.deployments
+    assert deps[0].autoscale == Autoscale(max=4)
+    assert deps[0].autoscale.min == 1 and deps[0].autoscale.stable_window == 60
+    assert deps[1].autoscale is None
+
+
+@pytest.mark.parametrize("block, pointer, words", [
+    ({"max": 2, "min": 3}, "/deployments/0/autoscale/min", "more than max"),
+    ({"max": 2, "panic_window": 90}, "/deployments/0/autoscale/panic_window", "longer than stable_window"),
+    ({"max": 2, "target": 0}, "/deployments/0/autoscale/target", ""),
+    ({"max": 2, "signal": "kv_cache"}, "/deployments/0/autoscale/signal", ""),
+    ({"max": 2, "stable_windw": 9}, "/deployments/0/autoscale/stable_windw", "unknown key"),
+    ({"min": 1}, "/deployments/0/autoscale", "max"),
+])
+def test_bad_blocks_are_refused_at_their_key(block, pointer, words):
+    doc = copy.deepcopy(SERVER)
+    doc["deployments"][0]["autoscale"] = block
+    errs = errors(doc)
+    assert pointer in errs and words in errs[pointer], errs
+
+
+def test_autoscale_without_the_in_process_router_is_refused():
+    doc = copy.deepcopy(SERVER)
+    del doc["router"]
+    assert "in-process router" in errors(doc)["/deployments/0/autoscale"]
