@@ -1,0 +1,139 @@
+"""How many replicas an autoscaled deployment should have: a KPA-like rule, pure.
+
+Knative's pod autoscaler, adapted to GPUs, where a replica takes minutes to
+start and a wrong scale-down costs a reload: the signal (the routers'
+requests in flight to the deployment) is averaged over a long *stable*
+window and a short *panic* window.  The stable average alone can scale down;
+a burst that makes the panic average ask for ``panic_threshold`` times the
+current count starts a panic, which scales up on the short window and never
+down until a stable window has passed without one.  Damping, in order:
+
+- a dead band (``tolerance``): no change while the wanted count is within
+  that fraction of the current one;
+- a scale-down only ``scale_down_cooldown`` after the last change;
+- at most one reversal of direction per cooldown, so a signal that swings
+  around the target cannot make the fleet load and unload a model in turn;
+- at most ``max_step`` replicas per decision;
+- the result clamped to ``min``..``max``.
+
+No clock and no I/O here: ``observe`` and ``decide`` take ``now``, so every
+rule is unit-tested on a fake clock (``tests/unit/test_autoscale.py``).  The
+control plane feeds it (``controlplane/autoscaler.py``) and the reconciler
+places the count it decides (``reconcile/replicacount.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from llmgw.catalog import Autoscale
+
+# Why the count is what it is: the ``reason`` label of llmgw_autoscale_desired_replicas.
+START = "start"  # the declared replicas, clamped: nothing measured yet
+NO_SIGNAL = "no-signal"  # nothing measured in the stable window: the count stays
+STABLE = "stable"  # the stable window's average asks for this count
+PANIC = "panic"  # a burst: the panic window's average (never down)
+TOLERANCE = "tolerance"  # the wanted count is within the dead band: kept
+COOLDOWN = "cooldown"  # a scale-down waits for the cooldown after the last change
+REVERSAL = "reversal"  # a second change of direction within one cooldown: refused
+STEP = "step"  # the change was capped at max_step
+MIN = "min"  # clamped up to min
+MAX = "max"  # clamped down to max
+REASONS = (START, NO_SIGNAL, STABLE, PANIC, TOLERANCE, COOLDOWN, REVERSAL, STEP, MIN, MAX)
+
+
+@dataclass(frozen=True)
+class Decision:
+    desired: int
+    reason: str
+    wanted: int | None = None  # what the signal asked for, before damping and clamping
+    stable: float | None = None  # the stable window's average signal (the deployment's total)
+    panic: float | None = None  # the panic window's average signal
+    panicking: bool = False
+
+    def explain(self, policy: Autoscale) -> str:
+        seen = ("nothing measured yet" if self.stable is None else
+                f"{self.stable:.2f} in flight over {policy.stable_window:g}s, "
+                f"{self.panic:.2f} over {policy.panic_window:g}s, target {policy.target:g} per replica"
+                + (f", asking for {self.wanted}" if self.wanted is not None else ""))
+        return (f"autoscale {policy.min}..{policy.max}: {self.desired} replica(s) ({self.reason}"
+                f"{', panicking' if self.panicking else ''}); saw {seen}")
+
+
+class Scaler:
+    """One deployment's samples and damping state; ``decide`` moves ``desired``."""
+
+    def __init__(self, policy: Autoscale, start: int, now: float):
+        self.policy = policy
+        self.desired = policy.clamp(start)
+        self.samples: deque[tuple[float, float]] = deque()
+        self.last_change_at: float | None = None
+        self.last_direction = 0
+        self.last_reversal_at: float | None = None
+        self.panic_until: float | None = None
+        reason = START if self.desired == start else (MIN if self.desired > start else MAX)
+        self.decision = Decision(self.desired, reason)
+
+    def observe(self, now: float, total: float) -> None:
+        """The deployment's signal now (requests in flight to all its replicas); it holds until the next."""
+        self.samples.append((now, max(0.0, float(total))))
+        horizon = now - self.policy.stable_window
+        while len(self.samples) > 1 and self.samples[1][0] <= horizon:
+            self.samples.popleft()  # the one before the horizon stays: it holds the value at the horizon
+
+    def _average(self, now: float, window: float) -> float | None:
+        """Time-weighted over the last ``window`` seconds, so that passes run in a burst (kicks)
+        weigh no more than one long quiet second; None before the first sample."""
+        if not self.samples:
+            return None
+        start, area, covered = now - window, 0.0, 0.0
+        samples = list(self.samples)
+        for i, (t, v) in enumerate(samples):
+            end = samples[i + 1][0] if i + 1 < len(samples) else now
+            a, b = max(t, start), min(end, now)
+            if b > a:
+                area, covered = area + v * (b - a), covered + (b - a)
+        return area / covered if covered > 0 else samples[-1][1]
+
+    def _want(self, average: float) -> int:
+        # a hair below an integer is that integer: 16.000000001/8 must not ask for 3
+        return max(0, math.ceil(average / self.policy.target - 1e-9))
+
+    def decide(self, now: float) -> Decision:
+        p, current = self.policy, self.desired
+        stable, panic = self._average(now, p.stable_window), self._average(now, p.panic_window)
+        if stable is None or panic is None:
+            self.decision = Decision(current, NO_SIGNAL)
+            return self.decision
+        want_stable, want_panic = self._want(stable), self._want(panic)
+        if want_panic > current and want_panic >= p.panic_threshold * max(current, 1):
+            self.panic_until = now + p.stable_window  # a stable window without a new burst ends it
+        panicking = self.panic_until is not None and now < self.panic_until
+        if panicking:
+            want, reason = max(want_panic, want_stable, current), PANIC
+        else:
+            self.panic_until = None
+            want, reason = want_stable, STABLE
+        new = want
+        direction = (new > current) - (new < current)
+        if direction and current and abs(new - current) <= p.tolerance * current:
+            new, reason = current, TOLERANCE
+        elif direction < 0 and self.last_change_at is not None and now - self.last_change_at < p.scale_down_cooldown:
+            new, reason = current, COOLDOWN
+        elif (direction and self.last_direction and direction != self.last_direction
+              and self.last_reversal_at is not None and now - self.last_reversal_at < p.scale_down_cooldown):
+            new, reason = current, REVERSAL
+        elif abs(new - current) > p.max_step:
+            new, reason = current + direction * p.max_step, STEP
+        if p.clamp(new) != new:
+            new, reason = p.clamp(new), (MIN if new < p.min else MAX)
+        moved = (new > current) - (new < current)
+        if moved:
+            if self.last_direction and moved != self.last_direction:
+                self.last_reversal_at = now
+            self.last_direction, self.last_change_at = moved, now
+            self.desired = new
+        self.decision = Decision(new, reason, want, stable, panic, panicking)
+        return self.decision

@@ -1,0 +1,119 @@
+"""The autoscale rule on a fake clock: windows, panic, tolerance, cooldown, reversals, step, bounds."""
+
+from __future__ import annotations
+
+import random
+
+from llmgw.catalog import Autoscale
+from llmgw.controlplane import autoscale as a
+from llmgw.controlplane.autoscale import Scaler
+
+
+def policy(**kw) -> Autoscale:
+    base = dict(max=10, min=1, target=4, stable_window=60, panic_window=6, panic_threshold=2,
+                tolerance=0.1, scale_down_cooldown=300, max_step=4)
+    base.update(kw)
+    return Autoscale(**base)
+
+
+def feed(s: Scaler, start: float, end: float, value: float, every: float = 1.0):
+    t, d = start, None
+    while t <= end:
+        s.observe(t, value)
+        d = s.decide(t)
+        t += every
+    return d
+
+
+def test_start_is_declared_clamped_and_nothing_moves_without_a_signal():
+    assert Scaler(policy(), 3, 0).desired == 3
+    s = Scaler(policy(min=2), 1, 0)
+    assert (s.desired, s.decision.reason) == (2, a.MIN)
+    assert Scaler(policy(max=5), 9, 0).decision.reason == a.MAX
+    d = s.decide(10)
+    assert (d.desired, d.reason) == (2, a.NO_SIGNAL)
+
+
+def test_steady_load_scales_up_on_the_stable_window_to_ceil_load_over_target():
+    s = Scaler(policy(), 1, 0)
+    d = feed(s, 0, 120, 6)  # 6 in flight / 4 per replica -> 2; 2x of 1 is also a panic
+    assert d.desired == 2
+
+
+def test_burst_panics_within_the_panic_window_and_is_capped_by_max_step():
+    s = Scaler(policy(), 1, 0)
+    feed(s, 0, 60, 0)
+    d = feed(s, 61, 64, 40)  # 40/4 = 10 wanted: the stable average lags, the panic one does not
+    assert d.panicking and d.reason in (a.PANIC, a.STEP)
+    assert s.desired >= 5
+    first = [s.desired]
+    assert first[0] <= 1 + 4 + 4 + 4  # at most max_step per decision
+
+
+def test_panic_never_scales_down():
+    s = Scaler(policy(scale_down_cooldown=0), 1, 0)
+    feed(s, 0, 10, 40)
+    top = s.desired
+    d = feed(s, 11, 20, 0)  # still within a stable window of the burst
+    assert d.panicking and s.desired == top
+
+
+def test_scale_down_waits_for_the_cooldown_then_goes_to_min():
+    s = Scaler(policy(scale_down_cooldown=100, stable_window=10, panic_window=2), 1, 0)
+    feed(s, 0, 20, 16)
+    assert s.desired == 4
+    changed = s.last_change_at
+    d = feed(s, 21, changed + 99, 0)
+    assert (s.desired, d.reason) == (4, a.COOLDOWN)
+    feed(s, changed + 100, changed + 140, 0)
+    assert s.desired == 1
+
+
+def test_tolerance_keeps_the_count_in_the_dead_band():
+    s = Scaler(policy(tolerance=0.25, panic_threshold=100), 8, 0)
+    d = feed(s, 0, 120, 36)  # wants 9 of 8: within 25 %
+    assert (d.desired, d.reason) == (8, a.TOLERANCE)
+
+
+def test_bounds():
+    s = Scaler(policy(max=3), 1, 0)
+    d = feed(s, 0, 120, 400)
+    assert (d.desired, d.reason) == (3, a.MAX)
+
+
+def test_at_most_one_reversal_per_cooldown():
+    s = Scaler(policy(scale_down_cooldown=30, stable_window=5, panic_window=1, max_step=10), 1, 0)
+    feed(s, 0, 10, 20)  # up
+    assert s.desired == 5
+    t = 11
+    while s.desired != 1:  # down after the cooldown: the first reversal
+        s.observe(t, 0)
+        s.decide(t)
+        t += 1
+    assert s.last_reversal_at == t - 1 >= 30
+    d = feed(s, t, t + 10, 20)  # up again within a cooldown of that reversal: refused
+    assert (s.desired, d.reason) == (1, a.REVERSAL)
+    feed(s, t + 11, s.last_reversal_at + 31, 20)  # a cooldown later it may
+    assert s.desired == 5
+
+
+def test_a_noisy_signal_around_the_target_does_not_flap():
+    """Load swinging +-50 % around 3 replicas' worth, every second, for an hour: the count
+    settles, and direction changes at most once per cooldown."""
+    rng = random.Random(7)
+    p = policy(scale_down_cooldown=300, max=20)
+    s = Scaler(p, 3, 0)
+    history = []
+    for t in range(3600):
+        s.observe(t, 12 * rng.uniform(0.5, 1.5))
+        history.append((t, s.decide(t).desired))
+    changes = [(t, n) for (t, n), (_, m) in zip(history[1:], history) if n != m]
+    directions = []
+    for (t, n), (_, m) in zip(history[1:], history):
+        if n != m:
+            directions.append((t, 1 if n > m else -1))
+    reversals = [t for (t, d), (_, e) in zip(directions[1:], directions) if d != e]
+    for r1, r2 in zip(reversals, reversals[1:]):
+        assert r2 - r1 >= p.scale_down_cooldown
+    assert len(changes) <= 3600 // p.scale_down_cooldown + 2
+    assert 2 <= s.desired <= 5
