@@ -57,19 +57,35 @@ class FleetCollector(Collector):
         rstate = GaugeMetricFamily("llmgw_replica_state", "1 for the replica's current state",
                                    labels=["replica", "model", "profile", "state"])
         counts = GaugeMetricFamily("llmgw_replicas", "Replicas by state", labels=["model", "profile", "state"])
-        desired = GaugeMetricFamily("llmgw_replicas_desired", "Replicas the catalog declares", labels=["model", "profile"])
+        desired = GaugeMetricFamily("llmgw_replicas_desired", "Replicas the catalog declares (an autoscaled deployment: the count decided)", labels=["model", "profile"])
         tally: Counter[tuple[str, str, str]] = Counter()
         for r in sorted(book.replicas.values(), key=lambda r: r.replica_id):
             for st in ReplicaState:
                 rstate.add_metric([r.replica_id, r.model, r.profile, st.value], 1.0 if r.state is st else 0.0)
             tally[(r.model, r.profile, r.state.value)] += 1
         for dep in cp.catalog.deployments:
-            desired.add_metric([dep.model, dep.profile], dep.replicas)
+            desired.add_metric([dep.model, dep.profile], cp.replica_counts.get(dep.key, dep.replicas))
             for st in ReplicaState:
                 tally.setdefault((dep.model, dep.profile, st.value), 0)
         for (m, p, st), n in sorted(tally.items()):
             counts.add_metric([m, p, st], n)
         yield from (rstate, counts, desired)
+
+        scaled = GaugeMetricFamily("llmgw_autoscale_desired_replicas",
+                                   "Replicas the autoscaler wants, labelled with why (autoscale.REASONS)",
+                                   labels=["model", "profile", "reason"])
+        seen = GaugeMetricFamily("llmgw_autoscale_signal",
+                                 "The autoscaler's signal: requests in flight to the deployment, averaged per window",
+                                 labels=["model", "profile", "window"])
+        for dep in cp.catalog.deployments:
+            d = cp.autoscaler.decision(dep.key)
+            if dep.autoscale is None or d is None:
+                continue
+            scaled.add_metric([dep.model, dep.profile, d.reason], d.desired)
+            if d.stable is not None and d.panic is not None:
+                seen.add_metric([dep.model, dep.profile, "stable"], d.stable)
+                seen.add_metric([dep.model, dep.profile, "panic"], d.panic)
+        yield from (scaled, seen)
 
         damped = GaugeMetricFamily("llmgw_fleet_damped", "1 while too many nodes are unreachable to declare any lost")
         damped.add_metric([], 1.0 if cp.evaluation.damped else 0.0)

@@ -22,7 +22,7 @@ from typing import Any
 
 from llmgw.catalog import Catalog
 from llmgw.controlplane.grants import GrantKeys
-from llmgw.controlplane.reconcile import cleanup, failures, losses, observe, progress, rollout, slots
+from llmgw.controlplane.reconcile import cleanup, failures, losses, observe, progress, replicacount, rollout, slots
 from llmgw.controlplane.reconcile.cleanup import DRAIN_TIMEOUT
 from llmgw.controlplane.reconcile.drain import drain_nodes
 from llmgw.controlplane.reconcile.endpoints import endpoints
@@ -98,13 +98,14 @@ class Reconciler:
     def reconcile(self, catalog: Catalog, nodes: Mapping[str, NodeView], now: float, ctx: Context) -> Plan:
         """One pass over the whole fleet: each pass in turn, in this order."""
         book, plan = self.book, Plan()
+        deployments = replicacount.deployments(catalog, ctx.replica_counts)
         issuer = Issuer(self.keys, self.cp_epoch, self._rand)
         losses.forget_lost_nodes(book, nodes, now)
         slots.resolve_double_claims(book, now, plan)
         rollout.retire_uncatalogued(book, catalog, now, plan)
         losses.retire_on_lost_nodes(book, nodes, now, plan)
         losses.retire_on_sick_gpus(book, nodes, now, plan)
-        for dep in catalog.deployments:
+        for dep in deployments:
             slots.assign_slots(book, dep, now, plan)
         for r in list(book.live()):
             failures.check_failures(book, r, now, ctx, plan)
@@ -116,7 +117,7 @@ class Reconciler:
         cleanup.clean_retired(book, nodes, now, plan)
         cleanup.clean_strays(book, nodes, plan)
         room = Room(book, nodes)  # counted on first need: most passes place nothing
-        for dep in catalog.deployments:
+        for dep in deployments:
             place_missing(book, issuer, catalog, dep, now, ctx, plan, room)
         drain_nodes(book, issuer, catalog, nodes, now, ctx, plan, room)
         return plan

@@ -61,6 +61,21 @@ class RouterHook:
             self.app = build_app(self.router_settings, self.table, pending=pending)
             self._runner_kwargs = runner_kwargs(self.router_settings)
 
+    def outstanding(self) -> dict[str, int]:
+        """Requests in flight per replica id through this router: the autoscaler's signal."""
+        if self.app is None:
+            return {}
+        from llmgw.router.app import PROXY_KEY
+
+        routing = self.app[PROXY_KEY].routing
+        routing.sync()
+        out: dict[str, int] = {}
+        for rt in routing.runtimes():
+            rid = rt.endpoint.replica_id
+            if rid:
+                out[rid] = out.get(rid, 0) + rt.outstanding
+        return out
+
     def update(self, eps: list[dict[str, Any]]) -> None:
         if self.table is None:
             return

@@ -67,6 +67,8 @@ async def serve(settings: ServerSettings, config_path: str | None = None,
     hooks = None if elector is None else LeaderHooks(cp, elector, stop)
     router = RouterHook(settings, pending=lambda model: catalog_grace_left(cp, model))
     cp.on_endpoints(router.update)
+    if router.app is not None:
+        cp.outstanding = router.outstanding
     reload = reloader(cp, config_path, revocations)
     runner = await open_api(cp, ssl_ctx, reload, router.watch_handler, revocations, elector)
     router_runner = await router.start()

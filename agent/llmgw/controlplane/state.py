@@ -21,12 +21,13 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from llmgw import compat
 from llmgw.catalog import Catalog
+from llmgw.controlplane.autoscaler import Autoscaler, totals_by_deployment
 from llmgw.controlplane import grantsecret
 from llmgw.controlplane.ejections import EjectionBook, Verdict
 from llmgw.controlplane.endpointfeed import EndpointFeed
@@ -93,6 +94,11 @@ class ControlPlane:
         self.unplaced_log = UnplacedLog()
         self.sizes = WeightSizes(lambda: self.clock(), lambda: self.kick())  # placement waits on and reads these
         self.unplaced: dict[tuple[str, int], str] = {}
+        self.autoscaler = Autoscaler()
+        # The in-process router's requests in flight per replica id (``RouterHook.outstanding``): the
+        # autoscaler's signal.  None without an in-process router: autoscaled counts then stay put.
+        self.outstanding: Callable[[], Mapping[str, int]] | None = None
+        self.replica_counts: dict[str, int] = {}  # autoscaled deployments' counts, as the last pass placed them
         self.drain_blocked: dict[str, str] = {}  # draining node(s) -> why the next move waits
         self.reload_errors: list[str] = []
         self.stopping = False  # SIGTERM: no new stream is admitted, none registering is kept
@@ -269,11 +275,16 @@ class ControlPlane:
         if self.store.intent.drains and self.intent.resume_drains(ev.in_grace):
             self.gate.mark()
         self.streams.note_transitions(ev.transitions)
+        counts = self._autoscale(now, ev.in_grace)
+        if counts != self.replica_counts:
+            self.replica_counts = counts
+            self.gate.mark()
         if not self.gate.open(now):
             return Plan()
         ctx = Context(restart=self.settings.restart, memory_headroom=self.settings.memory_headroom,
                       in_grace=ev.in_grace, damped=ev.damped, limiter=self.limiter,
-                      weight_sizes=dict(self.sizes.bytes), sizing=self.sizes.holding(now), wall=time.time())
+                      weight_sizes=dict(self.sizes.bytes), sizing=self.sizes.holding(now), wall=time.time(),
+                      replica_counts=self.replica_counts)
         views = self.node_views()
         plan = self.reconciler.reconcile(self.catalog, views, now, ctx)
         for line in plan.events:
@@ -321,6 +332,15 @@ class ControlPlane:
         finally:
             lag.cancel()
             self.sizes.cancel()
+
+    def _autoscale(self, now: float, in_grace: bool) -> dict[str, int]:
+        """Autoscaled deployments' counts, the router's load fed to their scalers first."""
+        if not any(d.autoscale is not None for d in self.catalog.deployments):
+            return {}
+        totals = None
+        if self.outstanding is not None and not in_grace:
+            totals = totals_by_deployment(self.outstanding(), self.reconciler.book)
+        return self.autoscaler.counts(self.catalog, self.reconciler.book, now, totals, in_grace)
 
     def _start_sizing_safely(self) -> None:
         try:

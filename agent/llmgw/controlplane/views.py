@@ -126,7 +126,7 @@ def summary_view(cp: ControlPlane) -> dict[str, Any]:
     return {
         "nodes": {"total": len(cp.nodes), "connected": connected, "by_state": nodes},
         "replicas": {"total": len(book.replicas), "by_state": replicas,
-                     "desired": sum(d.replicas for d in cp.catalog.deployments),
+                     "desired": sum(cp.replica_counts.get(d.key, d.replicas) for d in cp.catalog.deployments),
                      "unplaced": len(cp.unplaced)},
         "gpus": {"total": gpus, "claimed": claimed, "claimed_twice": len(book.double_claims())},
         "stopping_unrecognised": len(book.strays),
@@ -289,7 +289,7 @@ def explain_view(cp: ControlPlane, model: str) -> dict[str, Any] | None:
     pending = []
     for dep in deps:
         live = {r.slot: r for r in book.live() if (r.model, r.profile) == (dep.model, dep.profile)}
-        for slot in range(dep.replicas):
+        for slot in range(cp.replica_counts.get(dep.key, dep.replicas)):
             label = f"{dep.key}#{slot}"
             r = live.get(slot)
             if r is not None:
@@ -331,4 +331,15 @@ def explain_view(cp: ControlPlane, model: str) -> dict[str, Any] | None:
     names = {d.model for d in deps} | ({model} if model in cat.models else set())
     refused = [{"shard_id": s.shard_id, "node_id": s.node_id, "state": s.state, "reason": s.reason}
                for s in book.strays.values() if s.spec.get("model", {}).get("name") in names]
-    return {"model": model, "replicas": report, "refused": refused}
+    scaling = []
+    for dep in deps:
+        d = cp.autoscaler.decision(dep.key)
+        if dep.autoscale is not None:
+            desired = cp.replica_counts.get(dep.key, dep.autoscale.clamp(dep.replicas))
+            scaling.append({"deployment": dep.key, "desired": desired,
+                            "reason": d.reason if d is not None else "start",
+                            "signal": None if d is None else {"stable": d.stable, "panic": d.panic},
+                            "text": (d.explain(dep.autoscale) if d is not None else
+                                     f"autoscale {dep.autoscale.min}..{dep.autoscale.max}: {desired} replica(s) "
+                                     "(start; measuring after the startup grace)")})
+    return {"model": model, "replicas": report, "refused": refused, "autoscale": scaling}

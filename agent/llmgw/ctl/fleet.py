@@ -310,7 +310,7 @@ def format_replicas(doc: dict[str, Any]) -> list[str]:
 
 
 def format_explain(doc: dict[str, Any]) -> list[str]:
-    out = []
+    out = [f"{a['deployment']}: {a['text']}" for a in doc.get("autoscale", [])]
     for item in doc.get("replicas", []):
         out.append(f"{item['replica']}:")
         out.extend(f"  {line}" for line in item["text"].splitlines())

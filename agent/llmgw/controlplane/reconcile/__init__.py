@@ -4,6 +4,7 @@ Every module here is pure: it reads and edits the ``ReplicaBook`` and adds to
 the pass's ``Plan`` (actions, events, reasons), never touching a socket or a
 clock, so each rule is unit-tested with explicit times.
 
+- ``replicacount``: each deployment's count this pass, declared or autoscaled;
 - ``plan``: what a pass reads (``NodeView``, ``Context``) and writes (``Plan``,
   the ``Start``/``Stop``/``Drain`` actions);
 - ``observe``: agents' reports into the book; adoption by grant;

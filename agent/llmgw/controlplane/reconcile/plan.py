@@ -83,6 +83,8 @@ class Context:
     sizing: frozenset[str] = frozenset()
     # Wall-clock time of this pass, stamped into the grants it issues (None: ``now``).
     wall: float | None = None
+    # Autoscaled deployments' counts (deployment key -> replicas), in place of the declared ``replicas``.
+    replica_counts: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -49,7 +49,11 @@ def assign_slots(book: ReplicaBook, dep: Deployment, now: float, plan: Plan) -> 
             extras.append(r)
     for r in extras:
         free = next((i for i in range(dep.replicas) if i not in taken), None)
-        if free is None:
+        if free is None and dep.autoscale is not None:
+            # scaled down: it leaves the routers and finishes what it has before it stops
+            retire(r, f"scaled down: {dep.key} needs {dep.replicas} replica(s)", now, draining=True)
+            plan.events.append(f"{r.replica_id}: draining, scaled down to {dep.key} x{dep.replicas}")
+        elif free is None:
             retire(r, f"surplus: {dep.key} declares {dep.replicas} replica(s)", now)
             plan.events.append(f"{r.replica_id}: stopping, surplus to {dep.key} x{dep.replicas}")
         else:

@@ -1,0 +1,78 @@
+"""The control plane's autoscaler: signals in, a replica count per autoscaled deployment out.
+
+The rule is ``autoscale.Scaler`` (pure, one per deployment); this keeps the
+scalers across passes and catalog reloads and turns what the in-process
+router sees (requests in flight per replica) into one total per deployment.
+Still no I/O and no clock: ``ControlPlane.tick`` passes both in, and the
+counts go to the reconciler in its ``Context`` (``reconcile/replicacount.py``).
+
+A control plane that has just started knows neither the signal nor what
+runs, so during its startup grace the count is the larger of the declared
+start and the replicas already reported (clamped): adopted replicas are not
+drained only because nothing was measured yet.  The first scaler starts
+from that count when the grace ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from llmgw.catalog import Catalog
+from llmgw.controlplane.autoscale import Decision, Scaler
+from llmgw.controlplane.replicas import ReplicaBook
+
+
+def totals_by_deployment(outstanding: Mapping[str, int], book: ReplicaBook) -> dict[str, float]:
+    """Requests in flight per deployment key, from the router's count per replica id.
+
+    A draining replica's requests count too: they are demand the remaining
+    replicas must take once it is gone.  A replica the book does not know is
+    left out (the router's table lags the book by at most one update).
+    """
+    totals: dict[str, float] = {}
+    for rid, n in outstanding.items():
+        r = book.replicas.get(rid)
+        if r is not None:
+            totals[r.key] = totals.get(r.key, 0.0) + n
+    return totals
+
+
+class Autoscaler:
+    def __init__(self) -> None:
+        self.scalers: dict[str, Scaler] = {}
+
+    def counts(self, catalog: Catalog, book: ReplicaBook, now: float, totals: Mapping[str, float] | None,
+               in_grace: bool = False) -> dict[str, int]:
+        """The replica count of every autoscaled deployment, having fed it ``totals``.
+
+        ``totals`` None: no signal this pass (no router); the counts stay.
+        """
+        out: dict[str, int] = {}
+        keys = set()
+        for dep in catalog.deployments:
+            policy = dep.autoscale
+            if policy is None:
+                continue
+            keys.add(dep.key)
+            scaler = self.scalers.get(dep.key)
+            if in_grace and scaler is None:
+                live = sum(1 for r in book.live() if r.key == dep.key)
+                out[dep.key] = policy.clamp(max(dep.replicas, live))
+                continue
+            if scaler is None or scaler.policy != policy:
+                # a new deployment starts from its declared count (or what runs); a changed
+                # policy keeps the count reached and starts measuring afresh
+                live = sum(1 for r in book.live() if r.key == dep.key)
+                start = scaler.desired if scaler is not None else max(dep.replicas, live)
+                scaler = self.scalers[dep.key] = Scaler(policy, start, now)
+            if totals is not None:
+                scaler.observe(now, totals.get(dep.key, 0.0))
+                scaler.decide(now)
+            out[dep.key] = scaler.desired
+        for key in set(self.scalers) - keys:
+            del self.scalers[key]
+        return out
+
+    def decision(self, key: str) -> Decision | None:
+        s = self.scalers.get(key)
+        return s.decision if s is not None else None

@@ -1,0 +1,67 @@
+"""Autoscaling through real processes: the control plane with its router, two agents, engine simulators.
+
+One replica of ``tiny`` on two one-GPU nodes, autoscaled 1..2 on the
+router's requests in flight (target one per replica).  Four streaming
+clients make the count go to 2 (placed like any replica); the explain API
+(``ctl explain``) and ``/metrics`` say why.  With one client left the count goes back to 1:
+the surplus replica leaves the router and finishes its streams before its
+engine stops, and no request fails on the way up or down.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fleet import Fleet, metric_samples, until
+from openai_load import OpenAIStreams
+
+pytestmark = pytest.mark.integration
+
+# 30 tokens at 20 ms: a stream lasts about 0.6 s, so four clients keep about four in flight
+PROFILE = {"env": {"LLMGW_SIM_TOKEN_LATENCY": "0.02"}}
+AUTOSCALE = {"min": 1, "max": 2, "target": 1, "stable_window": 2, "panic_window": 1,
+             "scale_down_cooldown": 2, "max_step": 1}
+
+
+def desired(f: Fleet) -> dict[str, float]:
+    """llmgw_autoscale_desired_replicas by reason, from one scrape."""
+    return {lab["reason"]: v for lab, v in metric_samples(f).get("llmgw_autoscale_desired_replicas", [])}
+
+
+def test_scale_up_under_load_and_down_when_idle_without_a_failed_request(tmp_path):
+    with Fleet(tmp_path, nodes={"a": 1, "b": 1}, replicas=1, router=True, profile=PROFILE,
+               lifecycle={"startup_grace": 1.0}) as f:
+        f.config["deployments"][0]["autoscale"] = AUTOSCALE
+        f.write_config()
+        f.start()
+        (first,) = f.wait_ready(1)
+        busy = OpenAIStreams(f.router_url, verify=f.router_verify(), threads=4, max_tokens=30).start()
+        quiet = None
+        try:
+            two = f.wait_ready(2)
+            assert first["replica_id"] in {r["replica_id"] for r in two}
+            (why,) = f.get("/v1/explain/tiny")["autoscale"]  # what `ctl explain tiny` prints first
+            assert (why["deployment"], why["desired"]) == ("tiny/sim", 2), why
+            assert why["text"].startswith("autoscale 1..2: 2 replica(s)") and "target 1 per replica" in why["text"]
+            got = desired(f)
+            assert sum(got.values()) == 2 and set(got) <= {"panic", "stable", "max", "step", "cooldown"}, got
+            assert any(lab == {"model": "tiny", "profile": "sim", "window": "stable"}
+                       for lab, _ in metric_samples(f)["llmgw_autoscale_signal"])
+
+            # one client left: one replica is enough; the other drains while that client streams on
+            quiet = OpenAIStreams(f.router_url, verify=f.router_verify(), threads=1, max_tokens=30).start()
+            busy.stop()
+            served = quiet.count()
+            until(lambda: len(f.replicas()["replicas"]) == 1, "the surplus replica to drain and go",
+                  on_timeout=f.dump)
+            until(lambda: quiet.count() >= served + 3, "streams after the scale-down", on_timeout=f.dump)
+        finally:
+            busy.stop()
+            if quiet is not None:
+                quiet.stop()
+        assert busy.failures == [] and quiet.failures == [], (busy.failures[:5], quiet.failures[:5])
+        assert busy.count() > 0 and quiet.count() > 0
+        log = f.server.output(200000)
+        assert "draining, scaled down to tiny/sim x1" in log, log[-5000:]
+        assert f.wait_ready(1)
+        print(f"\nautoscale up and down: {busy.count() + quiet.count()} streams served, none failed")
