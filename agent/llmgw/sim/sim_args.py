@@ -64,6 +64,7 @@ class SimConfig:
     headless: bool = False  # a worker rank: no HTTP, stays alive
     api_keys: tuple[str, ...] = ()
     enable_prefix_caching: bool = True
+    enable_sleep_mode: bool = False  # vLLM's --enable-sleep-mode: /sleep and /wake_up work (sim_sleep)
     block_size: int = DEFAULT_BLOCK_SIZE
     max_num_seqs: int = 256
     enable_prompt_tokens_details: bool = False
@@ -247,6 +248,7 @@ def _vllm_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--kv-events-config", type=kv_events_json, default=None)
     p.add_argument("--kv-transfer-config", type=kv_transfer_json, default=None)
     p.add_argument("--cpu-offload-gb", type=float, default=0)
+    p.add_argument("--enable-sleep-mode", action=bool_opt, default=False)
     # Scheduler
     p.add_argument("--max-num-batched-tokens", type=human_readable_int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
@@ -319,6 +321,7 @@ def parse_vllm(args: Sequence[str], prog: str = "vllm serve") -> SimConfig:
         headless=ns.headless,
         api_keys=keys,
         enable_prefix_caching=ns.enable_prefix_caching is not False,
+        enable_sleep_mode=bool(ns.enable_sleep_mode),
         block_size=ns.block_size or DEFAULT_BLOCK_SIZE,
         max_num_seqs=ns.max_num_seqs or 256,
         enable_prompt_tokens_details=ns.enable_prompt_tokens_details,

@@ -1,9 +1,9 @@
 """The simulator's HTTP surface: vLLM's OpenAI-compatible API, shapes included.
 
 Routes: GET /health, /ping (also POST), /load, /v1/models, /metrics, /version; POST /v1/chat/completions,
-/v1/completions, /v1/embeddings, and /reset_prefix_cache with VLLM_SERVER_DEV_MODE=1
-(vLLM's dev route).  Completions run through :meth:`SimState.run`: admission to a batch
-bounded by ``--max-num-seqs`` and KV blocks (sim_kvcache), prefill, and the KV events of
+/v1/completions, /v1/embeddings, and with VLLM_SERVER_DEV_MODE=1 vLLM's dev routes:
+/reset_prefix_cache, and /sleep, /wake_up, /is_sleeping (``sim_sleep``).  Completions run
+through :meth:`SimState.run`: admission to a batch bounded by ``--max-num-seqs`` and KV blocks (sim_kvcache), prefill, and the KV events of
 each step (sim_kvpublish).  Errors use vLLM's body
 ``{"error": {"message", "type", "param", "code"}}``; an API key is enforced on
 /v1 paths only, answering 401 ``{"error": "Unauthorized"}`` as vLLM's
@@ -36,6 +36,7 @@ from aiohttp import web
 from llmgw.sim.sim_args import SimConfig
 from llmgw.sim.sim_knobs import Knobs
 from llmgw.sim.sim_metrics import CONTENT_TYPE, SimMetrics
+from llmgw.sim.sim_sleep import SleepState, add_routes as add_sleep_routes, sleep_middleware
 from llmgw.sim.sim_timing import inter_token
 from llmgw.sim.sim_output import (
     BadRequest,
@@ -146,6 +147,7 @@ class SimState:
                                     refuse=lambda: self.faulting("kv-transfer-fail"),
                                     metrics=self.metrics.nixl())
                           if cfg.kv_transfer is not None else None)
+        self.sleep = SleepState(cfg.enable_sleep_mode, knobs.sleep_time, knobs.wake_time, knobs.wake_time_level2)
 
     def faulting(self, kind: str) -> bool:
         """Whether fault ``kind`` is injected now (it may begin after start: LLMGW_SIM_FAULT_ONSET)."""
@@ -998,6 +1000,7 @@ async def fault_middleware(request: web.Request, handler):
 
 def build_app(state: SimState) -> web.Application:
     middlewares = [fault_middleware] + ([auth_middleware(state.cfg.api_keys)] if state.cfg.api_keys else [])
+    middlewares.append(sleep_middleware(state.sleep, lambda message: error_response(503, message, kind="ServiceUnavailableError")))
     app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
     app["state"] = state
     app.router.add_get("/health", health)
@@ -1013,5 +1016,6 @@ def build_app(state: SimState) -> web.Application:
     app.router.add_post("/v1/embeddings", embeddings)
     if os.environ.get("VLLM_SERVER_DEV_MODE") == "1":
         app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
+        add_sleep_routes(app, state.sleep)  # vLLM attaches its sleep routes in dev mode only
     app.router.add_route("*", "/{tail:.*}", not_found)
     return app

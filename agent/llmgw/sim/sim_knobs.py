@@ -20,6 +20,11 @@ LLMGW_SIM_PREFIX_CACHE_BLOCKS   4096    KV-cache size in blocks (vLLM's num_gpu_
                                         and the running batch; --num-gpu-blocks-override wins
 LLMGW_SIM_MAX_MODEL_LEN         8192    context length when --max-model-len is absent
                                         (stands in for the model's config.json)
+LLMGW_SIM_SLEEP_TIME            0.1     seconds POST /sleep takes (``--enable-sleep-mode``)
+LLMGW_SIM_WAKE_TIME             0.3     seconds POST /wake_up takes after a level-1 sleep
+                                        (weights copied back from host memory)
+LLMGW_SIM_WAKE_TIME_LEVEL2      2.0     seconds POST /wake_up takes after a level-2 sleep
+                                        (weights were dropped: read again)
 LLMGW_SIM_FAULT                 (none)  one injected failure, see below
 LLMGW_SIM_FAULT_ONSET           start   when the fault begins: ``start``, ``after:N``
                                         (N seconds after the port listens) or
@@ -83,6 +88,9 @@ class Knobs:
     embed_dim: int = 16
     prefix_cache_blocks: int = 4096
     max_model_len: int = 8192
+    sleep_time: float = 0.1
+    wake_time: float = 0.3
+    wake_time_level2: float = 2.0
     fault: Fault = Fault()
 
 
@@ -159,5 +167,8 @@ def knobs_from_env(env: Mapping[str, str]) -> Knobs:
         embed_dim=_number(env, "LLMGW_SIM_EMBED_DIM", 16, integer=True, minimum=1),
         prefix_cache_blocks=_number(env, "LLMGW_SIM_PREFIX_CACHE_BLOCKS", 4096, integer=True, minimum=2),
         max_model_len=_number(env, "LLMGW_SIM_MAX_MODEL_LEN", 8192, integer=True, minimum=1),
+        sleep_time=_number(env, "LLMGW_SIM_SLEEP_TIME", 0.1, integer=False, minimum=0),
+        wake_time=_number(env, "LLMGW_SIM_WAKE_TIME", 0.3, integer=False, minimum=0),
+        wake_time_level2=_number(env, "LLMGW_SIM_WAKE_TIME_LEVEL2", 2.0, integer=False, minimum=0),
         fault=parse_onset(env.get("LLMGW_SIM_FAULT_ONSET", ""), parse_fault(env.get("LLMGW_SIM_FAULT", ""))),
     )
