@@ -65,3 +65,11 @@ def test_ctl_explain_prints_the_autoscale_line_first():
     doc = {"model": "tiny", "refused": [], "replicas": [{"replica": "tiny/sim#0", "text": "running"}],
            "autoscale": [{"deployment": "tiny/sim", "text": "autoscale 1..2: 2 replica(s) (panic)"}]}
     assert format_explain(doc)[:2] == ["tiny/sim: autoscale 1..2: 2 replica(s) (panic)", "tiny/sim#0:"]
+
+
+def test_a_scale_up_that_does_not_fit_says_why():
+    f = Fleet("a", "b", gpus=1)
+    plan = f.step(autoscaled(), 0.0, replica_counts={"tiny/sim": 3})
+    assert len(starts(plan)) == 2
+    assert set(plan.unplaced) == {("tiny/sim", 2)}
+    assert "GPU" in plan.unplaced[("tiny/sim", 2)], plan.unplaced
