@@ -57,7 +57,9 @@ class FleetCollector(Collector):
         rstate = GaugeMetricFamily("llmgw_replica_state", "1 for the replica's current state",
                                    labels=["replica", "model", "profile", "state"])
         counts = GaugeMetricFamily("llmgw_replicas", "Replicas by state", labels=["model", "profile", "state"])
-        desired = GaugeMetricFamily("llmgw_replicas_desired", "Replicas the catalog declares (an autoscaled deployment: the count decided)", labels=["model", "profile"])
+        desired = GaugeMetricFamily("llmgw_replicas_desired",
+                                    "Replicas the catalog declares (an autoscaled deployment: the count decided)",
+                                    labels=["model", "profile"])
         tally: Counter[tuple[str, str, str]] = Counter()
         for r in sorted(book.replicas.values(), key=lambda r: r.replica_id):
             for st in ReplicaState:

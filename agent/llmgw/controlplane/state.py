@@ -27,8 +27,8 @@ from typing import Any
 
 from llmgw import compat
 from llmgw.catalog import Catalog
-from llmgw.controlplane.autoscaler import Autoscaler, totals_by_deployment
 from llmgw.controlplane import grantsecret
+from llmgw.controlplane.autoscaler import Autoscaler, totals_by_deployment
 from llmgw.controlplane.ejections import EjectionBook, Verdict
 from llmgw.controlplane.endpointfeed import EndpointFeed
 from llmgw.controlplane.grants import GrantKeys

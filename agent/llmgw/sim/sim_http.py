@@ -1000,7 +1000,8 @@ async def fault_middleware(request: web.Request, handler):
 
 def build_app(state: SimState) -> web.Application:
     middlewares = [fault_middleware] + ([auth_middleware(state.cfg.api_keys)] if state.cfg.api_keys else [])
-    middlewares.append(sleep_middleware(state.sleep, lambda message: error_response(503, message, kind="ServiceUnavailableError")))
+    middlewares.append(sleep_middleware(
+        state.sleep, lambda message: error_response(503, message, kind="ServiceUnavailableError")))
     app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
     app["state"] = state
     app.router.add_get("/health", health)
