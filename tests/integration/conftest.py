@@ -28,6 +28,7 @@ CPU_HEAVY = frozenset({
     "test_sim_vs_vllm.py",
     "test_vllm_e2e.py",
     "test_vllm_kv_events.py",
+    "test_vllm_pd.py",
 })
 
 

@@ -33,16 +33,20 @@ def tiny_hf_model(vllm_python: Path) -> Path:
     return tinyhf.model_dir(vllm_python)
 
 
-def start_vllm(python: Path, model: Path, work: Path, topic: str, **command_kw) -> tuple[SimProcess, dict]:
-    """The engine and its KV-events config (endpoints under ``work``), healthy when returned."""
+def start_vllm(python: Path, model: Path, work: Path, topic: str, *, env: dict | None = None, wait: bool = True,
+               **command_kw) -> tuple[SimProcess, dict]:
+    """The engine and its KV-events config (endpoints under ``work``), healthy when returned (unless
+    ``wait`` is false: then ``engine.wait_healthy`` is the caller's); ``env`` is added to the engine's."""
     port = free_port()
     kv = vllmcpu.kv_events_config(f"ipc://{work}/kv.sock", f"ipc://{work}/kv-replay.sock", topic)
     argv = vllmcpu.command(python, model, port, served_name="tiny", kv_events=kv, **command_kw)
     log_path = work / f"vllm-{port}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=vllmcpu.environment(), cwd=work)
+                                env={**vllmcpu.environment(), **(env or {})}, cwd=work)
     engine = SimProcess(proc=proc, port=port, log_path=log_path)
+    if not wait:
+        return engine, kv
     try:
         engine.wait_healthy(READY_TIMEOUT)
     except Exception:
