@@ -1,0 +1,112 @@
+"""Route keys per replica, as agents report them (``kv_routes``), bounded.
+
+Each agent relays what its engines hold in their prefix caches as opaque route keys
+(``llmgw.agent.kvrelay``); this book keeps, per replica, the keys last reported, at most
+``max_keys`` of them (the oldest dropped past that: an old key is the likeliest to have been
+evicted, and a missing key costs a cache hit, never a wrong answer).
+
+A report is believed only for a replica whose rank 0 this control plane books on the node
+whose stream carried it: a node cannot claim keys for another node's replica, nor for a
+shard the control plane refused (a stray). Entries that fail that are counted and logged,
+and the rest of the message still counts.
+
+Every accepted change is also appended to a bounded change log with a revision, the form a
+router watch reads deltas in; a replica that leaves the book is dropped with a reset.
+
+Pure logic: no sockets, no clock.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from llmgw.kvroutekeys import from_hex
+
+log = logging.getLogger("llmgw.controlplane.routekeys")
+
+MAX_KEYS_PER_REPLICA = 1 << 17  # 131,072 blocks: 2 M tokens at 16 tokens per block
+MAX_KEYS_PER_MESSAGE = 1024  # what agents are told (the stream schema's bound per array)
+MAX_MESSAGES_PER_SECOND = 10.0  # per stream
+CHANGE_LOG = 1 << 16  # changes kept for readers of deltas
+
+
+@dataclass
+class ReplicaKeys:
+    node_id: str
+    shard_id: str
+    keys: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    resets: int = 0
+    dropped: int = 0  # keys dropped past the cap
+
+
+@dataclass(frozen=True)
+class Change:
+    """One replica's change at ``revision``: a reset (forget its keys first), then keys removed and added."""
+
+    revision: int
+    replica_id: str
+    reset: bool
+    added: tuple[int, ...]
+    removed: tuple[int, ...]
+
+
+class RouteKeyBook:
+    def __init__(self, owner: Callable[[str, str], str | None], max_keys: int = MAX_KEYS_PER_REPLICA,
+                 change_log: int = CHANGE_LOG) -> None:
+        """``owner(node_id, shard_id)``: the replica id of that rank-0 shard as booked on that node, else None."""
+        self.owner = owner
+        self.max_keys = max_keys
+        self.replicas: dict[str, ReplicaKeys] = {}
+        self.changes: deque[Change] = deque(maxlen=change_log)
+        self.revision = 0
+        self.refused = 0  # entries for a replica the node does not run
+        self.applied = 0  # entries applied
+
+    def accepted_message(self) -> dict[str, Any]:
+        return {"type": "kv_routes_accepted", "max_keys_per_message": MAX_KEYS_PER_MESSAGE,
+                "max_messages_per_second": MAX_MESSAGES_PER_SECOND}
+
+    def apply(self, node_id: str, msg: dict[str, Any]) -> None:
+        """A validated ``kv_routes`` from ``node_id``'s current stream."""
+        for entry in msg["replicas"]:
+            rid, sid = entry["replica_id"], entry["shard_id"]
+            if self.owner(node_id, sid) != rid:
+                self.refused += 1
+                log.warning("node %s: route keys for %s (shard %s), which this node does not run as rank 0; "
+                            "ignored", node_id, rid, sid)
+                continue
+            book = self.replicas.get(rid)
+            if book is None or book.node_id != node_id or book.shard_id != sid:
+                book = self.replicas[rid] = ReplicaKeys(node_id, sid)
+            reset = bool(entry.get("reset"))
+            if reset:
+                book.keys.clear()
+                book.resets += 1
+            removed = tuple(from_hex(k) for k in entry.get("removed", ()))
+            added = tuple(from_hex(k) for k in entry.get("added", ()))
+            keys = book.keys
+            for k in removed:
+                keys.pop(k, None)
+            for k in added:
+                keys[k] = None
+                keys.move_to_end(k)
+            over = len(keys) - self.max_keys
+            dropped: list[int] = []
+            for _ in range(max(over, 0)):
+                dropped.append(keys.popitem(last=False)[0])
+            book.dropped += len(dropped)
+            self.applied += 1
+            self.revision += 1
+            self.changes.append(Change(self.revision, rid, reset, added, removed + tuple(dropped)))
+
+    def forget(self, replica_id: str) -> None:
+        """The replica left the book (or its node's stream): its keys go, and readers are told."""
+        if self.replicas.pop(replica_id, None) is not None:
+            self.revision += 1
+            self.changes.append(Change(self.revision, replica_id, True, (), ()))
+
+    def sizes(self) -> dict[str, int]:
+        return {rid: len(b.keys) for rid, b in self.replicas.items()}

@@ -1,0 +1,63 @@
+"""Route keys from the engines' KV events, through real processes, and no prompt on the wire.
+
+A real control plane (with its router), an agent and the engine simulator publishing vLLM's
+KV events over the shard's ipc:// sockets (a profile with ``kv_events``). A completion through
+the router stores the prompt's blocks; the agent's relay turns the events into route keys and
+sends them up the stream. The control plane logs every ``kv_routes`` it receives (at DEBUG, as
+the fleet harness runs it): the keys there are exactly what the router-side hash of the same
+prompt gives, and neither a prompt word nor a token id appears in any of them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import pytest
+
+from fleet import Fleet
+from llmgw.kvroutekeys import chain_keys, to_hex
+from llmgw.sim.sim_kvcache import DEFAULT_BLOCK_SIZE, token_ids
+from tests.support.polling import until
+
+pytestmark = pytest.mark.integration
+
+WORDS = [f"secretword{i}" for i in range(3 * DEFAULT_BLOCK_SIZE + 5)]  # three full blocks
+
+
+def kv_messages(log: str) -> list[dict]:
+    return [json.loads(m) for m in re.findall(r"kv_routes from \S+: (\{.*\})$", log, re.M)]
+
+
+def keys_reported(log: str) -> set[str]:
+    held: set[str] = set()
+    for msg in kv_messages(log):
+        for e in msg["replicas"]:
+            if e.get("reset"):
+                held.clear()
+            held -= set(e.get("removed", ()))
+            held |= set(e.get("added", ()))
+    return held
+
+
+def test_route_keys_reach_the_control_plane_and_no_prompt_does(tmp_path):
+    with Fleet(tmp_path, nodes={"a": 1}, replicas=1, router=True, profile={"kv_events": True}) as f:
+        f.start()
+        (replica,) = f.wait_ready(1)
+        r = httpx.post(f"{f.router_url}/v1/completions", verify=f.router_verify(), timeout=60,
+                       json={"model": "tiny", "prompt": " ".join(WORDS), "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        ids = token_ids(WORDS)
+        want = {to_hex(k) for k in chain_keys(ids, DEFAULT_BLOCK_SIZE)}
+        assert len(want) == 3
+        until(lambda: want <= keys_reported(f.server.output(10**7)), "the prompt's route keys in kv_routes",
+              on_timeout=f.dump)
+        log = f.server.output(10**7)
+        lines = [line for line in log.splitlines() if "kv_routes from" in line]
+        assert all(replica["replica_id"] in line for line in lines)
+        for needle in ["secretword", *map(str, ids)]:
+            assert not any(needle in line for line in lines), needle
+        # the stream carried them without a hitch: one connection, no refusal of the new type
+        assert "not sent by agents" not in log and "invalid kv_routes" not in log
+        assert f.agents["a"].output().count("connected to") == 1
