@@ -10,13 +10,19 @@ prompt gives, and neither a prompt word nor a token id appears in any of them.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import threading
 
 import httpx
 import pytest
 
 from fleet import Fleet
+from llmgw.router.endpoints import EndpointTable
+from llmgw.router.kvindex import KVIndex
+from llmgw.router.watch import watch_endpoints
+from llmgw.tls.context import client_context
 from llmgw.kvroutekeys import chain_keys, to_hex
 from llmgw.sim.sim_kvcache import DEFAULT_BLOCK_SIZE, token_ids
 from tests.support.polling import until
@@ -61,3 +67,36 @@ def test_route_keys_reach_the_control_plane_and_no_prompt_does(tmp_path):
         # the stream carried them without a hitch: one connection, no refusal of the new type
         assert "not sent by agents" not in log and "invalid kv_routes" not in log
         assert f.agents["a"].output().count("connected to") == 1
+
+
+def test_a_router_index_follows_the_replicas_cache_through_the_watch(tmp_path):
+    """The router's own watch client, with a router certificate, against the real control plane:
+    the index it keeps holds the prompt's whole chain for the replica, and a poll waiting on the
+    endpoint set is answered by a route-key change (batched), not after the 30 s long poll."""
+    with Fleet(tmp_path, nodes={"a": 1}, replicas=1, router=True, profile={"kv_events": True}) as f:
+        f.start()
+        (replica,) = f.wait_ready(1)
+        rid = replica["replica_id"]
+        ctx = client_context(f.pki.ca_cert, *f.pki.router)
+        table, index = EndpointTable(), KVIndex()
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, daemon=True)
+        thread.start()
+        task = asyncio.run_coroutine_threadsafe(watch_endpoints(f.url, ctx, None, table, kv_index=index), loop)
+        try:
+            until(lambda: index.synced_at is not None and table.revision > 0, "the first watch answer",
+                  on_timeout=f.dump)
+            for words in (WORDS, WORDS[:DEFAULT_BLOCK_SIZE] + [f"other{i}" for i in range(2 * DEFAULT_BLOCK_SIZE)]):
+                r = httpx.post(f"{f.router_url}/v1/completions", verify=f.router_verify(), timeout=60,
+                               json={"model": "tiny", "prompt": " ".join(words), "max_tokens": 1})
+                assert r.status_code == 200, r.text
+                chain = chain_keys(token_ids(words), DEFAULT_BLOCK_SIZE)
+                until(lambda: index.held_prefix(rid, chain) == len(chain), "the prompt's chain in the router's index",
+                      timeout=25, on_timeout=f.dump)  # under the 30 s long poll: a change answers it
+            assert index.fresh(rid, loop.time())
+        finally:
+            task.cancel()
+            asyncio.run_coroutine_threadsafe(asyncio.sleep(0.1), loop).result(10)  # the cancellation runs
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(10)
+            loop.close()

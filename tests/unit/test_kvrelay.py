@@ -160,3 +160,45 @@ def test_the_relay_sends_only_on_a_stream_whose_control_plane_took_kv_routes():
     stream[0] = object()  # a new stream that has not said it takes them
     relay._flush_once()
     assert len(sent) == 1
+
+
+def test_the_book_answers_readers_with_deltas_or_everything_and_bounded():
+    owner = {("n1", "r1/r0"): "r1", ("n1", "r2/r0"): "r2"}
+    book = RouteKeyBook(lambda n, s: owner.get((n, s)), change_log=3)
+    woken = []
+    book.listeners.append(lambda: woken.append(1))
+    book.apply("n1", kv_routes([{"replica_id": "r1", "shard_id": "r1/r0", "reset": True, "added": [to_hex(1)]}]))
+    rev, full, reps = book.since(-1, None)  # a new reader: everything
+    assert (rev, full, reps) == (1, True, [{"replica_id": "r1", "reset": True, "added": [to_hex(1)]}]) and woken
+    book.apply("n1", kv_routes([{"replica_id": "r1", "shard_id": "r1/r0", "added": [to_hex(2), to_hex(3)]},
+                                {"replica_id": "r2", "shard_id": "r2/r0", "added": [to_hex(4)]}]))
+    assert book.since(1, book.epoch) == (3, False, [{"replica_id": "r1", "added": [to_hex(2), to_hex(3)]},
+                                                    {"replica_id": "r2", "added": [to_hex(4)]}])
+    assert book.since(1, book.epoch, max_keys=2) == (2, False, [{"replica_id": "r1", "added": [to_hex(2), to_hex(3)]}])
+    assert book.since(3, book.epoch) == (3, False, [])
+    assert book.since(3, "another control plane")[1] is True
+    for k in range(5, 8):
+        book.apply("n1", kv_routes([{"replica_id": "r2", "shard_id": "r2/r0", "added": [to_hex(k)]}]))
+    assert book.since(1, book.epoch)[1] is True  # the log no longer reaches back: everything
+
+
+def test_the_router_index_applies_answers_bounds_and_goes_stale():
+    from llmgw.router.kvindex import KVIndex, KVIndexError
+
+    index = KVIndex(max_keys=3, stale_after=10)
+    chain = [11, 12, 13]
+    assert not index.fresh("r1", 0.0) and index.held_prefix("r1", chain) == 0
+    index.apply({"epoch": "e", "revision": 4, "full": True,
+                 "replicas": [{"replica_id": "r1", "reset": True, "added": [to_hex(k) for k in chain]}]}, 100.0)
+    assert index.held_prefix("r1", chain) == 3 and index.held_prefix("r1", [11, 99, 13]) == 1
+    assert index.fresh("r1", 105.0) and not index.fresh("r1", 111.0) and not index.fresh("r2", 105.0)
+    index.apply({"epoch": "e", "revision": 5, "replicas": [{"replica_id": "r1", "removed": [to_hex(11)],
+                                                            "added": [to_hex(14), to_hex(15)]}]}, 106.0)
+    assert list(index.replicas["r1"].keys) == [13, 14, 15] and index.revision == 5  # bounded: the oldest go
+    for bad in ({"epoch": "e", "revision": 6, "replicas": [{"replica_id": "r1", "added": ["xyz"]}]},
+                {"epoch": 1, "revision": 6, "replicas": []}, []):
+        with pytest.raises(KVIndexError):
+            index.apply(bad, 107.0)
+    assert index.revision == 5 and list(index.replicas["r1"].keys) == [13, 14, 15]  # nothing half-applied
+    index.forget_except({"r2"})
+    assert index.sizes() == {}

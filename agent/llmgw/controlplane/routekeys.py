@@ -19,11 +19,13 @@ Pure logic: no sockets, no clock.
 from __future__ import annotations
 
 import logging
+import secrets
+from itertools import islice
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from llmgw.kvroutekeys import from_hex
+from llmgw.kvroutekeys import from_hex, to_hex
 
 log = logging.getLogger("llmgw.controlplane.routekeys")
 
@@ -31,6 +33,7 @@ MAX_KEYS_PER_REPLICA = 1 << 17  # 131,072 blocks: 2 M tokens at 16 tokens per bl
 MAX_KEYS_PER_MESSAGE = 1024  # what agents are told (the stream schema's bound per array)
 MAX_MESSAGES_PER_SECOND = 10.0  # per stream
 CHANGE_LOG = 1 << 16  # changes kept for readers of deltas
+MAX_KEYS_PER_ANSWER = 1 << 16  # keys in one answer to a reader; the rest in its next
 
 
 @dataclass
@@ -64,6 +67,10 @@ class RouteKeyBook:
         self.revision = 0
         self.refused = 0  # entries for a replica the node does not run
         self.applied = 0  # entries applied
+        # Identifies this book for its lifetime: after a restart revisions start over, and a
+        # reader must not take an old number for one of this book's.
+        self.epoch = secrets.token_hex(8)
+        self.listeners: list[Callable[[], None]] = []  # told after every change (long polls wake)
 
     def accepted_message(self) -> dict[str, Any]:
         return {"type": "kv_routes_accepted", "max_keys_per_message": MAX_KEYS_PER_MESSAGE,
@@ -101,12 +108,49 @@ class RouteKeyBook:
             self.applied += 1
             self.revision += 1
             self.changes.append(Change(self.revision, rid, reset, added, removed + tuple(dropped)))
+        self._changed()
+
+    def _changed(self) -> None:
+        for listener in self.listeners:
+            listener()
 
     def forget(self, replica_id: str) -> None:
         """The replica left the book (or its node's stream): its keys go, and readers are told."""
         if self.replicas.pop(replica_id, None) is not None:
             self.revision += 1
             self.changes.append(Change(self.revision, replica_id, True, (), ()))
+            self._changed()
+
+    def since(self, after: int, epoch: str | None,
+              max_keys: int = MAX_KEYS_PER_ANSWER) -> tuple[int, bool, list[dict[str, Any]]]:
+        """What a reader at revision ``after`` of book ``epoch`` lacks: ``(revision, full, replicas)``.
+
+        Deltas from the change log when it still holds every change after ``after``; otherwise
+        (another epoch, a reader further behind than the log keeps) ``full``: every replica's keys
+        with a reset. At most ``max_keys`` keys of deltas per answer (the returned revision is the
+        last change included; the reader asks again from there); a full answer is bounded by the
+        per-replica cap instead.
+        """
+        oldest = self.changes[0].revision if self.changes else self.revision + 1
+        if epoch != self.epoch or after > self.revision or after < oldest - 1:
+            return self.revision, True, [{"replica_id": rid, "reset": True, "added": [to_hex(k) for k in b.keys]}
+                                         for rid, b in self.replicas.items()]
+        out: list[dict[str, Any]] = []
+        revision, keys = after, 0
+        for c in islice(self.changes, after - oldest + 1, None):  # revisions are consecutive
+            if keys and keys + len(c.added) + len(c.removed) > max_keys:
+                break
+            entry: dict[str, Any] = {"replica_id": c.replica_id}
+            if c.reset:
+                entry["reset"] = True
+            if c.removed:
+                entry["removed"] = [to_hex(k) for k in c.removed]
+            if c.added:
+                entry["added"] = [to_hex(k) for k in c.added]
+            out.append(entry)
+            keys += len(c.added) + len(c.removed)
+            revision = c.revision
+        return revision, False, out
 
     def sizes(self) -> dict[str, int]:
         return {rid: len(b.keys) for rid, b in self.replicas.items()}
