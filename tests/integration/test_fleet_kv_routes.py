@@ -14,11 +14,12 @@ import asyncio
 import json
 import re
 import threading
+import time
 
 import httpx
 import pytest
 
-from fleet import Fleet
+from fleet import Fleet, router_endpoints, standalone_router
 from llmgw.router.endpoints import EndpointTable
 from llmgw.router.kvindex import KVIndex
 from llmgw.router.watch import watch_endpoints
@@ -93,10 +94,69 @@ def test_a_router_index_follows_the_replicas_cache_through_the_watch(tmp_path):
                 chain = chain_keys(token_ids(words), DEFAULT_BLOCK_SIZE)
                 until(lambda: index.held_prefix(rid, chain) == len(chain), "the prompt's chain in the router's index",
                       timeout=25, on_timeout=f.dump)  # under the 30 s long poll: a change answers it
-            assert index.fresh(rid, loop.time())
+            assert index.fresh(rid, time.monotonic())
         finally:
             task.cancel()
             asyncio.run_coroutine_threadsafe(asyncio.sleep(0.1), loop).result(10)  # the cancellation runs
             loop.call_soon_threadsafe(loop.stop)
             thread.join(10)
             loop.close()
+
+
+def watch_route_keys(f: Fleet) -> dict:
+    with httpx.Client(base_url=f.url, verify=client_context(f.pki.ca_cert, *f.pki.router), timeout=60) as c:
+        r = c.get("/v1/router/endpoints", params={"kv_after": "-1"})
+        r.raise_for_status()
+        return r.json()["route_keys"]
+
+
+def router_health(port: int) -> dict:
+    return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=30).json()
+
+
+def prefix_hits(f: Fleet) -> dict[str, float]:
+    out = {}
+    for rep in f.ready_replicas():
+        port = next(s["port"] for s in rep["shards"] if s["rank"] == 0)
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+        out[rep["replica_id"]] = sum(float(v) for v in re.findall(r"^vllm:prefix_cache_hits_total(?:\{[^}]*\})? (\S+)$",
+                                                                  text, re.M))
+    return out
+
+
+def test_a_standalone_router_sends_a_shared_prefix_to_the_replica_that_caches_it(tmp_path):
+    """Two replicas; the first prompt of a prefix lands on one (prefix affinity: nothing is cached
+    yet). Once the router's index holds that replica's keys, every later prompt sharing the prefix
+    but not its first 1,024 characters (so approximate affinity would scatter them) goes there and
+    hits its cache: the engines' own prefix-cache counters say so."""
+    with Fleet(tmp_path, nodes={"a": 2}, replicas=2, profile={"kv_events": True}) as f:
+        f.start()
+        f.wait_ready(2)
+        router, port = standalone_router(f, extra={"balancing": {"cache_aware": {"models": ["tiny"]}}})
+        until(lambda: router_endpoints(port) == 2, "the router to see both replicas", on_timeout=router.output)
+        shared = WORDS[:3 * DEFAULT_BLOCK_SIZE]
+        url = f"http://127.0.0.1:{port}/v1/completions"
+
+        def send(tail: str) -> None:
+            r = httpx.post(url, timeout=60, json={"model": "tiny", "prompt": " ".join(shared + [tail] * 20),
+                                                  "max_tokens": 1})
+            assert r.status_code == 200, r.text
+
+        send("first")
+        want = {to_hex(k) for k in chain_keys(token_ids(shared), DEFAULT_BLOCK_SIZE)}
+
+        def holder():
+            doc = watch_route_keys(f)
+            held = [e["replica_id"] for e in doc["replicas"] if want <= set(e.get("added", ()))]
+            return (held[0], doc["revision"]) if held else None
+
+        rid, revision = until(holder, "the prefix's route keys on the watch", on_timeout=f.dump)
+        until(lambda: router_health(port).get("route_keys", {}).get("revision", -1) >= revision,
+              "the router's index to hold them", on_timeout=router.output)
+        before = prefix_hits(f)
+        for i in range(6):
+            send(f"tail{i}")
+        after = prefix_hits(f)
+        gained = {r: after[r] - before[r] for r in after}
+        assert gained[rid] == 6 * len(shared), (gained, rid)
+        assert sum(gained.values()) == gained[rid], gained

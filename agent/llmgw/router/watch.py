@@ -26,6 +26,7 @@ import asyncio
 import logging
 import random
 import ssl
+import time
 from typing import Any, Mapping, Protocol, Sequence
 
 import aiohttp
@@ -188,10 +189,14 @@ def apply_route_keys(index: KVIndex, doc: Mapping[str, Any], eps: Sequence[Endpo
     raw = doc.get("route_keys")
     if raw is None:
         return
+    before = index.revision
     try:
         index.apply(raw, now)
     except KVIndexError as e:
         raise WatchError(str(e)) from None
+    if index.revision != before:
+        log.debug("route keys at revision %d (%s): %d replica(s) changed", index.revision,
+                  "full" if raw.get("full") else "changes", len(raw.get("replicas") or ()))
     index.forget_except({ep.replica_id or ep.id for ep in eps})
 
 
@@ -258,7 +263,7 @@ async def watch_endpoints(
                     doc = await r.json(content_type=None)
                 rev, new_epoch, eps = parse_watch_response(doc)
                 if kv_index is not None:
-                    apply_route_keys(kv_index, doc, eps, asyncio.get_running_loop().time())
+                    apply_route_keys(kv_index, doc, eps, time.monotonic())  # the scorer's clock
                 if (rev, new_epoch) != (after, epoch):
                     table.replace(eps)
                     if after == -1 or failing_since_logged:
