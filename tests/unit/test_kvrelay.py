@@ -3,13 +3,15 @@ control plane's bounded book, and the stream message's schema (no token ids fit 
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from llmgw.agent.kvrelay_map import RouteMap, cache_salt
 from llmgw.agent.kvrelay_outbox import Outbox, Pending
 from llmgw.controlplane.messages import MessageProblem, dumps, parse_up
 from llmgw.controlplane.routekeys import RouteKeyBook
-from llmgw.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, encode_batch, EventBatch
+from llmgw.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
 from llmgw.kvroutekeys import block_key, chain_keys, from_hex, to_hex
 from llmgw.sim.sim_kvcache import KVCache
 
@@ -202,3 +204,90 @@ def test_the_router_index_applies_answers_bounds_and_goes_stale():
     assert index.revision == 5 and list(index.replicas["r1"].keys) == [13, 14, 15]  # nothing half-applied
     index.forget_except({"r2"})
     assert index.sizes() == {}
+
+
+class _Sock:
+    """A scripted zmq.asyncio socket: SUB frames in order; DEALER answers a replay from ``kept``."""
+
+    def __init__(self, script, kept):
+        self.script, self.kept, self.answers = script, kept, []
+
+    def setsockopt(self, *a):
+        pass
+
+    def connect(self, endpoint):
+        pass
+
+    def close(self, linger=0):
+        pass
+
+    async def recv_multipart(self):
+        if self.answers:
+            return self.answers.pop(0)
+        if not self.script:
+            await asyncio.sleep(3600)
+        return self.script.pop(0)
+
+    async def send_multipart(self, frames):
+        from llmgw.kvevents import REPLAY_END, decode_seq, encode_replay
+
+        start = decode_seq(frames[1])
+        self.answers = [encode_replay("t", s, p) for s, p in sorted(self.kept.items()) if s >= start]
+        self.answers.append(REPLAY_END)
+
+    async def poll(self, ms):
+        return 1 if self.answers else 0
+
+
+class _Ctx:
+    def __init__(self, script, kept):
+        self.sub, self.kept = _Sock(script, kept), kept
+
+    def socket(self, kind):
+        return self.sub if kind == "SUB" else _Sock([], self.kept)
+
+
+class _Zmq:
+    SUB, DEALER, LINGER, SUBSCRIBE = "SUB", "DEALER", 0, 0
+
+
+def _stored(h, parent, tokens):
+    return encode_batch(EventBatch(0.0, (BlockStored((h,), parent, tuple(tokens), BS),)))
+
+
+@pytest.mark.parametrize("case", ["replayed", "lost", "restarted"])
+def test_the_relay_replays_a_gap_resets_on_a_loss_and_on_numbers_starting_over(case):
+    from llmgw.agent.kvrelay import KVRelay, Target
+    from llmgw.kvevents import encode_message
+
+    a, b, c = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
+    ka = chain_keys(a, BS)[0]
+    kb = block_key(ka, b)
+    batches = {0: _stored(100, None, a), 1: _stored(101, 100, b), 2: _stored(102, 101, c)}
+    kept = dict(batches) if case == "replayed" else {2: batches[2]}
+    if case == "restarted":  # the engine's numbers start over after batch 2: a new engine, a new cache
+        script = [encode_message("t", s, batches[s]) for s in (0, 1, 2)] + [encode_message("t", 0, _stored(200, None, c))]
+    else:  # batch 1 never reached the subscriber
+        script = [encode_message("t", s, batches[s]) for s in (0, 2)]
+    relay = KVRelay(targets=dict, send=lambda m: None, current_stream=lambda: None, replay_timeout=0.2)
+    relay._zmq, relay._ctx = _Zmq, _Ctx(script, kept)
+    rec = Recorder()
+    relay.maps["s"] = RouteMap(rec)
+    target = Target("s", "rep", "ipc://x", "ipc://y", "t")
+
+    async def go():
+        task = asyncio.create_task(relay._follow(target))
+        while relay._ctx.sub.script or relay._ctx.sub.answers:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(go())
+    keys = set(relay.maps["s"].keys())
+    if case == "replayed":
+        assert keys == {ka, kb, block_key(kb, c)} and relay.gaps_replayed == 1 and rec.resets == 0
+    elif case == "lost":  # batch 2's parent was in the lost batch: nothing can be keyed after the reset
+        assert rec.resets == 1 and relay.gaps_lost == 1 and keys == set()
+    else:
+        assert rec.resets == 1 and keys == {block_key(None, c)}

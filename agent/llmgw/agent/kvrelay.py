@@ -146,8 +146,17 @@ class KVRelay:
             pending.reset_due = True  # whatever an earlier agent or stream told the control plane is stale
             self.outbox.replicas[sid] = pending
             self.maps[sid] = RouteMap(pending, self.max_blocks)
-            self._feeds[sid] = asyncio.create_task(self._follow(t), name=f"kv events {sid}")
+            task = self._feeds[sid] = asyncio.create_task(self._follow(t), name=f"kv events {sid}")
+            task.add_done_callback(lambda task, sid=sid: self._ended(sid, task))
             log.info("KV events of %s (replica %s): following %s", sid, t.replica_id, t.endpoint)
+
+    def _ended(self, sid: str, task: asyncio.Task[None]) -> None:
+        """A feed that failed is followed afresh at the next scan (with a reset), not lost for good."""
+        if task.cancelled() or self._feeds.get(sid) is not task:
+            return
+        log.error("KV events of %s: following them failed (%r); starting over", sid, task.exception())
+        del self._feeds[sid]
+        self._following.pop(sid, None)
 
     async def run(self) -> None:
         try:
@@ -162,10 +171,15 @@ class KVRelay:
         loop = asyncio.get_running_loop()
         try:
             while True:
-                if loop.time() - last_scan >= self.scan_interval:
-                    last_scan = loop.time()
-                    self._scan()
-                await asyncio.sleep(self._flush_once())
+                try:
+                    if loop.time() - last_scan >= self.scan_interval:
+                        last_scan = loop.time()
+                        self._scan()
+                    wait = self._flush_once()
+                except Exception:  # the relay is an optimisation: it must never take the agent down
+                    log.exception("KV relay pass failed")
+                    wait = self.scan_interval
+                await asyncio.sleep(wait)
         finally:
             for t in self._feeds.values():
                 t.cancel()
@@ -199,24 +213,25 @@ class KVRelay:
                     last = None
                 expected = 0 if last is None else last + 1
                 if msg.seq > expected:
-                    missed = await self._replay(t, expected, msg.seq)
-                    if missed is None:
-                        if last is not None:  # a first subscription keeps what it can, the reset is already sent
-                            self.gaps_lost += 1
-                            log.warning("KV events of %s: batches %d..%d are lost (not kept for replay); "
-                                        "resetting its route keys", t.shard_id, expected, msg.seq - 1)
-                            rmap.reset()
-                    else:
+                    complete, missed = await self._replay(t, expected, msg.seq)
+                    if complete:
                         self.gaps_replayed += last is not None
-                        for m in missed:
-                            rmap.apply(m.batch.events)
+                    elif last is not None:  # a first subscription keeps what it can: its reset is already due
+                        self.gaps_lost += 1
+                        log.warning("KV events of %s: batches %d..%d are lost (not kept for replay); "
+                                    "resetting its route keys", t.shard_id, expected, msg.seq - 1)
+                        rmap.reset()
+                    for m in missed:
+                        rmap.apply(m.batch.events)
                 rmap.apply(msg.batch.events)
                 last = msg.seq
         finally:
             sub.close(linger=0)
 
-    async def _replay(self, t: Target, start: int, end: int) -> list[Message] | None:
-        """Batches ``start .. end-1`` from the replay socket; None unless every one came."""
+    async def _replay(self, t: Target, start: int, end: int) -> tuple[bool, list[Message]]:
+        """Batches ``start .. end-1`` from the replay socket: whether every one came, and the run of
+        consecutive ones that ends at ``end - 1`` (what can still be applied after a loss; the
+        parents of its first blocks may be unknown, and those blocks go unkeyed)."""
         zmq = self._zmq
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
@@ -229,19 +244,20 @@ class KVRelay:
             while True:
                 left = deadline - loop.time()
                 if left <= 0 or not await dealer.poll(left * 1000):
-                    return None
+                    break
                 try:
                     m = decode_replay(await dealer.recv_multipart())
                 except KVEventDecodeError as e:
                     self.decode_errors += 1
                     log.warning("KV events of %s: a replayed batch that cannot be read: %s", t.shard_id, e)
-                    return None
+                    continue
                 if m is None:
                     break
                 if start <= m.seq < end:
                     got[m.seq] = m
         finally:
             dealer.close(linger=0)
-        if len(got) != end - start:
-            return None
-        return [got[s] for s in range(start, end)]
+        run = end
+        while run - 1 in got:
+            run -= 1
+        return run == start, [got[s] for s in range(run, end)]

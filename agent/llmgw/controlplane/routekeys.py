@@ -71,6 +71,7 @@ class RouteKeyBook:
         # reader must not take an old number for one of this book's.
         self.epoch = secrets.token_hex(8)
         self.listeners: list[Callable[[], None]] = []  # told after every change (long polls wake)
+        self._warned: set[tuple[str, str]] = set()
 
     def accepted_message(self) -> dict[str, Any]:
         return {"type": "kv_routes_accepted", "max_keys_per_message": MAX_KEYS_PER_MESSAGE,
@@ -82,8 +83,12 @@ class RouteKeyBook:
             rid, sid = entry["replica_id"], entry["shard_id"]
             if self.owner(node_id, sid) != rid:
                 self.refused += 1
-                log.warning("node %s: route keys for %s (shard %s), which this node does not run as rank 0; "
-                            "ignored", node_id, rid, sid)
+                if (node_id, rid) not in self._warned:  # once per node and replica: a loop must not flood the log
+                    if len(self._warned) > 4096:
+                        self._warned.clear()
+                    self._warned.add((node_id, rid))
+                    log.warning("node %s: route keys for %s (shard %s), which this node does not run as rank 0; "
+                                "ignored", node_id, rid, sid)
                 continue
             book = self.replicas.get(rid)
             if book is None or book.node_id != node_id or book.shard_id != sid:
