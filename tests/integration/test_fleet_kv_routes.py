@@ -1,11 +1,12 @@
 """Route keys from the engines' KV events, through real processes, and no prompt on the wire.
 
-A real control plane (with its router), an agent and the engine simulator publishing vLLM's
-KV events over the shard's ipc:// sockets (a profile with ``kv_events``). A completion through
-the router stores the prompt's blocks; the agent's relay turns the events into route keys and
-sends them up the stream. The control plane logs every ``kv_routes`` it receives (at DEBUG, as
-the fleet harness runs it): the keys there are exactly what the router-side hash of the same
-prompt gives, and neither a prompt word nor a token id appears in any of them.
+A real control plane, agents and the engine simulator publishing vLLM's KV events over the
+shard's ipc:// sockets (a profile with ``kv_events``). Completions store the prompts' blocks; the
+agent's relay turns the events into route keys and sends them up the stream; the control plane
+logs every ``kv_routes`` it receives (at DEBUG, as the fleet harness runs it) and serves them on
+the watch. The keys are exactly what the router-side hash of the same prompts gives, neither a
+prompt word nor a token id appears in any ``kv_routes``, a router's index follows the watch, and a
+standalone router with ``cache_aware`` sends prompts sharing a prefix to the replica caching it.
 """
 
 from __future__ import annotations
@@ -48,32 +49,12 @@ def keys_reported(log: str) -> set[str]:
     return held
 
 
-def test_route_keys_reach_the_control_plane_and_no_prompt_does(tmp_path):
-    with Fleet(tmp_path, nodes={"a": 1}, replicas=1, router=True, profile={"kv_events": True}) as f:
-        f.start()
-        (replica,) = f.wait_ready(1)
-        r = httpx.post(f"{f.router_url}/v1/completions", verify=f.router_verify(), timeout=60,
-                       json={"model": "tiny", "prompt": " ".join(WORDS), "max_tokens": 2})
-        assert r.status_code == 200, r.text
-        ids = token_ids(WORDS)
-        want = {to_hex(k) for k in chain_keys(ids, DEFAULT_BLOCK_SIZE)}
-        assert len(want) == 3
-        until(lambda: want <= keys_reported(f.server.output(10**7)), "the prompt's route keys in kv_routes",
-              on_timeout=f.dump)
-        log = f.server.output(10**7)
-        lines = [line for line in log.splitlines() if "kv_routes from" in line]
-        assert all(replica["replica_id"] in line for line in lines)
-        for needle in ["secretword", *map(str, ids)]:
-            assert not any(needle in line for line in lines), needle
-        # the stream carried them without a hitch: one connection, no refusal of the new type
-        assert "not sent by agents" not in log and "invalid kv_routes" not in log
-        assert f.agents["a"].output().count("connected to") == 1
-
-
-def test_a_router_index_follows_the_replicas_cache_through_the_watch(tmp_path):
-    """The router's own watch client, with a router certificate, against the real control plane:
-    the index it keeps holds the prompt's whole chain for the replica, and a poll waiting on the
-    endpoint set is answered by a route-key change (batched), not after the 30 s long poll."""
+def test_route_keys_reach_the_control_plane_and_a_routers_index_and_no_prompt_does(tmp_path):
+    """Completions through the router store the prompts' blocks; the keys reach the control plane
+    (its debug log of every kv_routes) and, through the watch, the router's own watch client with
+    a router certificate, whose index holds each prompt's whole chain for the replica. A poll
+    waiting on the endpoint set is answered by a route-key change (batched), not after the 30 s
+    long poll. No prompt word and no token id is in any kv_routes."""
     with Fleet(tmp_path, nodes={"a": 1}, replicas=1, router=True, profile={"kv_events": True}) as f:
         f.start()
         (replica,) = f.wait_ready(1)
@@ -84,14 +65,16 @@ def test_a_router_index_follows_the_replicas_cache_through_the_watch(tmp_path):
         thread = threading.Thread(target=loop.run_forever, daemon=True)
         thread.start()
         task = asyncio.run_coroutine_threadsafe(watch_endpoints(f.url, ctx, None, table, kv_index=index), loop)
+        prompts = [WORDS, WORDS[:DEFAULT_BLOCK_SIZE] + [f"otherword{i}" for i in range(2 * DEFAULT_BLOCK_SIZE)]]
         try:
             until(lambda: index.synced_at is not None and table.revision > 0, "the first watch answer",
                   on_timeout=f.dump)
-            for words in (WORDS, WORDS[:DEFAULT_BLOCK_SIZE] + [f"other{i}" for i in range(2 * DEFAULT_BLOCK_SIZE)]):
+            for words in prompts:
                 r = httpx.post(f"{f.router_url}/v1/completions", verify=f.router_verify(), timeout=60,
-                               json={"model": "tiny", "prompt": " ".join(words), "max_tokens": 1})
+                               json={"model": "tiny", "prompt": " ".join(words), "max_tokens": 2})
                 assert r.status_code == 200, r.text
                 chain = chain_keys(token_ids(words), DEFAULT_BLOCK_SIZE)
+                assert len(chain) == 3
                 until(lambda: index.held_prefix(rid, chain) == len(chain), "the prompt's chain in the router's index",
                       timeout=25, on_timeout=f.dump)  # under the 30 s long poll: a change answers it
             assert index.fresh(rid, time.monotonic())
@@ -101,6 +84,19 @@ def test_a_router_index_follows_the_replicas_cache_through_the_watch(tmp_path):
             loop.call_soon_threadsafe(loop.stop)
             thread.join(10)
             loop.close()
+
+        ids = [t for words in prompts for t in token_ids(words)]
+        want = {to_hex(k) for words in prompts for k in chain_keys(token_ids(words), DEFAULT_BLOCK_SIZE)}
+        until(lambda: want <= keys_reported(f.server.output(10**7)), "the prompts' route keys in kv_routes",
+              on_timeout=f.dump)
+        log = f.server.output(10**7)
+        lines = [line for line in log.splitlines() if "kv_routes from" in line]
+        assert all(rid in line for line in lines)
+        for needle in ["secretword", "otherword", *map(str, ids)]:
+            assert not any(needle in line for line in lines), needle
+        # the stream carried them without a hitch: one connection, no refusal of the new type
+        assert "not sent by agents" not in log and "invalid kv_routes" not in log
+        assert f.agents["a"].output().count("connected to") == 1
 
 
 def watch_route_keys(f: Fleet) -> dict:
