@@ -97,6 +97,10 @@ def test_route_keys_reach_the_control_plane_and_a_routers_index_and_no_prompt_do
         # the stream carried them without a hitch: one connection, no refusal of the new type
         assert "not sent by agents" not in log and "invalid kv_routes" not in log
         assert f.agents["a"].output().count("connected to") == 1
+        # the operator's view: the keys held (both prompts' chains share their first block) and a reset
+        (shown,) = f.ready_replicas()
+        assert shown["route_keys"]["keys"] == 5 and shown["route_keys"]["resets"] >= 1, shown["route_keys"]
+        assert "route keys: 5 held" in f.ctl("replicas").stdout
 
 
 def watch_route_keys(f: Fleet) -> dict:

@@ -131,6 +131,8 @@ SHAPES: dict[str, dict[str, Any]] = {
         "reason": OPT_STR, "adopted": BOOL, "age_s": OPT_SECONDS, "ready_for_s": OPT_SECONDS,
         "restarts": {"type": "integer", "minimum": 0}, "replaces": OPT_STR, "placement": {},
         "endpoint": OPT_STR, "engine_version": OPT_STR, "clear_text": {"type": ["boolean", "null"]},
+        "route_keys": {"type": ["object", "null"], "description": "route keys its agent relays from the engine's "
+                       "KV events: keys held, resets, keys dropped past the cap, seconds since the last report"},
         "retry_in_s": OPT_SECONDS,
         "last_failure": {"type": ["object", "null"]},
         "shards": {"type": "array", "items": shape("Shard")},

@@ -43,6 +43,7 @@ class ReplicaKeys:
     keys: OrderedDict[int, None] = field(default_factory=OrderedDict)
     resets: int = 0
     dropped: int = 0  # keys dropped past the cap
+    updated_at: float | None = None  # the control plane's clock at the last report
 
 
 @dataclass(frozen=True)
@@ -77,8 +78,8 @@ class RouteKeyBook:
         return {"type": "kv_routes_accepted", "max_keys_per_message": MAX_KEYS_PER_MESSAGE,
                 "max_messages_per_second": MAX_MESSAGES_PER_SECOND}
 
-    def apply(self, node_id: str, msg: dict[str, Any]) -> None:
-        """A validated ``kv_routes`` from ``node_id``'s current stream."""
+    def apply(self, node_id: str, msg: dict[str, Any], now: float | None = None) -> None:
+        """A validated ``kv_routes`` from ``node_id``'s current stream, received at ``now``."""
         for entry in msg["replicas"]:
             rid, sid = entry["replica_id"], entry["shard_id"]
             if self.owner(node_id, sid) != rid:
@@ -93,6 +94,7 @@ class RouteKeyBook:
             book = self.replicas.get(rid)
             if book is None or book.node_id != node_id or book.shard_id != sid:
                 book = self.replicas[rid] = ReplicaKeys(node_id, sid)
+            book.updated_at = now
             reset = bool(entry.get("reset"))
             if reset:
                 book.keys.clear()
@@ -156,6 +158,14 @@ class RouteKeyBook:
             keys += len(c.added) + len(c.removed)
             revision = c.revision
         return revision, False, out
+
+    def view(self, replica_id: str, now: float) -> dict[str, Any] | None:
+        """What ``GET /v1/replicas`` and ``ctl replicas`` show of a replica's route keys (None: none reported)."""
+        b = self.replicas.get(replica_id)
+        if b is None:
+            return None
+        return {"keys": len(b.keys), "resets": b.resets, "dropped": b.dropped,
+                "age_s": None if b.updated_at is None else round(max(0.0, now - b.updated_at), 3)}
 
     def sizes(self) -> dict[str, int]:
         return {rid: len(b.keys) for rid, b in self.replicas.items()}

@@ -186,7 +186,7 @@ class ControlPlane:
                 return False
             if log.isEnabledFor(logging.DEBUG):  # opaque keys only: nothing a prompt could be read from
                 log.debug("kv_routes from %s: %s", node_id, json.dumps(msg, separators=(",", ":")))
-            self.route_keys.apply(node_id, msg)
+            self.route_keys.apply(node_id, msg, self.clock())
             return True
         return self.streams.message(node_id, epoch, msg)
 
