@@ -33,6 +33,8 @@ from typing import Callable
 from llmgw.agent import procident
 from llmgw.agent.adoption import (OwnEngines, UnknownEngine, foreign_holders, invisible_holders, recover,
                                   survivor_holds)
+from llmgw.agent.kvrelay import KVRelay
+from llmgw.agent.kvrelay import targets_of as kv_targets
 from llmgw.agent.sickgpus import SickGPUs
 from llmgw.agent.statedir import StateDir
 from llmgw.agent.stream import StreamClient
@@ -242,12 +244,16 @@ async def agent_main(settings: AgentSettings, stop: asyncio.Event | None = None)
         loop.add_signal_handler(signal.SIGHUP, revocations.reload)
     log.info("agent %s: %d engine(s) adopted, %d record(s) removed, %d unidentified engine(s) killed",
              settings.node_id, len(recovered.adopted), len(recovered.removed), len(recovered.killed))
+    # KV events stay on the node: only opaque route keys go up the stream (agent/kvrelay.py)
+    relay = KVRelay(targets=lambda: kv_targets(supervisor), send=stream.send, current_stream=lambda: stream.ws)
+    stream.on_kv_routes_accepted = relay.accepted  # type: ignore[method-assign]
     runner = asyncio.create_task(stream.run_forever(), name="stream")
+    relaying = asyncio.create_task(relay.run(), name="kv relay")
     stopper = asyncio.create_task(stop.wait(), name="stop")
     await asyncio.wait({runner, stopper}, return_when=asyncio.FIRST_COMPLETED)
-    for t in (runner, stopper):
+    for t in (runner, relaying, stopper):
         t.cancel()
-    await asyncio.gather(runner, stopper, return_exceptions=True)
+    await asyncio.gather(runner, relaying, stopper, return_exceptions=True)
     await supervisor.detach()
     log.info("agent %s exiting; %d engine(s) left running for the next agent to adopt",
              settings.node_id, len(supervisor.live_shards()))

@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_GRACE = 60.0  # seconds past a ping an agent waits for a word before ``registered`` says otherwise
 MAX_RETRY_AFTER = 300.0  # the longest Retry-After obeyed (a server's mistake must not park a node for hours)
-DOWN_TYPES = ("registered", "liveness", "accepts", "start", "stop", "drain", "error")
+DOWN_TYPES = ("registered", "liveness", "accepts", "kv_routes_accepted", "start", "stop", "drain", "error")
 
 Discover = Callable[[], Awaitable[HardwareInventory]]
 
@@ -123,6 +123,9 @@ class StreamClient:
 
     def on_registered(self) -> None:
         """The control plane answered the ``register`` with ``registered``."""
+
+    def on_kv_routes_accepted(self, msg: dict[str, Any]) -> None:
+        """The control plane on this stream takes ``kv_routes`` within ``msg``'s bounds (the KV relay's cue)."""
 
     @property
     def connected(self) -> bool:
@@ -356,6 +359,8 @@ class StreamClient:
                      self._advertised_keepalive, self.grace)
         elif kind == "accepts":
             self.supervisor.accept_fields(msg["shard_status"])
+        elif kind == "kv_routes_accepted":
+            self.on_kv_routes_accepted(msg)
         elif kind == "start":
             try:
                 self.supervisor.start(msg["spec"])

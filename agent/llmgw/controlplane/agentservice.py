@@ -192,6 +192,8 @@ class AgentService:
         # Optional fields this control plane takes in shard_status: an agent newer than the
         # control plane (agents upgrade first) sends none a control plane has not named here.
         session.send({"type": "accepts", "shard_status": list(ACCEPTED_SHARD_FIELDS)})
+        # kv_routes likewise: an agent sends its route keys only after this (an unknown type closes a stream)
+        session.send(self.cp.route_keys.accepted_message())
 
     async def _keepalive(self, ws: web.WebSocketResponse, raw: Any, node_id: str, epoch: int) -> None:
         """A ping or pong: the stream is alive (not a heartbeat: the node's silence is judged on those)."""

@@ -131,6 +131,8 @@ SHAPES: dict[str, dict[str, Any]] = {
         "reason": OPT_STR, "adopted": BOOL, "age_s": OPT_SECONDS, "ready_for_s": OPT_SECONDS,
         "restarts": {"type": "integer", "minimum": 0}, "replaces": OPT_STR, "placement": {},
         "endpoint": OPT_STR, "engine_version": OPT_STR, "clear_text": {"type": ["boolean", "null"]},
+        "route_keys": {"type": ["object", "null"], "description": "route keys its agent relays from the engine's "
+                       "KV events: keys held, resets, keys dropped past the cap, seconds since the last report"},
         "retry_in_s": OPT_SECONDS,
         "last_failure": {"type": ["object", "null"]},
         "shards": {"type": "array", "items": shape("Shard")},
@@ -160,7 +162,12 @@ SHAPES: dict[str, dict[str, Any]] = {
     "Endpoints": obj({"revision": INT, "epoch": STR, "endpoints": {"type": "array", "items": obj(
         {"id": STR, "model": STR, "url": STR, "replica_id": OPT_STR, "draining": BOOL,
          "max_concurrency": {"type": ["integer", "null"]}},
-        {"api_key": {"type": "string", "description": "only to a router certificate"}})}}),
+        {"api_key": {"type": "string", "description": "only to a router certificate"}})}},
+        {"route_keys": {**obj({"epoch": STR, "revision": INT, "full": BOOL, "replicas": {"type": "array", "items": obj(
+            {"replica_id": STR}, {"reset": BOOL, "added": {"type": "array", "items": ref("stream", "route_key")},
+                                  "removed": {"type": "array", "items": ref("stream", "route_key")}})}}),
+            "description": "only when asked (`kv_after`): changes to each replica's route keys since that "
+                           "revision, or every replica's keys (`full`)"}}),
     "OpenAPI": {"type": "object", "required": ["openapi", "info", "paths"]},
     "EjectionsAccepted": obj({"accepted": {"type": "integer", "minimum": 0}}),
 }
@@ -243,12 +250,16 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/metrics", "Prometheus metrics", 200, None, NOT_YOURS, content_type=METRICS_TYPE),
     Route("GET", "/v1/router/endpoints", "Long poll of the router endpoint set (answers at once when `after` is "
           "behind, else within 30 s); engine keys only to a router certificate", 200, "Endpoints",
-          {**NOT_YOURS, 400: "`after` is not an integer",
+          {**NOT_YOURS, 400: "`after` or `kv_after` is not an integer",
            503: "the control plane is in its startup grace: keep what you have, ask again after Retry-After"},
           query=({"name": "after", "in": "query", "required": False, "schema": {"type": "integer"},
                   "description": "the revision the caller has (-1 or absent: none)"},
                  {"name": "epoch", "in": "query", "required": False, "schema": STR,
-                  "description": "the epoch the caller's revision belongs to"}),
+                  "description": "the epoch the caller's revision belongs to"},
+                 {"name": "kv_after", "in": "query", "required": False, "schema": {"type": "integer"},
+                  "description": "the route-key revision the caller has (-1: none); absent: no route keys"},
+                 {"name": "kv_epoch", "in": "query", "required": False, "schema": STR,
+                  "description": "the epoch the caller's route-key revision belongs to"}),
           error_shapes={400: shape("OpenAIError")},
           headers={503: {"Retry-After": {"schema": {"type": "string", "pattern": "^[0-9]+$"}}}}),
     Route("GET", OPENAPI_PATH, "This document", 200, "OpenAPI", NOT_YOURS),

@@ -76,6 +76,13 @@ class RouterHook:
                 out[rid] = out.get(rid, 0) + rt.outstanding
         return out
 
+    def serve_route_keys(self, book: Any) -> None:
+        """Offer ``book``'s route keys (``controlplane.routekeys``) on the watch to routers that ask."""
+        if self.table is not None:
+            from llmgw.router.watch import endpoints_watch_handler
+
+            self.watch_handler = endpoints_watch_handler(self.table, route_keys=book)
+
     def update(self, eps: list[dict[str, Any]]) -> None:
         if self.table is None:
             return

@@ -69,6 +69,7 @@ async def serve(settings: ServerSettings, config_path: str | None = None,
     cp.on_endpoints(router.update)
     if router.app is not None:
         cp.outstanding = router.outstanding
+    router.serve_route_keys(cp.route_keys)
     reload = reloader(cp, config_path, revocations)
     runner = await open_api(cp, ssl_ctx, reload, router.watch_handler, revocations, elector)
     router_runner = await router.start()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -40,6 +41,7 @@ from llmgw.controlplane.nodestreams import NodeStreams
 from llmgw.controlplane.operatorintent import OperatorIntent
 from llmgw.controlplane.passgate import PassGate
 from llmgw.controlplane.reconciler import Context, NodeView, Plan, Reconciler, endpoints
+from llmgw.controlplane.routekeys import RouteKeyBook
 from llmgw.controlplane.routerreports import RouterReports
 from llmgw.controlplane.sizing import WeightSizes
 from llmgw.controlplane.store import ControlPlaneStore, MemoryBackend
@@ -91,6 +93,7 @@ class ControlPlane:
         self.intent = OperatorIntent(self.store, self.reconciler, self.streams.nodes, clock, self.kick)
         self.router_reports = RouterReports(settings.router_ejections.replacements_per_minute)
         self.endpoint_feed = EndpointFeed()
+        self.route_keys = RouteKeyBook(self._rank0_replica)  # what each replica's engine caches, as route keys
         self.unplaced_log = UnplacedLog()
         self.sizes = WeightSizes(lambda: self.clock(), lambda: self.kick())  # placement waits on and reads these
         self.unplaced: dict[tuple[str, int], str] = {}
@@ -178,7 +181,22 @@ class ControlPlane:
 
     def message(self, node_id: str, epoch: int, msg: dict[str, Any]) -> bool:
         """A validated message after ``register``; False (and no effect) if its stream is superseded."""
+        if msg["type"] == "kv_routes":  # no news of the node's health: only of its engines' caches
+            if not self.streams.is_current(node_id, epoch):
+                return False
+            if log.isEnabledFor(logging.DEBUG):  # opaque keys only: nothing a prompt could be read from
+                log.debug("kv_routes from %s: %s", node_id, json.dumps(msg, separators=(",", ":")))
+            self.route_keys.apply(node_id, msg, self.clock())
+            return True
         return self.streams.message(node_id, epoch, msg)
+
+    def _rank0_replica(self, node_id: str, shard_id: str) -> str | None:
+        """The replica whose rank 0 is ``shard_id``, booked on ``node_id``; None for anything else (a stray)."""
+        book = self.reconciler.book
+        s = book.find(node_id, shard_id)
+        if s is None or s.rank != 0 or book.strays.get((node_id, shard_id)) is s:
+            return None
+        return s.replica_id
 
     def frame(self, node_id: str, epoch: int) -> None:
         """A ping or pong on the node's current stream: the connection is alive (its silence is not reset)."""
@@ -297,6 +315,8 @@ class ControlPlane:
         for node_id, gpu, ids in doubles:
             log.error("GPU %d on %s is held by more than one shard: %s", gpu, node_id, ", ".join(ids))
         self.endpoint_feed.publish(endpoints(self.reconciler.book, views))
+        for rid in [r for r in self.route_keys.replicas if r not in self.reconciler.book.replicas]:
+            self.route_keys.forget(rid)
         self.gate.settled = (not plan.unplaced and not plan.drain_blocked and not plan.actions
                              and self.reconciler.book.settled())
         return plan

@@ -194,6 +194,8 @@ def replica_view(cp: ControlPlane, r: Replica, now: float) -> dict[str, Any]:
         "engine_version": r0.engine_version if r0 is not None else None,
         # prompts and the engine key cross the node network in clear text to this replica
         "clear_text": None if endpoint is None else r0.scheme != "https",
+        # what its engine caches, as route keys its agent relays (a profile with kv_events)
+        "route_keys": cp.route_keys.view(r.replica_id, now),
         "retry_in_s": (round(max(0.0, hist.next_attempt_at - now), 3)
                        if hist is not None and r.failed_at is not None else None),
         "last_failure": None if hist is None or hist.last_failure is None else {

@@ -276,6 +276,10 @@ def format_replicas(doc: dict[str, Any]) -> list[str]:
         if r.get("sick") and r["state"] == ReplicaState.READY:
             out.append(f"    sick: {r['sick']}; its replacement starts first")
         out.extend(ejection_lines(r.get("ejections")))
+        rk = r.get("route_keys")
+        if rk:
+            resets = f", {rk['resets']} reset(s)" if rk.get("resets") else ""
+            out.append(f"    route keys: {rk['keys']} held, last report {human_age(rk.get('age_s'))} ago{resets}")
         for s in r["shards"]:
             gpus = ",".join(map(str, s.get("gpus") or [])) or "-"
             bits = [f"  r{s['rank']}", s.get("node_id") or "(not reported)", f"GPUs {gpus}", s["state"]]

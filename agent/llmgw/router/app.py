@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
+import time
 from typing import AsyncIterator, Awaitable, Callable, Sequence
 
 from aiohttp import web
@@ -25,7 +26,8 @@ from aiohttp import web
 from llmgw.clientbounds import head_timeout_kwargs
 
 from .admission import Admission, Caps
-from .balancing import make_scorer
+from .balancing import make_balancer
+from .kvindex import KVIndex
 from .endpoints import EndpointTable
 from .metrics import CONTENT_TYPE, RouterMetrics
 from .models import OPENAI_POST_PATHS
@@ -59,7 +61,8 @@ def metrics_allowed(cfg: RouterSettings, authorization: str | None) -> bool:
 
 def build_app(cfg: RouterSettings, table: EndpointTable, metrics: RouterMetrics | None = None,
               pending: Callable[[str], float] | None = None,
-              background: Sequence[Callable[[Routing], Awaitable[None]]] = ()) -> web.Application:
+              background: Sequence[Callable[[Routing], Awaitable[None]]] = (),
+              kv_index: KVIndex | None = None) -> web.Application:
     """An application routing by ``model`` to the endpoints in ``table``.
 
     ``table`` is read on every request (one integer comparison when it did
@@ -69,7 +72,7 @@ def build_app(cfg: RouterSettings, table: EndpointTable, metrics: RouterMetrics 
     table lacks gets 503 with Retry-After instead of 404.
     """
     metrics = metrics or RouterMetrics()
-    scorer = make_scorer(cfg.balancing.scorer, cfg.balancing.prefix_tokens, cfg.balancing.load_bound)
+    scorer = make_balancer(cfg.balancing, kv_index)  # kv_index: route keys from the watch (cache_aware)
     routing = Routing(table, cfg, metrics, scorer)
     proxy = Proxy(cfg, routing, metrics, pending)
     c = cfg.clients
@@ -87,8 +90,13 @@ def build_app(cfg: RouterSettings, table: EndpointTable, metrics: RouterMetrics 
 
     async def healthz(request: web.Request) -> web.Response:
         routing.sync()
-        return web.json_response({"status": "ok", "revision": routing.revision,
-                                  "endpoints": len(routing.runtimes()), "models": len(routing.models())})
+        doc = {"status": "ok", "revision": routing.revision, "endpoints": len(routing.runtimes()),
+               "models": len(routing.models())}
+        if kv_index is not None:  # cache-aware routing: how much the index holds, and how current it is
+            doc["route_keys"] = {"revision": kv_index.revision, "replicas": kv_index.sizes(),
+                                 "age_s": None if kv_index.synced_at is None
+                                 else round(time.monotonic() - kv_index.synced_at, 1)}
+        return web.json_response(doc)
 
     async def metrics_handler(request: web.Request) -> web.Response:
         if not metrics_allowed(cfg, request.headers.get("Authorization")):

@@ -10,6 +10,14 @@
   Loads") moves a request along the ring when its home endpoint already
   carries more than ``load_bound`` times the mean, so a hot prefix cannot
   melt one replica.
+- ``CacheAware``: the replica whose engine holds the longest run of the
+  request's leading KV blocks, as its route keys say (``kvindex``, fed by
+  the control plane's watch), under the same load bound.  Where the index
+  cannot speak (a replica's feed stale or absent, no replica holding any
+  block, a prompt it cannot tokenize) it is ``PrefixAffinity``, so the
+  first request of a prefix lands where the next ones will look.
+- ``ByModel``: a scorer per model (``balancing.cache_aware.models``), the
+  default for the rest.
 """
 
 from __future__ import annotations
@@ -18,7 +26,14 @@ import bisect
 import hashlib
 import math
 import random
-from typing import Any, Callable, Iterator, Protocol, Sequence, TypeVar
+import time
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol, Sequence, TypeVar
+
+from llmgw.kvroutekeys import chain_keys
+
+if TYPE_CHECKING:
+    from .kvindex import KVIndex
+    from .settings import Balancing
 
 
 class Loaded(Protocol):
@@ -176,6 +191,80 @@ class PrefixAffinity:
             if id(m) in ok and m.outstanding + 1 <= cap:
                 return m
         return power_of_two(cands, self._fallback._rng)  # unreachable by the bound's arithmetic
+
+
+def _replica_id(m: Any) -> str:
+    ep = getattr(m, "endpoint", None)
+    return (getattr(ep, "replica_id", "") or m.id) if ep is not None else m.id
+
+
+class CacheAware:
+    name = "cache-aware"
+
+    def __init__(self, index: "KVIndex", tokenize: Callable[[dict[str, Any] | None, int], list[int]],
+                 block_size: int, max_tokens: int, fallback: PrefixAffinity,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.index = index
+        self.tokenize = tokenize
+        self.block_size = block_size
+        self.max_tokens = max_tokens
+        self.fallback = fallback
+        self.clock = clock
+        self.precise = 0  # requests placed by the index
+        self.fell_back = 0  # requests placed by prefix affinity
+
+    def pick(self, members: Sequence[T], eligible: Eligible, payload: dict[str, Any] | None) -> T | None:
+        cands = [m for m in members if eligible(m)]
+        if not cands:
+            return None
+        now = self.clock()
+        fresh = [m for m in cands if self.index.fresh(_replica_id(m), now)]
+        best: T | None = None
+        if fresh:
+            keys = chain_keys(self.tokenize(payload, self.max_tokens), self.block_size)
+            if keys:
+                total = sum(m.outstanding for m in cands)
+                cap = math.ceil(self.fallback.load_bound * (total + 1) / len(cands))
+                held_best = 0
+                for m in fresh:
+                    if m.outstanding + 1 > cap:
+                        continue
+                    held = self.index.held_prefix(_replica_id(m), keys)
+                    if held > held_best or (held and held == held_best and m.outstanding < best.outstanding):  # type: ignore[union-attr]
+                        best, held_best = m, held
+        if best is None:
+            self.fell_back += 1
+            return self.fallback.pick(members, eligible, payload)
+        self.precise += 1
+        return best
+
+
+class ByModel:
+    """The scorer of the members' model, else the default (every member of a group shares a model)."""
+
+    name = "by-model"
+
+    def __init__(self, default: Any, scorers: Mapping[str, Any]) -> None:
+        self.default = default
+        self.scorers = dict(scorers)
+
+    def pick(self, members: Sequence[T], eligible: Eligible, payload: dict[str, Any] | None) -> T | None:
+        ep = getattr(members[0], "endpoint", None) if members else None
+        scorer = self.scorers.get(getattr(ep, "model", None), self.default) if ep is not None else self.default
+        return scorer.pick(members, eligible, payload)
+
+
+def make_balancer(b: "Balancing", index: "KVIndex | None") -> Any:
+    """The scorer ``balancing`` asks for: ``make_scorer``'s, with ``cache_aware.models`` routed by ``index``."""
+    default = make_scorer(b.scorer, b.prefix_tokens, b.load_bound)
+    ca = b.cache_aware
+    if not ca.models or index is None:
+        return default
+    from .kvindex_tokens import simulator_token_ids
+
+    aware = CacheAware(index, simulator_token_ids, ca.block_size, ca.max_prompt_tokens,
+                       PrefixAffinity(b.prefix_tokens, b.load_bound))
+    return ByModel(default, {m: aware for m in ca.models})
 
 
 def make_scorer(name: str, prefix_tokens: int, load_bound: float) -> LeastOutstanding | PrefixAffinity:

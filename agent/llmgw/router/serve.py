@@ -41,6 +41,7 @@ from llmgw.tls.files import private_mode_problem
 
 from .app import build_app, runner_kwargs
 from .endpoints import EndpointTable
+from .kvindex import KVIndex
 from .settings import ControlPlane, RouterSettings
 from .ejectreport import report_ejections
 from .watch import watch_endpoints
@@ -156,6 +157,7 @@ async def serve_worker(settings: RouterSettings, sock: socket.socket, on_ready: 
         loop.add_signal_handler(sig, stop.set)
     table = EndpointTable(settings.static_endpoints or ())
     watch_task = None
+    kv_index: KVIndex | None = None  # route keys for cache-aware models, fed by the watch
     background = []
     if settings.control_plane is not None:
         revocations = Revocations(settings.control_plane.revoked)
@@ -163,15 +165,17 @@ async def serve_worker(settings: RouterSettings, sock: socket.socket, on_ready: 
         ctx = control_plane_ssl_context(settings.control_plane, revocations)
         cp_url = settings.control_plane.url
         background.append(lambda routing: report_ejections(cp_url, ctx, routing))
+        if settings.balancing.cache_aware.models:
+            kv_index = KVIndex(stale_after=settings.balancing.cache_aware.stale_after)
         watch_task = asyncio.create_task(watch_endpoints(settings.control_plane.urls or settings.control_plane.url, ctx,
-                                                         None, table),
+                                                         None, table, kv_index=kv_index),
                                          name="llmgw-endpoint-watch")
         # Connections meanwhile wait in the listen backlog; they are not refused.
         rev, _ = await table.wait_changed(table.revision, FIRST_ENDPOINTS_WAIT)
         if rev == 0:
             log.warning("no endpoint set from the control plane after %gs; serving with none until it answers",
                         FIRST_ENDPOINTS_WAIT)
-    app = build_app(settings, table, background=background)
+    app = build_app(settings, table, background=background, kv_index=kv_index)
     runner = web.AppRunner(app, shutdown_timeout=settings.timeouts.shutdown_grace, **runner_kwargs(settings))
     await runner.setup()
     site = LimitedSockSite(runner, sock, backlog=settings.backlog, ssl_context=listener_ssl_context(settings),

@@ -89,10 +89,26 @@ class MetricsToken:
 
 
 @dataclass(frozen=True)
+class CacheAware:
+    models: tuple[str, ...] = ()  # routed by route keys; the rest keep ``Balancing.scorer``
+    tokenizer: str = "simulator"  # the only one so far: llmgw-engine-sim's
+    block_size: int = 16
+    max_prompt_tokens: int = 8192
+    stale_after: float = 90.0
+
+
+@dataclass(frozen=True)
 class Balancing:
     scorer: str = "least-outstanding"  # or "prefix-affinity"
     prefix_tokens: int = 256
     load_bound: float = 1.25
+    cache_aware: CacheAware = field(default_factory=CacheAware)
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any]) -> "Balancing":
+        ca = dict(doc.get("cache_aware") or {})
+        ca["models"] = tuple(ca.get("models", ()))
+        return cls(**{**doc, "cache_aware": CacheAware(**ca)})
 
 
 @dataclass(frozen=True)
@@ -224,6 +240,11 @@ def semantic_errors(doc: Mapping[str, Any]) -> list[ConfigError]:
             errors.append(ConfigError(f"/metrics_tokens/{i}/name",
                                       f"duplicate token name {t['name']!r} (also /metrics_tokens/{token_names[t['name']]})"))
         token_names.setdefault(t["name"], i)
+    cache_aware = (doc.get("balancing") or {}).get("cache_aware") or {}
+    if cache_aware.get("models") and not doc.get("control_plane"):
+        errors.append(ConfigError("/balancing/cache_aware/models", "cache-aware routing reads route keys on the "
+                                  "control plane's watch: set control_plane (a router without one, or the "
+                                  "in-process router of llmgw server, is fed none)"))
     o = doc["outlier"]
     if o["base_ejection"] > o["max_ejection"]:
         errors.append(ConfigError("/outlier/base_ejection", "base_ejection exceeds max_ejection"))
@@ -265,7 +286,7 @@ def _build(doc: Mapping[str, Any]) -> RouterSettings:
         engine_ca=doc.get("engine_ca"),
         timeouts=Timeouts(**doc["timeouts"]),
         limits=Limits(**doc["limits"]),
-        balancing=Balancing(**doc["balancing"]),
+        balancing=Balancing.from_doc(doc["balancing"]),
         retries=Retries(**doc["retries"]),
         outlier=Outlier(**doc["outlier"]),
         clients=Clients(**doc["clients"]),
