@@ -43,6 +43,7 @@ TABLE = [
     (router_settings.Clients, "router", "/clients", {}),
     (router_settings.Disaggregation, "router", "/disaggregation", {}),
     (router_settings.Balancing, "router", "/balancing", {}),
+    (router_settings.CacheAware, "router", "/balancing/cache_aware", {}),
     (router_settings.Retries, "router", "/retries", {}),
     (router_settings.Outlier, "router", "/outlier", {}),
 ]
