@@ -113,6 +113,7 @@ class HASettings:
     advertise_url: str | None = None
     lease_ttl: int = 10
     renew_interval: float = 2.0
+    max_loop_stall: float = 60.0  # the lease is renewed apart from the loop, but not for a wedged one
 
     @classmethod
     def from_config(cls, d: dict[str, Any]) -> "HASettings":
@@ -120,7 +121,7 @@ class HASettings:
         etcd = d["etcd"]
         return cls(tuple(etcd["endpoints"]), etcd.get("ca"), etcd.get("cert"), etcd.get("key"),
                    etcd["prefix"], d.get("name"), d.get("advertise_url"),
-                   int(d["lease_ttl"]), float(d["renew_interval"]))
+                   int(d["lease_ttl"]), float(d["renew_interval"]), float(d["max_loop_stall"]))
 
 
 @dataclass(frozen=True)
@@ -427,6 +428,9 @@ def _ha_errors(doc: dict[str, Any]) -> list[ConfigError]:
     if renew * 2 > ttl:
         out.append(ConfigError("/ha/renew_interval", f"must be at most half of lease_ttl ({ttl}): the leader "
                                                        "must renew at least twice before it steps down"))
+    if ha["max_loop_stall"] <= renew:
+        out.append(ConfigError("/ha/max_loop_stall", f"must exceed renew_interval ({renew}): the event loop shows "
+                                                     "its progress once a renew interval"))
     etcd = ha["etcd"]
     tls = [url for url in etcd["endpoints"] if url.startswith("https://")]
     if tls and "ca" not in etcd:

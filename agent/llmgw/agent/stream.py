@@ -23,7 +23,12 @@ after ``registered`` (the agent's own ``keepalive_interval`` and
 ``DEFAULT_GRACE`` until then, and with a control plane that predates it).  The
 grace is longer than the pauses a control plane can have (a GC pass, VM
 steal): a fixed pong deadline of a few seconds would turn each such pause
-into a fleet-wide reconnection storm.
+into a fleet-wide reconnection storm.  A control plane that sends
+``answers_heartbeats`` sends a frame back at least every keepalive interval
+while heartbeats arrive, so the heartbeat stands in for the ping: the agent
+pings only when no heartbeat went out for a ping interval (heartbeats held
+back, a heartbeat interval longer than the ping's).  That spares the control
+plane a frame to read and a pong to write per ping interval and node.
 
 Admission: a control plane that answers the upgrade with 503 and
 ``Retry-After`` is obeyed, with jitter (``Backoff.told``), instead of the
@@ -54,7 +59,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_GRACE = 60.0  # seconds past a ping an agent waits for a word before ``registered`` says otherwise
 MAX_RETRY_AFTER = 300.0  # the longest Retry-After obeyed (a server's mistake must not park a node for hours)
-DOWN_TYPES = ("registered", "liveness", "accepts", "kv_routes_accepted", "start", "stop", "drain", "error")
+DOWN_TYPES = ("registered", "liveness", "accepts", "answers_heartbeats", "kv_routes_accepted", "start", "stop",
+              "drain", "error")
 
 Discover = Callable[[], Awaitable[HardwareInventory]]
 
@@ -235,6 +241,7 @@ class StreamClient:
                            if self.rediscover > 0 else None)
             heartbeat: asyncio.Task[None] | None = None
             self._advertised_keepalive, self.grace = None, DEFAULT_GRACE  # until ``liveness`` says
+            self._answers_heartbeats, self._last_heartbeat = False, None  # until ``answers_heartbeats`` says
             pinger = asyncio.create_task(self._pinger(ws), name="stream pings")
             try:
                 while True:
@@ -274,6 +281,14 @@ class StreamClient:
     _advertised_keepalive: float | None = None  # the ping interval ``liveness`` asked for
 
     _retime: asyncio.Event | None = None  # set when ``liveness`` changes the ping interval
+    _answers_heartbeats = False  # this stream's control plane answers heartbeats: they stand in for pings
+    _last_heartbeat: float | None = None  # when the last heartbeat was written to this stream (monotonic)
+
+    def _ping_due(self) -> bool:
+        """A ping is sent unless a heartbeat, which the control plane answers, went out within a ping interval."""
+        if not self._answers_heartbeats or self._last_heartbeat is None:
+            return True
+        return time.monotonic() - self._last_heartbeat >= self._ping_interval()
 
     def _ping_interval(self) -> float:
         return self._advertised_keepalive or self.keepalive
@@ -290,7 +305,8 @@ class StreamClient:
                 try:
                     await compat.wait_for(retime.wait(), self._ping_interval())
                 except TimeoutError:
-                    await ws.ping()
+                    if self._ping_due():
+                        await ws.ping()
                 else:  # ``liveness`` changed the interval: count it afresh from now
                     retime.clear()
         except (ConnectionError, aiohttp.ClientError, RuntimeError):
@@ -302,6 +318,8 @@ class StreamClient:
             while True:
                 msg = await queue.get()
                 await ws.send_str(json.dumps(msg, separators=(",", ":")))
+                if msg.get("type") == "heartbeat":
+                    self._last_heartbeat = time.monotonic()
         except (ConnectionError, aiohttp.ClientError, RuntimeError) as e:
             log.warning("cannot send on stream: %s", e)
             await ws.close()
@@ -359,6 +377,10 @@ class StreamClient:
                      self._advertised_keepalive, self.grace)
         elif kind == "accepts":
             self.supervisor.accept_fields(msg["shard_status"])
+        elif kind == "answers_heartbeats":
+            self._answers_heartbeats = True
+            log.debug("the control plane answers heartbeats: pinging only when none went out for %gs",
+                      self._ping_interval())
         elif kind == "kv_routes_accepted":
             self.on_kv_routes_accepted(msg)
         elif kind == "start":

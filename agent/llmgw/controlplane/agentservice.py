@@ -18,6 +18,15 @@ stream silent (not even a ping) for ``keepalive_interval + stream_grace``
 while its node is unreachable is taken for half-open and closed
 (``ControlPlane.tick``).
 
+A heartbeat stands in for the ping: ``answers_heartbeats`` (after
+``accepts``) promises that while heartbeats arrive, a frame goes back at
+least every ``keepalive_interval`` (an unsolicited pong, RFC 6455 5.5.3,
+when nothing else went out), so an agent that knows the message pings
+only when it sent no heartbeat for a ping interval.  A ping is a frame to
+read and a pong to write; in a steady fleet it was a third of the frames
+the control plane read.  Agents that predate the message ignore it and
+ping as before; their pings are answered as before.
+
 Before the upgrade, admission control (``admission``) refuses new streams
 the control plane cannot serve now with 503 and a ``Retry-After``.
 """
@@ -27,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from datetime import datetime, timezone
 from typing import Any
 
@@ -47,6 +57,7 @@ log = logging.getLogger("llmgw.controlplane.agents")
 REGISTER_TIMEOUT = 30.0  # seconds an upgraded stream may stay silent before its register
 POLICY_VIOLATION = 1008  # WebSocket close code for refused identity / invalid message
 SEND_QUEUE = 1024  # messages buffered per stream before the stream counts as stuck
+PONG = {"type": "pong"}  # queued for the writer: an unsolicited WebSocket pong, not a message
 # Optional shard_status / shard_report fields this control plane takes, announced in ``accepts``.
 ACCEPTED_SHARD_FIELDS = ("engine_version",)
 
@@ -62,6 +73,8 @@ class StreamSession:
         self.queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(maxsize=SEND_QUEUE)
         self.closing: str | None = None
         self.close_code: int = WSCloseCode.GOING_AWAY
+        self.last_word = time.monotonic()  # when a frame last went to the agent (a message or a pong)
+        self.answer_every: float | None = None  # with answers_heartbeats: the keepalive_interval it was told
         self.writer = asyncio.get_running_loop().create_task(self._write(), name=f"stream writer {node_id}")
 
     def send(self, msg: dict[str, Any]) -> bool:
@@ -73,6 +86,12 @@ class StreamSession:
             self.close("send queue full: the agent is not reading")
             return False
         return True
+
+    def heartbeat(self) -> None:
+        """A heartbeat came: a pong goes back if nothing went to the agent for its keepalive interval."""
+        if self.answer_every is not None and time.monotonic() - self.last_word >= self.answer_every:
+            self.last_word = time.monotonic()  # not twice for heartbeats arriving before the writer runs
+            self.send(PONG)
 
     def close(self, reason: str, level: int = logging.INFO, code: int = WSCloseCode.GOING_AWAY) -> None:
         if self.closing is None:
@@ -89,7 +108,11 @@ class StreamSession:
                 msg = await self.queue.get()
                 if msg is None:
                     break
-                await self.ws.send_str(dumps(msg))
+                if msg is PONG:
+                    await self.ws.pong()
+                else:
+                    await self.ws.send_str(dumps(msg))
+                self.last_word = time.monotonic()
         except (ConnectionError, RuntimeError) as e:
             log.info("stream of %s: send failed: %s", self.node_id, e)
         finally:
@@ -194,13 +217,17 @@ class AgentService:
         session.send({"type": "accepts", "shard_status": list(ACCEPTED_SHARD_FIELDS)})
         # kv_routes likewise: an agent sends its route keys only after this (an unknown type closes a stream)
         session.send(self.cp.route_keys.accepted_message())
+        # heartbeats stand in for pings from here (agents that do not know the message keep pinging)
+        session.answer_every = lc.keepalive_interval
+        session.send({"type": "answers_heartbeats"})
 
-    async def _keepalive(self, ws: web.WebSocketResponse, raw: Any, node_id: str, epoch: int) -> None:
+    async def _keepalive(self, session: StreamSession, raw: Any, epoch: int) -> None:
         """A ping or pong: the stream is alive (not a heartbeat: the node's silence is judged on those)."""
-        self.cp.frame(node_id, epoch)
+        self.cp.frame(session.node_id, epoch)
         if raw.type == WSMsgType.PING:
             with contextlib.suppress(ConnectionError, RuntimeError):
-                await ws.pong(raw.data)
+                await session.ws.pong(raw.data)
+                session.last_word = time.monotonic()
 
     async def _refuse(self, ws: web.WebSocketResponse, peer: str, reason: str, claimed: str | None) -> web.WebSocketResponse:
         log.warning("refused agent stream from %s%s: %s", peer, f" claiming {claimed!r}" if claimed else "", reason)
@@ -281,7 +308,7 @@ class AgentService:
                     log.warning("closed stream of %s (epoch %d): %s", node_id, epoch, reason)
                     break
                 if raw.type in (WSMsgType.PING, WSMsgType.PONG):
-                    await self._keepalive(ws, raw, node_id, epoch)
+                    await self._keepalive(session, raw, epoch)
                     continue
                 try:
                     m = parse_up(raw.data if raw.type == WSMsgType.TEXT else bytes(raw.data or b""))
@@ -301,6 +328,8 @@ class AgentService:
                 if not self.cp.message(node_id, epoch, m):
                     reason = "superseded"
                     break
+                if m["type"] == "heartbeat":
+                    session.heartbeat()
                 del raw, m  # not held while waiting for the next message (see above)
             else:
                 if ws.close_code is not None:

@@ -125,7 +125,12 @@ class AsyncEtcd(_Calls):
     def __init__(self, endpoints: tuple[str, ...], tls: ssl.SSLContext | None = None, timeout: float = 2.0):
         self.endpoints = list(endpoints)
         self.timeout = float(timeout)
+        self._tls = tls
         self._client = httpx.AsyncClient(verify=tls if tls is not None else True, timeout=timeout)
+
+    def clone(self) -> "AsyncEtcd":
+        """A client of its own for another thread's event loop (an httpx client serves one loop)."""
+        return AsyncEtcd(tuple(self.endpoints), self._tls, self.timeout)
 
     async def _post(self, endpoint: str, path: str, body: bytes, timeout: float) -> dict[str, Any]:
         r = await self._client.post(endpoint.rstrip("/") + path, content=body, timeout=max(0.001, timeout))

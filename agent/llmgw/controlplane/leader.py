@@ -6,7 +6,10 @@ whose txn succeeds leads; the key's create revision is its **term**: etcd
 revisions only grow, so every later leader has a higher term, and the term
 is the epoch the leader stamps on what it tells agents and routers.
 
-Renew: a keep-alive every ``renew_interval``, given until the deadline below
+Renew: a keep-alive every ``renew_interval``, sent from a thread of its own
+(``leasekeeper``) so that a loop held by a long pass does not lose the lease,
+but only while the loop has shown progress within ``max_loop_stall``, so that
+a wedged one does; each renewal is given until the deadline below
 to be answered and asked of the next etcd member when one is silent, while
 the members already asked keep their chance (a member whose raft leader died
 answers once a new one is elected, within the deadline when
@@ -21,6 +24,13 @@ leader key no longer ours end the term at once.  The lease of a term that
 ended is revoked by ``resign`` on the way out, so a standby need not wait for
 it to lapse.
 
+Threads: the term changes hands only on the event loop (``_lead``,
+``_lost``, ``resign``, and ``is_leader``, which steps down).  The renewal
+thread moves the deadline forward or records that etcd ended the term, under
+``_lock``, and wakes the loop with ``call_soon_threadsafe`` to step down; the
+loop reads the deadline under the same lock at every ``is_leader``, so a loop
+that comes back from a stall sees the renewals made meanwhile before it acts.
+
 Fenced writes: ``fenced`` wraps operations in a txn that compares the
 leader key's mod revision with the one this leader wrote; a deposed leader's
 write fails at etcd, whatever its clock believed, and the failure deposes it.
@@ -29,14 +39,17 @@ write fails at etcd, whatever its clock believed, and the failure deposes it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from llmgw.controlplane.etcd import AsyncEtcd, EtcdUnavailable, KeyValue, b64
+from llmgw.controlplane.leasekeeper import LeaseKeeper
 from llmgw.controlplane.store import StoreError
 
 log = logging.getLogger("llmgw.controlplane.leader")
@@ -75,9 +88,12 @@ class Elector:
 
     def __init__(self, etcd: AsyncEtcd, prefix: str, name: str, url: str | None, lease_ttl: int,
                  renew_interval: float, clock: Callable[[], float] = time.monotonic,
-                 on_change: Callable[[bool, int], None] | None = None):
+                 on_change: Callable[[bool, int], None] | None = None, max_loop_stall: float = 60.0,
+                 renewal_client: Callable[[], Any] | None = None):
         if not 0 < renew_interval * 2 <= lease_ttl:
             raise ValueError(f"renew_interval {renew_interval} must be at most half of lease_ttl {lease_ttl}")
+        if not max_loop_stall > renew_interval:
+            raise ValueError(f"max_loop_stall {max_loop_stall} must exceed renew_interval {renew_interval}")
         self.etcd = etcd
         self.key = prefix.rstrip("/") + "/" + LEADER_KEY
         self.name, self.url = name, url
@@ -90,16 +106,34 @@ class Elector:
         self._lease: int | None = None
         self._given_up: int | None = None  # the lease of a term we stepped down from: revoked on the way out
         self.highest_epoch = 0  # the highest term seen, ours or another's
+        self.max_loop_stall = float(max_loop_stall)
+        self.loop_progress = clock()  # when the loop last ran the election task (read by the renewal thread)
+        # the renewal thread's etcd client: its own, as an httpx client serves one event loop
+        self._renewal_client = renewal_client or getattr(etcd, "clone", None) or (lambda: etcd)
+        self._lock = threading.Lock()  # term, _deadline and _ended, shared with the renewal thread
+        self._ended: str | None = None  # why etcd ended the term, recorded by the renewal thread
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop the term changes hands on
 
     # ------------------------------------------------------------ authority
     @property
     def is_leader(self) -> bool:
-        if self.term is None:
+        """Whether this process leads now; on the event loop only (stepping down runs ``on_change``)."""
+        with self._lock:
+            term, deadline, ended = self.term, self._deadline, self._ended
+        if term is None:
             return False
-        if self.clock() >= self._deadline:
+        if ended is not None:
+            self._lost(ended)
+            return False
+        if self.clock() >= deadline:
             self._lost("could not renew the lease in time (lease_ttl - renew_interval since the last renewal)")
             return False
         return True
+
+    def holds_term(self) -> bool:
+        """A term not known to have ended (for the renewal thread: it steps nothing down)."""
+        with self._lock:
+            return self.term is not None and self._ended is None
 
     @property
     def epoch(self) -> int:
@@ -107,12 +141,13 @@ class Elector:
         return self.term.epoch if self.is_leader and self.term else 0
 
     def _lost(self, why: str) -> None:
-        if self.term is None:
-            return
-        log.warning("stepping down as leader (term %d): %s", self.term.epoch, why)
-        self._given_up = self.term.lease
-        self.term = None
-        self._deadline = float("-inf")
+        with self._lock:
+            term = self.term
+            if term is None:
+                return
+            self._given_up = term.lease
+            self.term, self._deadline, self._ended = None, float("-inf"), None
+        log.warning("stepping down as leader (term %d): %s", term.epoch, why)
         self._lease = None  # a fresh lease for the next campaign: the old one may still hold the key at etcd
         if self.on_change is not None:
             self.on_change(False, 0)
@@ -154,8 +189,8 @@ class Elector:
 
     def _lead(self, term: Term, sent: float) -> bool:
         """Lead as ``term``, whose lease was granted or renewed by a call sent at ``sent``."""
-        self.term = term
-        self._deadline = sent + self.ttl - self.renew
+        with self._lock:
+            self.term, self._deadline, self._ended = term, sent + self.ttl - self.renew, None
         self.leader = LeaderInfo(self.name, self.url, term.epoch)
         self.highest_epoch = max(self.highest_epoch, term.epoch)
         log.warning("leading the control planes (term %d, lease %ds, renewed every %gs)",
@@ -164,24 +199,49 @@ class Elector:
             self.on_change(True, term.epoch)
         return True
 
-    async def renew_once(self) -> bool:
-        """Renew the lease and check the key is still ours; False (and stepped down) when not."""
-        term = self.term
-        if term is None:
-            return False
+    async def renew_once(self, etcd: Any = None) -> bool:
+        """Renew the lease and check the key is still ours; False (and the term ended) when not.
+
+        Runs on the renewal thread's loop with that thread's ``etcd`` (or on
+        the event loop with ``self.etcd``): it only moves the deadline
+        forward, or records why the term ended and tells the loop.
+        """
+        etcd = etcd if etcd is not None else self.etcd
+        with self._lock:
+            term, deadline = self.term, self._deadline
+            if term is None or self._ended is not None:
+                return False
         sent = self.clock()
         # An answer after the deadline is no use: the calls may take until then, and no longer.
-        ttl = await self.etcd.keepalive(term.lease, budget=max(0.0, self._deadline - sent))
+        ttl = await etcd.keepalive(term.lease, budget=max(0.0, deadline - sent))
         if ttl <= 0:
-            self._lost("the lease expired at etcd")
-            return False
-        ok, _ = await self.etcd.txn([self._compare_ours(term)], [], budget=max(0.0, self._deadline - self.clock()))
-        if not ok and self.term is term:
-            self._lost("the leader key is no longer ours")
-            return False
-        if self.term is term:  # not deposed while we waited
-            self._deadline = sent + min(ttl, self.ttl) - self.renew
-        return self.is_leader
+            return self._end(term, "the lease expired at etcd")
+        ok, _ = await etcd.txn([self._compare_ours(term)], [], budget=max(0.0, deadline - self.clock()))
+        if not ok:
+            return self._end(term, "the leader key is no longer ours")
+        with self._lock:
+            if self.term is not term or self._ended is not None:  # deposed while we waited
+                return False
+            self._deadline = max(self._deadline, sent + min(ttl, self.ttl) - self.renew)
+            return self.clock() < self._deadline
+
+    def _end(self, term: Term, why: str) -> bool:
+        """etcd ended ``term``: ``is_leader`` is false from now, and the loop is told to step down."""
+        with self._lock:
+            if self.term is not term:
+                return False
+            self._ended = why
+        loop = self._loop
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        if loop is None or loop is here:
+            self.is_leader  # noqa: B018 (steps down here and now)
+        else:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nothing left to tell
+                loop.call_soon_threadsafe(lambda: self.is_leader)
+        return False
 
     def fence(self) -> list[dict[str, Any]]:
         """The compares that hold only while this control plane leads (``EtcdBackend``'s fence)."""
@@ -206,11 +266,14 @@ class Elector:
         every lease by its election timeout): revoking it spares the standby
         that wait whenever etcd answers again.
         """
-        leases = {self.term.lease if self.term else self._lease, self._given_up} - {None}
-        if self.term is not None:
-            log.warning("giving the lead up (term %d)", self.term.epoch)
-        # not _lost(): a resignation is this process's own choice, not news for on_change
-        self.term, self._deadline, self._lease, self._given_up = None, float("-inf"), None, None
+        with self._lock:
+            term = self.term
+            # not _lost(): a resignation is this process's own choice, not news for on_change
+            self.term, self._deadline, self._ended = None, float("-inf"), None
+        leases = {term.lease if term else self._lease, self._given_up} - {None}
+        if term is not None:
+            log.warning("giving the lead up (term %d)", term.epoch)
+        self._lease, self._given_up = None, None
         for lease in sorted(leases):
             try:
                 await self.etcd.revoke(lease)
@@ -219,26 +282,38 @@ class Elector:
 
     # ----------------------------------------------------------------- loop
     async def run(self, stop: asyncio.Event | None = None) -> None:
-        """Campaign while not leading, renew while leading, until ``stop``; etcd errors are retried."""
+        """Campaign while not leading, and mark the loop's progress, until ``stop``; etcd errors are retried.
+
+        The lease is renewed meanwhile by the renewal thread (``LeaseKeeper``),
+        for as long as this task keeps running at least every
+        ``max_loop_stall``: each pass marks ``loop_progress``.
+        """
         stop = stop or asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        self.loop_progress = self.clock()
+        keeper = LeaseKeeper(self, self._renewal_client)
+        keeper.start()
         warned = None
-        while not stop.is_set():
-            try:
-                if self.is_leader:
-                    await self.renew_once()
-                else:
-                    await self.campaign_once()
-                warned = None
-            except (EtcdUnavailable, KeyError, ValueError) as e:
-                why = str(e)
-                if why != warned:
-                    log.warning("etcd: %s%s", why, "; still leading until the lease's deadline" if self.term else "")
-                warned = why
-                self.is_leader  # noqa: B018 (steps down once the deadline has passed)
-            wait = self.renew
-            if self.term is not None:  # wake in time to notice the deadline, not a renew interval later
-                wait = max(0.0, min(wait, self._deadline - self.clock()))
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=wait)
-            except asyncio.TimeoutError:
-                pass
+        try:
+            while not stop.is_set():
+                self.loop_progress = self.clock()
+                try:
+                    if not self.is_leader:  # also steps down once the deadline has passed
+                        await self.campaign_once()
+                    warned = None
+                except (EtcdUnavailable, KeyError, ValueError) as e:
+                    why = str(e)
+                    if why != warned:
+                        log.warning("etcd: %s", why)
+                    warned = why
+                wait = self.renew
+                with self._lock:
+                    deadline = self._deadline if self.term is not None else None
+                if deadline is not None:  # wake in time to notice the deadline, not a renew interval later
+                    wait = max(0.0, min(wait, deadline - self.clock()))
+                try:
+                    await asyncio.wait_for(stop.wait(), timeout=wait)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            keeper.stop()

@@ -60,7 +60,8 @@ def make_elector(settings: ServerSettings) -> Elector:
         raise StartupRefused(f"ha.etcd: cannot load its TLS files: {e}") from e
     url = ha.advertise_url or f"{'https' if settings.tls else 'http'}://{settings.api_host}:{settings.api_port}"
     return Elector(AsyncEtcd(ha.endpoints, tls, timeout=max(0.5, ha.renew_interval)), ha.prefix,
-                   ha.name or socket.gethostname(), url, ha.lease_ttl, ha.renew_interval)
+                   ha.name or socket.gethostname(), url, ha.lease_ttl, ha.renew_interval,
+                   max_loop_stall=ha.max_loop_stall)
 
 
 def ha_store(settings: ServerSettings, elector: Elector) -> ControlPlaneStore:

@@ -94,6 +94,11 @@ class FleetCollector(Collector):
         share = GaugeMetricFamily("llmgw_fleet_unreachable_share", "Share of not-lost nodes that are unreachable")
         share.add_metric([], cp.evaluation.unreachable_share)
         yield from (damped, share)
+        keepalive = CounterMetricFamily("llmgw_stream_keepalive_frames",
+                                        "WebSocket pings and pongs read from agents' streams (heartbeats stand in "
+                                        "for pings with agents that know answers_heartbeats)")
+        keepalive.add_metric([], cp.streams.keepalive_frames)
+        yield keepalive
 
         reports = CounterMetricFamily("llmgw_router_ejection_reports", "Ejection reports received, by router certificate",
                                       labels=["router"])

@@ -41,6 +41,7 @@ class NodeStreams:
         self._clock, self._store, self._reconciler = clock, store, reconciler
         self._changed, self._grown, self._progress = changed, grown, progress
         self._half_open_checked = float("-inf")
+        self.keepalive_frames = 0  # pings and pongs read on current streams (heartbeats stand in for most)
 
     def views(self) -> dict[str, NodeView]:
         return {n: rec.view() for n, rec in self.nodes.items()}
@@ -120,6 +121,7 @@ class NodeStreams:
         rec = self.nodes.get(node_id)
         if rec is not None and rec.epoch == epoch:
             rec.clock.last_frame = self._clock()
+            self.keepalive_frames += 1
 
     def disconnected(self, node_id: str, epoch: int) -> None:
         rec = self.nodes.get(node_id)

@@ -30,6 +30,7 @@ from llmgw.controlplane.apilistener import open_api
 from llmgw.controlplane.grants import GrantKeys
 from llmgw.controlplane.grantsecret import GrantSecretError, grant_keys
 from llmgw.controlplane.leadership import LeaderHooks, ha_store, make_elector
+from llmgw.controlplane.loophold import install as install_loop_hold
 from llmgw.controlplane.reload import reloader
 from llmgw.controlplane.routerhook import RouterHook, catalog_grace_left
 from llmgw.controlplane.standby import DEPOSED_EXIT
@@ -78,6 +79,7 @@ async def serve(settings: ServerSettings, config_path: str | None = None,
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, lambda: (log.info("SIGHUP: reloading %s", config_path), reload()))
+    install_loop_hold(loop)  # tests only: armed by LLMGW_TEST_HOLD_LOOP
     lc = settings.lifecycle
     log.info("lifecycle: heartbeat %gs, keepalive %gs, unreachable after %gs, lost after %gs, startup grace %gs",
              lc.heartbeat_interval, lc.keepalive_interval, lc.unreachable_after, lc.lost_after, lc.startup_grace)
@@ -98,7 +100,7 @@ async def serve(settings: ServerSettings, config_path: str | None = None,
                 await task
         if elector is not None:  # deposed too: the lease it stepped down from may still hold the key
             await elector.resign()  # a standby takes over now, not a lease later
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2):
             loop.remove_signal_handler(sig)
         for s in list(cp.sessions.values()):
             s.close("control plane shutting down")
