@@ -45,6 +45,7 @@ TABLE = [
     (router_settings.Balancing, "router", "/balancing", {}),
     (router_settings.Retries, "router", "/retries", {}),
     (router_settings.Outlier, "router", "/outlier", {}),
+    (router_settings.KeyLimits, "router", "/api_keys/[]/limits", {}),
 ]
 
 
