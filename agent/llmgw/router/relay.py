@@ -55,6 +55,11 @@ class Relay:
             "Cache-Control": "no-cache",
             "X-Request-Id": ctx.rid,
         })
+        # a limited key's stream (limitsgate): rate-limit headers, and its events read for usage
+        meter = None
+        if ctx.limits is not None:
+            out.headers.update(ctx.limits.headers)
+            meter = ctx.limits.meter
         ctx.status = 200
         m = rt.m
         outcome, failure = "cancelled", False
@@ -67,6 +72,8 @@ class Relay:
         final = b""  # held back by the splice for write_eof
         try:
             first = b"".join(held)
+            if meter is not None:
+                first = meter.see(first)
             ctx.out = out
             # the headers go out with the first events, in one send
             setattr(out, HOLD_HEADERS_ATTR, False)
@@ -87,7 +94,9 @@ class Relay:
             gaps = BatchedHistogram(m.inter_token, now)
             observe = gaps.observe
             try:
-                splice = Splice.attach(request, resp, buf, observe, wd, now, tail, saw_error)
+                # a metered stream stays on the loop below, which can read and cut its events
+                splice = None if meter is not None else Splice.attach(request, resp, buf, observe, wd, now, tail,
+                                                                      saw_error)
                 if splice is not None:
                     # relayed from the upstream's read callback; this task only waits for the end
                     wd.poison = splice.abort
@@ -116,6 +125,8 @@ class Relay:
                         break
                     t = clock()
                     complete = feed(chunk)
+                    if meter is not None and complete:
+                        complete = meter.see(complete)
                     if not complete:
                         continue
                     if b"data:" in complete:  # progress is an event with data, not a comment
