@@ -54,8 +54,8 @@ def test_each_dimension_has_its_own_window_and_a_refusal_counts_nothing():
     r = lm.admit(st, "k", "m", 5, 1, 1.0)
     assert isinstance(r, Refused) and r.dimension == "output_tokens"
     req, tok = lm.views(st, "m", 1.0)
-    assert req.remaining == 9  # the refused request took no request
-    assert tok.remaining == 0
+    assert req[1] == 9  # the refused request took no request
+    assert tok[1] == 0
 
 
 @pytest.mark.parametrize("dim, rates, need", [
@@ -75,20 +75,20 @@ def test_settlement_gives_back_an_unused_reservation_and_charges_an_overrun():
     t = lm.admit(st, "k", "m", 100, 800, 0.0)
     assert isinstance(lm.admit(st, "k", "m", 100, 800, 0.1), Refused)  # 900 reserved
     lm.settle(t, 90, 10, 0.2)
-    assert lm.views(st, "m", 0.2)[1].remaining == 900
+    assert lm.views(st, "m", 0.2)[1][1] == 900
     t2 = lm.admit(st, "k", "m", 100, 100, 0.3)
     lm.settle(t2, 100, 700, 0.4)  # the engine generated more than reserved (no max_tokens honoured)
-    assert lm.views(st, "m", 0.4)[1].remaining == 100
+    assert lm.views(st, "m", 0.4)[1][1] == 100
     lm.settle(t2, 0, 0, 0.5)  # a second settlement is ignored
-    assert lm.views(st, "m", 0.5)[1].remaining == 100
+    assert lm.views(st, "m", 0.5)[1][1] == 100
 
 
 def test_settling_after_the_slot_aged_out_changes_nothing():
     lm, st = limiter(tokens_per_minute=1000)
     t = lm.admit(st, "k", "m", 100, 500, 0.0)
-    assert lm.views(st, "m", 61.0)[1].remaining == 1000
+    assert lm.views(st, "m", 61.0)[1][1] == 1000
     lm.settle(t, 100, 0, 61.0)  # a long stream ended after its window passed
-    assert lm.views(st, "m", 61.0)[1].remaining == 1000
+    assert lm.views(st, "m", 61.0)[1][1] == 1000
     assert st.rule.in_flight == 0
 
 
@@ -129,7 +129,7 @@ def test_per_model_limits_apply_on_top_of_the_key():
     assert isinstance(lm.admit(st, "k", "small", 0, 0, 0.0), Ticket)
     assert isinstance(lm.admit(st, "k", "small", 0, 0, 0.0), Ticket)
     assert isinstance(lm.admit(st, "k", "small", 0, 0, 0.0), Refused)  # the key's own 3
-    assert lm.views(st, "big", 0.0)[0].remaining == 0
+    assert lm.views(st, "big", 0.0)[0][1] == 0
 
 
 def test_a_window_never_holds_more_than_its_limit_in_any_span():
@@ -200,3 +200,22 @@ def test_bad_limits_are_named_by_pointer(limits, models, pointer):
     with pytest.raises(ConfigInvalid) as e:
         RouterSettings.from_config(_doc(limits, models))
     assert pointer in [err.pointer for err in e.value.errors], str(e.value)
+
+
+def test_include_usage_is_added_to_a_stream_request():
+    import json
+
+    from llmgw.router.limitsgate import with_include_usage
+
+    body = b' {"model":"m","stream":true,"messages":[]}'
+    out = json.loads(with_include_usage(body, json.loads(body)))
+    assert out == {"model": "m", "stream": True, "messages": [], "stream_options": {"include_usage": True}}
+    body = b'{"model":"m","stream":true,"stream_options":{"continuous_usage_stats":false}}'
+    out = json.loads(with_include_usage(body, json.loads(body)))
+    assert out["stream_options"] == {"continuous_usage_stats": False, "include_usage": True}
+
+
+def test_body_usage_reads_only_the_usage_object_and_is_not_fooled_by_text():
+    tricky = b'{"choices":[{"message":{"content":"\\"usage\\": {\\"prompt_tokens\\": 99}"}}],"usage":{"prompt_tokens":2,"completion_tokens":1}}'
+    assert body_usage(tricky) == Usage(2, 1)
+    assert body_usage(b'{"choices":[{"message":{"content":"usage"}}]}') is None

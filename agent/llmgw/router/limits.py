@@ -35,20 +35,25 @@ from typing import Iterable
 
 from .settings import ApiKey, KeyLimits, KeyRates
 
-__all__ = ["Window", "Rule", "Limiter", "Ticket", "Refused", "RateView", "DAY"]
+__all__ = ["Window", "Rule", "Limiter", "Ticket", "Refused", "RateView", "DAY", "NAMES"]
 
 DAY = 86400.0
 _MINUTE_SLOTS = 60
 _DAY_SLOTS = 1440
 
-# the dimensions of a window, in the order they are checked
-REQUESTS, INPUT, OUTPUT, TOTAL, BUDGET = "requests", "input_tokens", "output_tokens", "tokens", "tokens_per_day"
+# the dimensions, indexes into the amounts of a request (``amounts``)
+REQUESTS, INPUT, OUTPUT, TOTAL, BUDGET = range(5)
+NAMES = ("requests", "input_tokens", "output_tokens", "tokens", "tokens_per_day")
 
 
 class Window:
-    """A sliding count over ``span`` seconds in ``slots`` slots; ``limit`` is what it may hold."""
+    """A sliding count over ``span`` seconds in ``slots`` slots; ``limit`` is what it may hold.
 
-    __slots__ = ("limit", "span", "slot_len", "slots", "_q", "used")
+    ``expire(now)`` first, then the ``*_now`` methods read the window as of that
+    instant (one clock division per window per request on the hot path).
+    """
+
+    __slots__ = ("limit", "span", "slot_len", "slots", "_q", "used", "cur")
 
     def __init__(self, limit: int, span: float, slots: int) -> None:
         self.limit = limit
@@ -57,24 +62,22 @@ class Window:
         self.slot_len = span / slots
         self._q: deque[list] = deque()  # [slot index, amount], oldest first, one entry per slot used
         self.used = 0
+        self.cur = -1  # the slot of the last ``expire``
 
-    def _expire(self, now: float) -> int:
+    def expire(self, now: float) -> None:
         cur = int(now // self.slot_len)
+        if cur == self.cur:
+            return  # slots age out only when a new one begins
+        self.cur = cur
         q = self._q
-        horizon = cur - self.slots  # a slot at or below this ended more than ``span`` ago
+        horizon = cur - self.slots  # a slot below this ended more than ``span`` ago
         while q and q[0][0] < horizon:
             self.used -= q.popleft()[1]
-        return cur
 
-    def room(self, now: float) -> int:
-        self._expire(now)
-        return self.limit - self.used
-
-    def wait(self, need: int, now: float) -> float:
+    def wait_now(self, need: int, now: float) -> float:
         """Seconds until ``need`` fits, if nothing else is added; ``inf`` if it never can."""
         if need > self.limit:
             return math.inf
-        self._expire(now)
         excess = self.used + need - self.limit
         if excess <= 0:
             return 0.0
@@ -82,31 +85,53 @@ class Window:
             excess -= amount
             if excess <= 0:
                 return max(0.0, (idx + self.slots + 1) * self.slot_len - now)
-        return self.span  # reservations already settled to less: at most a window  # pragma: no cover
+        return self.span  # pragma: no cover - what is counted is in the slots
 
-    def reset_in(self, now: float) -> float:
+    def reset_now(self, now: float) -> float:
         """Seconds until the window is empty again (OpenAI's ``x-ratelimit-reset-*``)."""
-        self._expire(now)
-        if not self._q:
+        q = self._q
+        if not q:
             return 0.0
-        return max(0.0, (self._q[-1][0] + self.slots + 1) * self.slot_len - now)
+        return max(0.0, (q[-1][0] + self.slots + 1) * self.slot_len - now)
 
-    def add(self, amount: int, now: float) -> list:
-        """Count ``amount`` now; the slot it went to, for ``adjust``."""
-        cur = self._expire(now)
+    def add_now(self, amount: int) -> list:
+        """Count ``amount`` in the current slot; the slot's entry, for ``adjust``."""
         q = self._q
         self.used += amount
-        if q and q[-1][0] == cur:
-            q[-1][1] += amount
-            return q[-1]
-        entry = [cur, amount]
+        if q:
+            last = q[-1]
+            if last[0] == self.cur:
+                last[1] += amount
+                return last
+        entry = [self.cur, amount]
         q.append(entry)
         return entry
 
+    def undo(self, entry: list, amount: int) -> None:
+        """Take back an ``add_now`` of this instant (a request refused by another window)."""
+        entry[1] -= amount
+        self.used -= amount
+        q = self._q
+        if not entry[1] and q and q[-1] is entry:
+            q.pop()
+
+    # the same, each with its own ``expire`` (tests, and paths off the hot one)
+    def wait(self, need: int, now: float) -> float:
+        self.expire(now)
+        return self.wait_now(need, now)
+
+    def add(self, amount: int, now: float) -> list:
+        self.expire(now)
+        return self.add_now(amount)
+
+    def room(self, now: float) -> int:
+        self.expire(now)
+        return self.limit - self.used
+
     def adjust(self, entry: list, delta: int, now: float) -> None:
         """Correct what was counted in ``entry``'s slot, unless the slot has already aged out."""
-        cur = self._expire(now)
-        if entry[0] >= cur - self.slots:
+        self.expire(now)
+        if entry[0] >= self.cur - self.slots:
             entry[1] += delta
             self.used += delta
 
@@ -117,7 +142,7 @@ class Rule:
     __slots__ = ("windows", "concurrent", "in_flight")
 
     def __init__(self, rates: KeyRates, window_seconds: float) -> None:
-        w: list[tuple[str, Window]] = []
+        w: list[tuple[int, Window]] = []
         for dim, limit, span, slots in (
                 (REQUESTS, rates.requests_per_minute, window_seconds, _MINUTE_SLOTS),
                 (INPUT, rates.input_tokens_per_minute, window_seconds, _MINUTE_SLOTS),
@@ -130,30 +155,33 @@ class Rule:
         self.concurrent = rates.concurrent_requests
         self.in_flight = 0
 
-    def window(self, dim: str) -> Window | None:
-        for d, w in self.windows:
-            if d == dim:
-                return w
-        return None
+
+def amounts(prompt: int, completion: int) -> tuple[int, int, int, int, int]:
+    """What one request counts in each dimension (indexed by REQUESTS, INPUT, ...)."""
+    total = prompt + completion
+    return (1, prompt, completion, total, total)
 
 
-def amounts(prompt: int, completion: int) -> dict[str, int]:
-    """What one request counts in each dimension."""
-    return {REQUESTS: 1, INPUT: prompt, OUTPUT: completion, TOTAL: prompt + completion,
-            BUDGET: prompt + completion}
+# (limit, remaining, reset seconds) of one window, as OpenAI's x-ratelimit-* headers show it
+RateView = tuple
 
 
-@dataclass
 class Ticket:
     """An admitted request's reservations, given back (settled) exactly once."""
 
-    key: str
-    model: str
-    prompt: int  # reserved
-    completion: int  # reserved
-    rules: tuple[Rule, ...]
-    entries: list  # (window, slot entry, dimension)
-    settled: bool = False
+    __slots__ = ("key", "model", "prompt", "completion", "rules", "entries", "requests", "tokens", "settled")
+
+    def __init__(self, key: str, model: str, prompt: int, completion: int, rules: tuple[Rule, ...],
+                 entries: list, requests: RateView | None, tokens: RateView | None) -> None:
+        self.key = key
+        self.model = model
+        self.prompt = prompt  # reserved
+        self.completion = completion  # reserved
+        self.rules = rules
+        self.entries = entries  # (window, slot entry, dimension)
+        self.requests = requests  # the tightest requests window after this reservation
+        self.tokens = tokens  # the tightest minute token window after it
+        self.settled = False
 
 
 @dataclass(frozen=True)
@@ -161,15 +189,8 @@ class Refused:
     dimension: str  # which limit refused (the longest wait among those that did)
     retry_after: float  # seconds; inf: the request can never fit (larger than the limit)
     limit: int
-
-
-@dataclass(frozen=True)
-class RateView:
-    """What OpenAI's ``x-ratelimit-*`` headers show for one dimension."""
-
-    limit: int
-    remaining: int
-    reset: float
+    requests: RateView | None = None
+    tokens: RateView | None = None
 
 
 class KeyState:
@@ -187,31 +208,44 @@ class Limiter:
     def __init__(self, keys: Iterable[ApiKey]) -> None:
         self.keys: dict[str, KeyState] = {k.name: KeyState(k.limits) for k in keys if k.limits is not None}
 
-    def state(self, key: str) -> KeyState | None:
-        return self.keys.get(key)
-
     def admit(self, state: KeyState, key: str, model: str, prompt: int, completion: int,
               now: float) -> Ticket | Refused:
-        """Reserve ``prompt`` + ``completion`` tokens and one request in every window, or refuse and count nothing."""
+        """Reserve ``prompt`` + ``completion`` tokens and one request in every window, or refuse and count nothing.
+
+        One pass: each window that has room counts the request at once; if any
+        window refuses, what was counted is taken back (refusals are the rare case).
+        """
         rules = (state.rule,) if (m := state.per_model.get(model)) is None else (state.rule, m)
-        need = amounts(prompt, completion)
+        total = prompt + completion
+        need = (1, prompt, completion, total, total)
         worst: Refused | None = None
+        entries = []
+        req = tok = None  # the windows with the least room left, for the headers
         for rule in rules:
             if rule.concurrent is not None and rule.in_flight >= rule.concurrent:
                 # ends when a request ends, not with a window: a second is a fair first retry
                 worst = _worse(worst, Refused("concurrent_requests", 1.0, rule.concurrent))
             for dim, w in rule.windows:
-                wait = w.wait(need[dim], now)
-                if wait > 0:
-                    worst = _worse(worst, Refused(dim, wait, w.limit))
+                w.expire(now)
+                n = need[dim]
+                if w.used + n > w.limit:
+                    worst = _worse(worst, Refused(NAMES[dim], w.wait_now(n, now), w.limit))
+                    continue
+                entries.append((w, w.add_now(n), dim))
+                if dim == REQUESTS:
+                    if req is None or w.limit - w.used < req.limit - req.used:
+                        req = w
+                elif dim != BUDGET and (tok is None or w.limit - w.used < tok.limit - tok.used):
+                    tok = w
         if worst is not None:
-            return worst
-        entries = []
+            for w, entry, dim in reversed(entries):
+                w.undo(entry, need[dim])
+            rv, tv = self.views(state, model, now)
+            return Refused(worst.dimension, worst.retry_after, worst.limit, rv, tv)
         for rule in rules:
             rule.in_flight += 1
-            for dim, w in rule.windows:
-                entries.append((w, w.add(need[dim], now), dim))
-        return Ticket(key, model, prompt, completion, rules, entries)
+        return Ticket(key, model, prompt, completion, rules, entries,
+                      None if req is None else _view(req, now), None if tok is None else _view(tok, now))
 
     def settle(self, ticket: Ticket, prompt: int, completion: int, now: float) -> None:
         """Replace the ticket's reservations with what the request used; a second call does nothing."""
@@ -230,15 +264,14 @@ class Limiter:
     def views(self, state: KeyState, model: str, now: float) -> tuple[RateView | None, RateView | None]:
         """(requests, tokens) as OpenAI's headers show them: the tightest window of each kind."""
         rules = (state.rule,) if (m := state.per_model.get(model)) is None else (state.rule, m)
-        req: RateView | None = None
-        tok: RateView | None = None
+        req = tok = None
         for rule in rules:
             for dim, w in rule.windows:
-                view = RateView(w.limit, max(0, w.room(now)), w.reset_in(now))
+                w.expire(now)
                 if dim == REQUESTS:
-                    req = _tighter(req, view)
+                    req = _tighter(req, w, now)
                 elif dim != BUDGET:
-                    tok = _tighter(tok, view)
+                    tok = _tighter(tok, w, now)
         return req, tok
 
 
@@ -246,5 +279,13 @@ def _worse(a: Refused | None, b: Refused) -> Refused:
     return b if a is None or b.retry_after > a.retry_after else a
 
 
-def _tighter(a: RateView | None, b: RateView) -> RateView:
-    return b if a is None or b.remaining < a.remaining else a
+def _view(w: Window, now: float) -> RateView:
+    return (w.limit, max(0, w.limit - w.used), w.reset_now(now))
+
+
+def _tighter(a: RateView | None, w: Window, now: float) -> RateView:
+    """``a`` or ``w``'s view (``w`` already expired to ``now``), whichever has less room left."""
+    remaining = w.limit - w.used
+    if a is not None and a[1] <= remaining:
+        return a
+    return (w.limit, max(0, remaining), w.reset_now(now))

@@ -40,7 +40,7 @@ from .metrics import RouterMetrics
 from .request import ParsedRequest
 from .usage import StreamMeter, Usage, body_usage
 
-__all__ = ["LimitsGate", "Limited", "reset_text", "BYTES_PER_TOKEN"]
+__all__ = ["LimitsGate", "Limited", "reset_text", "with_include_usage", "BYTES_PER_TOKEN"]
 
 BYTES_PER_TOKEN = 4
 
@@ -58,6 +58,7 @@ class LimitsGate:
     def __init__(self, limiter: Limiter, metrics: RouterMetrics) -> None:
         self.limiter = limiter
         self.metrics = metrics
+        self._usage: dict[tuple[str, str], tuple] = {}
 
     def admit(self, ctx: RequestContext, state: KeyState, key: str, parsed: ParsedRequest, body: bytes,
               path: str) -> bytes:
@@ -68,10 +69,10 @@ class LimitsGate:
         client receives.
         """
         now = asyncio.get_running_loop().time()
-        prompt = math.ceil(len(body) / BYTES_PER_TOKEN)
+        prompt = (len(body) + BYTES_PER_TOKEN - 1) // BYTES_PER_TOKEN
         completion = 0 if path.endswith("/embeddings") else _max_tokens(parsed.payload, state.limits.default_max_tokens)
         got = self.limiter.admit(state, key, parsed.model, prompt, completion, now)
-        headers = self._headers(state, parsed.model, now)
+        headers = _headers(got.requests, got.tokens)
         if isinstance(got, Refused):
             ctx.limits = Limited(headers)
             self.metrics.key_refusals.labels(key, ctx.model_label, got.dimension).inc()
@@ -82,9 +83,7 @@ class LimitsGate:
             asked = isinstance(opts, dict) and opts.get("include_usage") is True
             lim.meter = StreamMeter(strip=not asked)
             if not asked:
-                payload = dict(parsed.payload)
-                payload["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
-                body = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
+                body = with_include_usage(body, parsed.payload)
         return body
 
     def finish(self, lim: Limited, resp: web.StreamResponse | None, status: int) -> None:
@@ -96,7 +95,17 @@ class LimitsGate:
             return
         used = self._used(lim, resp, status)
         self.limiter.settle(ticket, used.prompt, used.completion, asyncio.get_running_loop().time())
-        self.metrics.key_usage(ticket.key, ticket.model, used.prompt, used.completion)
+        c = self._usage.get((ticket.key, ticket.model))
+        if c is None:  # label children resolved once per key and model (labels() takes a lock)
+            m = self.metrics
+            c = self._usage[(ticket.key, ticket.model)] = (
+                m.key_requests.labels(ticket.key, ticket.model), m.key_prompt_tokens.labels(ticket.key, ticket.model),
+                m.key_completion_tokens.labels(ticket.key, ticket.model))
+        c[0].inc()
+        if used.prompt:
+            c[1].inc(used.prompt)
+        if used.completion:
+            c[2].inc(used.completion)
 
     def _used(self, lim: Limited, resp: web.StreamResponse | None, status: int) -> Usage:
         ticket = lim.ticket
@@ -111,13 +120,6 @@ class LimitsGate:
             return Usage(0, 0)  # refused or failed before any generation the router saw
         return Usage(ticket.prompt, 0)  # the client left before output: the prompt was sent
 
-    def _headers(self, state: KeyState, model: str, now: float) -> dict[str, str]:
-        req, tok = self.limiter.views(state, model, now)
-        h: dict[str, str] = {}
-        for suffix, view in (("requests", req), ("tokens", tok)):
-            if view is not None:
-                _put(h, suffix, view)
-        return h
 
 
 def refusal(got: Refused, headers: dict[str, str]) -> RouterError:
@@ -132,10 +134,37 @@ def refusal(got: Refused, headers: dict[str, str]) -> RouterError:
         retry_after=max(1, math.ceil(got.retry_after)))
 
 
-def _put(h: dict[str, str], suffix: str, view: RateView) -> None:
-    h[f"x-ratelimit-limit-{suffix}"] = str(view.limit)
-    h[f"x-ratelimit-remaining-{suffix}"] = str(view.remaining)
-    h[f"x-ratelimit-reset-{suffix}"] = reset_text(view.reset)
+def _headers(req: RateView | None, tok: RateView | None) -> dict[str, str]:
+    h: dict[str, str] = {}
+    if req is not None:
+        h["x-ratelimit-limit-requests"] = str(req[0])
+        h["x-ratelimit-remaining-requests"] = str(req[1])
+        h["x-ratelimit-reset-requests"] = reset_text(req[2])
+    if tok is not None:
+        h["x-ratelimit-limit-tokens"] = str(tok[0])
+        h["x-ratelimit-remaining-tokens"] = str(tok[1])
+        h["x-ratelimit-reset-tokens"] = reset_text(tok[2])
+    return h
+
+
+_INCLUDE_USAGE = b'"stream_options":{"include_usage":true},'
+
+
+def with_include_usage(body: bytes, payload: dict[str, Any]) -> bytes:
+    """``body`` asking the engine for the stream's usage event.
+
+    Without ``stream_options`` in the request the member is inserted after the
+    object's opening brace (the body is otherwise the client's bytes: parse_body
+    proved it a JSON object, so its first non-blank byte is ``{`` followed by a
+    member); with it, the body is re-serialised with ``include_usage`` set.
+    """
+    if "stream_options" not in payload:
+        i = body.find(b"{")
+        return body[:i + 1] + _INCLUDE_USAGE + body[i + 1:]
+    opts = payload["stream_options"]
+    payload = dict(payload)
+    payload["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
 
 
 def reset_text(seconds: float) -> str:

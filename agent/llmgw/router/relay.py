@@ -56,10 +56,12 @@ class Relay:
             "X-Request-Id": ctx.rid,
         })
         # a limited key's stream (limitsgate): rate-limit headers, and its events read for usage
-        meter = None
         if ctx.limits is not None:
             out.headers.update(ctx.limits.headers)
             meter = ctx.limits.meter
+            if meter is not None:
+                held = [meter.see(b"".join(held))]
+                buf = meter.wrap(buf)  # what the buffer releases from now on passes the meter too
         ctx.status = 200
         m = rt.m
         outcome, failure = "cancelled", False
@@ -72,8 +74,6 @@ class Relay:
         final = b""  # held back by the splice for write_eof
         try:
             first = b"".join(held)
-            if meter is not None:
-                first = meter.see(first)
             ctx.out = out
             # the headers go out with the first events, in one send
             setattr(out, HOLD_HEADERS_ATTR, False)
@@ -94,9 +94,7 @@ class Relay:
             gaps = BatchedHistogram(m.inter_token, now)
             observe = gaps.observe
             try:
-                # a metered stream stays on the loop below, which can read and cut its events
-                splice = None if meter is not None else Splice.attach(request, resp, buf, observe, wd, now, tail,
-                                                                      saw_error)
+                splice = Splice.attach(request, resp, buf, observe, wd, now, tail, saw_error)
                 if splice is not None:
                     # relayed from the upstream's read callback; this task only waits for the end
                     wd.poison = splice.abort
@@ -125,8 +123,6 @@ class Relay:
                         break
                     t = clock()
                     complete = feed(chunk)
-                    if meter is not None and complete:
-                        complete = meter.see(complete)
                     if not complete:
                         continue
                     if b"data:" in complete:  # progress is an event with data, not a comment

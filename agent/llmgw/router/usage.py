@@ -8,7 +8,8 @@ When the client did not ask for it, that event is cut out before the client
 sees it (``StreamMeter(strip=True)``), so the client gets exactly the
 stream it asked for.  A stream that ends without usage (the client left,
 the engine broke) is charged one completion token per event relayed: the
-engine sends one event per token it generates.
+engine sends one event per token it generates (the role-only first event
+and ``[DONE]`` are counted too: at most two tokens over).
 """
 
 from __future__ import annotations
@@ -18,9 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from .sse import event_data
-
-USAGE_MARK = b'"usage":{'
-
 
 @dataclass(frozen=True)
 class Usage:
@@ -32,7 +30,10 @@ def usage_of(obj: Any) -> Usage | None:
     """The ``usage`` of a decoded answer or stream event, when it is well formed."""
     if not isinstance(obj, dict):
         return None
-    u = obj.get("usage")
+    return _fields(obj.get("usage"))
+
+
+def _fields(u: Any) -> Usage | None:
     if not isinstance(u, dict):
         return None
     prompt = u.get("prompt_tokens")
@@ -42,11 +43,23 @@ def usage_of(obj: Any) -> Usage | None:
     return Usage(prompt, completion)
 
 
+_DECODER = json.JSONDecoder()
+
+
 def body_usage(body: bytes) -> Usage | None:
-    """The usage of a whole (non-streamed) JSON answer, or None."""
-    if USAGE_MARK not in body.replace(b'"usage": {', USAGE_MARK):
+    """The usage of a whole (non-streamed) JSON answer, or None.
+
+    Only the ``usage`` object is decoded, found as the last ``"usage"`` followed
+    by ``:`` and ``{`` (inside a JSON string a quote is escaped, so the marker is
+    a key); anything else falls back to decoding the whole answer.
+    """
+    i = body.rfind(b'"usage"')
+    if i < 0:
         return None
+    j = body.find(b"{", i + 7)
     try:
+        if j > 0 and body[i + 7:j].strip() == b":":
+            return _fields(_DECODER.raw_decode(body[j:].decode("utf-8", "replace"))[0])
         return usage_of(json.loads(body))
     except (ValueError, RecursionError):
         return None
@@ -63,14 +76,17 @@ class StreamMeter:
         self.events = 0
 
     def see(self, data: bytes) -> bytes:
-        """``data`` (complete events) as the client must get it: without the usage event when stripping."""
-        self.events += data.count(b"data:") - data.count(b"[DONE]")
-        if USAGE_MARK not in data and b'"usage": {' not in data:
+        """``data`` (complete events) as the client must get it: without the usage event when stripping.
+
+        Per read: one count and one find, both in C; events are parsed only in
+        the read that holds the usage event.
+        """
+        self.events += data.count(b"data:")
+        if data.find(b'"usage":') < 0:
             return data
-        parts = data.split(b"\n\n")
         kept = []
-        for part in parts:
-            if b'"usage"' in part:
+        for part in data.split(b"\n\n"):
+            if b'"usage":' in part:
                 payload = event_data(part)
                 try:
                     obj = json.loads(payload) if payload else None
@@ -79,17 +95,40 @@ class StreamMeter:
                 u = usage_of(obj)
                 if u is not None:
                     self.usage = u
-                    self.events -= 1  # the usage event is no token
                     if self.strip and obj.get("choices") == []:
                         continue
             kept.append(part)
         return b"\n\n".join(kept)
+
+    def wrap(self, buf: Any) -> "MeteredBuffer":
+        """``buf`` (an ``EventBuffer``) whose ``feed`` passes what it releases through ``see``."""
+        return MeteredBuffer(buf, self)
 
     def charged(self, prompt_estimate: int) -> Usage:
         """What to settle: the engine's usage, else the prompt estimate and one token per event relayed."""
         if self.usage is not None:
             return self.usage
         return Usage(prompt_estimate, max(0, self.events))
+
+
+class MeteredBuffer:
+    """An ``EventBuffer`` seen through a ``StreamMeter``: what the relay (and its splice) use as ``buf``."""
+
+    __slots__ = ("feed", "_buf")
+
+    def __init__(self, buf: Any, meter: StreamMeter) -> None:
+        self._buf = buf
+        inner, see = buf.feed, meter.see
+
+        def feed(chunk: bytes) -> bytes:
+            complete = inner(chunk)
+            return see(complete) if complete else complete
+
+        self.feed = feed
+
+    @property
+    def pending(self) -> bytes:
+        return self._buf.pending
 
 
 def _count(v: Any) -> bool:
