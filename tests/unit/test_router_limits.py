@@ -219,3 +219,14 @@ def test_body_usage_reads_only_the_usage_object_and_is_not_fooled_by_text():
     tricky = b'{"choices":[{"message":{"content":"\\"usage\\": {\\"prompt_tokens\\": 99}"}}],"usage":{"prompt_tokens":2,"completion_tokens":1}}'
     assert body_usage(tricky) == Usage(2, 1)
     assert body_usage(b'{"choices":[{"message":{"content":"usage"}}]}') is None
+
+
+@pytest.mark.parametrize("body, usage", [
+    (b'{"usage":{"prompt_tokens":7,"total_tokens":9,"completion_tokens":2}}', Usage(7, 2)),
+    (b'{"usage": {"prompt_tokens": 7, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 3}}}',
+     Usage(7, 2)),  # nested details: the object is decoded
+    (b'{"usage":{"prompt_tokens":7.5,"completion_tokens":2}}', None),
+    (b'{"usage":{"completion_tokens":2}}', None),
+])
+def test_body_usage_shapes(body, usage):
+    assert body_usage(body) == usage

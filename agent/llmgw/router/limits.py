@@ -226,7 +226,8 @@ class Limiter:
                 # ends when a request ends, not with a window: a second is a fair first retry
                 worst = _worse(worst, Refused("concurrent_requests", 1.0, rule.concurrent))
             for dim, w in rule.windows:
-                w.expire(now)
+                if int(now // w.slot_len) != w.cur:
+                    w.expire(now)
                 n = need[dim]
                 if w.used + n > w.limit:
                     worst = _worse(worst, Refused(NAMES[dim], w.wait_now(n, now), w.limit))
