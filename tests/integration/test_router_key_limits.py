@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import math
 import re
+import signal
 import socket
 
 import httpx
 import openai
 import pytest
+import yaml
 
 from llmgw.router.auth import hash_key
 from llmgw.router.limitsgate import BYTES_PER_TOKEN
@@ -124,3 +126,36 @@ def test_a_cancelled_stream_settles_what_it_used(router):
     sent = len(raw)
     assert router.metric("llmgw_router_key_prompt_tokens_total", key="tok", model="m") - before_p == pytest.approx(
         sent / BYTES_PER_TOKEN, abs=2)
+
+
+def test_sighup_puts_changed_limits_in_force_and_a_bad_file_changes_nothing(tmp_path):
+    sims = start_sims(1)
+    try:
+        def doc(rpm, extra=None):
+            key = {"name": "hup", "sha256": hash_key("sk-hup"), "limits": {"requests_per_minute": rpm}}
+            return router_doc([{"id": "sim0", "model": "m", "url": sims[0].url}], allow_unauthenticated=False,
+                              api_keys=[key] + (extra or []))
+
+        with RouterProcess(doc(5), tmp=tmp_path) as r:
+            def limit(key="sk-hup"):
+                try:
+                    raw = openai_client(r, key).chat.completions.with_raw_response.create(
+                        model="m", messages=MSG, max_tokens=1)
+                except openai.AuthenticationError:
+                    return "unauthorized"
+                return raw.headers.get("x-ratelimit-limit-requests")
+
+            assert limit() == "5" and limit("sk-new") == "unauthorized"
+            cfg = {"listen": {"host": HOST, "port": r.port}}
+            r.config_path.write_text(yaml.safe_dump({**cfg, **doc(7, [{"name": "new", "sha256": hash_key("sk-new")}])}))
+            r.proc.send_signal(signal.SIGHUP)
+            until(lambda: limit() == "7", "the reloaded limit")
+            assert limit("sk-new") is None  # a key added by the reload, without limits
+            r.config_path.write_text(yaml.safe_dump({**cfg, **doc(0)}))  # invalid: below the minimum
+            r.proc.send_signal(signal.SIGHUP)
+            until(lambda: "refused, the keys in force stay" in r.output(), "the refusal in the log")
+            assert "/api_keys/0/limits/requests_per_minute" in r.output()
+            assert limit() == "7" and r.proc.poll() is None
+    finally:
+        for s in sims:
+            s.stop()

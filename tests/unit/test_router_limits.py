@@ -230,3 +230,30 @@ def test_body_usage_reads_only_the_usage_object_and_is_not_fooled_by_text():
 ])
 def test_body_usage_shapes(body, usage):
     assert body_usage(body) == usage
+
+
+def test_a_reload_keeps_the_windows_of_unchanged_limits_and_renews_changed_ones():
+    same = KeyLimits(KeyRates(requests_per_minute=2))
+    lm = Limiter([ApiKey("a", H, None, same), ApiKey("b", "b" * 64, None, same)])
+    for k in ("a", "b"):
+        lm.admit(lm.keys[k], k, "m", 0, 0, 0.0)
+        lm.admit(lm.keys[k], k, "m", 0, 0, 0.0)
+    lm.replace([ApiKey("a", H, None, same), ApiKey("b", "b" * 64, None, KeyLimits(KeyRates(requests_per_minute=3))),
+                ApiKey("c", "c" * 64, None)])
+    assert isinstance(lm.admit(lm.keys["a"], "a", "m", 0, 0, 1.0), Refused)  # a reload forgives nothing
+    assert isinstance(lm.admit(lm.keys["b"], "b", "m", 0, 0, 1.0), Ticket)  # new limits, new books
+    assert set(lm.keys) == {"a", "b"}
+
+
+def test_a_restarted_worker_starts_from_the_reloaded_keys(tmp_path):
+    import yaml
+
+    from llmgw.router.limitsreload import reloaded_doc
+
+    path = tmp_path / "router.yaml"
+    old = {"insecure_http": True, "workers": 2, "api_keys": [{"name": "a", "sha256": H}]}
+    new_keys = [{"name": "b", "sha256": "b" * 64, "limits": {"requests_per_minute": 3}}]
+    path.write_text(yaml.safe_dump({**old, "workers": 4, "api_keys": new_keys}))
+    assert reloaded_doc(old, str(path)) == {**old, "api_keys": new_keys}  # workers: only at a restart
+    path.write_text(yaml.safe_dump({**old, "api_keys": [{"name": "b", "sha256": "nothex"}]}))
+    assert reloaded_doc(old, str(path)) == old

@@ -206,7 +206,21 @@ class Limiter:
     """Every limited key of one router worker, by key name."""
 
     def __init__(self, keys: Iterable[ApiKey]) -> None:
-        self.keys: dict[str, KeyState] = {k.name: KeyState(k.limits) for k in keys if k.limits is not None}
+        self.keys: dict[str, KeyState] = {}
+        self.replace(keys)
+
+    def replace(self, keys: Iterable[ApiKey]) -> None:
+        """Put reloaded keys in force. A key whose limits did not change keeps its windows (a reload
+        neither forgives nor re-counts what it used); a changed one starts afresh. Requests in flight
+        settle into the books they were admitted by."""
+        old = self.keys
+        new: dict[str, KeyState] = {}
+        for k in keys:
+            if k.limits is None:
+                continue
+            kept = old.get(k.name)
+            new[k.name] = kept if kept is not None and kept.limits == k.limits else KeyState(k.limits)
+        self.keys = new
 
     def admit(self, state: KeyState, key: str, model: str, prompt: int, completion: int,
               now: float) -> Ticket | Refused:
