@@ -95,6 +95,10 @@ def test_usage_is_settled_from_the_engine_and_the_usage_event_reaches_only_a_cli
     until(lambda: router.metric("llmgw_router_key_requests_total", key="tok", model="m") == before_r + 3,
           "three settled requests")
     assert router.metric("llmgw_router_key_completion_tokens_total", key="tok", model="m") == before_c + 9
+    # every answer to a limited key carries the headers, one refused before admission too
+    with pytest.raises(openai.NotFoundError) as e:
+        c.chat.completions.create(model="absent", messages=MSG, max_tokens=1)
+    assert e.value.response.headers["x-ratelimit-limit-tokens"] == "5000"
     # a key without limits gets no rate-limit headers and no usage it did not ask for
     free = openai_client(router, "sk-free").chat.completions.with_raw_response.create(model="m", messages=MSG,
                                                                                        max_tokens=2)

@@ -65,7 +65,7 @@ class LimitsGate:
         """Reserve for this request (``ctx.limits``) and return the body to send, or raise the refusal.
 
         A stream whose client did not ask for ``include_usage`` is sent with it
-        (the body re-serialised), and the usage event is cut from what the
+        (``with_include_usage``), and the usage event is cut from what the
         client receives.
         """
         now = asyncio.get_running_loop().time()
@@ -85,6 +85,11 @@ class LimitsGate:
             if not asked:
                 body = with_include_usage(body, parsed.payload)
         return body
+
+    def unreserved(self, key: str, model: str | None) -> Limited:
+        """The headers of a limited key's answer refused before admission (a bad body, an unknown model)."""
+        req, tok = self.limiter.views(self.limiter.keys[key], model or "", asyncio.get_running_loop().time())
+        return Limited(_headers(req, tok))
 
     def finish(self, lim: Limited, resp: web.StreamResponse | None, status: int) -> None:
         """Settle the request's reservation and put the rate-limit headers on an answer not yet sent."""
@@ -119,7 +124,6 @@ class LimitsGate:
         if status >= 400 and status != 499:
             return Usage(0, 0)  # refused or failed before any generation the router saw
         return Usage(ticket.prompt, 0)  # the client left before output: the prompt was sent
-
 
 
 def refusal(got: Refused, headers: dict[str, str]) -> RouterError:

@@ -81,6 +81,8 @@ class Proxy:
             ctx.status = e.status
             self.metrics.error(ctx.model_label, e.klass)
             resp = e.response(rid)
+            if ctx.limits is None and ctx.key in self.limiter.keys:  # refused before its limits were asked
+                ctx.limits = self.limits_gate.unreserved(ctx.key, ctx.model)
         except asyncio.CancelledError:
             # the client went away (handler cancelled); one that left after the whole stream
             # reached it, [DONE] included, was served
