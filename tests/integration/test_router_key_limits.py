@@ -28,10 +28,17 @@ WINDOW = 2  # seconds: the "minute" of the rpm key, short so that its window pas
 
 
 @pytest.fixture(scope="module")
-def router(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("keylimits")
+def sims():
     # a token every 20 ms: a stream lasts long enough to be cut in the middle
-    sims = start_sims(1, env={"LLMGW_SIM_TOKEN_LATENCY": "0.02", "LLMGW_SIM_OUTPUT_TOKENS": "4"})
+    started = start_sims(1, env={"LLMGW_SIM_TOKEN_LATENCY": "0.02", "LLMGW_SIM_OUTPUT_TOKENS": "4"})
+    yield started
+    for s in started:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def router(sims, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("keylimits")
     ca = init_ca(tmp / "ca")
     cert, key = write_pair(tmp / "router", *issue_server(ca, ["localhost"], ["127.0.0.1"]))
     doc = router_doc(
@@ -46,13 +53,9 @@ def router(tmp_path_factory):
         ],
         metrics_tokens=[{"name": "prometheus", "sha256": hash_key(METRICS_TOKEN)}],
     )
-    try:
-        with RouterProcess(doc, workers=1, tmp=tmp, ca=str(ca.cert_path)) as r:
-            r.metrics_token = METRICS_TOKEN
-            yield r
-    finally:
-        for s in sims:
-            s.stop()
+    with RouterProcess(doc, workers=1, tmp=tmp, ca=str(ca.cert_path)) as r:
+        r.metrics_token = METRICS_TOKEN
+        yield r
 
 
 def test_a_key_just_under_its_limit_is_never_refused_and_just_over_gets_429_then_the_clients_retry_succeeds(router):
@@ -132,34 +135,29 @@ def test_a_cancelled_stream_settles_what_it_used(router):
         sent / BYTES_PER_TOKEN, abs=2)
 
 
-def test_sighup_puts_changed_limits_in_force_and_a_bad_file_changes_nothing(tmp_path):
-    sims = start_sims(1)
-    try:
-        def doc(rpm, extra=None):
-            key = {"name": "hup", "sha256": hash_key("sk-hup"), "limits": {"requests_per_minute": rpm}}
-            return router_doc([{"id": "sim0", "model": "m", "url": sims[0].url}], allow_unauthenticated=False,
-                              api_keys=[key] + (extra or []))
+def test_sighup_puts_changed_limits_in_force_and_a_bad_file_changes_nothing(sims, tmp_path):
+    def doc(rpm, extra=None):
+        key = {"name": "hup", "sha256": hash_key("sk-hup"), "limits": {"requests_per_minute": rpm}}
+        return router_doc([{"id": "sim0", "model": "m", "url": sims[0].url}], allow_unauthenticated=False,
+                          api_keys=[key] + (extra or []))
 
-        with RouterProcess(doc(5), tmp=tmp_path) as r:
-            def limit(key="sk-hup"):
-                try:
-                    raw = openai_client(r, key).chat.completions.with_raw_response.create(
-                        model="m", messages=MSG, max_tokens=1)
-                except openai.AuthenticationError:
-                    return "unauthorized"
-                return raw.headers.get("x-ratelimit-limit-requests")
+    with RouterProcess(doc(5), tmp=tmp_path) as r:
+        def limit(key="sk-hup"):
+            try:
+                raw = openai_client(r, key).chat.completions.with_raw_response.create(
+                    model="m", messages=MSG, max_tokens=1)
+            except openai.AuthenticationError:
+                return "unauthorized"
+            return raw.headers.get("x-ratelimit-limit-requests")
 
-            assert limit() == "5" and limit("sk-new") == "unauthorized"
-            cfg = {"listen": {"host": HOST, "port": r.port}}
-            r.config_path.write_text(yaml.safe_dump({**cfg, **doc(7, [{"name": "new", "sha256": hash_key("sk-new")}])}))
-            r.proc.send_signal(signal.SIGHUP)
-            until(lambda: limit() == "7", "the reloaded limit")
-            assert limit("sk-new") is None  # a key added by the reload, without limits
-            r.config_path.write_text(yaml.safe_dump({**cfg, **doc(0)}))  # invalid: below the minimum
-            r.proc.send_signal(signal.SIGHUP)
-            until(lambda: "refused, the keys in force stay" in r.output(), "the refusal in the log")
-            assert "/api_keys/0/limits/requests_per_minute" in r.output()
-            assert limit() == "7" and r.proc.poll() is None
-    finally:
-        for s in sims:
-            s.stop()
+        assert limit() == "5" and limit("sk-new") == "unauthorized"
+        cfg = {"listen": {"host": HOST, "port": r.port}}
+        r.config_path.write_text(yaml.safe_dump({**cfg, **doc(7, [{"name": "new", "sha256": hash_key("sk-new")}])}))
+        r.proc.send_signal(signal.SIGHUP)
+        until(lambda: limit() == "7", "the reloaded limit")
+        assert limit("sk-new") is None  # a key added by the reload, without limits
+        r.config_path.write_text(yaml.safe_dump({**cfg, **doc(0)}))  # invalid: below the minimum
+        r.proc.send_signal(signal.SIGHUP)
+        until(lambda: "refused, the keys in force stay" in r.output(), "the refusal in the log")
+        assert "/api_keys/0/limits/requests_per_minute" in r.output()
+        assert limit() == "7" and r.proc.poll() is None
