@@ -257,3 +257,28 @@ def test_a_restarted_worker_starts_from_the_reloaded_keys(tmp_path):
     assert reloaded_doc(old, str(path)) == {**old, "api_keys": new_keys}  # workers: only at a restart
     path.write_text(yaml.safe_dump({**old, "api_keys": [{"name": "b", "sha256": "nothex"}]}))
     assert reloaded_doc(old, str(path)) == old
+
+
+def test_a_limited_stream_asks_the_engine_for_usage_in_the_body_and_in_what_is_rebuilt_from_it():
+    import asyncio
+    import json
+
+    from llmgw.router.context import RequestContext
+    from llmgw.router.limitsgate import LimitsGate
+    from llmgw.router.metrics import RouterMetrics
+    from llmgw.router.prefill import decode_body
+    from llmgw.router.request import parse_body
+
+    lm, st = limiter(requests_per_minute=5)
+    gate = LimitsGate(lm, RouterMetrics())
+    body = b'{"model":"m","stream":true,"messages":[]}'
+    parsed = parse_body(body)
+
+    async def admit():
+        ctx = RequestContext("r", 0.0)
+        return ctx, gate.admit(ctx, st, "k", parsed, body, "/v1/chat/completions")
+
+    ctx, sent = asyncio.run(admit())
+    assert json.loads(sent)["stream_options"] == {"include_usage": True}
+    assert json.loads(decode_body(parsed.payload, {"x": 1}))["stream_options"] == {"include_usage": True}
+    assert ctx.limits.meter.strip and ctx.limits.headers["x-ratelimit-remaining-requests"] == "4"

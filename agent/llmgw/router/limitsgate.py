@@ -84,6 +84,8 @@ class LimitsGate:
             lim.meter = StreamMeter(strip=not asked)
             if not asked:
                 body = with_include_usage(body, parsed.payload)
+                # a body rebuilt from the payload (a disaggregated model's decode request) asks too
+                parsed.payload["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
         return body
 
     def unreserved(self, key: str, model: str | None) -> Limited:
