@@ -16,6 +16,13 @@ clients, router and engines are separate hosts in a fleet; then the
 256-stream workload is measured again with every process free to run on
 every CPU, so the report also shows what contention on one small host does.
 
+``--limits`` adds ``llmgw-1w-key`` and ``llmgw-1w-limits``: the same router
+with the load generator's key configured, without and with a ``limits``
+block on every dimension, set too high to refuse anything (every request is
+reserved, settled from usage and answered with rate-limit headers); the two
+side by side give what per-key limits cost per request (``llmgw-1w`` has no
+key at all, so it also skips the per-key caps of ``clients``).
+
 ``--engine-tls`` adds ``llmgw-1w-tls``: the same router to two more simulators
 serving HTTPS with an engine certificate of a throwaway fleet CA, which the
 router verifies (``engine_ca``), as a fleet with engine TLS runs; set beside
@@ -317,6 +324,21 @@ def start_llmgw(name: str, endpoints: list[dict], workers: int, workdir: Path, c
     url = f"http://{HOST}:{port}"
     wait_http(url + "/healthz", 120, p.proc, p.log)
     return Target(name, url, p, f"llmgw router, {workers} worker(s), access_log off")
+
+
+def start_llmgw_key(name: str, eps: list[dict], workdir: Path, cpus: str | None, limited: bool) -> Target:
+    """llmgw-1w with the load generator's key configured; ``limited``: on every dimension, none reached."""
+    import hashlib
+    big = 10 ** 12
+    key: dict[str, Any] = {"name": "bench", "sha256": hashlib.sha256(b"bench").hexdigest()}
+    if limited:
+        key["limits"] = {"requests_per_minute": big, "input_tokens_per_minute": big,
+                         "output_tokens_per_minute": big, "tokens_per_minute": big, "concurrent_requests": big,
+                         "tokens_per_day": big}
+    t = start_llmgw(name, eps, 1, workdir, cpus, {"api_keys": [key]})
+    t.note = ("llmgw router, 1 worker, access_log off, the client's key " +
+              ("under limits on every dimension (none reached)" if limited else "configured, no limits"))
+    return t
 
 
 def start_llmgw_tls(workdir: Path, cpus_up: str | None, cpus_proxy: str | None, procs: list[Proc]) -> Target:
@@ -794,6 +816,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="measure each workload N times per target, the targets taken in turn each round (to see "
                          "the noise); the report keeps the median run by CPU per chunk (per request for "
                          "non-streaming; of two, the higher) and lists every run's figure")
+    ap.add_argument("--limits", action="store_true",
+                    help="add llmgw-1w-key and llmgw-1w-limits: the router with the client's key configured, without "
+                         "and with per-key limits (none reached): what limits cost per request")
     ap.add_argument("--engine-tls", action="store_true",
                     help="add llmgw-1w-tls: the router to simulators serving HTTPS with an engine certificate it "
                          "verifies against the CA (compare with llmgw-1w for what TLS to the engine costs)")
@@ -815,10 +840,12 @@ def main(argv: list[str] | None = None) -> int:
     only = {s for s in args.only.split(",") if s}
     if only:
         skip |= {n for n in ("direct", "nginx", "litellm", "aiohttp-bare", "llmgw-1w", "llmgw-2w", "llmgw-1w-tls",
-                             "prefix")
+                             "llmgw-1w-key", "llmgw-1w-limits", "prefix")
                  if n not in only}
     if not args.engine_tls:
         skip.add("llmgw-1w-tls")
+    if not args.limits:
+        skip |= {"llmgw-1w-key", "llmgw-1w-limits"}
     allowed = sorted(os.sched_getaffinity(0))
     ncpu = len(allowed)
     layouts = {"both": ["isolated", "shared"], "isolated": ["isolated"], "shared": ["shared"]}[args.layout]
@@ -864,6 +891,8 @@ def main(argv: list[str] | None = None) -> int:
             ("llmgw-1w", lambda: start_llmgw("llmgw-1w", eps, 1, workdir, cpus_proxy)),
             ("llmgw-2w", lambda: start_llmgw("llmgw-2w", eps, 2, workdir, cpus_proxy)),
             ("llmgw-1w-tls", lambda: start_llmgw_tls(workdir, cpus_up, cpus_proxy, procs)),
+            ("llmgw-1w-key", lambda: start_llmgw_key("llmgw-1w-key", eps, workdir, cpus_proxy, False)),
+            ("llmgw-1w-limits", lambda: start_llmgw_key("llmgw-1w-limits", eps, workdir, cpus_proxy, True)),
         ]
         wls = workloads(args.quick)
         if args.workloads:
@@ -941,6 +970,8 @@ def _flags(args: argparse.Namespace) -> str:
         out += " --quick"
     if args.engine_tls:
         out += " --engine-tls"
+    if args.limits:
+        out += " --limits"
     for name in ("skip", "only", "workloads"):
         if getattr(args, name):
             out += f" --{name} {getattr(args, name)}"

@@ -46,6 +46,7 @@ TABLE = [
     (router_settings.CacheAware, "router", "/balancing/cache_aware", {}),
     (router_settings.Retries, "router", "/retries", {}),
     (router_settings.Outlier, "router", "/outlier", {}),
+    (router_settings.KeyLimits, "router", "/api_keys/[]/limits", {}),
 ]
 
 

@@ -40,6 +40,10 @@ class AuthFailure(Exception):
 
 class KeyRing:
     def __init__(self, keys: Iterable[ApiKey], allow_unauthenticated: bool) -> None:
+        self.replace(keys, allow_unauthenticated)
+
+    def replace(self, keys: Iterable[ApiKey], allow_unauthenticated: bool) -> None:
+        """Put another set of keys in force (a reload); requests already admitted keep their principal."""
         self._by_hash = {k.sha256: Principal(k.name, k.models) for k in keys}
         self._open = allow_unauthenticated
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from aiohttp import web
 
@@ -19,7 +20,7 @@ access_log = logging.getLogger("llmgw.router.access")
 
 class RequestContext:
     __slots__ = ("rid", "t0", "t0_loop", "model", "model_label", "key", "status", "endpoint", "attempts", "ttft",
-                 "note", "delivered", "out")
+                 "note", "delivered", "out", "limits")
 
     def __init__(self, rid: str, t0_loop: float) -> None:
         self.rid = rid
@@ -35,6 +36,7 @@ class RequestContext:
         self.note = ""
         self.delivered = False  # a stream relayed whole, [DONE] included
         self.out: web.StreamResponse | None = None  # the client's stream, once the relay started
+        self.limits: Any = None  # a limited key's reservation and headers (limitsgate.Limited)
 
 
 def account(ctx: RequestContext, request: web.Request, metrics: RouterMetrics, log_access: bool) -> None:

@@ -10,7 +10,9 @@ Labels are bounded: ``model`` only takes names present in the endpoint
 table (an unknown model a client invents is counted as ``-``), ``endpoint``
 is an endpoint id (control-plane endpoints use replica names; static ones
 default to MODEL@URL).  Nothing secret is exported: no keys, key hashes,
-key names or request contents.
+key names or request contents, except the usage counters of keys with a
+``limits`` block (``llmgw_router_key_*``), labelled with the key's configured
+name (never the key or its hash): a bounded set the operator chose to meter.
 """
 
 from __future__ import annotations
@@ -85,6 +87,20 @@ class RouterMetrics:
         self.duration = Histogram(
             "llmgw_router_request_duration_seconds", "Whole request duration as seen by the router.",
             ["model"], buckets=DURATION_BUCKETS, registry=r)
+        # per-key usage and refusals, only for keys with a limits block (router/limitsgate.py)
+        self.key_requests = Counter(
+            "llmgw_router_key_requests", "Requests admitted for a limited key, by key name and model.",
+            ["key", "model"], registry=r)
+        self.key_prompt_tokens = Counter(
+            "llmgw_router_key_prompt_tokens", "Prompt tokens settled for a limited key (engine usage, else the "
+            "router's estimate), by key name and model.", ["key", "model"], registry=r)
+        self.key_completion_tokens = Counter(
+            "llmgw_router_key_completion_tokens", "Completion tokens settled for a limited key (engine usage, else "
+            "one per event relayed), by key name and model.", ["key", "model"], registry=r)
+        self.key_refusals = Counter(
+            "llmgw_router_key_refusals", "Requests of a limited key refused (429) by one of its limits "
+            "(requests, input_tokens, output_tokens, tokens, tokens_per_day, concurrent_requests).",
+            ["key", "model", "limit"], registry=r)
 
         self._done: dict[tuple[str, int], tuple] = {}
         self._errors: dict[tuple[str, str], Counter] = {}
@@ -111,6 +127,14 @@ class RouterMetrics:
         """
         self.request_done("-", status, seconds)
         self.error("-", klass)
+
+    def key_usage(self, key: str, model: str, prompt: int, completion: int) -> None:
+        """One settled request of a limited key (label lookups: only limited keys pay them)."""
+        self.key_requests.labels(key, model).inc()
+        if prompt:
+            self.key_prompt_tokens.labels(key, model).inc(prompt)
+        if completion:
+            self.key_completion_tokens.labels(key, model).inc(completion)
 
     def render(self) -> bytes:
         path = multiprocess_dir()

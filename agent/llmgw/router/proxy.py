@@ -36,6 +36,8 @@ from .context import RequestContext, account
 from .errors import SERVER, RouterError
 from .failures import too_large
 from .forward import Forwarder
+from .limits import Limiter
+from .limitsgate import LimitsGate
 from .metrics import RouterMetrics
 from .models import Models
 from .relay import Relay, end_stream
@@ -60,6 +62,8 @@ class Proxy:
         self.models = Models(routing, self.keys, metrics, pending)
         self.attempts = Attempts(routing, Relay(settings, routing, metrics))
         self.forwarder = Forwarder(settings, routing, metrics, self.attempts)
+        self.limiter = Limiter(settings.api_keys)
+        self.limits_gate = LimitsGate(self.limiter, metrics)
 
     async def close(self) -> None:
         """Shutdown: stop watching abandoned attempts (their connections are closed)."""
@@ -77,14 +81,20 @@ class Proxy:
             ctx.status = e.status
             self.metrics.error(ctx.model_label, e.klass)
             resp = e.response(rid)
+            if ctx.limits is None and ctx.key in self.limiter.keys:  # refused before its limits were asked
+                ctx.limits = self.limits_gate.unreserved(ctx.key, ctx.model)
         except asyncio.CancelledError:
             # the client went away (handler cancelled); one that left after the whole stream
             # reached it, [DONE] included, was served
             ctx.status = 200 if ctx.delivered else 499
+            if ctx.limits is not None:
+                self.limits_gate.finish(ctx.limits, ctx.out, ctx.status)
             account(ctx, request, self.metrics, self.s.access_log)
             raise
         except Exception:  # noqa: BLE001 - a bug: still an OpenAI-shaped answer, never aiohttp's text 500
             resp = await self._internal_error(ctx)
+        if ctx.limits is not None:
+            self.limits_gate.finish(ctx.limits, resp, ctx.status or resp.status)
         account(ctx, request, self.metrics, self.s.access_log)
         return resp
 
@@ -145,4 +155,7 @@ class Proxy:
         if group is None or not principal.allows(parsed.model):
             raise self.models.unknown_model(parsed.model, principal.allows(parsed.model))
         ctx.model_label = parsed.model
+        state = self.limiter.keys.get(principal.name) if self.limiter.keys else None
+        if state is not None:
+            body = self.limits_gate.admit(ctx, state, principal.name, parsed, body, request.path)
         return await self.forwarder.forward(request, ctx, group, body, parsed.stream, parsed.payload)

@@ -55,6 +55,13 @@ class Relay:
             "Cache-Control": "no-cache",
             "X-Request-Id": ctx.rid,
         })
+        # a limited key's stream (limitsgate): rate-limit headers, and its events read for usage
+        if ctx.limits is not None:
+            out.headers.update(ctx.limits.headers)
+            meter = ctx.limits.meter
+            if meter is not None:
+                held = [meter.see(b"".join(held))]
+                buf = meter.wrap(buf)  # what the buffer releases from now on passes the meter too
         ctx.status = 200
         m = rt.m
         outcome, failure = "cancelled", False

@@ -8,7 +8,7 @@ restarts a worker that died, and on SIGTERM asks every worker to finish its
 in-flight requests (up to ``timeouts.shutdown_grace``) before exiting.  On
 SIGHUP it has every worker re-read the revocation list
 (``control_plane.revoked``), which each checks at its next handshake with
-the control plane.
+the control plane, and its API keys and their limits (``limitsreload``).
 """
 
 from __future__ import annotations
@@ -39,11 +39,12 @@ from llmgw.tls.context import TLSConfigError, control_plane_context, public_serv
 from llmgw.tls.revocation import RevocationError, Revocations, load_revocations
 from llmgw.tls.files import private_mode_problem
 
-from .app import build_app, runner_kwargs
+from .app import PROXY_KEY, build_app, runner_kwargs
 from .endpoints import EndpointTable
 from .kvindex import KVIndex
 from .settings import ControlPlane, RouterSettings
 from .ejectreport import report_ejections
+from .limitsreload import reload_keys, reloaded_doc
 from .watch import watch_endpoints
 
 log = logging.getLogger("llmgw.router")
@@ -149,8 +150,13 @@ def listen_socket(host: str, port: int, backlog: int, listen: bool = True) -> so
     return sock
 
 
-async def serve_worker(settings: RouterSettings, sock: socket.socket, on_ready: Callable[[], None]) -> None:
-    """One worker: app + table (+ watch client) on an already bound socket, until SIGTERM/SIGINT."""
+async def serve_worker(settings: RouterSettings, sock: socket.socket, on_ready: Callable[[], None],
+                       source: str | None = None) -> None:
+    """One worker: app + table (+ watch client) on an already bound socket, until SIGTERM/SIGINT.
+
+    SIGHUP re-reads the revocation list (with a control plane) and, when the
+    config file ``source`` is known, the API keys and their limits.
+    """
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -159,9 +165,11 @@ async def serve_worker(settings: RouterSettings, sock: socket.socket, on_ready: 
     watch_task = None
     kv_index: KVIndex | None = None  # route keys for cache-aware models, fed by the watch
     background = []
+    hangups: list[Callable[[], Any]] = []  # what SIGHUP re-reads, added to as the parts start
+    loop.add_signal_handler(signal.SIGHUP, lambda: [f() for f in hangups])
     if settings.control_plane is not None:
         revocations = Revocations(settings.control_plane.revoked)
-        loop.add_signal_handler(signal.SIGHUP, revocations.reload)  # checked at each handshake
+        hangups.append(revocations.reload)  # checked at each handshake
         ctx = control_plane_ssl_context(settings.control_plane, revocations)
         cp_url = settings.control_plane.url
         background.append(lambda routing: report_ejections(cp_url, ctx, routing))
@@ -176,6 +184,13 @@ async def serve_worker(settings: RouterSettings, sock: socket.socket, on_ready: 
             log.warning("no endpoint set from the control plane after %gs; serving with none until it answers",
                         FIRST_ENDPOINTS_WAIT)
     app = build_app(settings, table, background=background, kv_index=kv_index)
+    if source is not None:
+        in_force = [settings]
+
+        def keys() -> None:
+            in_force[0] = reload_keys(app[PROXY_KEY], source, in_force[0])
+
+        hangups.append(keys)
     runner = web.AppRunner(app, shutdown_timeout=settings.timeouts.shutdown_grace, **runner_kwargs(settings))
     await runner.setup()
     site = LimitedSockSite(runner, sock, backlog=settings.backlog, ssl_context=listener_ssl_context(settings),
@@ -212,7 +227,7 @@ def _worker_entry(doc: Any, source: str, port: int, index: int, ready: Any, log_
     configure_logging(log_level)
     settings = RouterSettings.from_config(doc, source)
     sock = listen_socket(settings.host, port, settings.backlog)
-    run_loop(serve_worker(settings, sock, lambda: ready.put((index, os.getpid()))))
+    run_loop(serve_worker(settings, sock, lambda: ready.put((index, os.getpid())), source))
 
 
 def serve(settings: RouterSettings, doc: Any, source: str, workers: int | None = None,
@@ -225,7 +240,8 @@ def serve(settings: RouterSettings, doc: Any, source: str, workers: int | None =
     if n == 1:
         sock = listen_socket(settings.host, settings.port, settings.backlog)
         port = sock.getsockname()[1]
-        run_loop(serve_worker(settings, sock, lambda: _announce(settings.host, port, 1, settings.tls is not None)))
+        run_loop(serve_worker(settings, sock, lambda: _announce(settings.host, port, 1, settings.tls is not None),
+                              source))
         return 0
     return _Supervisor(settings, doc, source, n, log_level).run()
 
@@ -265,7 +281,12 @@ class _Supervisor:
         self.stopping = True
 
     def _on_hangup(self, signum: int, frame: Any) -> None:
-        """SIGHUP (``systemctl reload``): every worker re-reads what it reloads (the revocation list)."""
+        """SIGHUP (``systemctl reload``): every worker re-reads what it reloads (revocation list, API keys).
+
+        The keys are taken into the document a restarted worker starts from too,
+        so a worker that dies after a reload does not come back with the old keys.
+        """
+        self.doc = reloaded_doc(self.doc, self.source)
         for p in self.procs.values():
             if p.pid is not None and p.is_alive():
                 with contextlib.suppress(ProcessLookupError):

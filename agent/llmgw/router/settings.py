@@ -7,7 +7,7 @@ duplicates), reported the same way: every error at once, with its pointer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from llmgw.clientbounds import ClientBounds
@@ -18,10 +18,33 @@ from .endpoints import Endpoint, EndpointURLError
 
 
 @dataclass(frozen=True)
+class KeyRates:
+    """One key's limits (on every model, or on one); None: not enforced."""
+
+    requests_per_minute: int | None = None
+    input_tokens_per_minute: int | None = None
+    output_tokens_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    concurrent_requests: int | None = None
+    tokens_per_day: int | None = None
+
+
+@dataclass(frozen=True)
+class KeyLimits:
+    """A key's ``limits`` block (``router/limits.py`` enforces it)."""
+
+    rates: KeyRates = field(default_factory=KeyRates)
+    default_max_tokens: int = 1024
+    window_seconds: float = 60.0
+    per_model: Mapping[str, KeyRates] = field(default_factory=dict, hash=False)
+
+
+@dataclass(frozen=True)
 class ApiKey:
     name: str
     sha256: str  # lower-case hex digest of the key's bytes
     models: frozenset[str] | None  # None: every model
+    limits: KeyLimits | None = None  # None: no limits and no usage accounting
 
 
 @dataclass(frozen=True)
@@ -206,6 +229,8 @@ def semantic_errors(doc: Mapping[str, Any]) -> list[ConfigError]:
         if k["sha256"] in hashes:
             errors.append(ConfigError(f"/api_keys/{i}/sha256", f"same key hash as /api_keys/{hashes[k['sha256']]}"))
         hashes.setdefault(k["sha256"], i)
+        if "limits" in k:
+            errors += _key_limits_errors(k, f"/api_keys/{i}")
     if "static_endpoints" in doc and "control_plane" in doc:
         errors.append(ConfigError("/control_plane", "set either static_endpoints or control_plane, not both"))
     ids: dict[str, int] = {}
@@ -251,6 +276,46 @@ def semantic_errors(doc: Mapping[str, Any]) -> list[ConfigError]:
     return errors
 
 
+_RATES = tuple(f.name for f in fields(KeyRates))
+_TOKEN_RATES = ("output_tokens_per_minute", "tokens_per_minute", "tokens_per_day")
+
+
+def _key_limits_errors(key: Mapping[str, Any], where: str) -> list[ConfigError]:
+    """A per-model block for a model the key may not use, or a default reservation no window could hold."""
+    errors: list[ConfigError] = []
+    lim = key["limits"]
+    default = lim["default_max_tokens"]
+    models = key["models"]
+    blocks = [(f"{where}/limits", lim)]
+    for model, rates in (lim.get("per_model") or {}).items():
+        at = f"{where}/limits/per_model/{_pointer_token(model)}"
+        if models != "*" and model not in models:
+            errors.append(ConfigError(at, f"model {model!r} is not among this key's models"))
+        blocks.append((at, rates))
+    for at, rates in blocks:
+        for name in _TOKEN_RATES:
+            if name in rates and rates[name] < default:
+                errors.append(ConfigError(
+                    f"{at}/{name}", f"{rates[name]} is below default_max_tokens ({default}): a request that "
+                    "sets no max_tokens could never be admitted; lower default_max_tokens"))
+    return errors
+
+
+def _pointer_token(name: str) -> str:
+    return name.replace("~", "~0").replace("/", "~1")
+
+
+def _key_limits(raw: Mapping[str, Any] | None) -> KeyLimits | None:
+    if raw is None:
+        return None
+    return KeyLimits(
+        rates=KeyRates(**{n: raw.get(n) for n in _RATES}),
+        default_max_tokens=raw["default_max_tokens"],
+        window_seconds=float(raw["window_seconds"]),
+        per_model={m: KeyRates(**{n: r.get(n) for n in _RATES}) for m, r in (raw.get("per_model") or {}).items()},
+    )
+
+
 def _build(doc: Mapping[str, Any]) -> RouterSettings:
     """Settings from a valid document with the schema's defaults filled in."""
     listen = doc["listen"]
@@ -259,6 +324,7 @@ def _build(doc: Mapping[str, Any]) -> RouterSettings:
             name=k["name"],
             sha256=k["sha256"],
             models=None if k["models"] == "*" else frozenset(k["models"]),
+            limits=_key_limits(k.get("limits")),
         )
         for k in doc.get("api_keys") or []
     )

@@ -1,0 +1,135 @@
+"""Reading what a request used from the engine's answer: ``usage`` of a whole body or of a stream.
+
+Only requests of keys with a ``limits`` block are read here; every other
+answer is relayed as bytes, unparsed.  A stream's usage arrives in its last
+event (``stream_options.include_usage``: ``"choices":[]`` and a ``usage``
+object), which the router asks the engine for on a limited key's stream.
+When the client did not ask for it, that event is cut out before the client
+sees it (``StreamMeter(strip=True)``), so the client gets exactly the
+stream it asked for.  A stream that ends without usage (the client left,
+the engine broke) is charged one completion token per event relayed: the
+engine sends one event per token it generates (the role-only first event
+and ``[DONE]`` are counted too: at most two tokens over).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from .sse import event_data
+
+@dataclass(frozen=True)
+class Usage:
+    prompt: int
+    completion: int
+
+
+def usage_of(obj: Any) -> Usage | None:
+    """The ``usage`` of a decoded answer or stream event, when it is well formed."""
+    if not isinstance(obj, dict):
+        return None
+    return _fields(obj.get("usage"))
+
+
+def _fields(u: Any) -> Usage | None:
+    if not isinstance(u, dict):
+        return None
+    prompt = u.get("prompt_tokens")
+    completion = u.get("completion_tokens", 0)  # embeddings report none
+    if not _count(prompt) or not _count(completion):
+        return None
+    return Usage(prompt, completion)
+
+
+_DECODER = json.JSONDecoder()
+
+
+def body_usage(body: bytes) -> Usage | None:
+    """The usage of a whole (non-streamed) JSON answer, or None.
+
+    Only the ``usage`` object is decoded, found as the last ``"usage"`` followed
+    by ``:`` and ``{`` (inside a JSON string a quote is escaped, so the marker is
+    a key); anything else falls back to decoding the whole answer.
+    """
+    i = body.rfind(b'"usage"')
+    if i < 0:
+        return None
+    j = body.find(b"{", i + 7)
+    try:
+        if j > 0 and body[i + 7:j].strip() == b":":
+            return _fields(_DECODER.raw_decode(body[j:].decode("utf-8", "replace"))[0])
+        return usage_of(json.loads(body))
+    except (ValueError, RecursionError):
+        return None
+
+
+class StreamMeter:
+    """Watches a relayed stream's complete events for usage; counts events for a stream cut short."""
+
+    __slots__ = ("strip", "usage", "events")
+
+    def __init__(self, strip: bool) -> None:
+        self.strip = strip  # the router asked for include_usage, the client did not
+        self.usage: Usage | None = None
+        self.events = 0
+
+    def see(self, data: bytes) -> bytes:
+        """``data`` (complete events) as the client must get it: without the usage event when stripping.
+
+        Per read: one count and one find, both in C; events are parsed only in
+        the read that holds the usage event.
+        """
+        self.events += data.count(b"data:")
+        if data.find(b'"usage":') < 0:
+            return data
+        kept = []
+        for part in data.split(b"\n\n"):
+            if b'"usage":' in part:
+                payload = event_data(part)
+                try:
+                    obj = json.loads(payload) if payload else None
+                except (ValueError, RecursionError):
+                    obj = None
+                u = usage_of(obj)
+                if u is not None:
+                    self.usage = u
+                    if self.strip and obj.get("choices") == []:
+                        continue
+            kept.append(part)
+        return b"\n\n".join(kept)
+
+    def wrap(self, buf: Any) -> "MeteredBuffer":
+        """``buf`` (an ``EventBuffer``) whose ``feed`` passes what it releases through ``see``."""
+        return MeteredBuffer(buf, self)
+
+    def charged(self, prompt_estimate: int) -> Usage:
+        """What to settle: the engine's usage, else the prompt estimate and one token per event relayed."""
+        if self.usage is not None:
+            return self.usage
+        return Usage(prompt_estimate, max(0, self.events))
+
+
+class MeteredBuffer:
+    """An ``EventBuffer`` seen through a ``StreamMeter``: what the relay (and its splice) use as ``buf``."""
+
+    __slots__ = ("feed", "_buf")
+
+    def __init__(self, buf: Any, meter: StreamMeter) -> None:
+        self._buf = buf
+        inner, see = buf.feed, meter.see
+
+        def feed(chunk: bytes) -> bytes:
+            complete = inner(chunk)
+            return see(complete) if complete else complete
+
+        self.feed = feed
+
+    @property
+    def pending(self) -> bytes:
+        return self._buf.pending
+
+
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
