@@ -82,4 +82,4 @@ def test_the_control_plane_answers_heartbeats_and_still_answers_pings(tmp_path):
                     beating.cancel()
 
         asyncio.run(scenario())
-        assert got[:4] == ["registered", "liveness", "accepts", "answers_heartbeats"], got
+        assert got[:3] == ["registered", "liveness", "accepts"] and "answers_heartbeats" in got[3:5], got
