@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from llmgw.sim.sim_disagg import kv_transfer_json
+from llmgw.sim.sim_args import kv_transfer_json
 
 
 def parse(**doc):

@@ -28,7 +28,6 @@ from typing import Any, NoReturn, Sequence
 
 import yaml
 
-from llmgw.sim.sim_disagg import KVTransferConfig, kv_transfer_json
 from llmgw.sim.sim_kvcache import DEFAULT_BLOCK_SIZE
 
 DIALECTS = ("serve", "sglang", "llama-server")
@@ -130,14 +129,20 @@ _KV_EVENTS_FIELDS: dict[str, tuple[type | tuple[type, ...], Any]] = {
 }
 
 
-def kv_events_json(value: str) -> dict[str, Any]:
-    """``--kv-events-config``'s JSON, checked field by field as vLLM's config class checks it."""
+def _json_object(value: str) -> dict[str, Any]:
+    """A flag's JSON object (vLLM's ``--*-config`` flags), or argparse's error."""
     try:
         doc = json.loads(value)
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
     if not isinstance(doc, dict):
         raise argparse.ArgumentTypeError("expected a JSON object")
+    return doc
+
+
+def kv_events_json(value: str) -> dict[str, Any]:
+    """``--kv-events-config``'s JSON, checked field by field as vLLM's config class checks it."""
+    doc = _json_object(value)
     out = {k: default for k, (_, default) in _KV_EVENTS_FIELDS.items()}
     for key, v in doc.items():
         if key not in _KV_EVENTS_FIELDS:
@@ -156,6 +161,55 @@ def kv_events_json(value: str) -> dict[str, Any]:
         if out[key] < 1:
             raise argparse.ArgumentTypeError(f"KVEventsConfig.{key}: must be >= 1, got {out[key]}")
     return out
+
+
+ROLES = ("kv_producer", "kv_consumer", "kv_both")
+POLICIES = ("recompute", "fail")
+# KVTransferConfig's fields (vllm/config/kv_transfer.py): the simulator reads four, accepts the rest
+_FIELDS = {"kv_connector", "engine_id", "kv_buffer_device", "kv_buffer_size", "kv_role", "kv_rank",
+           "kv_parallel_size", "kv_ip", "kv_port", "kv_connector_extra_config", "kv_connector_module_path",
+           "enable_permute_local_kv", "kv_load_failure_policy"}
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """vLLM's ``--kv-transfer-config``, the fields the simulator uses."""
+
+    connector: str
+    role: str
+    load_failure_policy: str = "recompute"
+    engine_id: str | None = None  # None: a fresh uuid per process, as vLLM's default
+
+    @property
+    def producer(self) -> bool:
+        return self.role in ("kv_producer", "kv_both")
+
+    @property
+    def consumer(self) -> bool:
+        return self.role in ("kv_consumer", "kv_both")
+
+
+def kv_transfer_json(value: str) -> KVTransferConfig:
+    """``--kv-transfer-config``'s JSON, refused as vLLM's config class refuses it."""
+    doc = _json_object(value)
+    unknown = sorted(set(doc) - _FIELDS)
+    if unknown:
+        raise argparse.ArgumentTypeError(f"KVTransferConfig: unexpected field {unknown[0]!r}")
+    role = doc.get("kv_role")
+    if doc.get("kv_connector") is not None and role not in ROLES:
+        raise argparse.ArgumentTypeError(f"KVTransferConfig.kv_role: {role!r} is not one of {', '.join(ROLES)}")
+    policy = doc.get("kv_load_failure_policy", "recompute")
+    if policy not in POLICIES:
+        raise argparse.ArgumentTypeError(
+            f"KVTransferConfig.kv_load_failure_policy: {policy!r} is not one of {', '.join(POLICIES)}")
+    connector = doc.get("kv_connector")
+    if connector != "NixlConnector":
+        raise argparse.ArgumentTypeError(
+            f"KVTransferConfig.kv_connector: {connector!r}: the simulator models only NixlConnector")
+    engine_id = doc.get("engine_id")
+    if engine_id is not None and not (isinstance(engine_id, str) and engine_id):
+        raise argparse.ArgumentTypeError("KVTransferConfig.engine_id: expected a non-empty string")
+    return KVTransferConfig(connector, role, policy, engine_id)
 
 
 def _ipc_endpoint(field_name: str, endpoint: str) -> None:

@@ -33,10 +33,8 @@ disaggregated answer equals an aggregated one, as it must with a real engine und
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
-import json
 import os
 import uuid
 from dataclasses import dataclass
@@ -45,59 +43,7 @@ from typing import Any, Callable, Mapping
 import aiohttp
 from aiohttp import web
 
-ROLES = ("kv_producer", "kv_consumer", "kv_both")
-POLICIES = ("recompute", "fail")
-# KVTransferConfig's fields (vllm/config/kv_transfer.py): the simulator reads four, accepts the rest
-_FIELDS = {"kv_connector", "engine_id", "kv_buffer_device", "kv_buffer_size", "kv_role", "kv_rank",
-           "kv_parallel_size", "kv_ip", "kv_port", "kv_connector_extra_config", "kv_connector_module_path",
-           "enable_permute_local_kv", "kv_load_failure_policy"}
-
-
-@dataclass(frozen=True)
-class KVTransferConfig:
-    """vLLM's ``--kv-transfer-config``, the fields the simulator uses."""
-
-    connector: str
-    role: str
-    load_failure_policy: str = "recompute"
-    engine_id: str | None = None  # None: a fresh uuid per process, as vLLM's default
-
-    @property
-    def producer(self) -> bool:
-        return self.role in ("kv_producer", "kv_both")
-
-    @property
-    def consumer(self) -> bool:
-        return self.role in ("kv_consumer", "kv_both")
-
-
-def kv_transfer_json(value: str) -> KVTransferConfig:
-    """``--kv-transfer-config``'s JSON, refused as vLLM's config class refuses it."""
-    try:
-        doc = json.loads(value)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(doc, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object")
-    unknown = sorted(set(doc) - _FIELDS)
-    if unknown:
-        raise argparse.ArgumentTypeError(f"KVTransferConfig: unexpected field {unknown[0]!r}")
-    role = doc.get("kv_role")
-    if doc.get("kv_connector") is not None and role not in ROLES:
-        raise argparse.ArgumentTypeError(f"KVTransferConfig.kv_role: {role!r} is not one of {', '.join(ROLES)}")
-    policy = doc.get("kv_load_failure_policy", "recompute")
-    if policy not in POLICIES:
-        raise argparse.ArgumentTypeError(
-            f"KVTransferConfig.kv_load_failure_policy: {policy!r} is not one of {', '.join(POLICIES)}")
-    connector = doc.get("kv_connector")
-    if connector != "NixlConnector":
-        raise argparse.ArgumentTypeError(
-            f"KVTransferConfig.kv_connector: {connector!r}: the simulator models only NixlConnector")
-    engine_id = doc.get("engine_id")
-    if engine_id is not None and not (isinstance(engine_id, str) and engine_id):
-        raise argparse.ArgumentTypeError("KVTransferConfig.engine_id: expected a non-empty string")
-    return KVTransferConfig(connector, role, policy, engine_id)
-
+from llmgw.sim.sim_args import KVTransferConfig
 
 class TransferError(Exception):
     """Why a decode could not pull its prefilled blocks."""
