@@ -8,8 +8,10 @@ check mode on a fresh machine writes nothing; the first run forms a three-member
 etcd cluster with TLS on every listener, starts three control planes of which
 exactly one leads, and its last play proves every declared replica Ready through
 the leader and a completion answered through the standalone router; a second run
-and a second check change nothing. etcd takes only members' certificates as peers
-(an agent's, from the same CA, is refused). SIGKILL of the leader: a standby leads within the
+and a second check change nothing. etcd is on a CA of its own: its client port takes
+only the control planes' etcd client certificates (an agent's, a router's, the
+control plane's server certificate and the operator's, all from the fleet CA, are
+refused), and its peer port only members' certificates. SIGKILL of the leader: a standby leads within the
 lease. upgrade.yml restarts the control planes one at a time, the leader last.
 And a fleet with one control plane is rendered as it always was: no `ha`,
 one control-plane URL as a string.
@@ -17,6 +19,7 @@ one control-plane URL as a string.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import shutil
@@ -30,6 +33,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
 
 from fleet_harness import REPO, run_playbook
 
@@ -201,27 +206,106 @@ def test_a_second_run_and_a_check_change_nothing(ha):
         assert run.changed() == 0, (name, run.explain())
 
 
-def etcd_status(ha, port_key: str, path: str, cert: str, key: str, body: bytes | None = None) -> int:
-    """A request to the first member's client or peer listener with a fleet certificate: the HTTP status."""
-    tls = ha["root"] / "fleet"
-    ctx = ssl.create_default_context(cafile=str(ha["root"] / "pki" / "ca.crt"))
-    ctx.load_cert_chain(str(tls / cert), str(tls / key))
+def etcd_status(ha, port_key: str, path: str, cert: Path, key: Path, body: bytes | None = None,
+                ca: Path | None = None) -> int:
+    """A request to the first member's client or peer listener with this certificate: the HTTP status.
+    With a CA, the member's certificate is verified against it; without, it is not looked at, so
+    only etcd's check of ours decides."""
+    if ca is None:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    else:
+        ctx = ssl.create_default_context(cafile=str(ca))
+    ctx.load_cert_chain(str(cert), str(key))
     port = ha["ports"][CPS[0]][port_key]
     with urllib.request.urlopen(urllib.request.Request(f"https://127.0.0.1:{port}{path}", data=body),
                                 context=ctx, timeout=5) as response:
         return response.status
 
 
+def tls(ha, host: str, name: str) -> Path:
+    return ha["root"] / "fleet" / host / "etc" / "llmgw" / "tls" / name
+
+
+RANGE = ("/v3/kv/range", b'{"key": "Lw=="}')
+
+
 def test_etcd_serves_the_control_planes_and_takes_only_members_as_peers(ha):
-    """The control planes' certificate reads through the JSON gateway they use; at the peer
-    listener a member's certificate is taken and an agent's, from the same CA, refused."""
-    client = ("local-cp2/etc/llmgw/tls/etcd-client.crt", "local-cp2/etc/llmgw/tls/etcd-client.key")
-    assert etcd_status(ha, "llmgw_etcd_client_port", "/v3/kv/range", *client, body=b'{"key": "Lw=="}') == 200
-    member = ("local-cp2/etc/llmgw/tls/etcd.crt", "local-cp2/etc/llmgw/tls/etcd.key")
-    assert etcd_status(ha, "llmgw_etcd_peer_port", "/members", *member) == 200
+    """The control planes' certificate reads through the JSON gateway they use, and the member
+    proves itself with a certificate of the etcd CA, which the fleet CA does not vouch for; at
+    the peer listener a member's certificate is taken and an agent's refused."""
+    etcd_ca = tls(ha, "local-cp2", "etcd-ca.crt")
+    client = (tls(ha, "local-cp2", "etcd-client.crt"), tls(ha, "local-cp2", "etcd-client.key"))
+    assert etcd_status(ha, "llmgw_etcd_client_port", RANGE[0], *client, body=RANGE[1], ca=etcd_ca) == 200
+    with pytest.raises(urllib.error.URLError) as unverified:
+        etcd_status(ha, "llmgw_etcd_client_port", RANGE[0], *client, body=RANGE[1], ca=ha["root"] / "pki" / "ca.crt")
+    assert isinstance(unverified.value.reason, ssl.SSLCertVerificationError), unverified.value
+    member = (tls(ha, "local-cp2", "etcd.crt"), tls(ha, "local-cp2", "etcd.key"))
+    assert etcd_status(ha, "llmgw_etcd_peer_port", "/members", *member, ca=etcd_ca) == 200
     with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
-        etcd_status(ha, "llmgw_etcd_peer_port", "/members", "local-gpu0/etc/llmgw/tls/node.crt",
-                    "local-gpu0/etc/llmgw/tls/node.key")
+        etcd_status(ha, "llmgw_etcd_peer_port", "/members", tls(ha, "local-gpu0", "node.crt"),
+                    tls(ha, "local-gpu0", "node.key"))
+
+
+@pytest.mark.parametrize("who", ["agent", "router", "control plane server", "operator"])
+def test_etcd_client_port_refuses_every_fleet_ca_certificate(ha, who):
+    """#26: a stolen node certificate (every GPU node holds one) must not write the control
+    planes' store - leadership, grant secret, cordons, epoch. etcd trusts only its own CA, so
+    no certificate of the fleet CA is an etcd client, whatever usages it carries."""
+    cert, key = {
+        "agent": (tls(ha, "local-gpu0", "node.crt"), tls(ha, "local-gpu0", "node.key")),
+        "router": (tls(ha, "local-router", "router.crt"), tls(ha, "local-router", "router.key")),
+        "control plane server": (tls(ha, "local-cp1", "server.crt"), tls(ha, "local-cp1", "server.key")),
+        "operator": (ha["root"] / "pki" / "admin.crt", ha["root"] / "pki" / "admin.key"),
+    }[who]
+    with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
+        etcd_status(ha, "llmgw_etcd_client_port", RANGE[0], cert, key, body=RANGE[1])
+    with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
+        etcd_status(ha, "llmgw_etcd_client_port", "/v3/kv/put", cert, key,
+                    body=b'{"key": "L2xsbWd3L2xlYWRlcg==", "value": "bWFsbG9yeQ=="}')
+
+
+def test_the_etcd_ca_is_apart_from_the_fleet_ca(ha):
+    """Its key stays on the controller (0600); members and control planes get its certificate,
+    agents and routers nothing of it."""
+    pki = ha["root"] / "pki"
+    assert stat.S_IMODE((pki / "etcd" / "ca.key").stat().st_mode) == 0o600
+    assert (pki / "etcd" / "ca.crt").read_bytes() != (pki / "ca.crt").read_bytes()
+    for cp in CPS:
+        assert tls(ha, cp, "etcd-ca.crt").read_bytes() == (pki / "etcd" / "ca.crt").read_bytes()
+        assert stat.S_IMODE(tls(ha, cp, "etcd.key").stat().st_mode) == 0o600
+        assert installed(ha, cp, "server.yaml")["ha"]["etcd"]["ca"] == str(tls(ha, cp, "etcd-ca.crt"))
+    for host in ("local-gpu0", "local-router"):
+        assert not list(tls(ha, host, "").glob("etcd*"))
+
+
+def test_etcd_refuses_a_certificate_its_crl_names(ha):
+    """etcd reads no llmgw revocation list: the pki role gives the members a CRL signed by
+    etcd's CA (every serial on the list), which etcd reads at every handshake. One naming a
+    control plane's etcd client certificate: refused at once; the role's again: taken."""
+    pki = ha["root"] / "pki" / "etcd"
+    ca = x509.load_pem_x509_certificate((pki / "ca.crt").read_bytes())
+    installed_crl = tls(ha, CPS[0], "etcd-ca.crl")
+    original = installed_crl.read_bytes()
+    assert x509.load_pem_x509_crl(original).is_signature_valid(ca.public_key())
+    client = (tls(ha, "local-cp2", "etcd-client.crt"), tls(ha, "local-cp2", "etcd-client.key"))
+    serial = x509.load_pem_x509_certificate(client[0].read_bytes()).serial_number
+    now = datetime.datetime.now(datetime.timezone.utc)
+    crl = (x509.CertificateRevocationListBuilder().issuer_name(ca.subject).last_update(now)
+           .next_update(now + datetime.timedelta(days=1))
+           .add_revoked_certificate(x509.RevokedCertificateBuilder().serial_number(serial).revocation_date(now).build())
+           .sign(serialization.load_pem_private_key((pki / "ca.key").read_bytes(), None), hashes.SHA256()))
+    staged = installed_crl.with_name("etcd-ca.crl.test")
+    try:
+        staged.write_bytes(crl.public_bytes(serialization.Encoding.PEM))
+        staged.replace(installed_crl)
+        with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
+            etcd_status(ha, "llmgw_etcd_client_port", RANGE[0], *client, body=RANGE[1])
+    finally:
+        staged.write_bytes(original)
+        staged.replace(installed_crl)
+    assert etcd_status(ha, "llmgw_etcd_client_port", RANGE[0], *client, body=RANGE[1]) == 200
 
 
 def test_upgrade_restarts_the_control_planes_one_at_a_time_the_leader_last(ha):
