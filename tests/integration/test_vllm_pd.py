@@ -11,7 +11,9 @@ both engines start together.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import urllib.request
 
@@ -20,6 +22,7 @@ import pytest
 from realvllm import start_vllm, tiny_hf_model, vllm_python  # noqa: F401 (fixtures)
 from tests.integration.router_support import RouterProcess, openai_client, router_doc
 from tests.support.ports import free_port
+from tests.support.procfs import tree_pids
 
 PROMPT = [(7 * i + 3) % 200 + 10 for i in range(100)]  # token ids: three full 32-token blocks and a tail
 
@@ -76,7 +79,11 @@ def test_two_real_engines_over_nixl_answer_as_the_decoder_alone_and_survive_a_de
         assert got.choices[0].text == alone
         assert counter(decode, "vllm:nixl_xfer_time_seconds_count") > pulled  # the blocks crossed over NIXL
         assert router.metric("llmgw_router_prefill_total", model="tiny", outcome="ok") == 1
-        prefill.proc.send_signal(signal.SIGKILL)
+        # the whole engine dies (API server, EngineCore, worker), as on a host that lost it: a
+        # SIGKILL of the API server alone leaves its EngineCore running, orphaned
+        for pid in sorted(tree_pids(prefill.proc.pid)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         prefill.proc.wait(timeout=30)
         for _ in range(3):  # no prefill engine: the decoder prefills, the client sees nothing
             assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8,
