@@ -65,7 +65,7 @@ def report(rounds: list[dict], args: argparse.Namespace) -> str:
              f"Simulator of `{args.sim or args.base}` for both, harness of `{args.base}`, "
              f"{len(rounds)} interleaved rounds of {args.repeat} repeats; medians of each round's repeats. "
              "The load average counts the benchmark's own three processes (about 2 on a quiet machine).", "",
-             "| round | base µs/request | head µs/request | ratio | base µs/chunk | head µs/chunk | ratio | load |",
+             "| round | base µs/request | head µs/request | ratio | base µs/chunk | head µs/chunk | ratio | load average |",
              "|---|---|---|---|---|---|---|---|"]
     ratios: dict[str, list[float]] = {"per_request_us": [], "per_chunk_us": []}
     for i, r in enumerate(rounds, 1):
