@@ -13,6 +13,7 @@ import asyncio
 import logging
 import ssl
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,12 +152,7 @@ class Routing:
         # draining (or left the table) in between must not get it.
         self.sync()
         now = time.monotonic()
-
-        def eligible(m: EndpointRuntime) -> bool:
-            return (m.outstanding < m.limit and not m.endpoint.draining and m.id not in tried
-                    and not m.retired and now >= m.health.ejected_until)
-
-        choice = self.scorer.pick(group.members, eligible, payload)
+        choice = self.scorer.pick(group.members, _eligible(tried, now), payload)
         if choice is not None:
             return choice
         if tried:
@@ -165,13 +161,8 @@ class Routing:
 
     def pick_prefill(self, pgroup: ModelGroup, tried: set[str]) -> EndpointRuntime | None:
         """The prefill endpoint with the fewest requests in flight that can take one more, else None."""
-        now = time.monotonic()
-        best = None
-        for m in pgroup.members:
-            if (m.outstanding < m.limit and not m.endpoint.draining and m.id not in tried and not m.retired
-                    and now >= m.health.ejected_until and (best is None or m.outstanding < best.outstanding)):
-                best = m
-        return best
+        eligible = _eligible(tried, time.monotonic())
+        return min((m for m in pgroup.members if eligible(m)), key=lambda m: m.outstanding, default=None)
 
     def _why_none(self, group: ModelGroup, now: float) -> RouterError:
         draining = sum(1 for m in group.members if m.endpoint.draining)
@@ -221,6 +212,15 @@ class Routing:
     async def close(self) -> None:
         for rt in list(self._runtimes.values()) + self._retired:
             await rt.close()
+
+
+def _eligible(tried: set[str], now: float) -> Callable[[EndpointRuntime], bool]:
+    """Whether an endpoint may take a request's next try: room under its limit, not draining, not
+    tried by this request, still in the table, not ejected. One rule for decode and prefill picks."""
+    def eligible(m: EndpointRuntime) -> bool:
+        return (m.outstanding < m.limit and not m.endpoint.draining and m.id not in tried
+                and not m.retired and now >= m.health.ejected_until)
+    return eligible
 
 
 async def run_housekeeping(routing: Routing, interval: float = 1.0) -> None:
