@@ -358,13 +358,24 @@ def renew(ca, cert: Path, key: Path) -> int:
     """A new certificate for the node's engine key, installed as site.yml renews one inside its renewal
     window (same key): written beside the old file and renamed over it. Its serial.
 
-    Renewals are days apart; this one waits for the wall clock to leave the second of the file it
-    replaces, because watchfiles' polling misses a file replaced twice within one second."""
-    until(lambda: int(time.time()) > int(cert.stat().st_mtime), "a second later than the last renewal",
-          interval=0.05)
+    Renewals are days apart; this one makes sure the new file's modification time is in a later
+    second than the file it replaces, because watchfiles' polling compares whole seconds and misses a
+    file replaced twice within one. Waiting for ``time.time()`` to pass the second is not enough: the
+    kernel stamps files from a coarse clock that can trail it by a tick, so the file written just
+    after the boundary can still carry the old second; it is written again until it does not."""
+    before = int(cert.stat().st_mtime)
     pub = serialization.load_pem_private_key(key.read_bytes(), None).public_key()
     new = build_leaf(ca, server_request([], ["127.0.0.1"], role="engine"), pub)
-    write_public(cert, new.public_bytes(serialization.Encoding.PEM))
+    pem = new.public_bytes(serialization.Encoding.PEM)
+
+    def installed_in_a_later_second() -> bool:
+        if time.time() < before + 1:
+            return False
+        write_public(cert, pem)
+        return int(cert.stat().st_mtime) > before
+
+    until(installed_in_a_later_second, "the renewal to carry a later second than the last one",
+          interval=0.05)
     return new.serial_number
 
 
