@@ -2,7 +2,12 @@
 
 Each worker binds the port with SO_REUSEPORT and builds its own app,
 endpoint table and connection pools; the kernel spreads new connections
-across them.  One Python process saturates around one core of SSE relaying,
+across them.  SO_REUSEPORT would also let any other process of the same
+user that sets it (vLLM does, a second router would) bind the port and take
+a share of the clients without a word, so the supervisor first binds the
+port plainly and lets go: a port someone already holds fails the start,
+naming it.  A single worker does not set it at all, so nothing can join it
+later either.  One Python process saturates around one core of SSE relaying,
 so workers are how the router scales.  The parent only supervises: it
 restarts a worker that died, and on SIGTERM asks every worker to finish its
 in-flight requests (up to ``timeouts.shutdown_grace``) before exiting.  On
@@ -16,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import errno
 import gc
 import logging
 import multiprocessing
@@ -133,14 +139,26 @@ def connection_gate(settings: RouterSettings) -> SourceGate:
                       ThrottledLog(log, "connection from %(host)s%(port)s refused: %(reason)s"))
 
 
-def listen_socket(host: str, port: int, backlog: int, listen: bool = True) -> socket.socket:
+class PortInUse(Exception):
+    """The router's port is held by another process (it would otherwise share the clients silently)."""
+
+
+def listen_socket(host: str, port: int, backlog: int, listen: bool = True, share: bool = True) -> socket.socket:
+    """A bound (and listening) socket; ``share``: with SO_REUSEPORT, for workers of one router."""
     info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     family, addr = info[0], info[4]
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind(addr)
+        if share:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise PortInUse(f"cannot listen on {host or '*'}:{port}: another process holds the port "
+                                f"(ss -ltnp 'sport = :{port}' names it)") from None
+            raise
         if listen:
             sock.listen(backlog)
         sock.setblocking(False)
@@ -238,7 +256,7 @@ def serve(settings: RouterSettings, doc: Any, source: str, workers: int | None =
         raise ConfigInvalid(source, errors)
     n = workers or settings.workers
     if n == 1:
-        sock = listen_socket(settings.host, settings.port, settings.backlog)
+        sock = listen_socket(settings.host, settings.port, settings.backlog, share=False)
         port = sock.getsockname()[1]
         run_loop(serve_worker(settings, sock, lambda: _announce(settings.host, port, 1, settings.tls is not None),
                               source))
@@ -304,6 +322,8 @@ class _Supervisor:
                 # keeps anyone else from taking it until the workers have it.
                 reserve = listen_socket(self.s.host, 0, 1, listen=False)
                 self.port = reserve.getsockname()[1]
+            else:  # held by someone else (with SO_REUSEPORT or not): fail here, not share it
+                listen_socket(self.s.host, self.port, 1, listen=False, share=False).close()
             for i in range(self.n):
                 self._start(i)
             if not self._await_ready():
