@@ -1,0 +1,317 @@
+"""One router worker's slices of limited keys' allowances, leased from the control plane.
+
+With a control plane (``allowance.mode: shared``), a limited key's window
+limits (requests, tokens in, out and total per window, tokens per day) are
+not counted by the worker's own windows: each worker spends *slices* leased
+from the control plane's books (``controlplane/allowance.py``), so the
+key's limit holds across every router and worker.  One slice per key,
+scope (the key's own limits, or a ``per_model`` block) and dimension.
+
+* **No round trip per request**: admission takes from the slices held
+  (``take``, synchronous, no I/O); only a request that finds a slice short
+  or past its lease waits for one exchange with the control plane, and one
+  exchange at a time per worker (the rest wait for it and look again).
+* **Refreshed before it runs out**: a slice spent below a quarter of its
+  grant is topped up in the background while the pool is far from its
+  limit; near it nothing is fetched ahead, so the last units of a window go
+  to the workers whose requests need them.
+* **Returned**: a slice is given back (what it did not spend, and how long
+  ago it last spent) when its lease ends or when the worker asks for the
+  same pool again; the books free the unspent part at once.
+* **Tokens settle into the slice**: a request that used fewer tokens than
+  it reserved gives the difference back to the slice it took them from
+  (while that lease lasts); one that used more leaves a debt that the next
+  ask covers, so the books hear of every token.
+* **Leases end on our clock first**: a lease's end counts from when the
+  ask was sent, which precedes the grant, so a worker never spends a slice
+  the control plane already counts as ended.
+
+``on_outage`` decides what happens when the control plane does not answer
+(``serve``: spend the slices held past their lease, then each worker's own
+windows; ``refuse``: 429).  Concurrent requests stay per worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import ssl
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import aiohttp
+
+from llmgw.protocol import ALLOWANCE_PATH
+
+from .limits import BUDGET, NAMES, REQUESTS, KeyState, RateView, Refused, Rule, Ticket
+
+log = logging.getLogger("llmgw.router.allowance")
+
+__all__ = ["Allowance", "Slice", "Unavailable", "Short"]
+
+TOP_UP_BELOW = 0.25  # share of a grant left when a background top-up starts
+RETURN_EVERY = 0.5  # seconds between looks for slices whose lease has ended
+
+
+class Unavailable(Exception):
+    """The control plane did not answer an exchange (down, unreachable, standby, books still new)."""
+
+    def __init__(self, why: str, retry_after: float = 1.0) -> None:
+        super().__init__(why)
+        self.retry_after = retry_after
+
+
+class Slice:
+    """What this worker holds of one pool; ``adjust`` is a ``limits.Window``'s, for ``Limiter.settle``."""
+
+    __slots__ = ("pool", "limit", "span", "lease", "balance", "granted", "expires", "last_spend", "spent",
+                 "remaining", "reset_at", "denied_until", "retry_after")
+
+    def __init__(self, pool: tuple[str, str, str], limit: int, span: float) -> None:
+        self.pool = pool
+        self.limit = limit
+        self.span = span
+        self.lease: str | None = None
+        self.balance = 0  # units left of the lease; negative: a debt the next ask covers
+        self.granted = 0
+        self.expires = 0.0  # on this worker's monotonic clock
+        self.last_spend = 0.0
+        self.spent = False
+        self.remaining = limit  # free in the books after our last grant
+        self.reset_at = 0.0
+        self.denied_until = 0.0  # the books said no until then
+        self.retry_after = 0.0
+
+    def adjust(self, entry: Any, delta: int, now: float) -> None:
+        """Settle a request's tokens: a debt always, a credit only into the lease they came from."""
+        if delta > 0 or entry == self.lease:
+            self.balance -= delta
+
+    def give_back(self, now: float) -> dict[str, Any] | None:
+        """Detach the lease for return: the entry of the exchange, or None without one."""
+        if self.lease is None:
+            return None
+        out = {"lease": self.lease, "unused": max(0, self.balance),
+               "idle": round(min(86400.0, max(0.0, now - self.last_spend)), 3) if self.spent else 0.0}
+        self.lease = None
+        self.balance = min(0, self.balance)
+        self.spent = False
+        return out
+
+
+@dataclass
+class Short:
+    """Admission needs the control plane: what to ask for (pool -> (limit, span, need))."""
+
+    asks: dict[tuple[str, str, str], tuple[int, float, int]]
+
+
+class Allowance:
+    """This worker's slices, the exchange with the control plane, and the background return loop."""
+
+    def __init__(self, urls: Sequence[str], ssl_context: ssl.SSLContext | None, timeout: float = 2.0,
+                 on_outage: str = "serve", clock: Any = time.monotonic) -> None:
+        self.urls = [u.rstrip("/") + ALLOWANCE_PATH for u in urls]
+        self.ssl_context = ssl_context
+        self.timeout = timeout
+        self.on_outage = on_outage
+        self.clock = clock
+        self.instance = secrets.token_hex(6)
+        self.slices: dict[tuple[str, str, str], Slice] = {}
+        self._lock = asyncio.Lock()
+        self._session: aiohttp.ClientSession | None = None
+        self._at = 0  # the url that answered last
+        self._topping: set[tuple[str, str, str]] = set()
+        self._tasks: set[asyncio.Task] = set()
+        self._problem = ""
+
+    # -- admission (no I/O) --------------------------------------------------
+
+    def take(self, state: KeyState, key: str, model: str, prompt: int, completion: int, now: float,
+             stale_ok: bool = False) -> Ticket | Refused | Short:
+        """Spend one request's reservation from the slices held, or say what to ask the control plane for."""
+        per = state.per_model.get(model)
+        rules: tuple[tuple[Rule, str], ...] = ((state.rule, ""),) if per is None else ((state.rule, ""), (per, model))
+        total = prompt + completion
+        need = (1, prompt, completion, total, total)
+        short: dict[tuple[str, str, str], tuple[int, float, int]] = {}
+        denied: Refused | None = None
+        for rule, scope in rules:
+            if rule.concurrent is not None and rule.in_flight >= rule.concurrent:
+                return Refused("concurrent_requests", 1.0, rule.concurrent, *self.views(state, key, model, now))
+            for dim, w in rule.windows:
+                n = need[dim]
+                pool = (key, scope, NAMES[dim])
+                s = self.slices.get(pool)
+                if s is None:
+                    s = self.slices[pool] = Slice(pool, w.limit, w.span)
+                s.limit, s.span = w.limit, w.span
+                if n > w.limit:
+                    return Refused(NAMES[dim], float("inf"), w.limit)
+                if s.balance >= n and s.lease is not None and (stale_ok or s.expires > now):
+                    continue
+                if s.denied_until > now and (denied is None or s.denied_until - now > denied.retry_after):
+                    denied = Refused(NAMES[dim], s.denied_until - now, w.limit)
+                short[pool] = (w.limit, w.span, n - min(0, s.balance))
+        if denied is not None:
+            return Refused(denied.dimension, denied.retry_after, denied.limit, *self.views(state, key, model, now))
+        if short:
+            return Short(short)
+        entries = []
+        top_up = []
+        for rule, scope in rules:
+            for dim, _w in rule.windows:
+                s = self.slices[(key, scope, NAMES[dim])]
+                n = need[dim]
+                s.balance -= n
+                if n:
+                    s.last_spend, s.spent = now, True
+                entries.append((s, s.lease, dim))
+                if s.balance < s.granted * TOP_UP_BELOW and s.remaining > s.granted:
+                    top_up.append((s.pool, n))
+            rule.in_flight += 1
+        if top_up:
+            self._top_up(top_up)
+        req, tok = self.views(state, key, model, now)
+        return Ticket(key, model, prompt, completion, tuple(r for r, _ in rules), entries, req, tok)
+
+    def views(self, state: KeyState, key: str, model: str, now: float) -> tuple[RateView | None, RateView | None]:
+        """(requests, tokens) for OpenAI's headers: the books' room as of our last grant, less what we spent since."""
+        scopes = ("",) if model not in state.per_model else ("", model)
+        req = tok = None
+        for scope, rule in zip(scopes, (state.rule, state.per_model.get(model))):
+            for dim, w in rule.windows:
+                if dim == BUDGET:
+                    continue
+                s = self.slices.get((key, scope, NAMES[dim]))
+                view = (w.limit, max(0, s.remaining + max(0, s.balance)) if s else w.limit,
+                        max(0.0, s.reset_at - now) if s else 0.0)
+                if dim == REQUESTS:
+                    req = view if req is None or view[1] < req[1] else req
+                elif tok is None or view[1] < tok[1]:
+                    tok = view
+        return req, tok
+
+    # -- the exchange ----------------------------------------------------------
+
+    async def fetch(self, short: Short) -> None:
+        """Ask for the pools of ``short`` (returning what this worker holds of them); raise ``Unavailable``."""
+        async with self._lock:
+            now = self.clock()
+            asks = []
+            for pool, (limit, span, need) in short.asks.items():
+                s = self.slices.get(pool)
+                if s is not None and s.lease is not None and s.expires > now and s.balance >= need:
+                    continue  # an exchange while we waited for the lock brought enough
+                asks.append((pool, limit, span, need))
+            if asks:
+                await self._exchange(asks, now)
+
+    async def _exchange(self, asks: list[tuple[tuple[str, str, str], int, float, int]], now: float) -> None:
+        """One POST: return the asked pools' leases and every ended lease, then apply the answers."""
+        returns, detached = [], []
+        asked = {a[0] for a in asks}
+        for pool, s in self.slices.items():
+            if s.lease is not None and (pool in asked or s.expires <= now):
+                lease, balance, spent = s.lease, s.balance, s.spent
+                returns.append(s.give_back(now))
+                detached.append((s, lease, balance, spent))
+        body = {"instance": self.instance, "returns": returns,
+                "asks": [{"key": p[0], "scope": p[1], "dimension": p[2], "limit": limit, "span": span,
+                          "need": max(0, need)} for p, limit, span, need in asks]}
+        try:
+            doc = await self._post(body)
+        except Unavailable:
+            for s, lease, balance, spent in detached:  # nothing was returned: keep serving on it
+                if s.lease is None:
+                    s.lease, s.balance, s.spent = lease, balance, spent
+            raise
+        for (pool, _limit, _span, _need), answer in zip(asks, doc.get("answers", ())):
+            s = self.slices[pool]
+            if "lease" in answer:
+                s.lease = answer["lease"]
+                s.balance += int(answer["amount"])
+                s.granted = int(answer["amount"])
+                s.expires = now + float(answer["ttl"])
+                s.remaining = int(answer["remaining"])
+                s.reset_at = now + float(answer["reset"])
+                s.denied_until = 0.0
+            else:
+                wait = answer.get("retry_after")
+                s.denied_until = now + (float(wait) if wait is not None else float(self.timeout))
+                s.remaining = 0
+                s.reset_at = now + float(answer.get("reset", 0.0))
+
+    async def _post(self, body: dict[str, Any]) -> dict[str, Any]:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout),
+                connector=aiohttp.TCPConnector(limit=2, ssl=self.ssl_context if self.ssl_context is not None else True))
+        problem, retry = "", 1.0
+        for i in range(len(self.urls)):
+            url = self.urls[(self._at + i) % len(self.urls)]
+            try:
+                async with self._session.post(url, json=body, allow_redirects=False) as r:
+                    if r.status == 200:
+                        doc = await r.json()
+                        self._at = (self._at + i) % len(self.urls)
+                        if self._problem:
+                            log.info("allowance exchange with %s works again", url)
+                            self._problem = ""
+                        return doc
+                    text = (await r.content.read(300)).decode("utf-8", "replace")
+                    problem = f"HTTP {r.status} from {url}: {text}"
+                    if r.status == 503:
+                        retry = float(r.headers.get("Retry-After", "1") or 1)
+            except asyncio.CancelledError:
+                raise
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as e:
+                problem = f"{type(e).__name__} from {url}: {e}"
+        if problem != self._problem:
+            log.warning("allowance exchange failed: %s; on_outage: %s", problem, self.on_outage)
+            self._problem = problem
+        raise Unavailable(problem, retry)
+
+    # -- background --------------------------------------------------------------
+
+    def _top_up(self, pools: list[tuple[tuple[str, str, str], int]]) -> None:
+        pools = [(p, n) for p, n in pools if p not in self._topping]
+        if not pools:
+            return
+        for p, _ in pools:
+            self._topping.add(p)
+
+        async def run() -> None:
+            try:
+                async with self._lock:
+                    now = self.clock()
+                    asks = [(p, self.slices[p].limit, self.slices[p].span, max(1, n) - min(0, self.slices[p].balance))
+                            for p, n in pools]
+                    await self._exchange(asks, now)
+            except Unavailable:
+                pass
+            finally:
+                for p, _ in pools:
+                    self._topping.discard(p)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def run_returns(self) -> None:
+        """Return slices whose lease ended, for as long as the worker runs."""
+        try:
+            while True:
+                await asyncio.sleep(RETURN_EVERY)
+                now = self.clock()
+                if any(s.lease is not None and s.expires <= now for s in self.slices.values()):
+                    async with self._lock:
+                        try:
+                            await self._exchange([], self.clock())
+                        except Unavailable:
+                            pass
+        finally:
+            if self._session is not None:
+                await self._session.close()

@@ -1,0 +1,166 @@
+"""Router workers spending slices leased from one set of books (router/allowance.py + controlplane/allowance.py).
+
+The exchange is the control plane's own (``allowance_api.exchange``) called
+in place of the HTTP POST, on a fake clock; the route and the real
+processes are tested in tests/integration/test_fleet_key_allowance.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+from llmgw.controlplane.allowance import AllowanceBook
+from llmgw.controlplane.allowance_api import exchange
+from llmgw.router.allowance import Allowance, Unavailable
+from llmgw.router.limits import Limiter, Refused, Ticket
+from llmgw.router.settings import ApiKey, KeyLimits, KeyRates
+
+LEASE = 2.0
+WINDOW = 10.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def workers(n: int, book: AllowanceBook, clock: Clock, down: list | None = None, **rates):
+    keys = [ApiKey("k", "0" * 64, None, KeyLimits(KeyRates(**rates), default_max_tokens=4, window_seconds=WINDOW))]
+    out = []
+    for i in range(n):
+        al = Allowance(["https://cp"], None, clock=clock, on_outage="refuse")
+        lm = Limiter(keys)
+
+        async def post(body, al=al, i=i):
+            if down:
+                raise Unavailable("down", 1.0)
+            status, answer = exchange(book, (f"router-{i // 2}", al.instance), body, clock())
+            if status != 200:
+                raise Unavailable(answer["error"], answer["retry_after"])
+            return answer
+
+        al._post = post
+        out.append((al, lm.keys["k"]))
+    return out
+
+
+async def admit(al: Allowance, state, prompt: int = 1, completion: int = 1):
+    got = al.take(state, "k", "m", prompt, completion, al.clock())
+    for _ in range(2):
+        if isinstance(got, (Ticket, Refused)):
+            return got
+        await al.fetch(got)
+        got = al.take(state, "k", "m", prompt, completion, al.clock())
+    return got
+
+
+def test_four_workers_admit_exactly_the_limit_then_serve_again_after_the_window():
+    clock = Clock()
+    book = AllowanceBook(LEASE, clock.t - LEASE)
+    ws = workers(4, book, clock, requests_per_minute=12)
+
+    async def run():
+        got = []
+        for i in range(40):
+            clock.t += 0.01
+            al, st = ws[i % 4]
+            got.append(await admit(al, st))
+        return got
+
+    got = asyncio.run(run())
+    admitted = [g for g in got if isinstance(g, Ticket)]
+    refused = [g for g in got if isinstance(g, Refused)]
+    assert len(admitted) == 12 and len(refused) == 28
+    assert all(0 < r.retry_after <= WINDOW + LEASE for r in refused)
+    assert refused[0].requests[1] == 0  # x-ratelimit-remaining-requests
+
+    clock.t += WINDOW + LEASE + 0.1  # every slice spent, its window over
+
+    async def later():
+        out = []
+        for al, st in ws:
+            await al._exchange([], clock())  # the return loop's pass: leases that ended go back
+        for i in range(4):
+            out.append(await admit(*ws[i]))
+        return out
+
+    assert all(isinstance(g, Ticket) for g in asyncio.run(later()))
+
+
+def test_unspent_slices_come_back_to_the_workers_that_need_them():
+    clock = Clock()
+    book = AllowanceBook(LEASE, clock.t - LEASE)
+    (a, sa), (b, sb) = workers(2, book, clock, requests_per_minute=100)
+
+    async def run():
+        first = await admit(a, sa)  # a holds half of what is free, spends one
+        assert isinstance(first, Ticket)
+        held = a.slices[("k", "", "requests")].balance
+        assert held == 49
+        n = 0
+        while isinstance(await admit(b, sb), Ticket):
+            n += 1
+        assert n == 50  # all but what a holds
+        clock.t += LEASE  # a's lease ends: its return frees the 49 it did not spend
+        await a._exchange([], clock())
+        m = 0
+        while isinstance(await admit(b, sb), Ticket):
+            m += 1
+        return m
+
+    assert asyncio.run(run()) == 49
+
+
+def test_tokens_settle_into_the_slice_and_a_debt_is_asked_for():
+    clock = Clock()
+    book = AllowanceBook(LEASE, clock.t - LEASE)
+    (a, sa), = workers(1, book, clock, tokens_per_minute=1000)
+    lm = Limiter([])
+
+    async def run():
+        t = await admit(a, sa, prompt=100, completion=100)
+        s = a.slices[("k", "", "tokens")]
+        before = s.balance
+        lm.settle(t, 50, 10, clock())  # used 60 of the 200 reserved
+        assert s.balance == before + 140
+        t2 = await admit(a, sa, prompt=10, completion=10)
+        lm.settle(t2, 10, s.balance + 500, clock())  # far more than reserved: a debt
+        assert s.balance < 0
+        t3 = await admit(a, sa, prompt=1, completion=1)
+        assert isinstance(t3, Ticket) and s.balance >= 0
+        counted = book.outstanding(("k", "", "tokens"), clock())
+        return counted
+
+    assert asyncio.run(run()) <= 1000
+
+
+def test_on_outage_refuse_spends_only_live_slices():
+    clock = Clock()
+    book = AllowanceBook(LEASE, clock.t - LEASE)
+    down: list = []
+    (a, sa), = workers(1, book, clock, down, requests_per_minute=10)
+
+    async def run():
+        assert isinstance(await admit(a, sa), Ticket)  # a slice of 5
+        down.append(True)
+        for _ in range(4):
+            assert isinstance(await admit(a, sa), Ticket)
+        try:
+            await admit(a, sa)
+        except Unavailable:
+            return True
+        return False
+
+    assert asyncio.run(run())
+
+
+def test_a_request_larger_than_the_limit_is_refused_for_good_without_asking():
+    clock = Clock()
+    book = AllowanceBook(LEASE, clock.t - LEASE)
+    (a, sa), = workers(1, book, clock, tokens_per_minute=100)
+    got = a.take(sa, "k", "m", 90, 20, clock())
+    assert isinstance(got, Refused) and math.isinf(got.retry_after)
