@@ -164,3 +164,28 @@ def test_a_request_larger_than_the_limit_is_refused_for_good_without_asking():
     (a, sa), = workers(1, book, clock, tokens_per_minute=100)
     got = a.take(sa, "k", "m", 90, 20, clock())
     assert isinstance(got, Refused) and math.isinf(got.retry_after)
+
+
+def test_what_is_spent_while_a_return_is_on_its_way_is_charged_to_the_next_lease():
+    """The books count exactly what the worker spent plus what it still holds, through a top-up."""
+    clock = Clock()
+    book = AllowanceBook(LEASE, clock.t - LEASE)
+    (a, sa), = workers(1, book, clock, requests_per_minute=100)
+    pool = ("k", "", "requests")
+    inner = a._post
+    spent = []
+
+    async def slow_post(body):  # requests keep being admitted on the old lease while the exchange travels
+        for _ in range(3):
+            spent.append(a.take(sa, "k", "m", 1, 1, clock()))
+        return await inner(body)
+
+    async def run():
+        spent.append(await admit(a, sa))
+        a._post = slow_post
+        await a._exchange([(pool, 100, WINDOW, 1)], clock())
+        return a.slices[pool].balance
+
+    balance = asyncio.run(run())
+    assert len(spent) == 4 and all(isinstance(t, Ticket) for t in spent)
+    assert book.outstanding(pool, clock()) == len(spent) + balance

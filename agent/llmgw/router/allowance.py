@@ -89,16 +89,20 @@ class Slice:
         if delta > 0 or entry == self.lease:
             self.balance -= delta
 
-    def give_back(self, now: float) -> dict[str, Any] | None:
-        """Detach the lease for return: the entry of the exchange, or None without one."""
-        if self.lease is None:
-            return None
-        out = {"lease": self.lease, "unused": max(0, self.balance),
-               "idle": round(min(86400.0, max(0.0, now - self.last_spend)), 3) if self.spent else 0.0}
+    def returned(self, now: float) -> dict[str, Any]:
+        """The lease as an exchange returns it: what is unspent now, and how long ago it last spent.
+
+        The lease stays in use while the exchange is on its way: what it
+        spends meanwhile is charged to the next lease (``settle_return``).
+        """
+        return {"lease": self.lease, "unused": max(0, self.balance),
+                "idle": round(min(86400.0, max(0.0, now - self.last_spend)), 3) if self.spent else 0.0}
+
+    def settle_return(self, unused: int) -> None:
+        """The books took the lease back with ``unused`` units: what was spent of those since is a debt."""
+        self.balance -= unused
         self.lease = None
-        self.balance = min(0, self.balance)
         self.spent = False
-        return out
 
 
 @dataclass
@@ -210,24 +214,27 @@ class Allowance:
                 await self._exchange(asks, now)
 
     async def _exchange(self, asks: list[tuple[tuple[str, str, str], int, float, int]], now: float) -> None:
-        """One POST: return the asked pools' leases and every ended lease, then apply the answers."""
-        returns, detached = [], []
+        """One POST: return the asked pools' leases and every ended lease, then apply the answers.
+
+        A returned lease is spent from until the answer comes (a request
+        does not wait for a top-up); the books free what was unspent when
+        the exchange was sent, so what was spent of that since is charged
+        to the new lease, or kept as a debt when none is granted.  An
+        exchange that fails changes nothing here.
+        """
+        returns, sent = [], []
         asked = {a[0] for a in asks}
         for pool, s in self.slices.items():
             if s.lease is not None and (pool in asked or s.expires <= now):
-                lease, balance, spent = s.lease, s.balance, s.spent
-                returns.append(s.give_back(now))
-                detached.append((s, lease, balance, spent))
+                r = s.returned(now)
+                returns.append(r)
+                sent.append((s, r["unused"]))
         body = {"instance": self.instance, "returns": returns,
                 "asks": [{"key": p[0], "scope": p[1], "dimension": p[2], "limit": limit, "span": span,
                           "need": max(0, need)} for p, limit, span, need in asks]}
-        try:
-            doc = await self._post(body)
-        except Unavailable:
-            for s, lease, balance, spent in detached:  # nothing was returned: keep serving on it
-                if s.lease is None:
-                    s.lease, s.balance, s.spent = lease, balance, spent
-            raise
+        doc = await self._post(body)
+        for s, unused in sent:
+            s.settle_return(unused)
         for (pool, _limit, _span, _need), answer in zip(asks, doc.get("answers", ())):
             s = self.slices[pool]
             if "lease" in answer:
