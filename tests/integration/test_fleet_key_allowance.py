@@ -6,7 +6,9 @@ their own router certificates and two workers each, leasing slices of the
 key's allowance over mutual TLS.  The official ``openai`` client is spread
 over both routers (the kernel spreads each router's connections over its
 workers).  Each worker enforcing the whole limit on its own would admit up
-to four times it.
+to four times it.  With the control plane killed (``on_outage: refuse``) the
+key is refused once the slices held have ended, and served again once a
+restarted control plane's books grant.
 """
 
 from __future__ import annotations
@@ -108,6 +110,19 @@ def test_a_keys_requests_per_minute_hold_across_two_routers_of_two_workers(tmp_p
         for c in patient:
             out = c.chat.completions.create(model="tiny", messages=MSG, max_tokens=2)
             assert out.choices
+
+        # the control plane away (on_outage: refuse): once the leases held have ended, every request of the
+        # key is refused with a Retry-After, none admitted past what the books granted
+        f.server.kill()
+        time.sleep(LEASE + 0.2)  # the workers' own clocks end their leases
+        down_ok, down = _burst(ports, 8)
+        assert not down_ok and len(down) == 8
+        assert all(int(h["retry-after"]) >= 1 for h in down), [dict(h) for h in down]
+        # back: the new books grant after one lease time, and the key is served again
+        f.server.start()
+        f.wait_healthy()
+        until(lambda: serving(ports[0], "sk-team") and serving(ports[1], "sk-team"), "the key served again",
+              on_timeout=f.dump)
 
         # an operator's certificate cannot lease a key's allowance: only a router's may
         with httpx.Client(verify=client_context(f.pki.ca_cert, *f.pki.admin), timeout=10) as admin:

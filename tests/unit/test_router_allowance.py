@@ -189,3 +189,30 @@ def test_what_is_spent_while_a_return_is_on_its_way_is_charged_to_the_next_lease
     balance = asyncio.run(run())
     assert len(spent) == 4 and all(isinstance(t, Ticket) for t in spent)
     assert book.outstanding(pool, clock()) == len(spent) + balance
+
+
+def test_the_gate_on_an_outage_serves_on_its_own_windows_or_refuses_as_configured():
+    from llmgw.router.limitsgate import LimitsGate
+    from llmgw.router.metrics import RouterMetrics
+
+    clock = Clock()
+    book = AllowanceBook(LEASE, clock.t - LEASE)
+    down: list = [True]
+
+    def gate(on_outage: str):
+        (al, state), = workers(1, book, clock, down, requests_per_minute=3)
+        al.on_outage = on_outage
+        g = LimitsGate(Limiter([ApiKey("k", "0" * 64, None, KeyLimits(KeyRates(requests_per_minute=3),
+                                                                          window_seconds=WINDOW))]), RouterMetrics())
+        g.allowance = al
+        return g, g.limiter.keys["k"]
+
+    async def run(on_outage: str):
+        g, state = gate(on_outage)
+        return [await g._shared(g.allowance, state, "k", "m", 1, 1) for _ in range(4)]
+
+    served = asyncio.run(run("serve"))
+    assert [type(t) for t in served] == [Ticket, Ticket, Ticket, Refused]  # this worker's own window of 3
+    refused = asyncio.run(run("refuse"))
+    assert all(isinstance(r, Refused) and r.dimension == "allowance_unavailable" and r.retry_after >= 1
+               for r in refused)
