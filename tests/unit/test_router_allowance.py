@@ -216,3 +216,16 @@ def test_the_gate_on_an_outage_serves_on_its_own_windows_or_refuses_as_configure
     refused = asyncio.run(run("refuse"))
     assert all(isinstance(r, Refused) and r.dimension == "allowance_unavailable" and r.retry_after >= 1
                for r in refused)
+
+
+def test_a_worker_that_stops_gives_every_slice_back():
+    clock = Clock()
+    book = AllowanceBook(LEASE, clock.t - LEASE)
+    (a, sa), = workers(1, book, clock, requests_per_minute=100)
+
+    async def run():
+        assert isinstance(await admit(a, sa), Ticket)  # holds a slice of 50, spent 1
+        await a.close()
+
+    asyncio.run(run())
+    assert book.outstanding(("k", "", "requests"), clock()) == 1  # only what was spent

@@ -34,6 +34,7 @@ windows; ``refuse``: 429).  Concurrent requests stay per worker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import ssl
@@ -213,7 +214,8 @@ class Allowance:
             if asks:
                 await self._exchange(asks, now)
 
-    async def _exchange(self, asks: list[tuple[tuple[str, str, str], int, float, int]], now: float) -> None:
+    async def _exchange(self, asks: list[tuple[tuple[str, str, str], int, float, int]], now: float,
+                        everything: bool = False) -> None:
         """One POST: return the asked pools' leases and every ended lease, then apply the answers.
 
         A returned lease is spent from until the answer comes (a request
@@ -225,7 +227,7 @@ class Allowance:
         returns, sent = [], []
         asked = {a[0] for a in asks}
         for pool, s in self.slices.items():
-            if s.lease is not None and (pool in asked or s.expires <= now):
+            if s.lease is not None and (everything or pool in asked or s.expires <= now):
                 r = s.returned(now)
                 returns.append(r)
                 sent.append((s, r["unused"]))
@@ -308,7 +310,7 @@ class Allowance:
         task.add_done_callback(self._tasks.discard)
 
     async def run_returns(self) -> None:
-        """Return slices whose lease ended, for as long as the worker runs."""
+        """Return slices whose lease ended, for as long as the worker runs; every slice when it stops."""
         try:
             while True:
                 await asyncio.sleep(RETURN_EVERY)
@@ -319,6 +321,24 @@ class Allowance:
                             await self._exchange([], self.clock())
                         except Unavailable:
                             pass
+        except asyncio.CancelledError:
+            await self.close()
+            raise
+
+    async def close(self) -> None:
+        """Give every slice back (a worker restarting strands nothing for a window), then close the session."""
+        try:
+            if any(s.lease is not None for s in self.slices.values()):
+                async def give_back() -> None:
+                    async with self._lock:
+                        await self._exchange([], self.clock(), everything=True)
+                task = asyncio.ensure_future(give_back())
+                done, _ = await asyncio.wait({task}, timeout=self.timeout)  # never wait_for here: a cancellation must not become a timeout
+                if not done:
+                    task.cancel()
+                with contextlib.suppress(Unavailable, asyncio.CancelledError):
+                    await task
         finally:
             if self._session is not None:
                 await self._session.close()
+                self._session = None
