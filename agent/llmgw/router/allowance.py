@@ -166,6 +166,7 @@ class Allowance:
             return Short(short)
         entries = []
         top_up = []
+        req = tok = None  # the slices with the least room left, for the headers
         for rule, scope in rules:
             for dim, _w in rule.windows:
                 s = self.slices[(key, scope, NAMES[dim])]
@@ -176,11 +177,16 @@ class Allowance:
                 entries.append((s, s.lease, dim))
                 if s.balance < s.granted * TOP_UP_BELOW and s.remaining > s.granted:
                     top_up.append((s.pool, n))
+                if dim == REQUESTS:
+                    if req is None or s.remaining + s.balance < req.remaining + req.balance:
+                        req = s
+                elif dim != BUDGET and (tok is None or s.remaining + s.balance < tok.remaining + tok.balance):
+                    tok = s
             rule.in_flight += 1
         if top_up:
             self._top_up(top_up)
-        req, tok = self.views(state, key, model, now)
-        return Ticket(key, model, prompt, completion, tuple(r for r, _ in rules), entries, req, tok)
+        return Ticket(key, model, prompt, completion, tuple(r for r, _ in rules), entries,
+                      None if req is None else _view(req, now), None if tok is None else _view(tok, now))
 
     def views(self, state: KeyState, key: str, model: str, now: float) -> tuple[RateView | None, RateView | None]:
         """(requests, tokens) for OpenAI's headers: the books' room as of our last grant, less what we spent since."""
@@ -191,8 +197,7 @@ class Allowance:
                 if dim == BUDGET:
                     continue
                 s = self.slices.get((key, scope, NAMES[dim]))
-                view = (w.limit, max(0, s.remaining + max(0, s.balance)) if s else w.limit,
-                        max(0.0, s.reset_at - now) if s else 0.0)
+                view = _view(s, now) if s is not None else (w.limit, w.limit, 0.0)
                 if dim == REQUESTS:
                     req = view if req is None or view[1] < req[1] else req
                 elif tok is None or view[1] < tok[1]:
@@ -342,3 +347,8 @@ class Allowance:
             if self._session is not None:
                 await self._session.close()
                 self._session = None
+
+
+def _view(s: Slice, now: float) -> RateView:
+    """(limit, remaining, reset seconds) of a pool as this worker sees it."""
+    return (s.limit, max(0, s.remaining + max(0, s.balance)), max(0.0, s.reset_at - now))
