@@ -229,3 +229,32 @@ def test_a_worker_that_stops_gives_every_slice_back():
 
     asyncio.run(run())
     assert book.outstanding(("k", "", "requests"), clock()) == 1  # only what was spent
+
+
+def test_once_an_exchange_failed_requests_do_not_each_wait_out_the_timeout():
+    """A control plane that accepts and never answers: one request waits for it, the next ones do not."""
+    from llmgw.router.allowance import Short
+
+    async def run():
+        connections = []
+
+        async def silent(reader, writer):
+            connections.append(writer)
+            await reader.read(65536)
+            await asyncio.sleep(30)
+
+        server = await asyncio.start_server(silent, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        al = Allowance([f"http://127.0.0.1:{port}"], None, timeout=0.3, on_outage="refuse")
+        short = Short({("k", "", "requests"): (10, 60.0, 1)})
+        failed = 0
+        for _ in range(5):
+            try:
+                await al.fetch(short)
+            except Unavailable:
+                failed += 1
+        await al.close()
+        server.close()
+        return failed, len(connections)
+
+    assert asyncio.run(run()) == (5, 1)

@@ -54,6 +54,7 @@ __all__ = ["Allowance", "Slice", "Unavailable", "Short"]
 
 TOP_UP_BELOW = 0.25  # share of a grant left when a background top-up starts
 RETURN_EVERY = 0.5  # seconds between looks for slices whose lease has ended
+DOWN_FOR = 1.0  # after a failed exchange, requests go straight to on_outage for this long
 
 
 class Unavailable(Exception):
@@ -131,6 +132,7 @@ class Allowance:
         self._topping: set[tuple[str, str, str]] = set()
         self._tasks: set[asyncio.Task] = set()
         self._problem = ""
+        self._down_until = 0.0  # a failed exchange: no request waits on another one before then
 
     # -- admission (no I/O) --------------------------------------------------
 
@@ -208,8 +210,12 @@ class Allowance:
 
     async def fetch(self, short: Short) -> None:
         """Ask for the pools of ``short`` (returning what this worker holds of them); raise ``Unavailable``."""
+        if self.clock() < self._down_until:  # just failed: do not make every request wait out a timeout
+            raise Unavailable(self._problem, DOWN_FOR)
         async with self._lock:
             now = self.clock()
+            if now < self._down_until:
+                raise Unavailable(self._problem, DOWN_FOR)
             asks = []
             for pool, (limit, span, need) in short.asks.items():
                 s = self.slices.get(pool)
@@ -283,6 +289,7 @@ class Allowance:
                 raise
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as e:
                 problem = f"{type(e).__name__} from {url}: {e}"
+        self._down_until = self.clock() + DOWN_FOR
         if problem != self._problem:
             log.warning("allowance exchange failed: %s; on_outage: %s", problem, self.on_outage)
             self._problem = problem
