@@ -258,3 +258,42 @@ def test_once_an_exchange_failed_requests_do_not_each_wait_out_the_timeout():
         return failed, len(connections)
 
     assert asyncio.run(run()) == (5, 1)
+
+
+def test_a_standby_redirects_and_the_worker_leases_from_the_next_control_plane():
+    """With ha a standby answers 307 to the leader (standby.standby_gate); the worker tries the next address."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from llmgw.controlplane.standby import standby_gate
+    from llmgw.protocol import ALLOWANCE_PATH
+    from llmgw.router.allowance import Short
+
+    clock = Clock()
+    book = AllowanceBook(LEASE, clock.t - LEASE)
+
+    async def leader_handle(request):
+        status, answer = exchange(book, ("router-a", (await request.json())["instance"]), await request.json(), clock())
+        return web.json_response(answer, status=status)
+
+    async def run():
+        leader = web.Application()
+        leader.router.add_post(ALLOWANCE_PATH, leader_handle)
+        lead = TestServer(leader)
+        await lead.start_server()
+        elector = type("E", (), {"is_leader": False, "name": "cp-b",
+                                 "leader": type("L", (), {"name": "cp-a", "epoch": 2, "url": str(lead.make_url(""))})})()
+        standby = web.Application(middlewares=[standby_gate(elector)])
+        standby.router.add_post(ALLOWANCE_PATH, leader_handle)
+        stand = TestServer(standby)
+        await stand.start_server()
+        al = Allowance([str(stand.make_url("")), str(lead.make_url(""))], None, timeout=2, clock=clock)
+        await al.fetch(Short({("k", "", "requests"): (10, WINDOW, 1)}))
+        got = al.slices[("k", "", "requests")]
+        held = (got.lease is not None, got.balance, book.outstanding(("k", "", "requests"), clock()))
+        await al.close()
+        await stand.close()
+        await lead.close()
+        return held
+
+    assert asyncio.run(run()) == (True, 5, 5)

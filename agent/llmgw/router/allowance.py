@@ -248,8 +248,8 @@ class Allowance:
         doc = await self._post(body)
         for s, unused in sent:
             s.settle_return(unused)
-        for (pool, _limit, _span, _need), answer in zip(asks, doc.get("answers", ())):
-            s = self.slices[pool]
+        for (pool, limit, span, _need), answer in zip(asks, doc.get("answers", ())):
+            s = self.slices.get(pool) or self.slices.setdefault(pool, Slice(pool, limit, span))
             if "lease" in answer:
                 s.lease = answer["lease"]
                 s.balance += int(answer["amount"])
