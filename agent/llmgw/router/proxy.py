@@ -157,5 +157,5 @@ class Proxy:
         ctx.model_label = parsed.model
         state = self.limiter.keys.get(principal.name) if self.limiter.keys else None
         if state is not None:
-            body = self.limits_gate.admit(ctx, state, principal.name, parsed, body, request.path)
+            body = await self.limits_gate.admit(ctx, state, principal.name, parsed, body, request.path)
         return await self.forwarder.forward(request, ctx, group, body, parsed.stream, parsed.payload)

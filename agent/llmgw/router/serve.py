@@ -49,6 +49,7 @@ from .app import PROXY_KEY, build_app, runner_kwargs
 from .endpoints import EndpointTable
 from .kvindex import KVIndex
 from .settings import ControlPlane, RouterSettings
+from .allowance import Allowance
 from .ejectreport import report_ejections
 from .limitsreload import reload_keys, reloaded_doc
 from .watch import watch_endpoints
@@ -181,6 +182,7 @@ async def serve_worker(settings: RouterSettings, sock: socket.socket, on_ready: 
         loop.add_signal_handler(sig, stop.set)
     table = EndpointTable(settings.static_endpoints or ())
     watch_task = None
+    allowance: Allowance | None = None
     kv_index: KVIndex | None = None  # route keys for cache-aware models, fed by the watch
     background = []
     hangups: list[Callable[[], Any]] = []  # what SIGHUP re-reads, added to as the parts start
@@ -191,6 +193,10 @@ async def serve_worker(settings: RouterSettings, sock: socket.socket, on_ready: 
         ctx = control_plane_ssl_context(settings.control_plane, revocations)
         cp_url = settings.control_plane.url
         background.append(lambda routing: report_ejections(cp_url, ctx, routing))
+        if settings.allowance.mode == "shared":  # limited keys spend slices leased from the control plane
+            allowance = Allowance(settings.control_plane.urls or (cp_url,), ctx, settings.allowance.timeout,
+                                  settings.allowance.on_outage)
+            background.append(lambda routing: allowance.run_returns())
         if settings.balancing.cache_aware.models:
             kv_index = KVIndex(stale_after=settings.balancing.cache_aware.stale_after)
         watch_task = asyncio.create_task(watch_endpoints(settings.control_plane.urls or settings.control_plane.url, ctx,
@@ -202,6 +208,7 @@ async def serve_worker(settings: RouterSettings, sock: socket.socket, on_ready: 
             log.warning("no endpoint set from the control plane after %gs; serving with none until it answers",
                         FIRST_ENDPOINTS_WAIT)
     app = build_app(settings, table, background=background, kv_index=kv_index)
+    app[PROXY_KEY].limits_gate.allowance = allowance
     if source is not None:
         in_force = [settings]
 

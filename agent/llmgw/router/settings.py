@@ -151,6 +151,15 @@ class Outlier:
 
 
 @dataclass(frozen=True)
+class Allowance:
+    """How limited keys share their limits across routers and workers (``router/allowance.py``)."""
+
+    mode: str = "shared"  # or "local"; shared needs control_plane
+    on_outage: str = "serve"  # or "refuse"
+    timeout: float = 2.0
+
+
+@dataclass(frozen=True)
 class RouterSettings:
     host: str = "127.0.0.1"
     port: int = 8080
@@ -173,6 +182,7 @@ class RouterSettings:
     disaggregation: Disaggregation = field(default_factory=Disaggregation)
     metrics_tokens: tuple[MetricsToken, ...] = ()  # bearer tokens that may read /metrics
     access_log: bool = True
+    allowance: Allowance = field(default_factory=Allowance)
 
     @property
     def engine_ca_file(self) -> str | None:
@@ -359,4 +369,5 @@ def _build(doc: Mapping[str, Any]) -> RouterSettings:
         disaggregation=Disaggregation(**doc["disaggregation"]),
         metrics_tokens=tuple(MetricsToken(t["name"], t["sha256"]) for t in doc.get("metrics_tokens") or ()),
         access_log=doc["access_log"],
+        allowance=Allowance(**doc["allowance"]),
     )
