@@ -283,7 +283,7 @@ def test_a_standby_redirects_and_the_worker_leases_from_the_next_control_plane()
         await lead.start_server()
         elector = type("E", (), {"is_leader": False, "name": "cp-b",
                                  "leader": type("L", (), {"name": "cp-a", "epoch": 2, "url": str(lead.make_url(""))})})()
-        standby = web.Application(middlewares=[standby_gate(elector)])
+        standby = web.Application(middlewares=[standby_gate(elector, lambda: 500.0)])
         standby.router.add_post(ALLOWANCE_PATH, leader_handle)
         stand = TestServer(standby)
         await stand.start_server()
