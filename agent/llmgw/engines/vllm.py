@@ -212,6 +212,7 @@ class VLLMAdapter(Adapter):
     forbidden_env = {TLS_REFRESH_ENV: USE_TLS}
     tls_capable = True
     kv_events_capable = True
+    kv_transfer_capable = True
 
     def engine_problems(self, profile: Profile) -> list[str]:
         if not profile.kv_events:
