@@ -115,6 +115,18 @@ def role_profile_name(profile: str, role: str) -> str:
     return f"{profile}{ROLE_SEPARATOR}{role}"
 
 
+def other_role(role: str) -> str:
+    return "decode" if role == "prefill" else "prefill"
+
+
+def peer_profile_name(profile: "Profile") -> str | None:
+    """The profile of the other group of ``profile``'s pair; None for a profile that is not one side of a pair."""
+    if profile.kv_transfer is None:
+        return None
+    declared = profile.name.rsplit(ROLE_SEPARATOR, 1)[0]
+    return role_profile_name(declared, other_role(profile.kv_transfer.role))
+
+
 def role_profile(p: "Profile", dis: Disaggregation, role: str) -> "Profile":
     """The profile one group of a disaggregated deployment runs: ``p`` with the group's TP and role."""
     tp = dis.group(role).tensor_parallel_size or p.tensor_parallel_size
