@@ -68,6 +68,7 @@ class Shard:
     handle: Any = None  # the driver's own hold on the engine it launched (``PopenDriver``: the Popen)
     port: int | None = None
     master_port: int | None = None
+    side_port: int | None = None  # a prefill/decode replica's KV-transfer side channel (held like the others)
     argv: tuple[str, ...] = ()
     tls: bool = False  # rank 0 serves HTTPS (with the node's engine certificate)
     launch_marker: str = ""
