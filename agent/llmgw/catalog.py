@@ -61,15 +61,16 @@ class Model:
 #
 # A disaggregated deployment is declared once (``disaggregation`` on a
 # deployment) and served as two groups of ordinary replicas: the catalog
-# derives, for each role, a profile ``<profile>@<role>`` (the group's tensor
+# derives, for each role, a profile ``<profile>:<role>`` (the group's tensor
 # parallel size, the connector and the role) and a deployment of it.  Every
 # pass that places, starts, adopts or retires replicas then handles the groups
 # as it handles any deployment; only the engine driver (the connector's flags)
-# and the endpoint feed (the router's ``role``) read the role.  ``@`` is outside
-# the names the schema accepts, so a derived profile never shadows a declared one.
+# and the endpoint feed (the router's ``role``) read the role.  ``:`` is outside
+# the names the schema accepts, so a derived profile never shadows a declared one,
+# and inside what replica and shard ids may hold (the stream schema's ``id``).
 
 ROLES = ("prefill", "decode")
-ROLE_SEPARATOR = "@"
+ROLE_SEPARATOR = ":"
 
 
 @dataclass(frozen=True)
@@ -206,7 +207,7 @@ class Deployment:
     replicas: int
     autoscale: Autoscale | None = None
     # Set on the two deployments the catalog derives from a disaggregated one (``profile`` is then
-    # the derived ``<declared>@<role>``); ``disaggregation`` keeps the declared block for views.
+    # the derived ``<declared>:<role>``); ``disaggregation`` keeps the declared block for views.
     role: str | None = None
     disaggregation: Disaggregation | None = None
 

@@ -33,9 +33,9 @@ def errors(doc) -> dict[str, str]:
 
 def test_groups_become_deployments_of_derived_profiles():
     cat = parse_server_settings(SERVER).catalog
-    assert [(d.profile, d.replicas, d.role) for d in cat.deployments] == [("p@prefill", 4, "prefill"),
-                                                                          ("p@decode", 1, "decode")]
-    pre, dec = cat.profiles["p@prefill"], cat.profiles["p@decode"]
+    assert [(d.profile, d.replicas, d.role) for d in cat.deployments] == [("p:prefill", 4, "prefill"),
+                                                                          ("p:decode", 1, "decode")]
+    pre, dec = cat.profiles["p:prefill"], cat.profiles["p:decode"]
     assert (pre.tensor_parallel_size, dec.tensor_parallel_size) == (1, 4)  # the group's, else the profile's
     assert pre.kv_transfer == KVTransfer("nixl", "prefill") and dec.kv_transfer == KVTransfer("nixl", "decode")
     assert pre.env_dict == {"UCX_TLS": "rc,cuda_copy"}  # the operator's transport choice travels
@@ -43,7 +43,7 @@ def test_groups_become_deployments_of_derived_profiles():
 
 
 def test_the_role_reaches_the_agent_and_back():
-    pre = parse_server_settings(SERVER).catalog.profiles["p@prefill"]
+    pre = parse_server_settings(SERVER).catalog.profiles["p:prefill"]
     assert spec_profile({"profile": profile_to_dict(pre)}) == pre
     plain = parse_server_settings(SERVER).catalog.profiles["p"]
     assert "kv_transfer" not in profile_to_dict(plain)  # an agent that predates it would refuse the key
@@ -65,3 +65,18 @@ def test_refused_at_its_pointer(change, pointer, words):
     got = errors(doc)
     assert pointer in got, got
     assert words in got[pointer]
+
+
+def test_a_derived_profile_names_replicas_the_agent_accepts():
+    import json
+    import re
+    from importlib import resources
+
+    from llmgw.controlplane.replicas import new_replica_id, shard_id
+
+    ids = json.loads((resources.files("llmgw") / "schemas" / "stream.schema.json").read_text())["$defs"]["id"]
+    names = json.loads((resources.files("llmgw") / "schemas" / "server.schema.json").read_text())["$defs"]["name"]
+    for profile in parse_server_settings(SERVER).catalog.profiles:
+        rid = new_replica_id("m", profile, 0)
+        assert re.fullmatch(ids["pattern"], rid) and re.fullmatch(ids["pattern"], shard_id(rid, 0)), rid
+        assert (re.fullmatch(names["pattern"], profile) is None) == (":" in profile)  # never a declared name

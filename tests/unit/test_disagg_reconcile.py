@@ -22,8 +22,8 @@ def test_the_decode_group_follows_the_prefill_group_onto_its_fabric():
     f.set("b", inventory=inventory("b", 1, "ib-b"))
     plan = f.step(pd_catalog(), 0.0)
     got = {s.spec["profile"]["name"]: s for s in starts(plan)}
-    assert set(got) == {"sim@prefill", "sim@decode"}
-    pre, dec = got["sim@prefill"], got["sim@decode"]
+    assert set(got) == {"sim:prefill", "sim:decode"}
+    pre, dec = got["sim:prefill"], got["sim:decode"]
     assert pre.node_id == "a" and dec.node_id == "c"  # b is on another fabric: no path to a
     assert pre.spec["profile"]["kv_transfer"] == {"connector": "nixl", "role": "prefill"}
     assert dec.spec["profile"]["kv_transfer"] == {"connector": "nixl", "role": "decode"}
@@ -48,5 +48,5 @@ def test_the_endpoints_carry_each_replicas_role():
     make_ready(f, 1.0)
     f.step(cat, 1.0)
     roles = {e["id"].split(".")[1]: e.get("role") for e in endpoints(f.rec.book, f.nodes)}
-    assert roles == {"sim@prefill": "prefill", "sim@decode": "decode"}
+    assert roles == {"sim:prefill": "prefill", "sim:decode": "decode"}
     assert all(e["model"] == "tiny" for e in endpoints(f.rec.book, f.nodes))

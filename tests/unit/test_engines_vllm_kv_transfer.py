@@ -10,8 +10,8 @@ from llmgw.catalog import KVTransfer, Model, Profile
 from llmgw.engines import LaunchContext, LaunchContextError, ProfileError, build_launch, validate_profile
 
 MODEL = Model("tiny", "/models/tiny", "tiny")
-PREFILL = Profile("p@prefill", "vllm", kv_transfer=KVTransfer("nixl", "prefill"))
-DECODE = Profile("p@decode", "vllm", tensor_parallel_size=2, kv_transfer=KVTransfer("nixl", "decode"))
+PREFILL = Profile("p:prefill", "vllm", kv_transfer=KVTransfer("nixl", "prefill"))
+DECODE = Profile("p:decode", "vllm", tensor_parallel_size=2, kv_transfer=KVTransfer("nixl", "decode"))
 
 
 def ctx(**kw):
@@ -46,11 +46,11 @@ def test_a_plain_profile_gets_no_connector():
 
 
 def test_ucx_devices_come_from_placement_and_the_transports_from_the_operator():
-    prof = Profile("p@decode", "vllm", env=(("UCX_TLS", "rc,cuda_copy,cuda_ipc"),),
+    prof = Profile("p:decode", "vllm", env=(("UCX_TLS", "rc,cuda_copy,cuda_ipc"),),
                    kv_transfer=KVTransfer("nixl", "decode"))
     spec = build_launch(MODEL, prof, ctx(extra_env={"UCX_NET_DEVICES": "mlx5_0:1"}))
     assert spec.env["UCX_NET_DEVICES"] == "mlx5_0:1" and spec.env["UCX_TLS"] == "rc,cuda_copy,cuda_ipc"
-    clash = Profile("p@decode", "vllm", env=(("UCX_NET_DEVICES", "mlx5_3:1"),), kv_transfer=KVTransfer("nixl", "decode"))
+    clash = Profile("p:decode", "vllm", env=(("UCX_NET_DEVICES", "mlx5_3:1"),), kv_transfer=KVTransfer("nixl", "decode"))
     with pytest.raises(ProfileError) as e:
         build_launch(MODEL, clash, ctx(extra_env={"UCX_NET_DEVICES": "mlx5_0:1"}))
     assert e.value.paths == ("env/UCX_NET_DEVICES",)
@@ -61,7 +61,7 @@ def test_the_side_channel_and_the_connector_are_owned():
     with pytest.raises(ProfileError) as e:
         validate_profile(env)
     assert e.value.paths == ("env/VLLM_NIXL_SIDE_CHANNEL_PORT",)
-    dotted = Profile("p@prefill", "vllm", extra_args=("--kv-transfer-config.kv_role", "kv_both"),
+    dotted = Profile("p:prefill", "vllm", extra_args=("--kv-transfer-config.kv_role", "kv_both"),
                      kv_transfer=KVTransfer("nixl", "prefill"))
     with pytest.raises(ProfileError) as e:
         validate_profile(dotted)
@@ -71,7 +71,7 @@ def test_the_side_channel_and_the_connector_are_owned():
 @pytest.mark.parametrize("engine", ["sglang", "llamacpp"])
 def test_other_drivers_refuse_to_be_one_side_of_a_pair(engine):
     with pytest.raises(ProfileError) as e:
-        validate_profile(Profile("p@prefill", engine, kv_transfer=KVTransfer("nixl", "prefill")))
+        validate_profile(Profile("p:prefill", engine, kv_transfer=KVTransfer("nixl", "prefill")))
     assert "kv_transfer" in e.value.paths
 
 

@@ -97,4 +97,4 @@ def test_ctl_explain_places_both_groups_in_one_pass_and_says_which_role_went_whe
     # 4 x TP1 prefill + 1 x TP4 decode on one 8-GPU node: no fabric needed
     assert [r.placement.nodes for r in results] == [("gpu-a",)] * 5
     text = format_result(results[-1], reqs[-1])
-    assert "m/p@decode: placed" in text and "decode: " in text and "within gpu-a, beside its prefill replicas" in text
+    assert "m/p:decode: placed" in text and "decode: " in text and "within gpu-a, beside its prefill replicas" in text
