@@ -61,6 +61,12 @@ def test_a_disaggregated_model_is_placed_launched_and_served_in_two_phases(tmp_p
         ports = [p for s in seen.values() for p in s[2:4]]
         assert len(set(ports)) == 4  # side channels and HTTP ports all distinct, from the node's range
 
+        # the watch that feeds standalone routers carries each replica's role too
+        with f.client(cert=f.pki.router) as c:
+            watched = c.get("/v1/router/endpoints", params={"after": "-1"}).json()["endpoints"]
+        assert {e["replica_id"]: e.get("role") for e in watched} == {
+            by_role[k]["replica_id"]: k for k in ("prefill", "decode")}
+
         def shard_url(r):
             (s,) = r["shards"]
             return f"http://127.0.0.1:{s['port']}"
