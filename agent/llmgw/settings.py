@@ -368,7 +368,7 @@ def _autoscale_errors(doc: dict[str, Any]) -> list[ConfigError]:
 
 
 def _disaggregation_errors(doc: dict[str, Any]) -> list[ConfigError]:
-    """A deployment's count is ``replicas`` or its ``disaggregation`` groups, and a pair needs an engine that can be one."""
+    """A deployment's count is ``replicas`` or its ``disaggregation`` groups; a pair needs an engine that can be one."""
     errors = []
     profiles = {p["name"]: p for p in doc.get("profiles", ())}
     for i, d in enumerate(doc.get("deployments", ())):

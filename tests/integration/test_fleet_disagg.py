@@ -61,6 +61,11 @@ def test_a_disaggregated_model_is_placed_launched_and_served_in_two_phases(tmp_p
         ports = [p for s in seen.values() for p in s[2:4]]
         assert len(set(ports)) == 4  # side channels and HTTP ports all distinct, from the node's range
 
+        # ctl explain says which role each replica has and why it went where
+        explained = f.ctl("explain", "tiny").stdout
+        assert "tiny/sim:prefill: running as" in explained and "tiny/sim:decode: running as" in explained
+        assert "decode: GPU" in explained and "KV transfers within" in explained, explained
+
         # the watch that feeds standalone routers carries each replica's role too
         with f.client(cert=f.pki.router) as c:
             watched = c.get("/v1/router/endpoints", params={"after": "-1"}).json()["endpoints"]

@@ -50,7 +50,8 @@ def test_ucx_devices_come_from_placement_and_the_transports_from_the_operator():
                    kv_transfer=KVTransfer("nixl", "decode"))
     spec = build_launch(MODEL, prof, ctx(extra_env={"UCX_NET_DEVICES": "mlx5_0:1"}))
     assert spec.env["UCX_NET_DEVICES"] == "mlx5_0:1" and spec.env["UCX_TLS"] == "rc,cuda_copy,cuda_ipc"
-    clash = Profile("p:decode", "vllm", env=(("UCX_NET_DEVICES", "mlx5_3:1"),), kv_transfer=KVTransfer("nixl", "decode"))
+    clash = Profile("p:decode", "vllm", env=(("UCX_NET_DEVICES", "mlx5_3:1"),),
+                    kv_transfer=KVTransfer("nixl", "decode"))
     with pytest.raises(ProfileError) as e:
         build_launch(MODEL, clash, ctx(extra_env={"UCX_NET_DEVICES": "mlx5_0:1"}))
     assert e.value.paths == ("env/UCX_NET_DEVICES",)

@@ -373,7 +373,8 @@ class Adapter:
     tls_capable: bool = False
     # Whether the adapter configures the engine's KV event publisher (a profile's ``kv_events``).
     kv_events_capable: bool = False
-    # Whether the adapter configures one side of a prefill/decode KV-transfer pair (a derived profile's ``kv_transfer``).
+    # Whether the adapter configures one side of a prefill/decode KV-transfer pair
+    # (a derived profile's ``kv_transfer``).
     kv_transfer_capable: bool = False
 
     # -- what subclasses describe -------------------------------------------------

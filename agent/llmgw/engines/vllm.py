@@ -197,7 +197,8 @@ KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 KV_CONNECTORS = {"nixl": "NixlConnector"}
 SIDE_CHANNEL_HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"
 SIDE_CHANNEL_PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"
-USE_SIDE_CHANNEL = "the side channel of a prefill/decode replica is the agent's: the node's address and a port it allocates"
+USE_SIDE_CHANNEL = ("the side channel of a prefill/decode replica is the agent's: "
+                    "the node's address and a port it allocates")
 
 
 def kv_transfer_config(profile: Profile, ctx: LaunchContext) -> str:
