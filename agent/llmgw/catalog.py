@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
@@ -57,6 +57,84 @@ class Model:
         return source_kind(self.source)
 
 
+# --- prefill/decode disaggregation ------------------------------------------
+#
+# A disaggregated deployment is declared once (``disaggregation`` on a
+# deployment) and served as two groups of ordinary replicas: the catalog
+# derives, for each role, a profile ``<profile>:<role>`` (the group's tensor
+# parallel size, the connector and the role) and a deployment of it.  Every
+# pass that places, starts, adopts or retires replicas then handles the groups
+# as it handles any deployment; only the engine driver (the connector's flags)
+# and the endpoint feed (the router's ``role``) read the role.  ``:`` is outside
+# the names the schema accepts, so a derived profile never shadows a declared one,
+# and inside what replica and shard ids may hold (the stream schema's ``id``).
+
+ROLES = ("prefill", "decode")
+ROLE_SEPARATOR = ":"
+
+
+@dataclass(frozen=True)
+class KVTransfer:
+    """Which side of a KV-transfer pair a derived profile's replicas are."""
+
+    connector: str  # "nixl"
+    role: str  # "prefill" | "decode"
+
+    def to_dict(self) -> dict[str, str]:
+        return {"connector": self.connector, "role": self.role}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "KVTransfer":
+        return cls(connector=str(d["connector"]), role=str(d["role"]))
+
+
+@dataclass(frozen=True)
+class RoleGroup:
+    replicas: int
+    tensor_parallel_size: int | None = None  # None: the profile's
+
+
+@dataclass(frozen=True)
+class Disaggregation:
+    """The schema's ``disaggregation`` block of a deployment."""
+
+    connector: str
+    prefill: RoleGroup
+    decode: RoleGroup
+
+    def group(self, role: str) -> RoleGroup:
+        return self.prefill if role == "prefill" else self.decode
+
+    @classmethod
+    def from_config(cls, d: Mapping[str, Any]) -> "Disaggregation":
+        def group(g: Mapping[str, Any]) -> RoleGroup:
+            return RoleGroup(replicas=int(g["replicas"]), tensor_parallel_size=g.get("tensor_parallel_size"))
+        return cls(connector=d["connector"], prefill=group(d["prefill"]), decode=group(d["decode"]))
+
+
+def role_profile_name(profile: str, role: str) -> str:
+    return f"{profile}{ROLE_SEPARATOR}{role}"
+
+
+def other_role(role: str) -> str:
+    return "decode" if role == "prefill" else "prefill"
+
+
+def peer_profile_name(profile: "Profile") -> str | None:
+    """The profile of the other group of ``profile``'s pair; None for a profile that is not one side of a pair."""
+    if profile.kv_transfer is None:
+        return None
+    declared = profile.name.rsplit(ROLE_SEPARATOR, 1)[0]
+    return role_profile_name(declared, other_role(profile.kv_transfer.role))
+
+
+def role_profile(p: "Profile", dis: Disaggregation, role: str) -> "Profile":
+    """The profile one group of a disaggregated deployment runs: ``p`` with the group's TP and role."""
+    tp = dis.group(role).tensor_parallel_size or p.tensor_parallel_size
+    return replace(p, name=role_profile_name(p.name, role), tensor_parallel_size=tp,
+                   kv_transfer=KVTransfer(connector=dis.connector, role=role))
+
+
 @dataclass(frozen=True)
 class Profile:
     name: str
@@ -70,6 +148,8 @@ class Profile:
     max_concurrency: int | None = None  # per-endpoint limit the router enforces
     # The engine publishes its prefix cache's KV events on an endpoint the agent chooses (vLLM only).
     kv_events: bool = False
+    # One side of a prefill/decode pair: set only on the profiles a disaggregated deployment derives.
+    kv_transfer: KVTransfer | None = None
 
     @property
     def gpus_total(self) -> int:
@@ -126,6 +206,10 @@ class Deployment:
     profile: str
     replicas: int
     autoscale: Autoscale | None = None
+    # Set on the two deployments the catalog derives from a disaggregated one (``profile`` is then
+    # the derived ``<declared>:<role>``); ``disaggregation`` keeps the declared block for views.
+    role: str | None = None
+    disaggregation: Disaggregation | None = None
 
     @property
     def key(self) -> str:
@@ -166,12 +250,29 @@ class Catalog:
                 max_concurrency=p.get("max_concurrency"),
                 kv_events=p["kv_events"],
             )
-        deployments = tuple(
-            Deployment(model=d["model"], profile=d["profile"], replicas=d["replicas"],
-                       autoscale=Autoscale.from_config(d["autoscale"]) if "autoscale" in d else None)
-            for d in cfg.get("deployments", ())
-        )
-        return cls(models=models, profiles=profiles, deployments=deployments)
+        deployments: list[Deployment] = []
+        for d in cfg.get("deployments", ()):
+            if "disaggregation" in d:
+                deployments += _role_deployments(d, profiles)
+                continue
+            deployments.append(
+                Deployment(model=d["model"], profile=d["profile"], replicas=d["replicas"],
+                           autoscale=Autoscale.from_config(d["autoscale"]) if "autoscale" in d else None))
+        return cls(models=models, profiles=profiles, deployments=tuple(deployments))
+
+
+def _role_deployments(d: Mapping[str, Any], profiles: dict[str, Profile]) -> list[Deployment]:
+    """A disaggregated deployment's two groups, each a deployment of its derived profile (added to ``profiles``)."""
+    dis = Disaggregation.from_config(d["disaggregation"])
+    declared = profiles.get(d["profile"])
+    out = []
+    for role in ROLES:
+        name = role_profile_name(d["profile"], role)
+        if declared is not None:  # an unknown profile is the reference check's error, not a KeyError here
+            profiles[name] = role_profile(declared, dis, role)
+        out.append(Deployment(model=d["model"], profile=name, replicas=dis.group(role).replicas,
+                              role=role, disaggregation=dis))
+    return out
 
 
 # --- which size counts -----------------------------------------------------

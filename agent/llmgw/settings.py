@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 from llmgw.catalog import Catalog
 from llmgw.clientbounds import ClientBounds
 from llmgw.config import ConfigError, ConfigInvalid, read_yaml, schema_errors
-from llmgw.engines import ProfileError, validate_profile
+from llmgw.engines import ENGINES, ProfileError, get_adapter, validate_profile
 from llmgw.hardware.types import FabricDeclaration
 from llmgw.schemadefaults import with_defaults
 
@@ -375,6 +375,37 @@ def _autoscale_errors(doc: dict[str, Any]) -> list[ConfigError]:
     return errors
 
 
+def _disaggregation_errors(doc: dict[str, Any]) -> list[ConfigError]:
+    """A deployment's count is ``replicas`` or its ``disaggregation`` groups; a pair needs an engine that can be one."""
+    errors = []
+    profiles = {p["name"]: p for p in doc.get("profiles", ())}
+    for i, d in enumerate(doc.get("deployments", ())):
+        where = f"/deployments/{i}"
+        dis = d.get("disaggregation")
+        if dis is None:
+            if "replicas" not in d:
+                errors.append(ConfigError(where, "needs replicas (or a disaggregation block giving each group's)"))
+            continue
+        if "replicas" in d:
+            errors.append(ConfigError(f"{where}/replicas", "a disaggregated deployment counts replicas per group "
+                                      "(disaggregation.prefill.replicas, disaggregation.decode.replicas); remove it"))
+        if "autoscale" in d:
+            errors.append(ConfigError(f"{where}/autoscale", "not with disaggregation: each group has a fixed count"))
+        p = profiles.get(d["profile"])
+        if p is None:
+            continue  # the reference check names it
+        if not get_adapter(p["engine"]).kv_transfer_capable:
+            capable = ", ".join(sorted(n for n, a in ENGINES.items() if a.kv_transfer_capable))
+            errors.append(ConfigError(f"{where}/disaggregation",
+                                      f"profile {p['name']!r} runs {p['engine']}, whose driver cannot serve a "
+                                      f"prefill/decode pair; only {capable} can"))
+        elif p["nodes"] > 1:
+            errors.append(ConfigError(f"{where}/disaggregation",
+                                      f"profile {p['name']!r} spans {p['nodes']} nodes; a prefill/decode group "
+                                      "runs on one node each"))
+    return errors
+
+
 def _profile_errors(i: int) -> Check:
     """The engine adapter's checks of ``/profiles/i``, each problem at the key it is about."""
     def check(doc: dict[str, Any]) -> list[ConfigError]:
@@ -417,6 +448,7 @@ def _server_semantic_errors(doc: Any, schema: Sequence[ConfigError] = ()) -> lis
         (("/models",), _source_errors),
         (("/models", "/profiles", "/deployments"), _reference_errors),
         (("/deployments",), _autoscale_errors),
+        (("/profiles", "/deployments"), _disaggregation_errors),
         (("/router",), _router_errors),
         (("/state_dir",), _state_dir_errors),
         (("/ha",), _ha_errors),

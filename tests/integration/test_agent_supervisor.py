@@ -404,3 +404,24 @@ def test_multi_node_rank0_reports_its_rendezvous_port_and_workers_are_ready_by_l
         assert "--headless" in argv and f"--master-port {starting['master_port']}" in argv
         assert f"--master-addr 127.0.0.1" in h.statedir.notes_path("mn.sim.1-x/r0").read_text()
     run(tmp_path, body)
+
+
+def test_a_prefill_replica_gets_a_side_channel_port_held_across_adoption(tmp_path):
+    async def body(h, sup):
+        spec = make_spec("pd.sim:prefill.0-x/r0")
+        spec["profile"]["kv_transfer"] = {"connector": "nixl", "role": "prefill"}
+        sup.start(spec)
+        await h.until(lambda: "ready" in h.states("pd.sim:prefill.0-x/r0"), "the prefill engine ready")
+        shard = sup.shards["pd.sim:prefill.0-x/r0"]
+        lo, hi = h.config.engine_ports
+        assert lo <= shard.side_port <= hi and shard.side_port != shard.port
+        argv = h.statedir.notes_path("pd.sim:prefill.0-x/r0").read_text()
+        assert '"kv_role":"kv_producer"' in argv
+        # an agent restarted beside the running engine holds its side channel too
+        (record,), _ = h.statedir.load()
+        from llmgw.agent.supervisor import Supervisor
+        other = Supervisor(h.config, h.statedir, h.emit)
+        adopted = other.adopt(record)
+        assert adopted.side_port == shard.side_port and shard.side_port in other._ports_held()
+        await other.detach()
+    run(tmp_path, body)

@@ -54,6 +54,7 @@ class Started:
     launch_marker: str = ""
     log_offset: int | None = None  # the engine's log size at launch: this life's output follows
     handle: Any = None  # the driver's own (kept on the shard, never persisted)
+    side_port: int | None = None  # a prefill/decode replica's KV-transfer side channel
 
 
 class Readiness(enum.Enum):

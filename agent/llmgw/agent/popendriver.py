@@ -151,6 +151,14 @@ class PopenDriver:
                 raise LaunchRefused(f"no free engine port in {first}-{last}")
             port = chosen
             taken.add(port)
+        side_channel = None
+        if profile.kv_transfer is not None and rank == 0:
+            # One side of a prefill/decode pair: its peers reach the side channel at the node's address.
+            side_port = choose_port(first, last, self.config.engine_bind_host, taken)
+            if side_port is None:
+                raise LaunchRefused(f"no free KV-transfer side-channel port in {first}-{last}")
+            taken.add(side_port)
+            side_channel = (self.config.advertise_address, side_port)
         master_addr, master_port = spec.get("master_addr"), spec.get("master_port")
         if nnodes > 1 and rank == 0:
             master_addr = master_addr or self.config.advertise_address
@@ -169,6 +177,7 @@ class PopenDriver:
                 secret_dir=str(self.statedir.secret_dir(shard.shard_id)),
                 shard_id=shard.shard_id,
                 socket_dir=str(socket_dir(self.statedir.root, shard.shard_id)) if profile.kv_events else None,
+                kv_side_channel=side_channel,
                 **self._tls_files(profile)))
         except (ProfileError, LaunchContextError) as e:
             raise LaunchRefused(str(e)) from e
@@ -196,7 +205,8 @@ class PopenDriver:
             identity = ProcessIdentity(popen.pid, 0, procident.boot_id())
         return Started(identity=identity, port=launch.port if launch.serves_http else None,
                        master_port=master_port if rank == 0 and nnodes > 1 else None, argv=tuple(launch.argv),
-                       tls=launch.tls, launch_marker=marker, log_offset=offset, handle=popen)
+                       tls=launch.tls, launch_marker=marker, log_offset=offset, handle=popen,
+                       side_port=side_channel[1] if side_channel else None)
 
     def _tls_files(self, profile: Profile) -> dict[str, str]:
         """The engine certificate for the adapter, when this node has one and gives it to this engine."""

@@ -13,7 +13,7 @@ from typing import Any
 from llmgw.agent import liveness
 from llmgw.agent.procident import ProcessIdentity
 from llmgw.agent.shardstate import ShardState
-from llmgw.catalog import Model, Profile
+from llmgw.catalog import KVTransfer, Model, Profile
 from llmgw.settings import EngineTLS, FetchPolicy
 
 
@@ -68,6 +68,7 @@ class Shard:
     handle: Any = None  # the driver's own hold on the engine it launched (``PopenDriver``: the Popen)
     port: int | None = None
     master_port: int | None = None
+    side_port: int | None = None  # a prefill/decode replica's KV-transfer side channel (held like the others)
     argv: tuple[str, ...] = ()
     tls: bool = False  # rank 0 serves HTTPS (with the node's engine certificate)
     launch_marker: str = ""
@@ -126,4 +127,5 @@ def spec_profile(spec: dict[str, Any]) -> Profile:
         start_timeout=float(p["start_timeout"]),
         max_concurrency=p.get("max_concurrency"),
         kv_events=bool(p.get("kv_events", False)),
+        kv_transfer=KVTransfer.from_dict(p["kv_transfer"]) if p.get("kv_transfer") else None,
     )

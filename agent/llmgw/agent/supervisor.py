@@ -120,7 +120,7 @@ class Supervisor:
         return held
 
     def _ports_held(self) -> set[int]:
-        return {p for s in self.live_shards() for p in (s.port, s.master_port) if p}
+        return {p for s in self.live_shards() for p in (s.port, s.master_port, s.side_port) if p}
 
     # -------------------------------------------------------------- transitions
     def _transition(self, shard: Shard, new: ShardState, reason: str | None = None,
@@ -145,7 +145,8 @@ class Supervisor:
             started_at=shard.started_at,
             start_deadline=shard.deadline if shard.state is ShardState.STARTING else None,
             argv=shard.argv, extra={"launch_marker": shard.launch_marker, "log_offset": shard.log_offset,
-                                    "tls": shard.tls, "engine_version": shard.engine_version}))
+                                    "tls": shard.tls, "engine_version": shard.engine_version,
+                                    "side_port": shard.side_port}))
 
     def _tail(self, shard: Shard) -> str:
         tail = self.driver.tail(shard)
@@ -309,6 +310,7 @@ class Supervisor:
         # Launch and the identity it records happen with no await between them (see ``stop``).
         shard.identity, shard.handle, shard.argv = started.identity, started.handle, started.argv
         shard.port, shard.master_port, shard.tls = started.port, started.master_port, started.tls
+        shard.side_port = started.side_port
         shard.launch_marker, shard.log_offset = started.launch_marker, started.log_offset
         self._transition(shard, ShardState.STARTING)  # persists the record with pid + start time
         shard.watcher = self.driver.watch(shard, self._conclude)
@@ -478,7 +480,8 @@ class Supervisor:
                       tls=record.extra.get("tls") is True,
                       engine_version=_version(record.extra.get("engine_version")),
                       launch_marker=str(record.extra.get("launch_marker", "")),
-                      log_offset=_offset(record.extra.get("log_offset")))
+                      log_offset=_offset(record.extra.get("log_offset")),
+                      side_port=_port(record.extra.get("side_port")))
         self.shards[shard.shard_id] = shard
         self.statedir.log_note(shard.shard_id, f"adopted engine pid {record.process.pid} (start time "
                                f"{record.process.start_time}) in state {state.value} after an agent restart")
@@ -513,6 +516,11 @@ class Supervisor:
 def _offset(value: Any) -> int | None:
     """A recorded log offset, or None (a record from before offsets were kept: the marker is used)."""
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _port(value: Any) -> int | None:
+    """A recorded side-channel port, or None (none was allocated, or a record from before they were kept)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 65536 else None
 
 
 def _version(value: Any) -> str | None:

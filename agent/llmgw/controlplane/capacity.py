@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from llmgw.controlplane.lifecycle import NodeState
 from llmgw.placement import NodeCapacity, Placement, PlacementIndex, PlacementRequest, PlacementResult, place
+from llmgw.placement.roles import Placed, place_paired
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,13 @@ class FleetCapacity:
         if result.placement is None:
             result = place(request, self.everyone())
         return result
+
+    def place_paired(self, request: PlacementRequest, placed: Placed) -> PlacementResult:
+        """``place`` for one replica of a prefill/decode group (``placement.roles``): over every node,
+        since which nodes can host it depends on where its peers run, which no class records."""
+        if request.profile.kv_transfer is None:
+            return self.place(request)
+        return place_paired(request, self.everyone(), placed)
 
     def take(self, placement: Placement) -> None:
         """The GPUs of ``placement`` are no longer free."""

@@ -52,6 +52,8 @@ def profile_to_dict(p: Profile) -> dict[str, Any]:
          "max_concurrency": p.max_concurrency}
     if p.kv_events:  # only when set: an agent that predates it refuses the key
         d["kv_events"] = True
+    if p.kv_transfer is not None:  # only when set, likewise
+        d["kv_transfer"] = p.kv_transfer.to_dict()
     return d
 
 

@@ -39,6 +39,7 @@ from llmgw.controlplane.looplag import LoopLag
 from llmgw.controlplane.noderecord import NodeRecord, Session, advertised
 from llmgw.controlplane.nodestreams import NodeStreams
 from llmgw.controlplane.operatorintent import OperatorIntent
+from llmgw.controlplane.pairproof import PairProver
 from llmgw.controlplane.passgate import PassGate
 from llmgw.controlplane.reconciler import Context, NodeView, Plan, Reconciler, endpoints
 from llmgw.controlplane.routekeys import RouteKeyBook
@@ -93,6 +94,8 @@ class ControlPlane:
         self.intent = OperatorIntent(self.store, self.reconciler, self.streams.nodes, clock, self.kick)
         self.router_reports = RouterReports(settings.router_ejections.replacements_per_minute)
         self.endpoint_feed = EndpointFeed()
+        # Prefill replicas reach the routers once a prefill -> decode round trip proved them (``pairproof``).
+        self.pair_prover = PairProver(lambda: self.kick(), ca=settings.tls.ca if settings.tls else None)
         self.route_keys = RouteKeyBook(self._rank0_replica)  # what each replica's engine caches, as route keys
         self.unplaced_log = UnplacedLog()
         self.sizes = WeightSizes(lambda: self.clock(), lambda: self.kick())  # placement waits on and reads these
@@ -157,7 +160,12 @@ class ControlPlane:
 
     def on_endpoints(self, listener: Callable[[list[dict[str, Any]]], None]) -> None:
         """Call ``listener`` with the rank-0 endpoint set whenever it changes (and now)."""
-        self.endpoint_feed.subscribe(listener, endpoints(self.reconciler.book, self.node_views()))
+        self.endpoint_feed.subscribe(listener, self._endpoints(self.node_views()))
+
+    def _endpoints(self, views: dict[str, NodeView]) -> list[dict[str, Any]]:
+        """The endpoint set to publish: every Ready replica's rank 0, less prefill replicas not proved yet."""
+        return self.pair_prover.publishable(self.reconciler.book, endpoints(self.reconciler.book, views),
+                                            self.clock(), self.clock)
 
     def node_views(self) -> dict[str, NodeView]:
         return self.streams.views()
@@ -314,7 +322,7 @@ class ControlPlane:
         doubles = self.reconciler.book.double_claims()
         for node_id, gpu, ids in doubles:
             log.error("GPU %d on %s is held by more than one shard: %s", gpu, node_id, ", ".join(ids))
-        self.endpoint_feed.publish(endpoints(self.reconciler.book, views))
+        self.endpoint_feed.publish(self._endpoints(views))
         for rid in [r for r in self.route_keys.replicas if r not in self.reconciler.book.replicas]:
             self.route_keys.forget(rid)
         self.gate.settled = (not plan.unplaced and not plan.drain_blocked and not plan.actions
@@ -352,6 +360,7 @@ class ControlPlane:
         finally:
             lag.cancel()
             self.sizes.cancel()
+            self.pair_prover.cancel()
 
     def _autoscale(self, now: float, in_grace: bool) -> dict[str, int]:
         """Autoscaled deployments' counts, the router's load fed to their scalers first."""

@@ -12,6 +12,7 @@ from typing import Any
 
 from llmgw.catalog import Catalog
 from llmgw.controlplane.listquery import ListQuery, page
+from llmgw.controlplane.reconcile.placement import placed_nodes
 from llmgw.controlplane.reconciler import capacities, placement_request
 from llmgw.controlplane.replicas import Replica, Shard, model_to_dict, profile_to_dict
 from llmgw.controlplane.state import ControlPlane
@@ -300,8 +301,10 @@ def explain_view(cp: ControlPlane, model: str) -> dict[str, Any] | None:
                 v = cp.ejection_verdicts.get(r.replica_id)
                 health = (f"; being replaced: {r.sick}" if r.sick else
                           f"; routers report it ejected: {v.reason}" if v is not None else "")
+                placed = f"; {r.placement_detail}" if dep.role and r.placement_detail else ""  # role and path
                 report.append({"replica": label, "placed": True, "running": r.replica_id, "state": r.state.value,
                                "text": f"{dep.key}: running as {r.replica_id} ({r.state.value}): {where}{health}"
+                                       + placed
                                        + _history_lines(book, dep.key, slot, views),
                                "placement": None, "reason": r.sick or (v.reason if v is not None else None),
                                "nodes": []})
@@ -309,7 +312,7 @@ def explain_view(cp: ControlPlane, model: str) -> dict[str, Any] | None:
                 pending.append((label, dep))
     if pending:
         requests = [placement_request(cat, dep, cp.settings.memory_headroom, cp.sizes.bytes) for _, dep in pending]
-        results = place_many(requests, capacities(book, views))
+        results = place_many(requests, capacities(book, views), placed_nodes(book))
         for (label, dep), req, res in zip(pending, requests, results):
             slot = int(label.rsplit("#", 1)[1])
             held = cp.unplaced.get((dep.key, slot))

@@ -87,6 +87,9 @@ class LaunchContext:
     # A 0700 directory of this shard's, with a short path, for the unix sockets the engine binds
     # (the KV event publisher's ipc:// endpoints); None where the caller gives none.
     socket_dir: str | None = None
+    # One side of a prefill/decode pair: where its KV-transfer side channel listens, (host, port); the host
+    # is the node's address its peers reach, the port one the agent allocated for this shard.
+    kv_side_channel: tuple[str, int] | None = None
 
 
 @dataclass(frozen=True)

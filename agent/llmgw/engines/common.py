@@ -373,6 +373,9 @@ class Adapter:
     tls_capable: bool = False
     # Whether the adapter configures the engine's KV event publisher (a profile's ``kv_events``).
     kv_events_capable: bool = False
+    # Whether the adapter configures one side of a prefill/decode KV-transfer pair
+    # (a derived profile's ``kv_transfer``).
+    kv_transfer_capable: bool = False
 
     # -- what subclasses describe -------------------------------------------------
     def owned_flags(self, profile: Profile) -> tuple[OwnedFlag, ...]:
@@ -434,6 +437,9 @@ class Adapter:
         if profile.kv_events and not self.kv_events_capable:
             problems.append(Problem(f"kv_events: the {self.name} adapter does not configure KV events; "
                                     "only vllm profiles can publish them", "kv_events"))
+        if profile.kv_transfer is not None and not self.kv_transfer_capable:
+            problems.append(Problem(f"disaggregation: the {self.name} driver cannot serve one side of a "
+                                    "prefill/decode pair; only vllm profiles can", "kv_transfer"))
         problems += args_type_problems(profile)
         problems += owned_problems(self.name, profile.extra_args, self.owned_flags(profile) + self.key_flags,
                                    self.syntax)

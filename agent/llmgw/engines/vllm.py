@@ -56,7 +56,9 @@ The variable is owned.
 
 Reserved for llmgw: ``--kv-events-config`` (the KV event publisher, whose
 endpoint the agent chooses) and ``--kv-transfer-config`` (prefill/decode
-disaggregation, whose roles and ports placement assigns, not emitted yet) are
+disaggregation: ``kv_producer`` for a prefill replica, ``kv_consumer`` for a
+decode one, NixlConnector, with ``VLLM_NIXL_SIDE_CHANNEL_HOST``/``PORT`` set to
+the node's address and a port the agent allocates; docs/disaggregation.md) are
 owned in every form vLLM's parser accepts, including the dotted
 ``--kv-transfer-config.kv_role kv_producer``.  A profile with ``kv_events``
 gets ``--enable-prefix-caching`` and a ZMQ publisher on rank 0 (where the
@@ -187,6 +189,34 @@ def kv_events_config(ctx: LaunchContext) -> str:
                        "replay_endpoint": replay, "topic": kv_events_topic(ctx)}, separators=(",", ":"))
 
 
+# Prefill/decode disaggregation (NixlConnector): the role each side plays in vLLM's KVTransferConfig
+# (0.32 deprecates kv_both for NIXL), and where its side channel listens.  The scheduler's listener is
+# on VLLM_NIXL_SIDE_CHANNEL_PORT + the data-parallel index (nixl/base_scheduler.py); llmgw runs no
+# data parallelism, so one port per replica.
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+KV_CONNECTORS = {"nixl": "NixlConnector"}
+SIDE_CHANNEL_HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"
+SIDE_CHANNEL_PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+USE_SIDE_CHANNEL = ("the side channel of a prefill/decode replica is the agent's: "
+                    "the node's address and a port it allocates")
+
+
+def kv_transfer_config(profile: Profile, ctx: LaunchContext) -> str:
+    """vLLM's ``--kv-transfer-config`` JSON for one side of a pair.
+
+    A shard with no GPUs (vLLM's CPU build) keeps its KV buffer in host
+    memory; otherwise vLLM's default (the GPU) stands.  The load-failure
+    policy stays vLLM's default (recompute): a failed pull is a local
+    prefill inside the decoder, not an error (docs/router.md).
+    """
+    assert profile.kv_transfer is not None
+    doc = {"kv_connector": KV_CONNECTORS[profile.kv_transfer.connector],
+           "kv_role": KV_ROLES[profile.kv_transfer.role]}
+    if not ctx.gpu_indices:
+        doc["kv_buffer_device"] = "cpu"
+    return json.dumps(doc, separators=(",", ":"))
+
+
 # watchfiles polls (stat by path) instead of inotify (by inode): see the module docstring.
 TLS_REFRESH_ENV = "WATCHFILES_FORCE_POLLING"
 
@@ -209,9 +239,11 @@ class VLLMAdapter(Adapter):
     memory_fraction_flag = "--gpu-memory-utilization"
     memory_fraction_aliases = ("--device-memory-utilization",)
     key_env = "VLLM_API_KEY"
-    forbidden_env = {TLS_REFRESH_ENV: USE_TLS}
+    forbidden_env = {TLS_REFRESH_ENV: USE_TLS, SIDE_CHANNEL_HOST_ENV: USE_SIDE_CHANNEL,
+                     SIDE_CHANNEL_PORT_ENV: USE_SIDE_CHANNEL}
     tls_capable = True
     kv_events_capable = True
+    kv_transfer_capable = True
 
     def engine_problems(self, profile: Profile) -> list[str]:
         if not profile.kv_events:
@@ -222,7 +254,11 @@ class VLLMAdapter(Adapter):
                 for i, token, _ in find_owned(profile.extra_args, (off,), self.syntax)]
 
     def launch_env(self, ctx: LaunchContext) -> dict[str, str]:
-        return {TLS_REFRESH_ENV: "1"} if self.serves_tls(ctx) else {}
+        env = {TLS_REFRESH_ENV: "1"} if self.serves_tls(ctx) else {}
+        if ctx.kv_side_channel is not None:
+            host, port = ctx.kv_side_channel
+            env |= {SIDE_CHANNEL_HOST_ENV: host, SIDE_CHANNEL_PORT_ENV: str(port)}
+        return env
 
     def owned_flags(self, profile: Profile) -> tuple[OwnedFlag, ...]:
         return _OWNED + (_MULTI_NODE_OWNED if profile.nodes > 1 else ())
@@ -255,6 +291,11 @@ class VLLMAdapter(Adapter):
             args += ["--max-model-len", str(model.max_model_len)]
         if profile.kv_events and ctx.rank == 0:
             args += ["--enable-prefix-caching", "--kv-events-config", kv_events_config(ctx)]
+        if profile.kv_transfer is not None:
+            if ctx.kv_side_channel is None:
+                raise LaunchContextError(f"profile {profile.name!r} is one side of a prefill/decode pair: "
+                                         "its launch needs the side channel's host and port")
+            args += ["--kv-transfer-config", kv_transfer_config(profile, ctx)]
         if ctx.nnodes > 1:
             args += [
                 "--nnodes", str(ctx.nnodes),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 
 from llmgw.placement.multi import place_multi
@@ -52,18 +52,26 @@ def place(request: PlacementRequest, nodes: Sequence[NodeCapacity]) -> Placement
     return place_multi(request, nodes)
 
 
-def place_many(requests: Sequence[PlacementRequest], nodes: Sequence[NodeCapacity]) -> list[PlacementResult]:
+def place_many(requests: Sequence[PlacementRequest], nodes: Sequence[NodeCapacity],
+               placed: Mapping[tuple[str, str], Collection[str]] | None = None) -> list[PlacementResult]:
     """Place ``requests`` in order, each on what the earlier ones left free.
 
     Greedy on purpose: it is what the reconciler does replica by replica, so
     ``ctl explain`` shows the same answer the reconciler will reach.
+    ``placed`` says where replicas already run, by (model, profile): a
+    replica of a prefill/decode group goes where its peers (those and the
+    ones placed earlier in this call) can reach it (``placement.roles``).
     """
+    from llmgw.placement.roles import place_paired  # it places through ``place``
+
     current = {n.node_id: n for n in _distinct(nodes)}
+    where: dict[tuple[str, str], set[str]] = {k: set(v) for k, v in (placed or {}).items()}
     results = []
     for request in requests:
-        result = place(request, list(current.values()))
+        result = place_paired(request, list(current.values()), where)
         results.append(result)
         if result.placement is not None:
+            where.setdefault((request.model.name, request.profile.name), set()).update(result.placement.nodes)
             for shard in result.placement.shards:
                 node = current[shard.node_id]
                 current[shard.node_id] = replace(

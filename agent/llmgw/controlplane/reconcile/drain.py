@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from llmgw.catalog import Catalog
-from llmgw.controlplane.reconcile.placement import Issuer, Room, create, placement_request
+from llmgw.controlplane.reconcile.placement import Issuer, Room, create, place_one, placement_request
 from llmgw.controlplane.reconcile.plan import Context, NodeView, Plan
 from llmgw.controlplane.reconcile.stopping import retire, stop_shards
 from llmgw.controlplane.replicas import ReplicaBook, ReplicaState
@@ -63,7 +63,7 @@ def drain_nodes(book: ReplicaBook, issuer: Issuer, catalog: Catalog, nodes: Mapp
                                          f"{hist.next_attempt_at - now:.0f}s")
             return
         fleet = room.get()
-        result = fleet.place(placement_request(catalog, dep, ctx.memory_headroom, ctx.weight_sizes))
+        result = place_one(fleet, book, placement_request(catalog, dep, ctx.memory_headroom, ctx.weight_sizes))
         if result.placement is None and r.sick:
             # no room for a twin: the sick replica goes first and its slot is refilled the usual way
             retire(r, f"replaced: {r.sick} (no room to start the replacement first)", now, draining=True)

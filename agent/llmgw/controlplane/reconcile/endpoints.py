@@ -33,7 +33,11 @@ def endpoints(book: ReplicaBook, nodes: Mapping[str, NodeView]) -> list[dict[str
             host = f"[{host}]"
         model = r0.spec.get("model", {})
         profile = r0.spec.get("profile", {})
-        out.append({"id": r.replica_id, "model": model.get("served_name") or r.model,
-                    "url": f"{r0.scheme}://{host}:{r0.port}", "replica_id": r.replica_id, "draining": draining,
-                    "max_concurrency": profile.get("max_concurrency"), "api_key": r0.spec.get("api_key")})
+        ep = {"id": r.replica_id, "model": model.get("served_name") or r.model,
+              "url": f"{r0.scheme}://{host}:{r0.port}", "replica_id": r.replica_id, "draining": draining,
+              "max_concurrency": profile.get("max_concurrency"), "api_key": r0.spec.get("api_key")}
+        kv = profile.get("kv_transfer")
+        if kv:  # one side of a prefill/decode pair; only when set: a router that predates roles refuses the key
+            ep["role"] = kv["role"]
+        out.append(ep)
     return out

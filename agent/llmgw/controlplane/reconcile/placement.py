@@ -49,6 +49,21 @@ def placement_request(catalog: Catalog, dep: Deployment, headroom: float,
                             weights_bytes=weights_bytes(m, weight_sizes), memory_headroom=headroom)
 
 
+def placed_nodes(book: ReplicaBook) -> dict[tuple[str, str], set[str]]:
+    """(model, profile) -> the nodes its live replicas hold shards on: where a prefill/decode peer runs."""
+    out: dict[tuple[str, str], set[str]] = {}
+    for r in book.live():
+        out.setdefault((r.model, r.profile), set()).update(s.node_id for s in r.shards.values() if s.node_id)
+    return out
+
+
+def place_one(fleet: FleetCapacity, book: ReplicaBook, request: PlacementRequest) -> PlacementResult:
+    """Where one replica goes; a replica of a prefill/decode group only where its peers can reach it."""
+    if request.profile.kv_transfer is None:
+        return fleet.place(request)
+    return fleet.place_paired(request, placed_nodes(book))
+
+
 class Room:
     """The fleet's free GPUs for one pass, counted on first need: most passes place nothing."""
 
@@ -107,7 +122,7 @@ def place_missing(book: ReplicaBook, issuer: Issuer, catalog: Catalog, dep: Depl
             plan.unplaced[key] = refused
             continue
         fleet = room.get()
-        result = fleet.place(request)
+        result = place_one(fleet, book, request)
         if result.placement is None:
             plan.unplaced[key] = refused = result.reason or "no placement"
             continue
