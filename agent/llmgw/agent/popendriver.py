@@ -169,6 +169,7 @@ class PopenDriver:
                 secret_dir=str(self.statedir.secret_dir(shard.shard_id)),
                 shard_id=shard.shard_id,
                 socket_dir=str(socket_dir(self.statedir.root, shard.shard_id)) if profile.kv_events else None,
+                sleep_mode=bool(spec.get("sleep_mode")),
                 **self._tls_files(profile)))
         except (ProfileError, LaunchContextError) as e:
             raise LaunchRefused(str(e)) from e

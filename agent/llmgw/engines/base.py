@@ -87,6 +87,9 @@ class LaunchContext:
     # A 0700 directory of this shard's, with a short path, for the unix sockets the engine binds
     # (the KV event publisher's ipc:// endpoints); None where the caller gives none.
     socket_dir: str | None = None
+    # Launch with the engine's sleep mode (vLLM: --enable-sleep-mode, and VLLM_SERVER_DEV_MODE=1 on
+    # rank 0, which attaches /sleep and /wake_up): the deployment has ``autoscale.sleep``.
+    sleep_mode: bool = False
 
 
 @dataclass(frozen=True)

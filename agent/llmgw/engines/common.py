@@ -373,6 +373,9 @@ class Adapter:
     tls_capable: bool = False
     # Whether the adapter configures the engine's KV event publisher (a profile's ``kv_events``).
     kv_events_capable: bool = False
+    # Whether the engine has a sleep mode the adapter can turn on (``LaunchContext.sleep_mode``;
+    # a deployment's ``autoscale.sleep`` is refused for any other engine).
+    sleep_capable: bool = False
 
     # -- what subclasses describe -------------------------------------------------
     def owned_flags(self, profile: Profile) -> tuple[OwnedFlag, ...]:

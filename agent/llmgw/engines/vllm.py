@@ -109,6 +109,11 @@ _USE_NO_PCP = (
     "but placement reserves tensor_parallel_size x pipeline_parallel_size; leave it at 1"
 )
 
+# Scale to sleep: sleep mode, and the dev mode that attaches /sleep and /wake_up (and /collective_rpc
+# and the rest, outside the engine key's check), only where the control plane drives them.
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
+_USE_SLEEP = "set `sleep` in the deployment's autoscale block instead"
+
 _OWNED = (
     OwnedFlag(("--host",), USE_HOST),
     OwnedFlag(("--port",), USE_PORT),
@@ -143,6 +148,7 @@ _OWNED = (
     OwnedFlag(("--ssl-ca-certs",), USE_TLS),
     OwnedFlag(("--ssl-cert-reqs",), USE_TLS),
     OwnedFlag(("--enable-ssl-refresh", "--no-enable-ssl-refresh"), USE_TLS),
+    OwnedFlag(("--enable-sleep-mode", "--no-enable-sleep-mode"), _USE_SLEEP),
     # A YAML file of flags could set any of the above out of sight.
     OwnedFlag(("--config",), USE_LISTED),
 )
@@ -209,9 +215,10 @@ class VLLMAdapter(Adapter):
     memory_fraction_flag = "--gpu-memory-utilization"
     memory_fraction_aliases = ("--device-memory-utilization",)
     key_env = "VLLM_API_KEY"
-    forbidden_env = {TLS_REFRESH_ENV: USE_TLS}
+    forbidden_env = {TLS_REFRESH_ENV: USE_TLS, DEV_MODE_ENV: _USE_SLEEP}
     tls_capable = True
     kv_events_capable = True
+    sleep_capable = True
 
     def engine_problems(self, profile: Profile) -> list[str]:
         if not profile.kv_events:
@@ -222,7 +229,10 @@ class VLLMAdapter(Adapter):
                 for i, token, _ in find_owned(profile.extra_args, (off,), self.syntax)]
 
     def launch_env(self, ctx: LaunchContext) -> dict[str, str]:
-        return {TLS_REFRESH_ENV: "1"} if self.serves_tls(ctx) else {}
+        env = {TLS_REFRESH_ENV: "1"} if self.serves_tls(ctx) else {}
+        if ctx.sleep_mode and self.serves_http(ctx):
+            env[DEV_MODE_ENV] = "1"
+        return env
 
     def owned_flags(self, profile: Profile) -> tuple[OwnedFlag, ...]:
         return _OWNED + (_MULTI_NODE_OWNED if profile.nodes > 1 else ())
@@ -255,6 +265,8 @@ class VLLMAdapter(Adapter):
             args += ["--max-model-len", str(model.max_model_len)]
         if profile.kv_events and ctx.rank == 0:
             args += ["--enable-prefix-caching", "--kv-events-config", kv_events_config(ctx)]
+        if ctx.sleep_mode:
+            args.append("--enable-sleep-mode")
         if ctx.nnodes > 1:
             args += [
                 "--nnodes", str(ctx.nnodes),
