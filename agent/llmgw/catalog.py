@@ -121,7 +121,7 @@ class Autoscale:
                    stable_window=float(d["stable_window"]), panic_window=float(d["panic_window"]),
                    panic_threshold=float(d["panic_threshold"]), tolerance=float(d["tolerance"]),
                    scale_down_cooldown=float(d["scale_down_cooldown"]), max_step=int(d["max_step"]),
-                   sleep=(Sleep(after=float(d["sleep"]["after"]), level=int(d["sleep"].get("level", 1)))
+                   sleep=(Sleep(after=float(d["sleep"]["after"]), level=int(d["sleep"]["level"]))
                           if d.get("sleep") is not None else None))
 
 

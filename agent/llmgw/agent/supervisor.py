@@ -94,6 +94,8 @@ class Supervisor:
                 msg["scheme"] = shard.scheme
         if shard.engine_version is not None and "engine_version" in self.accepted:
             msg["engine_version"] = shard.engine_version
+        if shard.spec.get("sleep_mode") and shard.port and "sleeping" in self.accepted:
+            msg["sleeping"] = shard.sleeping and shard.state is ShardState.READY
         if reason:
             msg["reason"] = reason[:MAX_REASON]
         if output_tail is not None:
@@ -107,6 +109,10 @@ class Supervisor:
         if "engine_version" in self.accepted - before:
             for shard in self.live_shards():
                 if shard.state is ShardState.READY and shard.engine_version is not None:
+                    self.emit(self.status_message(shard))
+        elif "sleeping" in self.accepted - before:  # a sleeping engine: a new control plane must not route to it
+            for shard in self.live_shards():
+                if shard.state is ShardState.READY and shard.sleeping:
                     self.emit(self.status_message(shard))
 
     def gpus_held(self, exclude: str | None = None) -> dict[int, str]:

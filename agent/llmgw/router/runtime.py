@@ -219,7 +219,8 @@ def _eligible(tried: set[str], now: float) -> Callable[[EndpointRuntime], bool]:
     tried by this request, still in the table, not ejected. One rule for decode and prefill picks."""
     def eligible(m: EndpointRuntime) -> bool:
         return (m.outstanding < m.limit and not m.endpoint.draining and m.id not in tried
-                and not m.retired and now >= m.health.ejected_until)
+                and not m.retired and now >= m.health.ejected_until
+                and not m.endpoint.sleeping)  # asleep: router/holdqueue.py waits for its wake
     return eligible
 
 

@@ -36,4 +36,6 @@ def endpoints(book: ReplicaBook, nodes: Mapping[str, NodeView]) -> list[dict[str
         out.append({"id": r.replica_id, "model": model.get("served_name") or r.model,
                     "url": f"{r0.scheme}://{host}:{r0.port}", "replica_id": r.replica_id, "draining": draining,
                     "max_concurrency": profile.get("max_concurrency"), "api_key": r0.spec.get("api_key")})
+        if r0.sleeping:  # scale to sleep, only when set: a router that predates it refuses the key
+            out[-1]["sleeping"] = True
     return out
