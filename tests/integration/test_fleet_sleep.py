@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from fleet import Fleet, until
+from fleet import Fleet, router_endpoints, standalone_router, until
 
 pytestmark = pytest.mark.integration
 
@@ -118,3 +118,26 @@ def test_past_the_hold_queue_bound_a_request_gets_503_with_retry_after_and_the_h
                 assert refused.status_code == 503, refused.text
                 assert refused.json()["error"]["code"] == "model_waking" and int(refused.headers["Retry-After"]) >= 1
                 assert held.result().status_code == 200, held.result().text
+
+
+def test_a_standalone_router_asks_the_control_plane_for_the_wake_with_its_certificate(tmp_path):
+    with Fleet(tmp_path, nodes={"a": 1}, replicas=1, router=True, lifecycle={"startup_grace": 1.0}) as f:
+        f.config["deployments"][0]["autoscale"] = {"min": 1, "max": 1, "sleep": {"after": 1}}
+        f.write_config()
+        f.start()
+        (replica,) = f.wait_ready(1)
+        router, port = standalone_router(f)
+        until(lambda: router_endpoints(port), "the standalone router to learn the endpoint", on_timeout=router.output)
+        until(lambda: is_sleeping(replica["endpoint"]), "the idle engine to sleep", on_timeout=f.dump)
+        until(lambda: "(asleep)" in f.server.output(200000), "the watch to say it sleeps", on_timeout=f.dump)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["choices"], r.text
+        assert "holds requests for tiny: waking it" in f.server.output(200000)  # named by its certificate
+        # anything but a router certificate is refused; a malformed body changes nothing
+        with f.client() as admin:
+            assert admin.post("/v1/router/wake", json={"model": "tiny"}).status_code == 403
+        with f.client(cert=f.pki.router) as as_router:
+            bad = as_router.post("/v1/router/wake", json={"model": ""})
+            assert bad.status_code == 400 and bad.json()["errors"][0]["pointer"] == "/model", bad.text
+            assert as_router.post("/v1/router/wake", json={"model": "other"}).json() == {"waking": False}

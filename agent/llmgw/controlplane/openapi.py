@@ -170,6 +170,7 @@ SHAPES: dict[str, dict[str, Any]] = {
                            "revision, or every replica's keys (`full`)"}}),
     "OpenAPI": {"type": "object", "required": ["openapi", "info", "paths"]},
     "EjectionsAccepted": obj({"accepted": {"type": "integer", "minimum": 0}}),
+    "WakeAccepted": obj({"waking": BOOL}),
 }
 
 PARAMS: dict[str, dict[str, Any]] = {
@@ -269,6 +270,14 @@ ROUTES: tuple[Route, ...] = (
           {400: "the body is not JSON or not a report; `errors` lists each problem with its JSON pointer",
            403: "not a router certificate", 429: "this router reports too often; again after Retry-After"},
           security=ROUTER, body=ref("router-ejections"),
+          headers={429: {"Retry-After": {"schema": {"type": "string", "pattern": "^[0-9]+$"}}}}),
+    Route("POST", "/v1/router/wake", "A router holds requests for a model whose endpoints are all asleep: wake "
+          "its replicas (scale to sleep; router certificate only). `waking` is false when no deployment with "
+          "autoscale.sleep serves the model", 202, "WakeAccepted",
+          {400: "the body is not JSON or not a wake request; `errors` lists each problem with its JSON pointer",
+           403: "not a router certificate", 413: "the body is too large",
+           429: "this router asks too often; again after Retry-After"},
+          security=ROUTER, body=ref("router-wake"),
           headers={429: {"Retry-After": {"schema": {"type": "string", "pattern": "^[0-9]+$"}}}}),
 )
 

@@ -7,8 +7,9 @@ for a model that has endpoints but none awake would otherwise be answered
 plane that someone wants it.  Here such a request:
 
 - asks for a wake (``wake(model)``: the in-process router calls the control
-  plane directly; at most once per ``WAKE_EVERY`` per model, the control
-  plane's own pass repeats what it decided);
+  plane directly, a standalone one posts ``/v1/router/wake`` with its router
+  certificate (``ControlPlaneWaker``); at most once per ``WAKE_EVERY`` per
+  model, the control plane's own pass repeats what it decided);
 - waits, its body read but not a byte of it sent anywhere, until the table
   shows an endpoint of the model awake, then goes on to the ordinary pick;
   the waiters of one model are released together, in the order they came;
@@ -25,8 +26,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import ssl
 import time
 from collections.abc import Callable
+
+import aiohttp
+
+from llmgw.protocol import WAKE_PATH
 
 from .errors import SERVER, RouterError
 from .runtime import ModelGroup, Routing
@@ -94,3 +100,48 @@ class HoldQueue:
             self.held[model] -= 1
             if not self.held[model]:
                 del self.held[model]
+
+
+class ControlPlaneWaker:
+    """``wake(model)`` for a standalone router: ``POST /v1/router/wake`` in the background.
+
+    The request being held does not wait on this call: it waits on the
+    endpoint table, which the watch updates however the wake came about.  A
+    failed call is logged once per kind of failure; the held request asks
+    again a second later.
+    """
+
+    def __init__(self, url: str, ssl_context: ssl.SSLContext | None, timeout: float = 10.0) -> None:
+        self.target = url.rstrip("/") + WAKE_PATH
+        self.ssl_context = ssl_context
+        self.timeout = timeout
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._last_problem = ""
+
+    def __call__(self, model: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._post(model))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _post(self, model: str) -> None:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout),
+                connector=aiohttp.TCPConnector(limit=4, ssl=self.ssl_context if self.ssl_context is not None else True))
+        problem = ""
+        try:
+            async with self._session.post(self.target, json={"model": model}) as r:
+                if r.status != 202:
+                    problem = f"HTTP {r.status}: {(await r.content.read(300)).decode('utf-8', 'replace')}"
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
+            problem = f"{type(e).__name__}: {e}"
+        if problem and problem != self._last_problem:
+            log.warning("cannot ask %s to wake %s: %s", self.target, model, problem)
+        self._last_problem = problem
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._session is not None:
+            await self._session.close()
