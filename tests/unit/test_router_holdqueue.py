@@ -25,7 +25,9 @@ def routing(*eps: Endpoint) -> Routing:
 def test_a_sleeping_endpoint_is_never_picked_and_an_awake_one_needs_no_hold():
     r = routing(ASLEEP, Endpoint("e2", "m", "http://127.0.0.1:9002", draining=True))
     group = r.group("m")
-    assert all_asleep(group) and isinstance(r.pick(group, set(), None), RouterError)
+    why = r.pick(group, set(), None)
+    assert all_asleep(group) and isinstance(why, RouterError)
+    assert why.status == 503 and "1 asleep" in why.message, why.message  # not "at their concurrency limit"
     assert not all_asleep(routing(AWAKE, ASLEEP.__class__("e3", "m", "http://127.0.0.1:9003", sleeping=True)
                                   ).group("m"))
 
