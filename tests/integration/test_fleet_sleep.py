@@ -141,3 +141,27 @@ def test_a_standalone_router_asks_the_control_plane_for_the_wake_with_its_certif
             bad = as_router.post("/v1/router/wake", json={"model": ""})
             assert bad.status_code == 400 and bad.json()["errors"][0]["pointer"] == "/model", bad.text
             assert as_router.post("/v1/router/wake", json={"model": "other"}).json() == {"waking": False}
+
+
+def test_after_the_agent_and_the_control_plane_restart_a_sleeping_engine_is_still_known_asleep(tmp_path):
+    with Fleet(tmp_path, nodes={"a": 1}, replicas=1, router=True, lifecycle={"startup_grace": 1.0}) as f:
+        f.config["deployments"][0]["autoscale"] = {"min": 1, "max": 1, "sleep": {"after": 3}}
+        f.write_config()
+        f.start()
+        (replica,) = f.wait_ready(1)
+        until(lambda: is_sleeping(replica["endpoint"]), "the idle engine to sleep", on_timeout=f.dump)
+        f.agents["a"].kill()
+        f.server.kill()
+        f.server.start()
+        f.wait_healthy()
+        f.agents["a"].start()  # adopts the engine, which sleeps on; only the engine knows
+        until(lambda: "ready, asleep" in f.server.life_output() and "(asleep)" in f.server.life_output(),
+              "the restarted control plane to learn the engine sleeps", on_timeout=f.dump)
+        # learnt from the agent, not by putting it to sleep again (which waits for a whole idle time,
+        # during which the routers would have sent requests to a sleeping engine)
+        assert "to sleep its engine" not in f.server.life_output(), f.server.life_output()[-3000:]
+        assert "engine asleep (asked after connecting)" in f.agents["a"].life_output()
+        with httpx.Client(base_url=f.router_url, verify=f.router_verify(), timeout=60) as router:
+            r = router.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["choices"], r.text  # held, woken, answered
+        assert is_sleeping(replica["endpoint"]) is False

@@ -49,6 +49,33 @@ class EngineSleep:
             return None
         return shard
 
+    async def recheck(self) -> None:
+        """Ask every Ready sleep-mode engine whether it sleeps (``GET /is_sleeping``) and report it.
+
+        Run on each new stream: an agent that restarted adopted its engines
+        without knowing which ones sleep, and a control plane that restarted
+        knows nothing; the engine is the only one that knows for sure.
+        """
+        for shard in list(self.supervisor.shards.values()):
+            if shard.state is not ShardState.READY or not shard.port or not shard.spec.get("sleep_mode"):
+                continue
+            async with self._locks.setdefault(shard.shard_id, asyncio.Lock()):
+                session, url, kwargs = self.supervisor.driver.engine_request(shard)
+                try:
+                    async with session.get(f"{url}/is_sleeping", timeout=aiohttp.ClientTimeout(total=10),
+                                           **kwargs) as resp:
+                        doc = await resp.json(content_type=None) if resp.status == 200 else None
+                except (asyncio.TimeoutError, aiohttp.ClientError, ValueError) as e:
+                    log.warning("cannot ask %s whether it sleeps: %s: %s", shard.shard_id, type(e).__name__, e)
+                    continue
+                asleep = doc.get("is_sleeping") if isinstance(doc, dict) else None
+                if not isinstance(asleep, bool) or shard.state is not ShardState.READY:
+                    continue
+                if asleep != shard.sleeping:
+                    log.info("%s: engine %s (asked after connecting)", shard.shard_id, "asleep" if asleep else "awake")
+                shard.sleeping = asleep
+                self.supervisor.emit(self.supervisor.status_message(shard))
+
     async def sleep(self, shard_id: str, level: int) -> bool:
         return await self._call(shard_id, f"/sleep?level={int(level)}", True)
 

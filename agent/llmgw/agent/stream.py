@@ -379,6 +379,8 @@ class StreamClient:
                      self._advertised_keepalive, self.grace)
         elif kind == "accepts":
             self.supervisor.accept_fields(msg["shard_status"])
+            if "sleeping" in msg["shard_status"]:  # which engines sleep: only they know after restarts
+                self._command(self.engine_sleep.recheck())
         elif kind == "answers_heartbeats":
             self._answers_heartbeats = True
             log.debug("the control plane answers heartbeats: pinging only when none went out for %gs",

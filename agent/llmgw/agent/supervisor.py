@@ -110,10 +110,6 @@ class Supervisor:
             for shard in self.live_shards():
                 if shard.state is ShardState.READY and shard.engine_version is not None:
                     self.emit(self.status_message(shard))
-        elif "sleeping" in self.accepted - before:  # a sleeping engine: a new control plane must not route to it
-            for shard in self.live_shards():
-                if shard.state is ShardState.READY and shard.sleeping:
-                    self.emit(self.status_message(shard))
 
     def gpus_held(self, exclude: str | None = None) -> dict[int, str]:
         """GPU index -> the live shard holding it (``exclude``: a shard asking about the others)."""
