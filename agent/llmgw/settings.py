@@ -101,6 +101,13 @@ class EjectionPolicy:
 
 
 @dataclass(frozen=True)
+class RouterAllowance:
+    """Slices of per-key limits leased to routers (``server.yaml`` ``router_allowance``)."""
+
+    lease_seconds: float = 5.0
+
+
+@dataclass(frozen=True)
 class HASettings:
     """Leader election among control planes (``server.yaml`` ``ha``)."""
 
@@ -165,6 +172,7 @@ class ServerSettings:
     memory_headroom: float
     router: dict[str, Any] | None  # validated against router.schema.json; the router parses it
     router_ejections: EjectionPolicy = EjectionPolicy()
+    router_allowance: RouterAllowance = RouterAllowance()
     api_clients: ApiClients = ApiClients()
     state_dir: str | None = None  # cordons, drains, epoch, grant secret; None: memory only (and an ephemeral grant secret)
     ha: HASettings | None = None  # leader election on etcd; None: the only control plane
@@ -486,6 +494,7 @@ def parse_server_settings(doc: Any, source: str = "server.yaml") -> ServerSettin
         memory_headroom=float(d["placement"]["memory_headroom"]),
         router=doc.get("router"),  # as written: the router fills its own defaults
         router_ejections=EjectionPolicy(**d["router_ejections"]),
+        router_allowance=RouterAllowance(**d["router_allowance"]),
         api_clients=ApiClients(**api["clients"]),
         state_dir=d.get("state_dir"),
         ha=HASettings.from_config(d["ha"]) if "ha" in d else None,

@@ -8,6 +8,7 @@ before it can act, and exits to start again as a standby.
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 from pathlib import Path
@@ -87,6 +88,13 @@ def test_the_standby_takes_over_a_killed_leader_and_a_woken_leader_cannot_act(tm
               "the router to follow the new leader", on_timeout=router.output)
         assert took <= TTL + 5
         assert "leading as term" in cp2.output()
+        # the agent took the standby's refusals as a control plane that is up: it waited as told and
+        # its backoff never grew past the start (else it could sleep reconnect_max past the takeover)
+        for agent in f.agents.values():
+            log = agent.output()
+            assert "is a standby" in log, log[-3000:]
+            grown = [int(m) for m in re.findall(r"reconnecting to \S+ in [0-9.]+s \(attempt (\d+)\)", log)]
+            assert max(grown, default=0) <= 2, grown
         assert ": placed (" not in cp2.output() and "stopping" not in cp2.output()
 
         # the old leader comes back as a standby; then the new leader is paused past its lease

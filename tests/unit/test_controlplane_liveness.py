@@ -135,3 +135,14 @@ def test_a_refused_agent_waits_as_told_with_jitter():
     assert StreamClient._retry_after(refusal(503, "Wed, 21 Oct 2015 07:28:00 GMT")) is None
     assert StreamClient._retry_after(refusal(503, None)) is None
     assert StreamClient._retry_after(refusal(403, "7")) is None
+
+
+def test_a_standby_spreads_the_agents_it_refuses_over_the_rate_a_leader_admits():
+    """Every agent of a dead leader's fleet reaches a standby within a lease: told to come back at
+    once, they would hammer it with handshakes; told the same long delay, they would all return in
+    the second it takes over.  Each is told the crowd refused of late over the admission rate."""
+    a = Admission()
+    told = [a.refuse(100.0 + i / 1000, rate=100) for i in range(1000)]  # a thousand agents in one second
+    assert told[0] == 1 and told[-1] == 10 and told == sorted(told)
+    assert a.refuse(200.0, rate=100) == 1  # a lone agent much later is not kept away
+    assert a.refused == 1001 and a.admitted == 0

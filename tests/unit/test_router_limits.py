@@ -276,7 +276,7 @@ def test_a_limited_stream_asks_the_engine_for_usage_in_the_body_and_in_what_is_r
 
     async def admit():
         ctx = RequestContext("r", 0.0)
-        return ctx, gate.admit(ctx, st, "k", parsed, body, "/v1/chat/completions")
+        return ctx, await gate.admit(ctx, st, "k", parsed, body, "/v1/chat/completions")
 
     ctx, sent = asyncio.run(admit())
     assert json.loads(sent)["stream_options"] == {"include_usage": True}

@@ -28,6 +28,7 @@ TABLE = [
     (settings.Lifecycle, "server", "/lifecycle", {}),
     (settings.RestartPolicy, "server", "/restart", {}),
     (settings.EjectionPolicy, "server", "/router_ejections", {}),
+    (settings.RouterAllowance, "server", "/router_allowance", {}),
     (settings.ApiClients, "server", "/api/clients", {}),
     (settings.HASettings, "server", "/ha", {"prefix": ("/ha/etcd", "prefix")}),
     (catalog.Profile, "server", "/profiles/[]", {}),
@@ -49,6 +50,7 @@ TABLE = [
     (router_settings.Outlier, "router", "/outlier", {}),
     (router_settings.Hold, "router", "/hold", {}),
     (router_settings.KeyLimits, "router", "/api_keys/[]/limits", {}),
+    (router_settings.Allowance, "router", "/allowance", {}),
 ]
 
 

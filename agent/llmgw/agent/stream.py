@@ -32,7 +32,9 @@ plane a frame to read and a pong to write per ping interval and node.
 
 Admission: a control plane that answers the upgrade with 503 and
 ``Retry-After`` is obeyed, with jitter (``Backoff.told``), instead of the
-usual backoff.
+usual backoff.  So is a standby (``X-Llmgw-Role: standby``), after which the
+agent dials the leader it names or its next address; a standby's answer also
+resets the backoff, since a control plane that answers is not a dead one.
 """
 
 from __future__ import annotations
@@ -182,7 +184,19 @@ class StreamClient:
             except aiohttp.WSServerHandshakeError as e:
                 told, hint = self._retry_after(e), leader_hint(e)
                 standby = e.headers is not None and e.headers.get("X-Llmgw-Role") == "standby"
-                if told is not None and not standby:  # shed by the leader: the same address, later
+                if standby:
+                    # A control plane that is up answered (a leader is at most a lease away): come back
+                    # when it says, to the leader it names or the next address, without the growth
+                    # that dead addresses earn, which would leave the agent asleep for up to
+                    # reconnect_max after the takeover.
+                    was, self.url = self.url, self.addresses.next_after_failure(hint)
+                    self.backoff.reset()
+                    delay = self.backoff.told(told) if told is not None else self.backoff.next_delay()
+                    log.info("control plane %s is a standby (leader: %s); dialling %s in %.2fs",
+                             was, hint or "not known yet", self.url, delay)
+                    await asyncio.sleep(delay)
+                    continue
+                if told is not None:  # shed by the leader: the same address, later
                     self.refusals += 1
                     delay = self.backoff.told(told)
                     log.info("control plane %s is admitting no more streams just now; dialling again in %.2fs "

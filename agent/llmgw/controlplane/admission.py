@@ -44,6 +44,14 @@ class Admission:
             self.tokens -= 1.0
             self.admitted += 1
             return None
+        return self.refuse(now, rate, lag - max_lag if lag > max_lag else 0.0)
+
+    def refuse(self, now: float, rate: float, behind: float = 0.0) -> int:
+        """Count one refused stream and answer the Retry-After (whole seconds) that spreads the
+        streams refused of late over ``rate`` (and waits out ``behind`` seconds of loop lag).
+
+        A standby refuses every stream with it: the agents it turns away come back when the
+        leader-to-be can admit them, not all in the second it takes over."""
         self.refused += 1
         second = int(now)
         if self._recent and self._recent[-1][0] == second:
@@ -55,6 +63,6 @@ class Admission:
         # The agents refused within the last delay told will be back around
         # the same time: spread them over the admission rate.
         waiting = sum(n for s, n in self._recent if s > second - self.retry_after)
-        delay = max(waiting / rate, lag - max_lag if lag > max_lag else 0.0)
+        delay = max(waiting / rate, behind)
         self.retry_after = max(1, min(MAX_RETRY_AFTER, math.ceil(delay)))
         return self.retry_after

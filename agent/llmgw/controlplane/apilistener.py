@@ -73,7 +73,7 @@ async def open_api(cp: ControlPlane, ssl_ctx: ssl.SSLContext | None, reload: Cal
     app = build_api(cp, require_identity=ssl_ctx is not None, reload=reload, watch_handler=watch,
                     on_authenticated=anonymous.authenticated, revocations=revocations)
     if elector is not None:
-        app.middlewares.insert(0, standby_gate(elector))
+        app.middlewares.insert(0, standby_gate(elector, lambda: cp.settings.lifecycle.max_registrations_per_second))
     app.middlewares.append(body_deadline(bounds))  # after the admin check: a refused body is never read
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True, **head_timeout_kwargs(bounds))
     await runner.setup()

@@ -48,6 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from llmgw import compat
 from llmgw.controlplane.etcd import AsyncEtcd, EtcdUnavailable, KeyValue, b64
 from llmgw.controlplane.leasekeeper import LeaseKeeper
 from llmgw.controlplane.store import StoreError
@@ -312,8 +313,8 @@ class Elector:
                 if deadline is not None:  # wake in time to notice the deadline, not a renew interval later
                     wait = max(0.0, min(wait, deadline - self.clock()))
                 try:
-                    await asyncio.wait_for(stop.wait(), timeout=wait)
-                except asyncio.TimeoutError:
+                    await compat.wait_for(stop.wait(), timeout=wait)
+                except TimeoutError:
                     pass
         finally:
             keeper.stop()

@@ -170,6 +170,9 @@ SHAPES: dict[str, dict[str, Any]] = {
                            "revision, or every replica's keys (`full`)"}}),
     "OpenAPI": {"type": "object", "required": ["openapi", "info", "paths"]},
     "EjectionsAccepted": obj({"accepted": {"type": "integer", "minimum": 0}}),
+    "AllowanceAnswers": obj({"answers": {"type": "array", "items": obj({}, {
+        "lease": STR, "amount": INT, "ttl": NUM, "remaining": INT, "reset": NUM, "limit": INT,
+        "retry_after": {"type": ["number", "null"], "description": "a denial: seconds to wait; null: never fits"}})}}),
     "WakeAccepted": obj({"waking": BOOL}),
 }
 
@@ -271,6 +274,13 @@ ROUTES: tuple[Route, ...] = (
            403: "not a router certificate", 429: "this router reports too often; again after Retry-After"},
           security=ROUTER, body=ref("router-ejections"),
           headers={429: {"Retry-After": {"schema": {"type": "string", "pattern": "^[0-9]+$"}}}}),
+    Route("POST", "/v1/router/allowance", "A router worker returns the slices of per-key limits it leased and "
+          "asks for new ones; one answer per ask, a lease or a denial (router certificate only)", 200,
+          "AllowanceAnswers",
+          {400: "the body is not JSON or not an allowance request; `errors` lists each problem with its JSON pointer",
+           403: "not a router certificate", 503: "the books are new (after a start or a failover); again after Retry-After"},
+          security=ROUTER, body=ref("router-allowance"),
+          headers={503: {"Retry-After": {"schema": {"type": "string", "pattern": "^[0-9]+$"}}}}),
     Route("POST", "/v1/router/wake", "A router holds requests for a model whose endpoints are all asleep: wake "
           "its replicas (scale to sleep; router certificate only). `waking` is false when no deployment with "
           "autoscale.sleep serves the model", 202, "WakeAccepted",

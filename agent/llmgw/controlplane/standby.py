@@ -3,8 +3,14 @@
 With ``ha`` several ``llmgw server`` processes run and one leads
 (``controlplane/leader.py``).  The others hold no authority:
 
-* the agent stream is refused (503, the leader's URL in ``X-Llmgw-Leader``):
-  an agent moves on to the next control-plane address it knows;
+* the agent stream is refused (503, the leader's URL in ``X-Llmgw-Leader``)
+  with a ``Retry-After`` that spreads the agents it refused of late over the
+  registration rate a leader admits (``controlplane/admission``): an agent
+  waits that long, then dials the leader named or the next address it knows.
+  After a leader dies every agent lands on a standby within a lease; told to
+  come back at the rate the next leader can take them, they neither hammer
+  the standbys with handshakes nor back off to ``reconnect_max`` (they take
+  a standby's answer as a control plane that is up, see ``agent/stream``);
 * the router watch is answered 503 with ``Retry-After`` ("keep what you
   have"): a standby knows no replica, and an empty answer would empty a
   router's table while the engines serve;
@@ -20,11 +26,13 @@ no book of replicas from an old term is ever acted on.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
+from llmgw.controlplane.admission import Admission
 from llmgw.protocol import LEADER_EPOCH_HEADER, STREAM_PATH, WATCH_PATH
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -32,8 +40,13 @@ DEPOSED_EXIT = 3
 PASS_THROUGH = ("/healthz", "/openapi.json")
 
 
-def standby_gate(elector: Any) -> Any:
-    """An aiohttp middleware answering for a control plane while ``elector.is_leader`` is false."""
+def standby_gate(elector: Any, registrations_per_second: Callable[[], float],
+                 clock: Callable[[], float] = time.monotonic) -> Any:
+    """An aiohttp middleware answering for a control plane while ``elector.is_leader`` is false.
+
+    ``registrations_per_second``: the rate a leader admits agent streams at (read per refusal, so a
+    reload applies), which sizes the Retry-After of a refused stream."""
+    refusals = Admission()
 
     @web.middleware
     async def gate(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -46,8 +59,10 @@ def standby_gate(elector: Any) -> Any:
             headers["X-Llmgw-Leader"] = url
         who = f"{leader.name} leads (term {leader.epoch})" if url else "no leader is known yet"
         if request.path == STREAM_PATH:
-            return web.json_response({"error": f"standby control plane: {who}", "leader": url},
-                                     status=503, headers={**headers, "Retry-After": "1"})
+            retry = refusals.refuse(clock(), registrations_per_second())
+            return web.json_response({"error": f"standby control plane: {who}", "leader": url,
+                                      "retry_after_s": retry},
+                                     status=503, headers={**headers, "Retry-After": str(retry)})
         if request.path == WATCH_PATH:
             return web.json_response({"error": f"standby control plane: {who}; keep what you have",
                                       "leader": url}, status=503, headers={**headers, "Retry-After": "1"})

@@ -42,7 +42,7 @@ def load(path: str) -> tuple[RouterSettings, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .serve import configure_logging, serve
+    from .serve import PortInUse, configure_logging, serve
 
     configure_logging(args.log_level)
     if args.workers is not None and args.workers < 1:
@@ -54,6 +54,9 @@ def run(args: argparse.Namespace) -> int:
     except ConfigInvalid as e:
         print(str(e), file=sys.stderr)
         return 2
+    except PortInUse as e:
+        print(f"llmgw router: {e}", file=sys.stderr)
+        return 1
 
 
 def main(argv: list[str] | None = None) -> int:

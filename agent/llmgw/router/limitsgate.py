@@ -21,6 +21,14 @@ Every answer to a limited key carries OpenAI's rate-limit headers
 window of each kind, as of admission); a refusal adds ``Retry-After``
 (whole seconds, rounded up) and ``retry-after-ms``, which the official
 clients read before ``Retry-After``.
+
+With ``allowance`` (a router fed by a control plane, ``allowance.mode:
+shared``) the window limits are spent from slices leased from the control
+plane (``allowance.py``) instead of this worker's own windows; a request
+that finds its slices short waits for one exchange, and when the control
+plane does not answer ``allowance.on_outage`` decides: ``serve`` spends
+the slices held past their lease, then this worker's own windows;
+``refuse`` answers 429.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from aiohttp import web
 
 from .context import RequestContext
 from .errors import INVALID_REQUEST, RATE_LIMIT, RouterError
+from .allowance import Allowance, Short, Unavailable
 from .limits import KeyState, Limiter, RateView, Refused, Ticket
 from .metrics import RouterMetrics
 from .request import ParsedRequest
@@ -58,9 +67,10 @@ class LimitsGate:
     def __init__(self, limiter: Limiter, metrics: RouterMetrics) -> None:
         self.limiter = limiter
         self.metrics = metrics
+        self.allowance: Allowance | None = None  # set by the worker when limits are shared
         self._usage: dict[tuple[str, str], tuple] = {}
 
-    def admit(self, ctx: RequestContext, state: KeyState, key: str, parsed: ParsedRequest, body: bytes,
+    async def admit(self, ctx: RequestContext, state: KeyState, key: str, parsed: ParsedRequest, body: bytes,
               path: str) -> bytes:
         """Reserve for this request (``ctx.limits``) and return the body to send, or raise the refusal.
 
@@ -71,7 +81,10 @@ class LimitsGate:
         now = asyncio.get_running_loop().time()
         prompt = (len(body) + BYTES_PER_TOKEN - 1) // BYTES_PER_TOKEN
         completion = 0 if path.endswith("/embeddings") else _max_tokens(parsed.payload, state.limits.default_max_tokens)
-        got = self.limiter.admit(state, key, parsed.model, prompt, completion, now)
+        if self.allowance is None:
+            got = self.limiter.admit(state, key, parsed.model, prompt, completion, now)
+        else:
+            got = await self._shared(self.allowance, state, key, parsed.model, prompt, completion)
         headers = _headers(got.requests, got.tokens)
         if isinstance(got, Refused):
             ctx.limits = Limited(headers)
@@ -88,9 +101,38 @@ class LimitsGate:
                 parsed.payload["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
         return body
 
+    async def _shared(self, al: Allowance, state: KeyState, key: str, model: str, prompt: int,
+                      completion: int) -> Ticket | Refused:
+        """Admission on leased slices: at most two exchanges (another request may take what one brought)."""
+        got = al.take(state, key, model, prompt, completion, al.clock())
+        for _ in range(2):
+            if not isinstance(got, Short):
+                return got
+            try:
+                await al.fetch(got)
+            except Unavailable as e:
+                now = al.clock()
+                if al.on_outage == "serve":
+                    got = al.take(state, key, model, prompt, completion, now, stale_ok=True)
+                    if isinstance(got, Short):
+                        got = self.limiter.admit(state, key, model, prompt, completion, now)
+                    return got
+                limit = next(iter(got.asks.values()))[0]
+                return Refused("allowance_unavailable", max(1.0, e.retry_after), limit,
+                               *al.views(state, key, model, now))
+            got = al.take(state, key, model, prompt, completion, al.clock())
+        if isinstance(got, Short):  # other requests of this worker took each slice fetched for us
+            limit = next(iter(got.asks.values()))[0]
+            return Refused("allowance_contended", 1.0, limit, *al.views(state, key, model, al.clock()))
+        return got
+
     def unreserved(self, key: str, model: str | None) -> Limited:
         """The headers of a limited key's answer refused before admission (a bad body, an unknown model)."""
-        req, tok = self.limiter.views(self.limiter.keys[key], model or "", asyncio.get_running_loop().time())
+        state = self.limiter.keys[key]
+        if self.allowance is not None:
+            req, tok = self.allowance.views(state, key, model or "", self.allowance.clock())
+        else:
+            req, tok = self.limiter.views(state, model or "", asyncio.get_running_loop().time())
         return Limited(_headers(req, tok))
 
     def finish(self, lim: Limited, resp: web.StreamResponse | None, status: int) -> None:

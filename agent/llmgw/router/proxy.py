@@ -161,5 +161,5 @@ class Proxy:
             group = await self.holds.admit(parsed.model, group)
         state = self.limiter.keys.get(principal.name) if self.limiter.keys else None
         if state is not None:
-            body = self.limits_gate.admit(ctx, state, principal.name, parsed, body, request.path)
+            body = await self.limits_gate.admit(ctx, state, principal.name, parsed, body, request.path)
         return await self.forwarder.forward(request, ctx, group, body, parsed.stream, parsed.payload)

@@ -2,7 +2,12 @@
 
 Each worker binds the port with SO_REUSEPORT and builds its own app,
 endpoint table and connection pools; the kernel spreads new connections
-across them.  One Python process saturates around one core of SSE relaying,
+across them.  SO_REUSEPORT would also let any other process of the same
+user that sets it (vLLM does, a second router would) bind the port and take
+a share of the clients without a word, so the supervisor first binds the
+port plainly and lets go: a port someone already holds fails the start,
+naming it.  A single worker does not set it at all, so nothing can join it
+later either.  One Python process saturates around one core of SSE relaying,
 so workers are how the router scales.  The parent only supervises: it
 restarts a worker that died, and on SIGTERM asks every worker to finish its
 in-flight requests (up to ``timeouts.shutdown_grace``) before exiting.  On
@@ -16,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import errno
 import gc
 import logging
 import multiprocessing
@@ -43,6 +49,7 @@ from .app import PROXY_KEY, build_app, runner_kwargs
 from .endpoints import EndpointTable
 from .kvindex import KVIndex
 from .settings import ControlPlane, RouterSettings
+from .allowance import Allowance
 from .ejectreport import report_ejections
 from .holdqueue import ControlPlaneWaker
 from .limitsreload import reload_keys, reloaded_doc
@@ -134,14 +141,26 @@ def connection_gate(settings: RouterSettings) -> SourceGate:
                       ThrottledLog(log, "connection from %(host)s%(port)s refused: %(reason)s"))
 
 
-def listen_socket(host: str, port: int, backlog: int, listen: bool = True) -> socket.socket:
+class PortInUse(Exception):
+    """The router's port is held by another process (it would otherwise share the clients silently)."""
+
+
+def listen_socket(host: str, port: int, backlog: int, listen: bool = True, share: bool = True) -> socket.socket:
+    """A bound (and listening) socket; ``share``: with SO_REUSEPORT, for workers of one router."""
     info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     family, addr = info[0], info[4]
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind(addr)
+        if share:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise PortInUse(f"cannot listen on {host or '*'}:{port}: another process holds the port "
+                                f"(ss -ltnp 'sport = :{port}' names it)") from None
+            raise
         if listen:
             sock.listen(backlog)
         sock.setblocking(False)
@@ -164,6 +183,7 @@ async def serve_worker(settings: RouterSettings, sock: socket.socket, on_ready: 
         loop.add_signal_handler(sig, stop.set)
     table = EndpointTable(settings.static_endpoints or ())
     watch_task = None
+    allowance: Allowance | None = None
     kv_index: KVIndex | None = None  # route keys for cache-aware models, fed by the watch
     background = []
     hangups: list[Callable[[], Any]] = []  # what SIGHUP re-reads, added to as the parts start
@@ -174,6 +194,10 @@ async def serve_worker(settings: RouterSettings, sock: socket.socket, on_ready: 
         ctx = control_plane_ssl_context(settings.control_plane, revocations)
         cp_url = settings.control_plane.url
         background.append(lambda routing: report_ejections(cp_url, ctx, routing))
+        if settings.allowance.mode == "shared":  # limited keys spend slices leased from the control plane
+            allowance = Allowance(settings.control_plane.urls or (cp_url,), ctx, settings.allowance.timeout,
+                                  settings.allowance.on_outage)
+            background.append(lambda routing: allowance.run_returns())
         if settings.balancing.cache_aware.models:
             kv_index = KVIndex(stale_after=settings.balancing.cache_aware.stale_after)
         watch_task = asyncio.create_task(watch_endpoints(settings.control_plane.urls or settings.control_plane.url, ctx,
@@ -188,6 +212,7 @@ async def serve_worker(settings: RouterSettings, sock: socket.socket, on_ready: 
     if settings.control_plane is not None:  # a model whose endpoints all sleep: ask for its wake
         waker = ControlPlaneWaker(settings.control_plane.url, ctx)
     app = build_app(settings, table, background=background, kv_index=kv_index, wake=waker)
+    app[PROXY_KEY].limits_gate.allowance = allowance
     if source is not None:
         in_force = [settings]
 
@@ -244,7 +269,7 @@ def serve(settings: RouterSettings, doc: Any, source: str, workers: int | None =
         raise ConfigInvalid(source, errors)
     n = workers or settings.workers
     if n == 1:
-        sock = listen_socket(settings.host, settings.port, settings.backlog)
+        sock = listen_socket(settings.host, settings.port, settings.backlog, share=False)
         port = sock.getsockname()[1]
         run_loop(serve_worker(settings, sock, lambda: _announce(settings.host, port, 1, settings.tls is not None),
                               source))
@@ -310,6 +335,8 @@ class _Supervisor:
                 # keeps anyone else from taking it until the workers have it.
                 reserve = listen_socket(self.s.host, 0, 1, listen=False)
                 self.port = reserve.getsockname()[1]
+            else:  # held by someone else (with SO_REUSEPORT or not): fail here, not share it
+                listen_socket(self.s.host, self.port, 1, listen=False, share=False).close()
             for i in range(self.n):
                 self._start(i)
             if not self._await_ready():

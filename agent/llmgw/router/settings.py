@@ -151,6 +151,15 @@ class Outlier:
 
 
 @dataclass(frozen=True)
+class Allowance:
+    """How limited keys share their limits across routers and workers (``router/allowance.py``)."""
+
+    mode: str = "shared"  # or "local"; shared needs control_plane
+    on_outage: str = "serve"  # or "refuse"
+    timeout: float = 2.0
+
+
+@dataclass(frozen=True)
 class Hold:
     """Bounds of the hold queue for sleeping models (``hold``; router/holdqueue.py)."""
 
@@ -181,6 +190,7 @@ class RouterSettings:
     disaggregation: Disaggregation = field(default_factory=Disaggregation)
     metrics_tokens: tuple[MetricsToken, ...] = ()  # bearer tokens that may read /metrics
     access_log: bool = True
+    allowance: Allowance = field(default_factory=Allowance)
     hold: Hold = field(default_factory=Hold)  # requests for a sleeping model (router/holdqueue.py)
 
     @property
@@ -369,4 +379,5 @@ def _build(doc: Mapping[str, Any]) -> RouterSettings:
         hold=Hold(max_requests=doc["hold"]["max_requests"], deadline=float(doc["hold"]["deadline"])),
         metrics_tokens=tuple(MetricsToken(t["name"], t["sha256"]) for t in doc.get("metrics_tokens") or ()),
         access_log=doc["access_log"],
+        allowance=Allowance(**doc["allowance"]),
     )

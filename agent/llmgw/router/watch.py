@@ -32,6 +32,7 @@ from typing import Any, Mapping, Protocol, Sequence
 import aiohttp
 from aiohttp import web
 
+from llmgw import compat
 from llmgw.protocol import LEADER_EPOCH_HEADER, WATCH_PATH
 
 from .endpoints import Endpoint, EndpointError, EndpointTable, EndpointURLError
@@ -80,8 +81,8 @@ class ChangeSignal:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.add(fut)
         try:
-            await asyncio.wait_for(asyncio.shield(fut), timeout)
-        except asyncio.TimeoutError:
+            await compat.wait_for(asyncio.shield(fut), timeout)
+        except TimeoutError:
             pass
         finally:
             self._waiters.discard(fut)

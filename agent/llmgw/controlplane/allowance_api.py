@@ -1,0 +1,85 @@
+"""``POST /v1/router/allowance``: router workers return and lease slices of per-key limits.
+
+Only a router certificate may lease (``ejections_api`` checks callers the
+same way): the holder of a lease is the certificate's name and the worker
+``instance`` of the body, so one router can neither return nor spend
+another's slices.  A malformed body is refused with every error and its
+JSON pointer and changes nothing.  While the books are new (for one lease
+time after this control plane starts or takes the lead) the answer is 503
+with ``Retry-After``, like every other route a router cannot use yet; with
+``ha`` a standby never gets here (``standby.standby_gate`` answers for it).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+
+from aiohttp import web
+
+from llmgw.config import schema_errors
+from llmgw.controlplane.allowance import AllowanceBook, Ask, Denial, Return
+from llmgw.controlplane.ejections_api import MAX_ERRORS, NumberRefused, parse_report
+from llmgw.controlplane.state import ControlPlane
+
+log = logging.getLogger("llmgw.controlplane.allowance")
+
+__all__ = ["AllowanceAPI"]
+
+
+class AllowanceAPI:
+    def __init__(self, cp: ControlPlane, router_name: Callable[[web.Request], str | None]):
+        self.cp = cp
+        self.router_name = router_name
+        self.book = AllowanceBook(cp.settings.router_allowance.lease_seconds, cp.clock())
+        self.epoch = cp.leader_epoch
+
+    async def handle(self, request: web.Request) -> web.Response:
+        router = self.router_name(request)
+        if router is None:
+            log.warning("refused %s %s from %s: not a router certificate", request.method, request.path,
+                        request.remote)
+            return web.json_response({"error": "only a router certificate may lease allowances"}, status=403)
+        try:
+            doc = parse_report(await request.read())
+        except NumberRefused as e:
+            return web.json_response({"error": f"invalid allowance request: {e}"}, status=400)
+        except (ValueError, RecursionError) as e:
+            return web.json_response({"error": f"the body is not JSON: {e}"}, status=400)
+        errors = schema_errors(doc, "router-allowance", limit=MAX_ERRORS)
+        if errors:
+            log.warning("refused an allowance request from router %r: %s", router, "; ".join(map(str, errors)))
+            return web.json_response({"error": "invalid allowance request",
+                                      "errors": [{"pointer": e.pointer, "message": e.message} for e in errors]},
+                                     status=400)
+        now = self.cp.clock()
+        if self.cp.leader_epoch != self.epoch:  # a new term: the old leader's books are not ours
+            self.epoch = self.cp.leader_epoch
+            self.book.restart(now)
+        status, answer = exchange(self.book, (router, doc["instance"]), doc, now)
+        headers = {"Retry-After": str(math.ceil(answer["retry_after"]))} if status == 503 else None
+        return web.json_response(answer, status=status, headers=headers)
+
+
+def exchange(book: AllowanceBook, holder: tuple[str, str], doc: dict, now: float) -> tuple[int, dict]:
+    """Apply a valid request's returns, then its asks: (HTTP status, answer)."""
+    book.settle(holder, [Return(r["lease"], r["unused"], float(r["idle"])) for r in doc.get("returns", ())], now)
+    asks = doc.get("asks", ())
+    if not asks:
+        return 200, {"answers": []}
+    left = book.holding(now)
+    if left > 0:
+        return 503, {"error": f"allowance books are new: grants start in {left:.1f}s (leases of an earlier "
+                              "control plane end by then)", "retry_after": left}
+    got = book.grant(holder, [Ask(a["key"], a["scope"], a["dimension"], a["limit"], float(a["span"]), a["need"])
+                              for a in asks], now)
+    out = []
+    for g in got:
+        if isinstance(g, Denial):
+            out.append({"retry_after": None if math.isinf(g.retry_after) else round(g.retry_after, 3),
+                        "limit": g.limit, "reset": round(g.reset, 3)})
+        else:
+            out.append({"lease": g.lease, "amount": g.amount, "ttl": g.ttl, "remaining": g.remaining,
+                        "reset": round(g.reset, 3)})
+    return 200, {"answers": out}

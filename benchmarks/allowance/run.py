@@ -1,0 +1,136 @@
+"""Enforcement error of a key's requests-per-minute limit across routers and workers.
+
+Usage (from the repository root, with the package on the path)::
+
+    PYTHONPATH=agent .venv/bin/python benchmarks/allowance/run.py --quick --out /tmp/allowance.json
+
+Starts a control plane with one simulated engine (tests/integration/fleet.py),
+``--routers`` standalone routers of ``--workers`` workers each, and drives one
+limited key with ``--threads`` client threads spread over every router for
+``--seconds``, far above its limit.  For each ``allowance.mode`` asked for it
+reports what was admitted against what the limit allows:
+
+* ``max_in_window``: the most 200s whose answers arrived within any
+  ``window_seconds`` (client clock; a request's admission precedes its
+  answer by its latency, a few ms), against the limit: over it is
+  over-admission;
+* ``admitted`` against ``allowed`` = limit x (seconds / window), the most a
+  saturating client can get: under it is what slices held elsewhere cost.
+
+``--quick``: 3 routers x 2 workers, 60 requests per 4 s window, 12 s of load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "integration")]
+
+import httpx  # noqa: E402
+
+from fleet import Fleet, standalone_router, until  # noqa: E402
+from llmgw.router.auth import hash_key  # noqa: E402
+
+KEY = "sk-bench"
+
+
+def drive(ports: list[int], threads: int, seconds: float) -> tuple[list[float], int]:
+    """Requests of the limited key over every port until ``seconds`` pass: (times of 200s, 429s)."""
+    ok: list[float] = []
+    refused = [0]
+    lock = threading.Lock()
+    end = time.monotonic() + seconds
+
+    def worker(i: int) -> None:
+        with httpx.Client(timeout=30, headers={"Authorization": f"Bearer {KEY}"}) as c:
+            n = i
+            while time.monotonic() < end:
+                n += 1
+                r = c.post(f"http://127.0.0.1:{ports[n % len(ports)]}/v1/chat/completions",
+                           json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+                with lock:
+                    if r.status_code == 200:
+                        ok.append(time.monotonic())
+                    elif r.status_code == 429:
+                        refused[0] += 1
+
+    ts = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return ok, refused[0]
+
+
+def max_in_window(times: list[float], window: float) -> int:
+    best, j = 0, 0
+    for i, t in enumerate(times):
+        while times[j] <= t - window:
+            j += 1
+        best = max(best, i - j + 1)
+    return best
+
+
+def run(mode: str, args: argparse.Namespace, tmp: Path) -> dict:
+    with Fleet(tmp / mode, nodes={"a": 1}, replicas=1) as f:
+        f.config["router_allowance"] = {"lease_seconds": args.lease}
+        f.write_config()
+        f.start()
+        f.wait_ready(1)
+        keys = [{"name": "bench", "sha256": hash_key(KEY),
+                 "limits": {"requests_per_minute": args.rpm, "window_seconds": args.window}}]
+        extra = {"workers": args.workers, "allow_unauthenticated": False, "api_keys": keys, "access_log": False,
+                 "allowance": {"mode": mode}}
+        ports = [standalone_router(f, f"router-{i}", extra)[1] for i in range(args.routers)]
+
+        def serving(port: int) -> bool:
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).json()["endpoints"] == 1
+            except (httpx.HTTPError, ValueError, KeyError):
+                return False
+        for port in ports:
+            until(lambda: all(serving(port) for _ in range(3 * args.workers)), "the router to know the engine")
+        time.sleep(args.lease + 0.5)  # the books grant from one lease time after the control plane started
+        ok, refused = drive(ports, args.threads, args.seconds)
+    allowed = args.rpm * args.seconds / args.window
+    worst = max_in_window(sorted(ok), args.window)
+    return {"mode": mode, "admitted": len(ok), "refused": refused, "allowed": round(allowed, 1),
+            "admitted_vs_allowed_pct": round(100 * (len(ok) / allowed - 1), 2),
+            "max_in_window": worst, "limit": args.rpm,
+            "max_in_window_vs_limit_pct": round(100 * (worst / args.rpm - 1), 2)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--routers", type=int, default=3)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--rpm", type=int, default=600)
+    ap.add_argument("--window", type=float, default=60.0)
+    ap.add_argument("--seconds", type=float, default=180.0)
+    ap.add_argument("--threads", type=int, default=12)
+    ap.add_argument("--lease", type=float, default=5.0)
+    ap.add_argument("--modes", default="shared,local")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    if args.quick:
+        args.rpm, args.window, args.seconds, args.threads, args.lease = 60, 4.0, 12.0, 8, 1.0
+    with tempfile.TemporaryDirectory(prefix="llmgw-allowance-") as tmp:
+        results = {"routers": args.routers, "workers": args.workers, "window": args.window,
+                   "seconds": args.seconds, "lease": args.lease,
+                   "runs": [run(m, args, Path(tmp)) for m in args.modes.split(",")]}
+    text = json.dumps(results, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
