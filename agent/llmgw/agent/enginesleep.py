@@ -39,6 +39,13 @@ class EngineSleep:
         self.timeout = timeout
         self._locks: dict[str, asyncio.Lock] = {}
 
+    def _lock(self, shard_id: str) -> asyncio.Lock:
+        """The shard's lock; those of shards the supervisor no longer has are dropped (none is held)."""
+        for sid in [sid for sid, lock in self._locks.items()
+                    if sid not in self.supervisor.shards and not lock.locked()]:
+            del self._locks[sid]
+        return self._locks.setdefault(shard_id, asyncio.Lock())
+
     def _shard(self, shard_id: str, what: str) -> Shard | None:
         shard = self.supervisor.shards.get(shard_id)
         if shard is None or shard.state is not ShardState.READY or not shard.port:
@@ -59,7 +66,7 @@ class EngineSleep:
         for shard in list(self.supervisor.shards.values()):
             if shard.state is not ShardState.READY or not shard.port or not shard.spec.get("sleep_mode"):
                 continue
-            async with self._locks.setdefault(shard.shard_id, asyncio.Lock()):
+            async with self._lock(shard.shard_id):
                 session, url, kwargs = self.supervisor.driver.engine_request(shard)
                 try:
                     async with session.get(f"{url}/is_sleeping", timeout=aiohttp.ClientTimeout(total=10),
@@ -84,8 +91,7 @@ class EngineSleep:
 
     async def _call(self, shard_id: str, path: str, sleeping: bool) -> bool:
         what = "sleep" if sleeping else "wake"
-        lock = self._locks.setdefault(shard_id, asyncio.Lock())
-        async with lock:
+        async with self._lock(shard_id):
             shard = self._shard(shard_id, what)
             if shard is None:
                 return False
@@ -106,6 +112,4 @@ class EngineSleep:
             shard.sleeping = sleeping
             log.info("%s: engine %s", shard_id, "asleep" if sleeping else "awake")
             self.supervisor.emit(self.supervisor.status_message(shard))
-            if not sleeping:
-                self._locks.pop(shard_id, None)
             return True

@@ -18,7 +18,7 @@ plane that someone wants it.  Here such a request:
   already or after ``hold.deadline`` seconds: the client is told to come
   back, the request is never dropped silently.
 
-Held requests count as held per model (``held``), for metrics and tests.
+``held`` counts the requests held per model now.
 """
 
 from __future__ import annotations
