@@ -165,6 +165,14 @@ class Profile:
 
 
 @dataclass(frozen=True)
+class Sleep:
+    """An autoscaled deployment's scale to sleep (the ``autoscale.sleep`` block): idle seconds, vLLM level."""
+
+    after: float
+    level: int = 1
+
+
+@dataclass(frozen=True)
 class Autoscale:
     """A deployment's demand-driven bounds and damping (the schema's ``autoscale`` block).
 
@@ -182,6 +190,7 @@ class Autoscale:
     tolerance: float = 0.1
     scale_down_cooldown: float = 300.0
     max_step: int = 4
+    sleep: Sleep | None = None
 
     def clamp(self, n: int) -> int:
         return max(self.min, min(self.max, n))
@@ -191,7 +200,9 @@ class Autoscale:
         return cls(max=int(d["max"]), min=int(d["min"]), signal=d["signal"], target=float(d["target"]),
                    stable_window=float(d["stable_window"]), panic_window=float(d["panic_window"]),
                    panic_threshold=float(d["panic_threshold"]), tolerance=float(d["tolerance"]),
-                   scale_down_cooldown=float(d["scale_down_cooldown"]), max_step=int(d["max_step"]))
+                   scale_down_cooldown=float(d["scale_down_cooldown"]), max_step=int(d["max_step"]),
+                   sleep=(Sleep(after=float(d["sleep"]["after"]), level=int(d["sleep"]["level"]))
+                          if d.get("sleep") is not None else None))
 
 
 @dataclass(frozen=True)

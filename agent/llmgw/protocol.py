@@ -31,6 +31,7 @@ STREAM_PATH = "/v1/agent/stream"  # the agent stream: one mutual-TLS WebSocket p
 WATCH_PATH = "/v1/router/endpoints"  # routers' long poll of the endpoint set (?after=REV[&epoch=E])
 EJECTIONS_PATH = "/v1/router/ejections"  # routers' reports of the engines they ejected (POST)
 ALLOWANCE_PATH = "/v1/router/allowance"  # routers lease slices of per-key limits (POST)
+WAKE_PATH = "/v1/router/wake"  # routers holding requests for a sleeping model ask for its wake (POST)
 # The leader's term on a watch answer: a router follows a deposed leader's answers no further.
 LEADER_EPOCH_HEADER = "X-Llmgw-Leader-Epoch"
 

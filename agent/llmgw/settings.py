@@ -372,6 +372,8 @@ def _autoscale_errors(doc: dict[str, Any]) -> list[ConfigError]:
         if a["panic_window"] > a["stable_window"]:
             errors.append(ConfigError(f"{where}/panic_window", f"{a['panic_window']}s is longer than "
                                       f"stable_window ({a['stable_window']}s): the panic window is the short one"))
+        if isinstance(a.get("sleep"), dict):
+            errors += _sleep_errors(doc, d, f"{where}/sleep")
     return errors
 
 
@@ -404,6 +406,19 @@ def _disaggregation_errors(doc: dict[str, Any]) -> list[ConfigError]:
                                       f"profile {p['name']!r} spans {p['nodes']} nodes; a prefill/decode group "
                                       "runs on one node each"))
     return errors
+
+
+def _sleep_errors(doc: dict[str, Any], dep: dict[str, Any], where: str) -> list[ConfigError]:
+    """Scale to sleep only where the profile's engine can sleep (its adapter's ``sleep_capable``)."""
+    from llmgw.engines import ENGINES
+
+    engine = next((p.get("engine") for p in doc.get("profiles", ()) if p.get("name") == dep["profile"]), None)
+    adapter = ENGINES.get(engine) if isinstance(engine, str) else None
+    if adapter is None or adapter.sleep_capable:
+        return []  # an unknown profile or engine is reported where it is named
+    able = ", ".join(sorted(n for n, a in ENGINES.items() if a.sleep_capable))
+    return [ConfigError(where, f"profile {dep['profile']!r} runs {engine}, which has no sleep mode "
+                        f"(engines that sleep: {able}); drop `sleep` or use another profile")]
 
 
 def _profile_errors(i: int) -> Check:

@@ -33,6 +33,7 @@ TABLE = [
     (settings.HASettings, "server", "/ha", {"prefix": ("/ha/etcd", "prefix")}),
     (catalog.Profile, "server", "/profiles/[]", {}),
     (catalog.Autoscale, "server", "/deployments/[]/autoscale", {}),
+    (catalog.Sleep, "server", "/deployments/[]/autoscale/sleep", {}),
     (settings.FetchPolicy, "agent", "/fetch", {}),
     (settings.LivenessPolicy, "agent", "/health", {}),
     (settings.EngineTLS, "agent", "/engine_tls", {}),
@@ -47,6 +48,7 @@ TABLE = [
     (router_settings.CacheAware, "router", "/balancing/cache_aware", {}),
     (router_settings.Retries, "router", "/retries", {}),
     (router_settings.Outlier, "router", "/outlier", {}),
+    (router_settings.Hold, "router", "/hold", {}),
     (router_settings.KeyLimits, "router", "/api_keys/[]/limits", {}),
     (router_settings.Allowance, "router", "/allowance", {}),
 ]

@@ -27,6 +27,8 @@ import secrets
 import signal
 import subprocess
 import time
+from typing import Any
+
 import aiohttp
 
 from llmgw import compat
@@ -178,6 +180,7 @@ class PopenDriver:
                 shard_id=shard.shard_id,
                 socket_dir=str(socket_dir(self.statedir.root, shard.shard_id)) if profile.kv_events else None,
                 kv_side_channel=side_channel,
+                sleep_mode=bool(spec.get("sleep_mode")),
                 **self._tls_files(profile)))
         except (ProfileError, LaunchContextError) as e:
             raise LaunchRefused(str(e)) from e
@@ -323,6 +326,15 @@ class PopenDriver:
                                          shard.spec.get("api_key"), tls)
             return liveness.Check(res.ok, res.detail)
         return liveness.judge_engine(True, "ok", before, progress)
+
+    def engine_request(self, shard: Shard) -> tuple[aiohttp.ClientSession, str, dict[str, Any]]:
+        """(session, base URL, request kwargs: engine key and TLS) to call rank 0 as the probes do."""
+        key = shard.spec.get("api_key")
+        kwargs: dict[str, Any] = {"headers": {"Authorization": f"Bearer {key}"}} if key else {}
+        tls = self._engine_tls(shard)
+        if tls is not None:
+            kwargs.update(tls.request_kwargs())
+        return self._http(), self._engine_url(shard), kwargs
 
     def _engine_url(self, shard: Shard) -> str:
         return base_url(probe_host(self.config.engine_bind_host), int(shard.port or 0), shard.scheme)

@@ -90,6 +90,7 @@ class Shard:
     kill_changed: asyncio.Event = field(default_factory=asyncio.Event)
     last_probe: str = ""
     engine_version: str | None = None  # what rank 0 says it is, read once after Ready
+    sleeping: bool = False  # scale to sleep: the engine answered /sleep (agent/enginesleep.py), not yet /wake_up
 
     @property
     def shard_id(self) -> str:

@@ -52,6 +52,7 @@ from llmgw import __version__, compat
 from llmgw.agent import procident
 from llmgw.agent.backoff import Backoff
 from llmgw.agent.controlplanes import Addresses, DeposedLeader, LeaderFence, leader_hint
+from llmgw.agent.enginesleep import EngineSleep
 from llmgw.agent.schema import definition_problems
 from llmgw.agent.supervisor import Supervisor
 from llmgw.hardware.types import HardwareInventory
@@ -62,7 +63,7 @@ log = logging.getLogger(__name__)
 DEFAULT_GRACE = 60.0  # seconds past a ping an agent waits for a word before ``registered`` says otherwise
 MAX_RETRY_AFTER = 300.0  # the longest Retry-After obeyed (a server's mistake must not park a node for hours)
 DOWN_TYPES = ("registered", "liveness", "accepts", "answers_heartbeats", "kv_routes_accepted", "start", "stop",
-              "drain", "error")
+              "drain", "sleep", "wake", "error")
 
 Discover = Callable[[], Awaitable[HardwareInventory]]
 
@@ -106,6 +107,7 @@ class StreamClient:
         self.address = address
         self.ssl_context = ssl_context
         self.supervisor = supervisor
+        self.engine_sleep = EngineSleep(supervisor)  # the control plane's sleep and wake of engines
         self.discover = discover
         self.backoff = Backoff(reconnect_initial, reconnect_max)
         self.keepalive = keepalive
@@ -391,6 +393,8 @@ class StreamClient:
                      self._advertised_keepalive, self.grace)
         elif kind == "accepts":
             self.supervisor.accept_fields(msg["shard_status"])
+            if "sleeping" in msg["shard_status"]:  # which engines sleep: only they know after restarts
+                self._command(self.engine_sleep.recheck())
         elif kind == "answers_heartbeats":
             self._answers_heartbeats = True
             log.debug("the control plane answers heartbeats: pinging only when none went out for %gs",
@@ -406,6 +410,10 @@ class StreamClient:
             self._command(self.supervisor.stop(msg["shard_id"], msg.get("reason") or "stop requested"))
         elif kind == "drain":
             self._command(self.supervisor.stop(msg["shard_id"], "drain requested", drain=True))
+        elif kind == "sleep":
+            self._command(self.engine_sleep.sleep(msg["shard_id"], int(msg["level"])))
+        elif kind == "wake":
+            self._command(self.engine_sleep.wake(msg["shard_id"]))
         elif kind == "error":
             log.error("control plane refused this agent: %s", msg["reason"])
         return None

@@ -94,6 +94,8 @@ class Supervisor:
                 msg["scheme"] = shard.scheme
         if shard.engine_version is not None and "engine_version" in self.accepted:
             msg["engine_version"] = shard.engine_version
+        if shard.spec.get("sleep_mode") and shard.port and "sleeping" in self.accepted:
+            msg["sleeping"] = shard.sleeping and shard.state is ShardState.READY
         if reason:
             msg["reason"] = reason[:MAX_REASON]
         if output_tail is not None:

@@ -33,6 +33,7 @@ from llmgw.clientbounds import ThrottledLog
 from llmgw.controlplane import views
 from llmgw.controlplane.agentservice import AgentService, request_identity
 from llmgw.controlplane.allowance_api import AllowanceAPI
+from llmgw.controlplane.autoscale_wake_api import WakeAPI
 from llmgw.controlplane.ejections_api import EjectionsAPI
 from llmgw.controlplane.listquery import NODE_STATES, REPLICA_STATES, QueryError, parse_list_query
 from llmgw.controlplane.metrics import CONTENT_TYPE, registry_for, render
@@ -41,7 +42,7 @@ from llmgw.controlplane.requestcount import AdminRequests
 from llmgw.controlplane.revocation import install, unless_revoked
 from llmgw.controlplane.state import ControlPlane
 from llmgw.controlplane.store import StoreError
-from llmgw.protocol import ALLOWANCE_PATH, EJECTIONS_PATH, SCHEDULABLE, STREAM_PATH, WATCH_PATH, Cordon
+from llmgw.protocol import ALLOWANCE_PATH, EJECTIONS_PATH, SCHEDULABLE, STREAM_PATH, WAKE_PATH, WATCH_PATH, Cordon
 from llmgw.router.watch import REVEAL_KEYS
 from llmgw.tls import IdentityError, Revocations, RevokedError, check_admin_identity, check_router_identity
 
@@ -214,8 +215,9 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
 
     @web.middleware
     async def admin_only(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path in OPEN_PATHS or request.path in (STREAM_PATH, EJECTIONS_PATH, ALLOWANCE_PATH):
-            return await handler(request)  # the stream checks node identity itself, ejections and allowances a router's
+        if request.path in OPEN_PATHS or request.path in (STREAM_PATH, EJECTIONS_PATH, ALLOWANCE_PATH, WAKE_PATH):
+            # the stream checks node identity itself; ejections, allowances and wakes a router's
+            return await handler(request)
         router = auth.router_name(request) if request.path == WATCH_PATH else None
         if router is not None:
             request[REVEAL_KEYS] = True
@@ -347,6 +349,7 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
     app.router.add_post("/v1/reload", do_reload)
     app.router.add_post(EJECTIONS_PATH, EjectionsAPI(cp, auth.router_name).handle)
     app.router.add_post(ALLOWANCE_PATH, AllowanceAPI(cp, auth.router_name).handle)
+    app.router.add_post(WAKE_PATH, WakeAPI(cp, auth.router_name).handle)
     app.router.add_get("/metrics", metrics)
     if watch_handler is not None:
         stopping = asyncio.Event()

@@ -27,6 +27,7 @@ class EndpointFeed:
             return
         self._last = eps
         log.info("router endpoints: %s", ", ".join(f"{e['model']}@{e['url']}{' (draining)' if e['draining'] else ''}"
+                                                 f"{' (asleep)' if e.get('sleeping') else ''}"
                                                  for e in eps) or "none")
         for listener in self._listeners:
             try:

@@ -173,6 +173,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     "AllowanceAnswers": obj({"answers": {"type": "array", "items": obj({}, {
         "lease": STR, "amount": INT, "ttl": NUM, "remaining": INT, "reset": NUM, "limit": INT,
         "retry_after": {"type": ["number", "null"], "description": "a denial: seconds to wait; null: never fits"}})}}),
+    "WakeAccepted": obj({"waking": BOOL}),
 }
 
 PARAMS: dict[str, dict[str, Any]] = {
@@ -280,6 +281,14 @@ ROUTES: tuple[Route, ...] = (
            403: "not a router certificate", 503: "the books are new (after a start or a failover); again after Retry-After"},
           security=ROUTER, body=ref("router-allowance"),
           headers={503: {"Retry-After": {"schema": {"type": "string", "pattern": "^[0-9]+$"}}}}),
+    Route("POST", "/v1/router/wake", "A router holds requests for a model whose endpoints are all asleep: wake "
+          "its replicas (scale to sleep; router certificate only). `waking` is false when no deployment with "
+          "autoscale.sleep serves the model", 202, "WakeAccepted",
+          {400: "the body is not JSON or not a wake request; `errors` lists each problem with its JSON pointer",
+           403: "not a router certificate", 413: "the body is too large",
+           429: "this router asks too often; again after Retry-After"},
+          security=ROUTER, body=ref("router-wake"),
+          headers={429: {"Retry-After": {"schema": {"type": "string", "pattern": "^[0-9]+$"}}}}),
 )
 
 _PARAM = re.compile(r"{([^}]+)}")

@@ -121,6 +121,7 @@ class Shard:
     address: str | None = None
     scheme: str = "http"  # "https": rank 0 serves TLS with its node's engine certificate
     engine_version: str | None = None  # what rank 0 says it is (the agent reads it once after Ready)
+    sleeping: bool = False  # rank 0's engine is asleep (scale to sleep): Ready, but takes no traffic now
     adopted: bool = False
     dispatched_at: float | None = None
     state_since: float = 0.0

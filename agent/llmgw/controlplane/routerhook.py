@@ -26,7 +26,8 @@ log = logging.getLogger("llmgw.controlplane")
 class RouterHook:
     """The in-process router, when ``llmgw.router`` is available; endpoint updates go to its table."""
 
-    def __init__(self, settings: ServerSettings, pending: Callable[[str], float] | None = None):
+    def __init__(self, settings: ServerSettings, pending: Callable[[str], float] | None = None,
+                 wake: Callable[[str], object] | None = None):
         self.table: Any = None
         self.app: web.Application | None = None
         self.watch_handler: Any = None
@@ -58,7 +59,7 @@ class RouterHook:
             if self.router_settings.workers > 1:
                 log.warning("router.workers is %d: the in-process router runs one worker; run `llmgw router` "
                             "processes against the watch API to scale out", self.router_settings.workers)
-            self.app = build_app(self.router_settings, self.table, pending=pending)
+            self.app = build_app(self.router_settings, self.table, pending=pending, wake=wake)
             self._runner_kwargs = runner_kwargs(self.router_settings)
 
     def outstanding(self) -> dict[str, int]:

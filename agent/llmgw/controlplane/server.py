@@ -66,7 +66,7 @@ async def serve(settings: ServerSettings, config_path: str | None = None,
     revocations = revocations_for(settings)
     cp = ControlPlane(settings, config_path, keys=keys, store=store)
     hooks = None if elector is None else LeaderHooks(cp, elector, stop)
-    router = RouterHook(settings, pending=lambda model: catalog_grace_left(cp, model))
+    router = RouterHook(settings, pending=lambda model: catalog_grace_left(cp, model), wake=cp.wake_model)
     cp.on_endpoints(router.update)
     if router.app is not None:
         cp.outstanding = router.outstanding

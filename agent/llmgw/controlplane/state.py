@@ -29,6 +29,7 @@ from typing import Any
 from llmgw import compat
 from llmgw.catalog import Catalog
 from llmgw.controlplane import grantsecret
+from llmgw.controlplane.autoscale_sleep import SleepPlanner
 from llmgw.controlplane.autoscaler import Autoscaler, totals_by_deployment
 from llmgw.controlplane.ejections import EjectionBook, Verdict
 from llmgw.controlplane.endpointfeed import EndpointFeed
@@ -105,6 +106,8 @@ class ControlPlane:
         # autoscaler's signal.  None without an in-process router: autoscaled counts then stay put.
         self.outstanding: Callable[[], Mapping[str, int]] | None = None
         self.replica_counts: dict[str, int] = {}  # autoscaled deployments' counts, as the last pass placed them
+        self.sleep_planner = SleepPlanner()  # scale to sleep: which replica to sleep or wake (autoscale_sleep.py)
+        self._totals: dict[str, float] | None = None  # the last pass's requests in flight per deployment
         self.drain_blocked: dict[str, str] = {}  # draining node(s) -> why the next move waits
         self.reload_errors: list[str] = []
         self.stopping = False  # SIGTERM: no new stream is admitted, none registering is kept
@@ -305,6 +308,7 @@ class ControlPlane:
         if counts != self.replica_counts:
             self.replica_counts = counts
             self.gate.mark()
+        self._sleep_and_wake(now, ev.in_grace, counts)
         if not self.gate.open(now):
             return Plan()
         ctx = Context(restart=self.settings.restart, memory_headroom=self.settings.memory_headroom,
@@ -369,7 +373,30 @@ class ControlPlane:
         totals = None
         if self.outstanding is not None and not in_grace:
             totals = totals_by_deployment(self.outstanding(), self.reconciler.book)
+        self._totals = totals
         return self.autoscaler.counts(self.catalog, self.reconciler.book, now, totals, in_grace)
+
+    def _sleep_and_wake(self, now: float, in_grace: bool, counts: dict[str, int]) -> None:
+        """Scale to sleep: feed the planner the router's load, send the agents what it decides."""
+        sleepy = [d.key for d in self.catalog.deployments if d.autoscale is not None and d.autoscale.sleep is not None]
+        if not sleepy or in_grace or self._totals is None:
+            return  # nothing measured (in grace, no router): nothing is judged idle
+        for key in sleepy:
+            self.sleep_planner.observe(key, now, self._totals.get(key, 0.0))
+        actions = self.sleep_planner.decide(self.catalog, self.reconciler.book, counts, now)
+        for a in actions:
+            log.info("%s: asking %s to %s its engine", a.replica_id, a.node_id, type(a).__name__.lower())
+        self.streams.dispatch(actions, self.leader_fields())  # type: ignore[arg-type]
+
+    def wake_model(self, model: str) -> bool:
+        """A router holds a request for ``model`` (a served name): wake its sleeping replicas now.
+        False when no scale-to-sleep deployment serves it."""
+        keys = self.sleep_planner.sleeping_keys(self.catalog, model)
+        if not keys or not self.authority():
+            return False
+        self.sleep_planner.wake_requested(keys, self.clock())
+        self.kick()
+        return True
 
     def _start_sizing_safely(self) -> None:
         try:

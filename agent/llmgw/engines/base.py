@@ -90,6 +90,9 @@ class LaunchContext:
     # One side of a prefill/decode pair: where its KV-transfer side channel listens, (host, port); the host
     # is the node's address its peers reach, the port one the agent allocated for this shard.
     kv_side_channel: tuple[str, int] | None = None
+    # Launch with the engine's sleep mode (vLLM: --enable-sleep-mode, and VLLM_SERVER_DEV_MODE=1 on
+    # rank 0, which attaches /sleep and /wake_up): the deployment has ``autoscale.sleep``.
+    sleep_mode: bool = False
 
 
 @dataclass(frozen=True)

@@ -376,6 +376,9 @@ class Adapter:
     # Whether the adapter configures one side of a prefill/decode KV-transfer pair
     # (a derived profile's ``kv_transfer``).
     kv_transfer_capable: bool = False
+    # Whether the engine has a sleep mode the adapter can turn on (``LaunchContext.sleep_mode``;
+    # a deployment's ``autoscale.sleep`` is refused for any other engine).
+    sleep_capable: bool = False
 
     # -- what subclasses describe -------------------------------------------------
     def owned_flags(self, profile: Profile) -> tuple[OwnedFlag, ...]:

@@ -111,6 +111,11 @@ _USE_NO_PCP = (
     "but placement reserves tensor_parallel_size x pipeline_parallel_size; leave it at 1"
 )
 
+# Scale to sleep: sleep mode, and the dev mode that attaches /sleep and /wake_up (and /collective_rpc
+# and the rest, outside the engine key's check), only where the control plane drives them.
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
+_USE_SLEEP = "set `sleep` in the deployment's autoscale block instead"
+
 _OWNED = (
     OwnedFlag(("--host",), USE_HOST),
     OwnedFlag(("--port",), USE_PORT),
@@ -145,6 +150,7 @@ _OWNED = (
     OwnedFlag(("--ssl-ca-certs",), USE_TLS),
     OwnedFlag(("--ssl-cert-reqs",), USE_TLS),
     OwnedFlag(("--enable-ssl-refresh", "--no-enable-ssl-refresh"), USE_TLS),
+    OwnedFlag(("--enable-sleep-mode", "--no-enable-sleep-mode"), _USE_SLEEP),
     # A YAML file of flags could set any of the above out of sight.
     OwnedFlag(("--config",), USE_LISTED),
 )
@@ -240,10 +246,11 @@ class VLLMAdapter(Adapter):
     memory_fraction_aliases = ("--device-memory-utilization",)
     key_env = "VLLM_API_KEY"
     forbidden_env = {TLS_REFRESH_ENV: USE_TLS, SIDE_CHANNEL_HOST_ENV: USE_SIDE_CHANNEL,
-                     SIDE_CHANNEL_PORT_ENV: USE_SIDE_CHANNEL}
+                     SIDE_CHANNEL_PORT_ENV: USE_SIDE_CHANNEL, DEV_MODE_ENV: _USE_SLEEP}
     tls_capable = True
     kv_events_capable = True
     kv_transfer_capable = True
+    sleep_capable = True
 
     def engine_problems(self, profile: Profile) -> list[str]:
         if not profile.kv_events:
@@ -258,6 +265,8 @@ class VLLMAdapter(Adapter):
         if ctx.kv_side_channel is not None:
             host, port = ctx.kv_side_channel
             env |= {SIDE_CHANNEL_HOST_ENV: host, SIDE_CHANNEL_PORT_ENV: str(port)}
+        if ctx.sleep_mode and self.serves_http(ctx):
+            env[DEV_MODE_ENV] = "1"
         return env
 
     def owned_flags(self, profile: Profile) -> tuple[OwnedFlag, ...]:
@@ -296,6 +305,8 @@ class VLLMAdapter(Adapter):
                 raise LaunchContextError(f"profile {profile.name!r} is one side of a prefill/decode pair: "
                                          "its launch needs the side channel's host and port")
             args += ["--kv-transfer-config", kv_transfer_config(profile, ctx)]
+        if ctx.sleep_mode:
+            args.append("--enable-sleep-mode")
         if ctx.nnodes > 1:
             args += [
                 "--nnodes", str(ctx.nnodes),

@@ -31,6 +31,7 @@ from .kvindex import KVIndex
 from .endpoints import EndpointTable
 from .metrics import CONTENT_TYPE, RouterMetrics
 from .models import OPENAI_POST_PATHS
+from .holdqueue import HoldQueue
 from .proxy import Proxy
 from .runtime import Routing, run_housekeeping
 from .settings import RouterSettings
@@ -62,7 +63,7 @@ def metrics_allowed(cfg: RouterSettings, authorization: str | None) -> bool:
 def build_app(cfg: RouterSettings, table: EndpointTable, metrics: RouterMetrics | None = None,
               pending: Callable[[str], float] | None = None,
               background: Sequence[Callable[[Routing], Awaitable[None]]] = (),
-              kv_index: KVIndex | None = None) -> web.Application:
+              kv_index: KVIndex | None = None, wake: Callable[[str], None] | None = None) -> web.Application:
     """An application routing by ``model`` to the endpoints in ``table``.
 
     ``table`` is read on every request (one integer comparison when it did
@@ -75,6 +76,7 @@ def build_app(cfg: RouterSettings, table: EndpointTable, metrics: RouterMetrics 
     scorer = make_balancer(cfg.balancing, kv_index)  # kv_index: route keys from the watch (cache_aware)
     routing = Routing(table, cfg, metrics, scorer)
     proxy = Proxy(cfg, routing, metrics, pending)
+    proxy.holds = HoldQueue(routing, cfg.hold, wake)  # ``wake(model)``: ask the control plane to wake it
     c = cfg.clients
     admission = Admission(Caps(c.max_requests_per_key, c.max_requests_per_source, c.max_body_bytes_per_key,
                                c.max_body_bytes_per_source), c.bounds(), proxy.keys, cfg.limits.max_body_bytes,

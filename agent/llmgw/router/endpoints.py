@@ -46,6 +46,9 @@ class Endpoint:
     # A disaggregated model's endpoints: "prefill" only computes prompts for decoders
     # (router/prefill.py), "decode" and "both" take the model's requests.
     role: str = "both"
+    # Scale to sleep: the engine is asleep (docs/autoscaling.md); it takes nothing until it wakes,
+    # and a request for a model whose endpoints all sleep waits in the hold queue (router/holdqueue.py).
+    sleeping: bool = False
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -88,6 +91,8 @@ class Endpoint:
             d["api_key"] = self.api_key
         if self.role != "both":  # only when set: a router that predates roles refuses the key
             d["role"] = self.role
+        if self.sleeping:  # only when set, likewise
+            d["sleeping"] = True
         return d
 
     @classmethod
@@ -95,7 +100,8 @@ class Endpoint:
         """Build from a JSON object (watch API, static config); errors name ``where``."""
         if not isinstance(d, Mapping):
             raise EndpointError(f"{where}: expected an object, got {type(d).__name__}")
-        unknown = set(d) - {"id", "model", "url", "replica_id", "draining", "max_concurrency", "api_key", "role"}
+        unknown = set(d) - {"id", "model", "url", "replica_id", "draining", "max_concurrency", "api_key", "role",
+                          "sleeping"}
         if unknown:
             raise EndpointError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
         for key in ("model", "url"):
@@ -112,6 +118,8 @@ class Endpoint:
             raise EndpointError(f"{where}/role: must be one of {', '.join(ROLES)}")
         if "draining" in d and not isinstance(d["draining"], bool):
             raise EndpointError(f"{where}/draining: must be a boolean")
+        if "sleeping" in d and not isinstance(d["sleeping"], bool):
+            raise EndpointError(f"{where}/sleeping: must be a boolean")
         mc = d.get("max_concurrency")
         if mc is not None and (not isinstance(mc, int) or isinstance(mc, bool)):
             raise EndpointError(f"{where}/max_concurrency: must be an integer or null")
@@ -125,6 +133,7 @@ class Endpoint:
                 max_concurrency=mc,
                 api_key=api_key,
                 role=d.get("role", "both"),
+                sleeping=d.get("sleeping", False),
             )
         except EndpointError as e:
             raise type(e)(f"{where}: {e}") from None

@@ -36,6 +36,7 @@ from .context import RequestContext, account
 from .errors import SERVER, RouterError
 from .failures import too_large
 from .forward import Forwarder
+from .holdqueue import HoldQueue
 from .limits import Limiter
 from .limitsgate import LimitsGate
 from .metrics import RouterMetrics
@@ -64,6 +65,7 @@ class Proxy:
         self.forwarder = Forwarder(settings, routing, metrics, self.attempts)
         self.limiter = Limiter(settings.api_keys)
         self.limits_gate = LimitsGate(self.limiter, metrics)
+        self.holds: HoldQueue | None = None  # scale to sleep: set by build_app
 
     async def close(self) -> None:
         """Shutdown: stop watching abandoned attempts (their connections are closed)."""
@@ -155,6 +157,8 @@ class Proxy:
         if group is None or not principal.allows(parsed.model):
             raise self.models.unknown_model(parsed.model, principal.allows(parsed.model))
         ctx.model_label = parsed.model
+        if self.holds is not None:  # every endpoint asleep: held until one wakes (router/holdqueue.py)
+            group = await self.holds.admit(parsed.model, group)
         state = self.limiter.keys.get(principal.name) if self.limiter.keys else None
         if state is not None:
             body = await self.limits_gate.admit(ctx, state, principal.name, parsed, body, request.path)

@@ -167,14 +167,17 @@ class Routing:
     def _why_none(self, group: ModelGroup, now: float) -> RouterError:
         draining = sum(1 for m in group.members if m.endpoint.draining)
         ejected = sum(1 for m in group.members if not m.endpoint.draining and m.health.is_ejected(now))
-        full = [m for m in group.members if not m.endpoint.draining and not m.health.is_ejected(now)]
+        asleep = sum(1 for m in group.members if not m.endpoint.draining and m.endpoint.sleeping)
+        full = [m for m in group.members if not m.endpoint.draining and not m.health.is_ejected(now)
+                and not m.endpoint.sleeping]
         if full:
             return RouterError(
                 429, f"all {len(full)} endpoint(s) of model {group.model!r} are at their concurrency limit; "
                      "retry later", RATE_LIMIT, "endpoints_saturated", klass="saturated", retry_after=1)
         return RouterError(
             503, f"no endpoint of model {group.model!r} can take requests now "
-                 f"({ejected} ejected after failures, {draining} draining)",
+                 f"({ejected} ejected after failures, {draining} draining"
+                 + (f", {asleep} asleep" if asleep else "") + ")",
             SERVER, "no_healthy_endpoint", klass="unavailable", retry_after=1)
 
     def record(self, rt: EndpointRuntime, group: ModelGroup, outcome: str, failure: bool) -> None:
@@ -219,7 +222,8 @@ def _eligible(tried: set[str], now: float) -> Callable[[EndpointRuntime], bool]:
     tried by this request, still in the table, not ejected. One rule for decode and prefill picks."""
     def eligible(m: EndpointRuntime) -> bool:
         return (m.outstanding < m.limit and not m.endpoint.draining and m.id not in tried
-                and not m.retired and now >= m.health.ejected_until)
+                and not m.retired and now >= m.health.ejected_until
+                and not m.endpoint.sleeping)  # asleep: router/holdqueue.py waits for its wake
     return eligible
 
 

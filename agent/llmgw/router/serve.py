@@ -51,6 +51,7 @@ from .kvindex import KVIndex
 from .settings import ControlPlane, RouterSettings
 from .allowance import Allowance
 from .ejectreport import report_ejections
+from .holdqueue import ControlPlaneWaker
 from .limitsreload import reload_keys, reloaded_doc
 from .watch import watch_endpoints
 
@@ -207,7 +208,10 @@ async def serve_worker(settings: RouterSettings, sock: socket.socket, on_ready: 
         if rev == 0:
             log.warning("no endpoint set from the control plane after %gs; serving with none until it answers",
                         FIRST_ENDPOINTS_WAIT)
-    app = build_app(settings, table, background=background, kv_index=kv_index)
+    waker = None
+    if settings.control_plane is not None:  # a model whose endpoints all sleep: ask for its wake
+        waker = ControlPlaneWaker(settings.control_plane.url, ctx)
+    app = build_app(settings, table, background=background, kv_index=kv_index, wake=waker)
     app[PROXY_KEY].limits_gate.allowance = allowance
     if source is not None:
         in_force = [settings]
@@ -230,6 +234,8 @@ async def serve_worker(settings: RouterSettings, sock: socket.socket, on_ready: 
         with contextlib.suppress(asyncio.CancelledError):
             await watch_task
     await runner.cleanup()
+    if waker is not None:
+        await waker.close()
 
 
 def _announce(host: str, port: int, workers: int, https: bool) -> None:

@@ -160,6 +160,14 @@ class Allowance:
 
 
 @dataclass(frozen=True)
+class Hold:
+    """Bounds of the hold queue for sleeping models (``hold``; router/holdqueue.py)."""
+
+    max_requests: int = 64  # requests held per model at once; one more is answered 503
+    deadline: float = 30.0  # seconds a request is held at most; then 503 with Retry-After
+
+
+@dataclass(frozen=True)
 class RouterSettings:
     host: str = "127.0.0.1"
     port: int = 8080
@@ -183,6 +191,7 @@ class RouterSettings:
     metrics_tokens: tuple[MetricsToken, ...] = ()  # bearer tokens that may read /metrics
     access_log: bool = True
     allowance: Allowance = field(default_factory=Allowance)
+    hold: Hold = field(default_factory=Hold)  # requests for a sleeping model (router/holdqueue.py)
 
     @property
     def engine_ca_file(self) -> str | None:
@@ -367,6 +376,7 @@ def _build(doc: Mapping[str, Any]) -> RouterSettings:
         outlier=Outlier(**doc["outlier"]),
         clients=Clients(**doc["clients"]),
         disaggregation=Disaggregation(**doc["disaggregation"]),
+        hold=Hold(max_requests=doc["hold"]["max_requests"], deadline=float(doc["hold"]["deadline"])),
         metrics_tokens=tuple(MetricsToken(t["name"], t["sha256"]) for t in doc.get("metrics_tokens") or ()),
         access_log=doc["access_log"],
         allowance=Allowance(**doc["allowance"]),

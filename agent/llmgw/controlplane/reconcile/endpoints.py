@@ -39,5 +39,7 @@ def endpoints(book: ReplicaBook, nodes: Mapping[str, NodeView]) -> list[dict[str
         kv = profile.get("kv_transfer")
         if kv:  # one side of a prefill/decode pair; only when set: a router that predates roles refuses the key
             ep["role"] = kv["role"]
+        if r0.sleeping:  # scale to sleep, only when set: a router that predates it refuses the key
+            ep["sleeping"] = True
         out.append(ep)
     return out

@@ -121,7 +121,11 @@ def observe_status(book: ReplicaBook, node_id: str, msg: dict[str, Any], now: fl
         s.scheme = msg.get("scheme", "http")
     if msg.get("engine_version") is not None:
         s.engine_version = msg["engine_version"]
-    return [f"{sid} on {node_id}: {state}" + (f" ({msg['reason']})" if msg.get("reason") else "")]
+    slept = ""
+    if state != READY or "sleeping" in msg:  # scale to sleep: only a Ready engine sleeps
+        was, s.sleeping = s.sleeping, state == READY and bool(msg.get("sleeping"))
+        slept = "" if was == s.sleeping else (", asleep" if s.sleeping else ", awake")
+    return [f"{sid} on {node_id}: {state}{slept}" + (f" ({msg['reason']})" if msg.get("reason") else "")]
 
 
 def observe_progress(book: ReplicaBook, node_id: str, msg: dict[str, Any], now: float) -> None:

@@ -161,6 +161,8 @@ def create(book: ReplicaBook, issuer: Issuer, catalog: Catalog, dep: Deployment,
                            profile=dep.profile, node_id=plan_shard.node_id, rank=plan_shard.rank,
                            nnodes=nnodes, issued_at=now if issued_at is None else issued_at,
                            cp_epoch=issuer.cp_epoch, nonce=nonce)}
+        if dep.autoscale is not None and dep.autoscale.sleep is not None:
+            spec["sleep_mode"] = True  # only when set: an agent that predates it refuses the key
         r.shards[plan_shard.rank] = Shard(shard_id=sid, replica_id=rid, rank=plan_shard.rank,
                                           node_id=plan_shard.node_id, gpu_indices=tuple(plan_shard.gpu_indices),
                                           spec=spec, state=WAITING, state_since=now)
