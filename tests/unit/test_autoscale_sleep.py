@@ -21,11 +21,18 @@ def sleepy(replicas: int = 1, after: float = 30.0, level: int = 1, **kw) -> Cata
     return dataclasses.replace(cat, deployments=(dataclasses.replace(dep, autoscale=policy),))
 
 
-def ready_fleet(cat: Catalog, n: int) -> Fleet:
+def ready_fleet(cat: Catalog, n: int, say_sleeping: bool = True) -> Fleet:
+    """``n`` Ready replicas; ``say_sleeping``: their agents have said they are awake, as an agent does once the
+    control plane accepts the field."""
     f = Fleet("a", "b", gpus=1)
     f.step(cat, 0.0, replica_counts={KEY: n})
     make_ready(f, 0.5)
     f.step(cat, 0.5, replica_counts={KEY: n})
+    if say_sleeping:
+        for r in f.rec.book.replicas.values():
+            s = r.shards[0]
+            observe_status(f.rec.book, s.node_id, {"type": "shard_status", "shard_id": s.shard_id,
+                                                   "state": "ready", "sleeping": False}, 0.5)
     return f
 
 
@@ -99,3 +106,21 @@ def test_a_replica_that_stops_being_ready_is_no_longer_asleep_and_deployments_wi
     plain = catalog(replicas=1)
     assert p.decide(plain, f.rec.book, {}, 100.0) == [] and p.sleeping_keys(plain, "tiny") == []
     assert p.busy_at == {}  # forgotten with its deployment
+
+
+def test_a_replica_whose_agent_has_not_said_whether_it_sleeps_is_neither_slept_nor_woken():
+    """After a restart of the agent or the control plane nobody knows whether the engine sleeps until the
+    agent has asked it: a sleep sent then could land on a sleeping engine, a wake on a guess."""
+    cat = sleepy(after=30, level=1)
+    f = ready_fleet(cat, 1, say_sleeping=False)
+    p = SleepPlanner()
+    p.observe(KEY, 1.0, 0)
+    assert p.decide(cat, f.rec.book, {KEY: 1}, 100.0) == []
+    p.wake_requested(p.sleeping_keys(cat, "tiny"), 101.0)
+    assert p.decide(cat, f.rec.book, {KEY: 1}, 101.0) == []
+    (r,) = f.rec.book.replicas.values()
+    s = r.shards[0]
+    observe_status(f.rec.book, s.node_id, {"type": "shard_status", "shard_id": s.shard_id, "state": "ready",
+                                           "sleeping": True}, 102.0)  # the agent asked the engine
+    (wake,) = p.decide(cat, f.rec.book, {KEY: 1}, 102.0)
+    assert wake == Wake(s.node_id, s.shard_id, r.replica_id)

@@ -11,6 +11,9 @@ should be, and asks the agent for the difference:
   wake, not the whole deployment's);
 - wake every sleeping replica at once (a wake is what a held request waits
   on, and wakes run in parallel on their own GPUs);
+- a replica whose agent has not yet said, on its current stream, whether
+  it sleeps is neither slept nor woken (after a restart of either side the
+  agent asks the engine, ``GET /is_sleeping``, and reports);
 - a request already asked for is not asked again until ``resend_after``
   has passed without the report it should bring (a stream that dropped
   carried it away; a repeated ``/sleep`` or ``/wake_up`` is a no-op on the
@@ -101,7 +104,9 @@ class SleepPlanner:
             if policy is None or policy.sleep is None:
                 continue
             keys.add(dep.key)
-            mine = [r for r in replicas if r.key == dep.key and _serving(r)]
+            # a replica whose agent has not said on its current stream whether it sleeps (just restarted,
+            # or this control plane just started) is left alone until it does: no sleep or wake on a guess
+            mine = [r for r in replicas if r.key == dep.key and _serving(r) and r.shards[0].sleep_known]
             at_min = counts.get(dep.key, policy.min) <= policy.min
             asleep = at_min and self.should_sleep(dep.key, policy.sleep.after, now)
             pending_sleep = False

@@ -122,6 +122,10 @@ class Shard:
     scheme: str = "http"  # "https": rank 0 serves TLS with its node's engine certificate
     engine_version: str | None = None  # what rank 0 says it is (the agent reads it once after Ready)
     sleeping: bool = False  # rank 0's engine is asleep (scale to sleep): Ready, but takes no traffic now
+    # Whether an agent's report on its current stream said if rank 0 sleeps: after a restart of the agent or
+    # of the control plane nobody knows until the agent has asked the engine, and nothing is slept or woken
+    # on a guess (autoscale_sleep).
+    sleep_known: bool = False
     adopted: bool = False
     dispatched_at: float | None = None
     state_since: float = 0.0

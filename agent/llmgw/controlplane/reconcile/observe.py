@@ -122,6 +122,8 @@ def observe_status(book: ReplicaBook, node_id: str, msg: dict[str, Any], now: fl
     if msg.get("engine_version") is not None:
         s.engine_version = msg["engine_version"]
     slept = ""
+    if "sleeping" in msg:
+        s.sleep_known = True
     if state != READY or "sleeping" in msg:  # scale to sleep: only a Ready engine sleeps
         was, s.sleeping = s.sleeping, state == READY and bool(msg.get("sleeping"))
         slept = "" if was == s.sleeping else (", asleep" if s.sleeping else ", awake")
@@ -185,6 +187,10 @@ def apply_report(s: Shard, rep: dict[str, Any], now: float) -> None:
         s.scheme = rep.get("scheme", "http")
     if rep.get("adopted"):
         s.adopted = True
+    # a new stream: whether rank 0 sleeps is known again only once its agent says so
+    s.sleep_known = "sleeping" in rep
+    if s.sleep_known:
+        s.sleeping = rep["state"] == READY and bool(rep["sleeping"])
 
 
 def adopt_candidate(book: ReplicaBook, spec: dict[str, Any], now: float) -> Replica:
