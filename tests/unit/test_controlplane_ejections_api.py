@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from llmgw.config import schema_errors
-from llmgw.controlplane.ejections_api import BURST, MAX_WORKERS, REFILL, NumberRefused, RouterBudget, parse_report
+from llmgw.controlplane.ejections_api import BURST, REFILL
+from llmgw.controlplane.routerposts import MAX_WORKERS, NumberRefused, RouterBudget, parse_report
 from llmgw.router.ejectreport import REPORT_INTERVAL
 
 
@@ -24,13 +25,13 @@ def run_workers(budget: RouterBudget, workers: int, seconds: float, t0: float = 
 
 
 def test_a_router_with_16_workers_gets_every_report_through():
-    budget = RouterBudget.new(0.0)
+    budget = RouterBudget.new(0.0, BURST, REFILL)
     ok, refused = run_workers(budget, 16, 18.0)
     assert (ok, refused) == (144, 0)  # a budget per router name alone refused 85 of these 144
 
 
 def test_the_same_16_workers_arriving_at_once_lose_nothing_after_the_first_round():
-    budget = RouterBudget.new(0.0)
+    budget = RouterBudget.new(0.0, BURST, REFILL)
     ok = refused = 0
     for k in range(9):
         for w in range(16):
@@ -43,7 +44,7 @@ def test_the_same_16_workers_arriving_at_once_lose_nothing_after_the_first_round
 
 
 def test_a_runaway_worker_is_still_held_to_its_rate():
-    budget = RouterBudget.new(0.0)
+    budget = RouterBudget.new(0.0, BURST, REFILL)
     budget.seen("w0", 0.0)
     got = sum(budget.take(0.0) for _ in range(100))
     assert got == BURST
@@ -51,7 +52,7 @@ def test_a_runaway_worker_is_still_held_to_its_rate():
 
 
 def test_invented_instances_widen_the_budget_only_up_to_the_cap_and_are_forgotten():
-    budget = RouterBudget.new(0.0)
+    budget = RouterBudget.new(0.0, BURST, REFILL)
     for i in range(10 * MAX_WORKERS):
         budget.seen(f"x{i}", 0.0)
     assert budget.size(0.0) == MAX_WORKERS

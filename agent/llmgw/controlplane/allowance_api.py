@@ -1,10 +1,12 @@
 """``POST /v1/router/allowance``: router workers return and lease slices of per-key limits.
 
-Only a router certificate may lease (``ejections_api`` checks callers the
-same way): the holder of a lease is the certificate's name and the worker
-``instance`` of the body, so one router can neither return nor spend
-another's slices.  A malformed body is refused with every error and its
-JSON pointer and changes nothing.  While the books are new (for one lease
+Only a router certificate may lease, at a bounded rate per worker, with a
+body valid against its schema (the checks every router route makes,
+``controlplane/routerposts``): the holder of a lease is the certificate's
+name and the worker ``instance`` of the body, so one router can neither
+return nor spend another's slices.  The rate is generous (a worker near a
+key's limit exchanges about once a request): it bounds a runaway router's
+books, not an honest one's traffic.  While the books are new (for one lease
 time after this control plane starts or takes the lead) the answer is 503
 with ``Retry-After``, like every other route a router cannot use yet; with
 ``ha`` a standby never gets here (``standby.standby_gate`` answers for it).
@@ -18,41 +20,31 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from llmgw.config import schema_errors
 from llmgw.controlplane.allowance import AllowanceBook, Ask, Denial, Return
-from llmgw.controlplane.ejections_api import MAX_ERRORS, NumberRefused, parse_report
+from llmgw.controlplane.routerposts import RouterPost, RouterPosts
 from llmgw.controlplane.state import ControlPlane
 
 log = logging.getLogger("llmgw.controlplane.allowance")
 
 __all__ = ["AllowanceAPI"]
 
+BURST = 200.0  # exchanges a worker may make at once
+REFILL = 100.0  # exchanges a second a worker may keep making
+
 
 class AllowanceAPI:
     def __init__(self, cp: ControlPlane, router_name: Callable[[web.Request], str | None]):
         self.cp = cp
-        self.router_name = router_name
+        self.posts = RouterPosts(router_name, schema="router-allowance", what="lease allowances",
+                                 noun="allowance request", burst=BURST, refill=REFILL, log=log)
         self.book = AllowanceBook(cp.settings.router_allowance.lease_seconds, cp.clock())
         self.epoch = cp.leader_epoch
 
     async def handle(self, request: web.Request) -> web.Response:
-        router = self.router_name(request)
-        if router is None:
-            log.warning("refused %s %s from %s: not a router certificate", request.method, request.path,
-                        request.remote)
-            return web.json_response({"error": "only a router certificate may lease allowances"}, status=403)
-        try:
-            doc = parse_report(await request.read())
-        except NumberRefused as e:
-            return web.json_response({"error": f"invalid allowance request: {e}"}, status=400)
-        except (ValueError, RecursionError) as e:
-            return web.json_response({"error": f"the body is not JSON: {e}"}, status=400)
-        errors = schema_errors(doc, "router-allowance", limit=MAX_ERRORS)
-        if errors:
-            log.warning("refused an allowance request from router %r: %s", router, "; ".join(map(str, errors)))
-            return web.json_response({"error": "invalid allowance request",
-                                      "errors": [{"pointer": e.pointer, "message": e.message} for e in errors]},
-                                     status=400)
+        got = await self.posts.read(request, self.cp.clock())
+        if not isinstance(got, RouterPost):
+            return got
+        router, doc = got.router, got.doc
         now = self.cp.clock()
         if self.cp.leader_epoch != self.epoch:  # a new term: the old leader's books are not ours
             self.epoch = self.cp.leader_epoch
