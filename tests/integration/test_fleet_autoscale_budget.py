@@ -92,4 +92,4 @@ def test_the_higher_priority_model_wins_the_gpus_and_the_lower_grows_back_when_t
         assert low.count() > 0 and high.count() > 0
         log = f.server.output(400000)
         assert "draining, scaled down to other/sim x1" in log, log[-5000:]
-        print(f"\nbudget: {low.count() + high.count()} streams served, none failed")
+        print(f"\nbudget: {low.count() + high.count()} streams served, none failed; explained: {why['text']}")

@@ -40,6 +40,8 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from llmgw.catalog import Deployment
+
 # The reason label of llmgw_autoscale_granted_replicas (besides the scaler's reasons).
 FULL = "full"  # granted everything the scaler asked for
 PRIORITY = "priority"  # cut: higher-priority deployments hold the GPUs
@@ -180,8 +182,8 @@ class Budget:
         return out
 
 
-def claims_of(deployments: Iterable, desired: Mapping[str, int], gpus: Mapping[str, int]) -> list[Claim]:
-    """The claims of the autoscaled ``deployments`` (catalog ``Deployment``s) given their scalers' counts."""
+def claims_of(deployments: Iterable[Deployment], desired: Mapping[str, int], gpus: Mapping[str, int]) -> list[Claim]:
+    """The claims of the autoscaled ``deployments`` given their scalers' counts and GPUs per replica by profile."""
     return [Claim(d.key, desired[d.key], d.autoscale.min, d.autoscale.priority, gpus.get(d.profile, 1),
                   d.autoscale.scale_down_cooldown)
             for d in deployments if d.autoscale is not None and d.key in desired]
