@@ -21,8 +21,8 @@ pytestmark = pytest.mark.integration
 
 # 30 tokens at 20 ms: a stream lasts about 0.6 s, so three clients keep about three in flight
 PROFILE = {"env": {"LLMGW_SIM_TOKEN_LATENCY": "0.02"}}
-AUTOSCALE = {"min": 1, "max": 2, "target": 1, "stable_window": 2, "panic_window": 1,
-             "scale_down_cooldown": 2, "max_step": 1}
+AUTOSCALE = {"min": 1, "max": 2, "target": 1, "stable_window": 1, "panic_window": 0.5,
+             "scale_down_cooldown": 1, "max_step": 1}
 
 
 def ready_by_model(f: Fleet) -> dict[str, int]:
