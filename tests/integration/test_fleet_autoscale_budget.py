@@ -73,6 +73,8 @@ def test_the_higher_priority_model_wins_the_gpus_and_the_lower_grows_back_when_t
             assert "budget 3 GPU(s): granted 1 of 2" in why["text"], why
             assert "priority 10 deployment tiny/sim holds the GPUs" in why["text"], why
             assert budget_line(f, "tiny")["budget"]["granted"] == 2
+            printed = f.ctl("explain", "other").stdout
+            assert "other/sim: autoscale 1..2" in printed and "tiny/sim holds the GPUs" in printed, printed
             granted = {(lab["model"], lab["reason"]): v
                        for lab, v in metric_samples(f)["llmgw_autoscale_granted_replicas"]}
             assert granted[("other", "priority")] == 1 and granted[("tiny", "full")] == 2, granted
