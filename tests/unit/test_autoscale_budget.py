@@ -75,6 +75,17 @@ def test_a_grant_falls_at_once_but_rises_again_at_most_once_per_cooldown():
     assert granted(b.grant([hi(1), lo(3)], 4, 104.0)) == {"hi": 1, "lo": 3}  # a cooldown later it rises
 
 
+def test_the_damping_never_holds_a_grant_below_a_min_a_reload_raised():
+    b = Budget()
+    hi = Claim("hi", 3, 1, priority=9, cooldown=100)
+    b.grant([Claim("hi", 1, 1, priority=9), Claim("lo", 3, 1, cooldown=100)], 4, 0.0)
+    b.grant([hi, Claim("lo", 3, 1, cooldown=100)], 4, 1.0)  # lo cut to 1
+    b.grant([Claim("hi", 1, 1, priority=9), Claim("lo", 3, 1, cooldown=100)], 4, 2.0)  # back to 3: a reversal
+    b.grant([hi, Claim("lo", 3, 1, cooldown=100)], 4, 3.0)  # cut to 1 again
+    out = b.grant([Claim("hi", 2, 1, priority=9), Claim("lo", 3, 2, cooldown=100)], 4, 4.0)  # min raised to 2
+    assert out["lo"].granted == 2
+
+
 BUDGET = {"autoscale_budget": {"gpus": 3}}
 
 

@@ -169,9 +169,11 @@ class Budget:
             moved = (g.granted > t.granted) - (g.granted < t.granted)
             if (moved > 0 and t.direction < 0 and t.cut and t.reversal_at is not None
                     and now - t.reversal_at < c.cooldown):
-                # a rise after a cut within a cooldown of the last reversal: hold (falling is always allowed)
-                out[c.key] = Grant(c.key, c.desired, t.granted, REVERSAL, pool=pool)
-                continue
+                # a rise after a cut within a cooldown of the last reversal: hold (falling is always allowed),
+                # though never below a min a reload raised
+                if t.granted >= c.min:
+                    out[c.key] = Grant(c.key, c.desired, t.granted, REVERSAL, pool=pool)
+                    continue
             if moved:
                 if t.direction and moved != t.direction:
                     t.reversal_at = now
