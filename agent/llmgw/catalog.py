@@ -191,6 +191,7 @@ class Autoscale:
     scale_down_cooldown: float = 300.0
     max_step: int = 4
     sleep: Sleep | None = None
+    priority: int = 0  # who wins the fleet GPU budget (autoscale_budget): higher first
 
     def clamp(self, n: int) -> int:
         return max(self.min, min(self.max, n))
@@ -202,7 +203,8 @@ class Autoscale:
                    panic_threshold=float(d["panic_threshold"]), tolerance=float(d["tolerance"]),
                    scale_down_cooldown=float(d["scale_down_cooldown"]), max_step=int(d["max_step"]),
                    sleep=(Sleep(after=float(d["sleep"]["after"]), level=int(d["sleep"]["level"]))
-                          if d.get("sleep") is not None else None))
+                          if d.get("sleep") is not None else None),
+                   priority=int(d["priority"]))
 
 
 @dataclass(frozen=True)
@@ -232,6 +234,8 @@ class Catalog:
     models: dict[str, Model] = field(default_factory=dict)
     profiles: dict[str, Profile] = field(default_factory=dict)
     deployments: tuple[Deployment, ...] = ()
+    # GPUs the autoscaled deployments share (server.yaml autoscale_budget.gpus); None: no arbitration
+    autoscale_budget: int | None = None
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> "Catalog":
@@ -269,7 +273,9 @@ class Catalog:
             deployments.append(
                 Deployment(model=d["model"], profile=d["profile"], replicas=d["replicas"],
                            autoscale=Autoscale.from_config(d["autoscale"]) if "autoscale" in d else None))
-        return cls(models=models, profiles=profiles, deployments=tuple(deployments))
+        budget = cfg.get("autoscale_budget")
+        return cls(models=models, profiles=profiles, deployments=tuple(deployments),
+                   autoscale_budget=budget["gpus"] if budget is not None else None)
 
 
 def _role_deployments(d: Mapping[str, Any], profiles: dict[str, Profile]) -> list[Deployment]:

@@ -377,6 +377,23 @@ def _autoscale_errors(doc: dict[str, Any]) -> list[ConfigError]:
     return errors
 
 
+def _budget_errors(doc: dict[str, Any]) -> list[ConfigError]:
+    """``autoscale_budget`` must hold every autoscaled deployment's min: the budget never cuts below one."""
+    budget = doc.get("autoscale_budget")
+    if not isinstance(budget, dict):
+        return []
+    profiles = {p["name"]: p for p in doc.get("profiles", ())}
+    mins = 0
+    for d in doc.get("deployments", ()):
+        a, p = d.get("autoscale"), profiles.get(d["profile"])
+        if isinstance(a, dict) and p is not None:
+            mins += a["min"] * p["tensor_parallel_size"] * p["pipeline_parallel_size"]
+    if mins > budget["gpus"]:
+        return [ConfigError("/autoscale_budget/gpus", f"{budget['gpus']} GPU(s) cannot hold the autoscaled "
+                            f"deployments' mins, which need {mins}: raise it or lower a min")]
+    return []
+
+
 def _disaggregation_errors(doc: dict[str, Any]) -> list[ConfigError]:
     """A deployment's count is ``replicas`` or its ``disaggregation`` groups; a pair needs an engine that can be one."""
     errors = []
@@ -463,6 +480,7 @@ def _server_semantic_errors(doc: Any, schema: Sequence[ConfigError] = ()) -> lis
         (("/models",), _source_errors),
         (("/models", "/profiles", "/deployments"), _reference_errors),
         (("/deployments",), _autoscale_errors),
+        (("/autoscale_budget", "/profiles", "/deployments"), _budget_errors),
         (("/profiles", "/deployments"), _disaggregation_errors),
         (("/router",), _router_errors),
         (("/state_dir",), _state_dir_errors),

@@ -11,6 +11,12 @@ runs, so during its startup grace the count is the larger of the declared
 start and the replicas already reported (clamped): adopted replicas are not
 drained only because nothing was measured yet.  The first scaler starts
 from that count when the grace ends.
+
+With a fleet GPU budget (``Catalog.autoscale_budget``) the scalers' counts
+are what each deployment's demand asks for; the counts returned are what
+``autoscale_budget.Budget`` grants them from the pool by priority, and the
+reconciler places those.  Not during the grace: adopted replicas stay until
+something is measured, as above.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from collections.abc import Mapping
 
 from llmgw.catalog import Catalog
 from llmgw.controlplane.autoscale import Decision, Scaler
+from llmgw.controlplane.autoscale_budget import Budget, Grant, claims_of
 from llmgw.controlplane.replicas import ReplicaBook
 
 
@@ -40,6 +47,8 @@ def totals_by_deployment(outstanding: Mapping[str, int], book: ReplicaBook) -> d
 class Autoscaler:
     def __init__(self) -> None:
         self.scalers: dict[str, Scaler] = {}
+        self.budget = Budget()
+        self.grants: dict[str, Grant] = {}  # the last pass's, by deployment key (only with a budget)
 
     def counts(self, catalog: Catalog, book: ReplicaBook, now: float, totals: Mapping[str, float] | None,
                in_grace: bool = False) -> dict[str, int]:
@@ -71,8 +80,17 @@ class Autoscaler:
             out[dep.key] = scaler.desired
         for key in set(self.scalers) - keys:
             del self.scalers[key]
-        return out
+        if catalog.autoscale_budget is None or in_grace:
+            self.grants = {}
+            return out
+        gpus = {name: p.gpus_total for name, p in catalog.profiles.items()}
+        self.grants = self.budget.grant(claims_of(catalog.deployments, out, gpus), catalog.autoscale_budget, now)
+        return {key: (self.grants[key].granted if key in self.grants else n) for key, n in out.items()}
 
     def decision(self, key: str) -> Decision | None:
         s = self.scalers.get(key)
         return s.decision if s is not None else None
+
+    def grant(self, key: str) -> Grant | None:
+        """What the fleet GPU budget granted the deployment last pass (None: no budget)."""
+        return self.grants.get(key)

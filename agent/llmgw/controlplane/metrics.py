@@ -79,6 +79,10 @@ class FleetCollector(Collector):
         seen = GaugeMetricFamily("llmgw_autoscale_signal",
                                  "The autoscaler's signal: requests in flight to the deployment, averaged per window",
                                  labels=["model", "profile", "window"])
+        granted = GaugeMetricFamily("llmgw_autoscale_granted_replicas",
+                                    "Replicas the fleet GPU budget grants the deployment (autoscale_budget), "
+                                    "labelled with why (autoscale_budget.REASONS)",
+                                    labels=["model", "profile", "reason"])
         for dep in cp.catalog.deployments:
             d = cp.autoscaler.decision(dep.key)
             if dep.autoscale is None or d is None:
@@ -87,7 +91,10 @@ class FleetCollector(Collector):
             if d.stable is not None and d.panic is not None:
                 seen.add_metric([dep.model, dep.profile, "stable"], d.stable)
                 seen.add_metric([dep.model, dep.profile, "panic"], d.panic)
-        yield from (scaled, seen)
+            g = cp.autoscaler.grant(dep.key)
+            if g is not None:
+                granted.add_metric([dep.model, dep.profile, g.reason], g.granted)
+        yield from (scaled, seen, granted)
 
         damped = GaugeMetricFamily("llmgw_fleet_damped", "1 while too many nodes are unreachable to declare any lost")
         damped.add_metric([], 1.0 if cp.evaluation.damped else 0.0)

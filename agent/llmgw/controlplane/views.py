@@ -341,10 +341,14 @@ def explain_view(cp: ControlPlane, model: str) -> dict[str, Any] | None:
         d = cp.autoscaler.decision(dep.key)
         if dep.autoscale is not None:
             desired = cp.replica_counts.get(dep.key, dep.autoscale.clamp(dep.replicas))
+            g = cp.autoscaler.grant(dep.key)
+            text = (d.explain(dep.autoscale) if d is not None else
+                    f"autoscale {dep.autoscale.min}..{dep.autoscale.max}: {desired} replica(s) "
+                    "(start; measuring after the startup grace)")
             scaling.append({"deployment": dep.key, "desired": desired,
                             "reason": d.reason if d is not None else "start",
                             "signal": None if d is None else {"stable": d.stable, "panic": d.panic},
-                            "text": (d.explain(dep.autoscale) if d is not None else
-                                     f"autoscale {dep.autoscale.min}..{dep.autoscale.max}: {desired} replica(s) "
-                                     "(start; measuring after the startup grace)")})
+                            "budget": None if g is None else {"desired": g.desired, "granted": g.granted,
+                                                              "reason": g.reason, "winners": list(g.winners)},
+                            "text": text if g is None else f"{text}; {g.explain()}"})
     return {"model": model, "replicas": report, "refused": refused, "autoscale": scaling}

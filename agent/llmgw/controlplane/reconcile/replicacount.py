@@ -2,7 +2,10 @@
 
 The one place the reconciler reads a deployment's count from.  An
 autoscaled deployment's count is ``Context.replica_counts`` (decided by
-``controlplane/autoscale.py``); every other pass (slots, placement) then
+``controlplane/autoscale.py`` and, with a fleet GPU budget, granted by
+``controlplane/autoscale_budget.py``: a deployment cut by a higher priority
+gets its granted count here, so its surplus drains like any scale-down);
+every other pass (slots, placement) then
 works as for a declared count: new replicas are placed by the same
 placement, and a surplus one is drained before it stops (``slots``).
 """
