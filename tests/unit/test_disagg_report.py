@@ -69,7 +69,8 @@ def test_a_difference_counts_only_beyond_the_spread():
     assert verdicts["ITL"] == verdicts["TPOT"] == "not met (1/s: better, 2/s: within spread)"
     assert verdicts["TTFT"] == "met" and verdicts["every"] == "met"
     # the same CPU in every run here: the two phases add nothing
-    assert verdicts["the"] == "met: two phases add +0 us at 1/s, +0 us at 2/s per request"
+    assert verdicts["the"] == ("met: two phases add +0 us at 1/s (within the repeats' spread), +0 us at 2/s "
+                               "(within the repeats' spread) per request")
     rows = report.summarize([run("aggregated", 1.0, [1.0], [1.0], cpu=0.02), run("disaggregated", 1.0, [1.0], [1.0],
                                                                                cpu=0.035)])
     assert report.added_cpu(rows) == [(1.0, 1500)]  # 3500 - 2000 us over 10 requests
