@@ -264,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
            "targets": report.targets(summary, s["transfer"]), "notes": NOTES,
            "runs": [{k: v for k, v in r.items() if k not in ("ttft_s", "itl_s", "tpot_s")} | report.run_figures(r) for r in runs]}
     out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out.with_suffix(".json"), (json.dumps(doc, indent=1) + "\n").encode(), mode=0o644)
     write_atomic(out.with_suffix(".md"), report.markdown(doc).encode(), mode=0o644)
     print(f"[{time.monotonic() - t0:6.1f}s] wrote {out}.json and {out}.md", flush=True)
