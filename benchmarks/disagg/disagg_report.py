@@ -185,7 +185,7 @@ def markdown(doc: dict[str, Any]) -> str:
         f"| engine flags | `{' '.join(s['engine_args'])}` |",
         f"| KV transfer | {t['per_token_us']:g} us per prompt token: {t['prompt_ms']:g} ms for a "
         f"{t['prompt_tokens']:,}-token prompt ({t['why']}) |",
-        f"| prefill of one prompt | {s['prefill_ms']:g} ms in {s['chunks_per_prompt']} chunk(s) of "
+        f"| prefill of one prompt | {s['prefill_ms']:g} ms in {s['chunks_per_prompt']} chunk(s) of up to "
         f"{s['chunk_tokens']} tokens, each stalling every stream decoding on that engine |",
         "",
         "Figures: median of the repeats, (min-max) across them when more than one. TTFT, TPOT and ITL are the "
