@@ -28,6 +28,7 @@ from typing import Any, NoReturn, Sequence
 
 import yaml
 
+from llmgw.sim.sim_interference import DEFAULT_CHUNK_TOKENS
 from llmgw.sim.sim_kvcache import DEFAULT_BLOCK_SIZE
 
 DIALECTS = ("serve", "sglang", "llama-server")
@@ -75,6 +76,9 @@ class SimConfig:
     # llama-server's --ssl-key-file/--ssl-cert-file); None: plain HTTP
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
+    # tokens of prompt prefilled per engine step (vLLM's --max-num-batched-tokens under chunked
+    # prefill, SGLang's --chunked-prefill-size); None: a whole prompt in one step (sim_interference)
+    prefill_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS
     non_default: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -354,6 +358,8 @@ def parse_vllm(args: Sequence[str], prog: str = "vllm serve") -> SimConfig:
     if ns.num_gpu_blocks_override is not None and ns.num_gpu_blocks_override < 2:
         raise ArgvError(f"num_gpu_blocks_override={ns.num_gpu_blocks_override}: the KV cache needs at least 2 "
                         "blocks (one is the null block)")
+    if ns.max_num_batched_tokens is not None and ns.max_num_batched_tokens < 1:
+        raise ArgvError(f"max_num_batched_tokens ({ns.max_num_batched_tokens}) must be at least 1")
     world = ns.tensor_parallel_size * ns.pipeline_parallel_size
     if world % ns.nnodes:
         raise ArgvError(f"world size {world} (tp x pp) is not divisible by nnodes={ns.nnodes}")
@@ -385,6 +391,8 @@ def parse_vllm(args: Sequence[str], prog: str = "vllm serve") -> SimConfig:
         kv_transfer=ns.kv_transfer_config,
         ssl_keyfile=ns.ssl_keyfile,
         ssl_certfile=ns.ssl_certfile,
+        prefill_chunk_tokens=(None if ns.enable_chunked_prefill is False
+                              else ns.max_num_batched_tokens or DEFAULT_CHUNK_TOKENS),
         non_default=non_default,
     )
 
@@ -486,6 +494,8 @@ def parse_sglang(args: Sequence[str], prog: str = "sglang.launch_server") -> Sim
         block_size=ns.page_size or 16,
         max_num_seqs=ns.max_running_requests or 256,
         enable_prompt_tokens_details=ns.enable_cache_report,
+        prefill_chunk_tokens=(None if ns.chunked_prefill_size == -1  # SGLang: -1 disables chunking
+                              else ns.chunked_prefill_size or DEFAULT_CHUNK_TOKENS),
         non_default=_non_default(vars(ns), defaults),
     )
 

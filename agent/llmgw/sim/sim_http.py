@@ -52,6 +52,7 @@ from llmgw.sim.sim_output import (
 from llmgw.sim.sim_kvcache import Allocation, KVCache, token_id, token_ids
 from llmgw.sim.sim_kvpublish import KVEventPublisher
 from llmgw.sim.sim_disagg import TransferError, Transfers, request_params
+from llmgw.sim.sim_interference import Interference
 from llmgw.sim.sim_tokens import (
     PromptError,
     TokenBytes,
@@ -148,6 +149,9 @@ class SimState:
                                     metrics=self.metrics.nixl())
                           if cfg.kv_transfer is not None else None)
         self.sleep = SleepState(cfg.enable_sleep_mode, knobs.sleep_time, knobs.wake_time, knobs.wake_time_level2)
+        # prefills queue on one lane and stall the decode steps beside them (sim_interference)
+        self.interference = Interference(knobs.prefill_token_latency, cfg.prefill_chunk_tokens,
+                                         enabled=knobs.prefill_interference, metrics=self.metrics.interference())
 
     def faulting(self, kind: str) -> bool:
         """Whether fault ``kind`` is injected now (it may begin after start: LLMGW_SIM_FAULT_ONSET)."""
@@ -210,8 +214,7 @@ class SimState:
                 self._step()
                 uncached = max(sum(len(p) for p in prompts) - run.cached - transferred, 0)
                 run.prefill_s = self.knobs.prefill_token_latency * uncached
-                if run.prefill_s > 0:
-                    await asyncio.sleep(run.prefill_s)
+                await self.interference.prefill(uncached)
                 # the first token comes one decode step after prefill (stream_tokens paces it so)
                 first_token = clock() + self.token_latency()
             yield run
@@ -494,11 +497,12 @@ async def generate_steps(state: SimState, steps: int, width: int) -> None:
     latency = state.token_latency()
     clock = asyncio.get_running_loop().time
     start = clock()
-    for i in range(steps):
-        if latency:
-            delay = start + (i + 1) * latency - clock()
-            await asyncio.sleep(delay if delay > 0 else 0)
-        state.metrics.iteration_tokens.observe(width)
+    with state.interference.decode() as stalls:
+        for i in range(steps):
+            if latency or stalls.delay():
+                delay = start + (i + 1) * latency + stalls.delay() - clock()
+                await asyncio.sleep(delay if delay > 0 else 0)
+            state.metrics.iteration_tokens.observe(width)
 
 
 async def stream_tokens(
@@ -519,17 +523,19 @@ async def stream_tokens(
     written = 0
     # Token i is due at start + (i+1) * latency: pacing from a fixed origin keeps
     # the token rate exact under load instead of accumulating scheduling delays.
+    # A prefill on this engine pushes every later token back by its length (sim_interference).
     clock = asyncio.get_running_loop().time
     start = clock()
-    for i in range(gen.cut):
-        if latency:
-            delay = start + (i + 1) * latency - clock()
-            await asyncio.sleep(delay if delay > 0 else 0)
-        end = ends[i] if ends is not None else last if i == final else mid
-        for prefix in prefixes:
-            await resp.write(prefix + toks[i] + end)
-        state.metrics.iteration_tokens.observe(len(prefixes))
-        written += 1
+    with state.interference.decode() as stalls:
+        for i in range(gen.cut):
+            if latency or stalls.delay():
+                delay = start + (i + 1) * latency + stalls.delay() - clock()
+                await asyncio.sleep(delay if delay > 0 else 0)
+            end = ends[i] if ends is not None else last if i == final else mid
+            for prefix in prefixes:
+                await resp.write(prefix + toks[i] + end)
+            state.metrics.iteration_tokens.observe(len(prefixes))
+            written += 1
     if gen.faulted and gen.fault == "crash-after":
         await crash(request)
     return written

@@ -11,6 +11,10 @@ LLMGW_SIM_PREFILL_TOKEN_LATENCY 0       seconds of prefill per prompt token not 
                                         prefix cache, before the first token
 LLMGW_SIM_KV_TRANSFER_TOKEN_LATENCY 0   seconds per prompt token a decoder pulls from a
                                         remote prefill (--kv-transfer-config, sim_disagg)
+LLMGW_SIM_PREFILL_INTERFERENCE  1       1: prompts prefill one at a time, in chunks of
+                                        --max-num-batched-tokens, each chunk delaying the
+                                        decode steps of the engine's running requests
+                                        (sim_interference); 0: prefills side by side, no stall
 LLMGW_SIM_TIMING                (none)  a named preset of fitted timing figures (the three
                                         above; explicit ones win), see sim_timing.py
 LLMGW_SIM_OUTPUT_TOKENS         16      tokens generated when a request sets no max_tokens
@@ -84,6 +88,7 @@ class Knobs:
     decode_batch_slowdown: float = 0.0
     prefill_token_latency: float = 0.0
     kv_transfer_token_latency: float = 0.0
+    prefill_interference: bool = True
     output_tokens: int = 16
     embed_dim: int = 16
     prefix_cache_blocks: int = 4096
@@ -151,6 +156,15 @@ def _number(env: Mapping[str, str], name: str, default: float, *, integer: bool,
     return value
 
 
+def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = (env.get(name) or "").strip()
+    if not raw:
+        return default
+    if raw in ("1", "0"):
+        return raw == "1"
+    raise KnobError(f"{name}={raw!r}: must be 0 or 1")
+
+
 def knobs_from_env(env: Mapping[str, str]) -> Knobs:
     try:
         env = expand(env)
@@ -163,6 +177,7 @@ def knobs_from_env(env: Mapping[str, str]) -> Knobs:
         prefill_token_latency=_number(env, "LLMGW_SIM_PREFILL_TOKEN_LATENCY", 0.0, integer=False, minimum=0),
         kv_transfer_token_latency=_number(env, "LLMGW_SIM_KV_TRANSFER_TOKEN_LATENCY", 0.0, integer=False,
                                           minimum=0),
+        prefill_interference=_flag(env, "LLMGW_SIM_PREFILL_INTERFERENCE", True),
         output_tokens=_number(env, "LLMGW_SIM_OUTPUT_TOKENS", 16, integer=True, minimum=1),
         embed_dim=_number(env, "LLMGW_SIM_EMBED_DIM", 16, integer=True, minimum=1),
         prefix_cache_blocks=_number(env, "LLMGW_SIM_PREFIX_CACHE_BLOCKS", 4096, integer=True, minimum=2),

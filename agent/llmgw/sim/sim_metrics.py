@@ -98,6 +98,10 @@ class SimMetrics:
         """vLLM's NIXL connector metrics (kv_connector/v1/nixl/stats.py), registered only with a connector."""
         return NixlMetrics(self.registry, self._values)
 
+    def interference(self) -> "InterferenceMetrics":
+        """The simulator's own counts of prefill chunks and the decode steps they stalled (sim_interference)."""
+        return InterferenceMetrics(self.registry, self._values)
+
     def finished(self, reason: str) -> None:
         child = self._success.get(reason)
         if child is not None:
@@ -123,3 +127,15 @@ class NixlMetrics:
         self.expired = Counter(
             "vllm:nixl_num_kv_expired_reqs", "Number of requests that had their KV expire. NOTE: This metric is "
             "tracked on the P instance.", labels, registry=registry).labels(*values)
+
+
+class InterferenceMetrics:
+    """Simulator-only counters (no vLLM equivalent) of prefill/decode interference."""
+
+    def __init__(self, registry: CollectorRegistry, values: tuple[str, str]) -> None:
+        labels = ["model_name", "engine"]
+        self.chunks = Counter("llmgw_sim:prefill_chunks", "Engine steps that carried a prefill chunk.",
+                              labels, registry=registry).labels(*values)
+        self.stalled = Counter("llmgw_sim:decode_steps_stalled",
+                               "Decode steps of running requests delayed by a prefill chunk in the same step.",
+                               labels, registry=registry).labels(*values)
