@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 import signal
 import time
-from pathlib import Path
 
 import httpx
 import pytest

@@ -12,14 +12,13 @@ each engine reports, rather than holding either to a clock.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import aiohttp
 
 from llmgw.kvtransfer import PREFILL_REQUEST
 from tests.integration.simproc import start_sim
-from tests.integration.test_sim_disagg import metric, post, xfer_config
+from tests.integration.simdisagg import metric, post, xfer_config
 from tests.support.ports import free_port
 
 

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 from reconciler_fleet import Fleet, catalog, make_ready, starts
-from test_autoscale_catalog import SERVER, errors
+from autoscale_docs import SERVER, errors
 
 from llmgw.catalog import Autoscale, Catalog
 from llmgw.controlplane.autoscale_budget import (

@@ -6,24 +6,10 @@ import copy
 
 import pytest
 
+from autoscale_docs import SERVER, errors
+
 from llmgw.catalog import Autoscale
-from llmgw.config import ConfigInvalid
 from llmgw.settings import parse_server_settings
-
-SERVER = {
-    "api": {"listen": {"port": 8443}},
-    "insecure_no_tls": True,
-    "router": {"listen": {"port": 8080}, "insecure_http": True, "allow_unauthenticated": True},
-    "models": [{"name": "m", "source": "Qwen/Qwen2.5-0.5B-Instruct"}],
-    "profiles": [{"name": "p", "engine": "vllm"}],
-    "deployments": [{"model": "m", "profile": "p", "replicas": 1, "autoscale": {"max": 4}}],
-}
-
-
-def errors(doc) -> dict[str, str]:
-    with pytest.raises(ConfigInvalid) as e:
-        parse_server_settings(doc)
-    return {x.pointer: x.message for x in e.value.errors}
 
 
 def test_defaults_are_the_schemas_and_a_plain_deployment_has_none():
