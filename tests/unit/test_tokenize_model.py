@@ -19,7 +19,7 @@ from llmgw.router.balancing import ByModel, CacheAware, PrefixAffinity, Tokenize
 from llmgw.router.kvindex import KVIndex
 from llmgw.router.settings import RouterSettings
 from llmgw.router.tokenize_model import ModelTokenizer, TokenizerSourceError, Unrenderable, read_source
-from llmgw.router.tokenize_parity import compare
+from llmgw.router.tokenize_parity import REJECTED, compare
 from llmgw.router.tokenize_pool import TokenizePool
 from tests.support.tinytokenizer import TEMPLATE, VOCAB, WORDS, model_dir
 
@@ -58,9 +58,11 @@ def test_only_a_bounded_head_is_encoded_and_its_ids_are_the_full_encodings(tmp_p
     tok = ModelTokenizer.from_directory(str(model_dir(tmp_path)))
     rng = random.Random(7)
     text = " ".join(rng.choice(WORDS) + " " * rng.randint(0, 3) for _ in range(5000))
-    full = tok.token_ids({"prompt": text}, 10**6)
-    for n in (16, 100, 777):
-        assert tok.token_ids({"prompt": text}, n) == full[:n]
+    dense = " ".join(rng.choice("abcdefgh") for _ in range(20000))  # 2 characters a token: the first head suffices
+    for t in (text, dense):
+        full = tok.token_ids({"prompt": t}, 10**6)
+        for n in (16, 100, 777):
+            assert tok.token_ids({"prompt": t}, n) == full[:n]
 
 
 def test_settings_name_the_broken_tokenizer_source_by_pointer(tmp_path, monkeypatch):
@@ -198,3 +200,8 @@ def test_parity_compare_names_the_first_difference():
     v = compare([[1, 2, 3]], [[1, 2, 4]])
     assert not v.ok and "position 2" in v.reason
     assert "no usable /tokenize" in compare([[1]], [None]).reason
+    # a template that refuses a canned conversation (roles must alternate, no system role) on both sides
+    assert compare([REJECTED, [1]], [REJECTED, [1]]).ok
+    assert "only the engine refuses" in compare([[1]], [REJECTED]).reason
+    assert "only the router's chat template refuses" in compare([REJECTED], [[1]]).reason
+    assert "nothing could be compared" in compare([REJECTED], [REJECTED]).reason

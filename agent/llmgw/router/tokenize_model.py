@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 EXTRA = "router-tokenize"  # pyproject's optional dependencies for this module
-CHARS_PER_TOKEN_BOUND = 8  # characters encoded per wanted token: a generous head of the text
+HEAD_CHARS_PER_TOKEN = 4  # characters encoded per wanted token at first: enough for most text
+CHARS_PER_TOKEN_BOUND = 16  # and at most: a head that still falls short is keyed as far as it goes
 TAIL_MARGIN = 256  # characters before a cut whose tokens cannot be trusted (a word split at the cut)
 
 
@@ -190,8 +191,21 @@ class ModelTokenizer:
             raise Unrenderable(f"chat template: {e}") from None
 
     def encode(self, text: str, add_special_tokens: bool, max_tokens: int) -> list[int]:
-        """The first ``max_tokens`` ids of ``text``, encoding only a bounded head of it."""
-        limit = max_tokens * CHARS_PER_TOKEN_BOUND + TAIL_MARGIN
+        """The first ``max_tokens`` ids of ``text``, encoding only a bounded head of it: first
+        ``HEAD_CHARS_PER_TOKEN`` characters per wanted id, then, if that head was too short, a
+        ``CHARS_PER_TOKEN_BOUND`` one."""
+        for per_token in (HEAD_CHARS_PER_TOKEN, CHARS_PER_TOKEN_BOUND):
+            ids, cut = self._encode_head(text, add_special_tokens, max_tokens * per_token + TAIL_MARGIN)
+            if not cut or len(ids) >= max_tokens:
+                break
+        if add_special_tokens and self.add_bos is not None and self.bos_id is not None:
+            if self.add_bos and (not ids or ids[0] != self.bos_id):
+                ids.insert(0, self.bos_id)
+            elif not self.add_bos and ids and ids[0] == self.bos_id and not text.startswith(self.special["bos_token"]):
+                ids.pop(0)
+        return ids[:max_tokens]
+
+    def _encode_head(self, text: str, add_special_tokens: bool, limit: int) -> tuple[list[int], bool]:
         cut = len(text) > limit
         enc = self.tokenizer.encode(text[:limit] if cut else text, add_special_tokens=add_special_tokens)
         ids = list(enc.ids)
@@ -203,12 +217,7 @@ class ModelTokenizer:
                     break
                 n += 1
             ids = ids[:n]
-        if add_special_tokens and self.add_bos is not None and self.bos_id is not None:
-            if self.add_bos and (not ids or ids[0] != self.bos_id):
-                ids.insert(0, self.bos_id)
-            elif not self.add_bos and ids and ids[0] == self.bos_id and not text.startswith(self.special["bos_token"]):
-                ids.pop(0)
-        return ids[:max_tokens]
+        return ids, cut
 
     def token_ids(self, payload: dict[str, Any] | None, max_tokens: int) -> list[int]:
         """The first ``max_tokens`` ids the engine makes of this request; ``Unrenderable`` when the router cannot say."""

@@ -46,20 +46,34 @@ class Verdict:
     reason: str = ""
 
 
-def compare(ours: list[list[int] | None], theirs: list[list[int] | None]) -> Verdict:
-    """Parity over the canned requests: every one the engine tokenized must equal the router's ids."""
+REJECTED = "rejected"  # a canned request the tokenizer's chat template refuses (e.g. a system role)
+
+
+def compare(ours: list[list[int] | str], theirs: list[list[int] | str | None]) -> Verdict:
+    """Parity over the canned requests: each the engine tokenized must equal the router's ids, and
+    one the template refuses must be refused by both; at least one must have been compared."""
+    compared = 0
     for i, (a, b) in enumerate(zip(ours, theirs)):
         if b is None:
             return Verdict(False, f"the engine has no usable /tokenize (canned request {i})")
+        if a == REJECTED or b == REJECTED:
+            if a != b:
+                who = "the router's chat template" if a == REJECTED else "the engine"
+                return Verdict(False, f"canned request {i}: only {who} refuses it")
+            continue
         if a != b:
-            n = next((j for j, (x, y) in enumerate(zip(a or [], b)) if x != y), min(len(a or []), len(b)))
+            n = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
             return Verdict(False, f"canned request {i}: the router's token ids differ from the engine's "
-                                  f"from position {n} ({len(a or [])} ids against {len(b)})")
+                                  f"from position {n} ({len(a)} ids against {len(b)})")
+        compared += 1
+    if not compared:
+        return Verdict(False, "the chat template refuses every canned request: nothing could be compared")
     return Verdict(True)
 
 
-async def engine_tokens(rt: Any, model: str, request: dict[str, Any], timeout: float) -> list[int] | None:
-    """The engine's ids for ``request`` by ``POST /tokenize``; None when it has no such endpoint."""
+async def engine_tokens(rt: Any, model: str, request: dict[str, Any], timeout: float) -> list[int] | str | None:
+    """The engine's ids for ``request`` by ``POST /tokenize``; ``REJECTED`` when it refuses the
+    request (400, 422: its template raised); None when it has no such endpoint."""
     body = json.dumps({"model": model, **request}).encode()
     head = b"Content-Type: application/json\r\nAccept: application/json\r\nAccept-Encoding: identity\r\n"
 
@@ -76,6 +90,8 @@ async def engine_tokens(rt: Any, model: str, request: dict[str, Any], timeout: f
         raise Unreachable(f"{type(e).__name__}: {e}") from None
     if status in (404, 405, 501):
         return None
+    if status in (400, 422):
+        return REJECTED
     if status >= 500 or status in (401, 403, 429):
         raise Unreachable(f"/tokenize answered {status}")
     try:
@@ -86,6 +102,15 @@ async def engine_tokens(rt: Any, model: str, request: dict[str, Any], timeout: f
     if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
         return None
     return tokens
+
+
+def _own_ids(tokenizer: Any, request: dict[str, Any]) -> list[int] | str:
+    from .tokenize_model import Unrenderable
+
+    try:
+        return tokenizer.token_ids(request, 1 << 20)
+    except Unrenderable:
+        return REJECTED
 
 
 class ParityCheck:
@@ -111,11 +136,11 @@ class ParityCheck:
         model = rt.endpoint.model
         scorer = self.scorers[model]
         loop = asyncio.get_running_loop()
-        ours: list[list[int] | None] = []
-        theirs: list[list[int] | None] = []
+        ours: list[list[int] | str] = []
+        theirs: list[list[int] | str | None] = []
         for req in CANNED:
             theirs.append(await engine_tokens(rt, model, req, self.timeout))
-            ours.append(await loop.run_in_executor(None, scorer.model_tokenizer.token_ids, req, 1 << 20))
+            ours.append(await loop.run_in_executor(None, _own_ids, scorer.model_tokenizer, req))
         self.checked.add(rt.id)
         v = compare(ours, theirs)
         if v.ok:
@@ -147,6 +172,9 @@ class ParityCheck:
             except Unreachable as e:
                 self.deferred[rt.id] = loop.time() + self.timeout
                 log.info("parity check of %s (%s) deferred: %s", rt.id, rt.endpoint.model, e)
+            except Exception:  # a bug here must not end the checks of every later replica
+                self.deferred[rt.id] = loop.time() + self.timeout
+                log.exception("parity check of %s (%s) failed", rt.id, rt.endpoint.model)
 
     async def run(self, routing: Any, interval: float = 0.5) -> None:
         """A background job: sweeps while some replica of a checked model was not compared yet."""
