@@ -5,19 +5,28 @@ Llama with prefix caching and KV events on ipc:// sockets. What it proves agains
 engine, not a recording: a SUB socket receives numbered batches; prompts that share a prefix
 publish BlockStored events whose token_ids are the prompt's and whose parent is the shared
 block; the prefix-cache counters on /metrics agree; and a subscriber that was away gets what
-it missed from the replay socket, by sequence number, then the end marker.
+it missed from the replay socket, by sequence number, then the end marker. And that the router's
+own tokenizer (``router.tokenize_model``, from the model directory) makes the engine's token ids
+of chat and completion requests, so the route keys it computes are those the engine's events give.
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
 from itertools import count
+from types import SimpleNamespace
 
 import httpx
 import pytest
 import zmq
 
+from llmgw.agent.kvrelay_map import RouteMap
 from llmgw.kvevents import BlockStored, Message
+from llmgw.kvroutekeys import chain_keys
+from llmgw.router.tokenize_model import ModelTokenizer
+from llmgw.router.tokenize_parity import ParityCheck
+from llmgw.router.upstream import Pool
 from realvllm import start_vllm, tiny_hf_model, vllm_python  # noqa: F401 (fixtures)
 from tests.support.kvsub import Subscriber, replay
 from tests.support.polling import until
@@ -100,3 +109,69 @@ def test_shared_prefix_chains_and_replay_after_a_subscriber_restart(engine):
     everything = replay(ctx, kv["replay_endpoint"], 0)
     assert [m.seq for m in everything] == list(range(len(everything)))
     assert everything[seqs[0]:seqs[0] + len(seqs)] == sub.got
+
+
+class _Keys:
+    def __init__(self) -> None:
+        self.held: set[int] = set()
+
+    def add(self, key: int) -> None:
+        self.held.add(key)
+
+    def remove(self, key: int) -> None:
+        self.held.discard(key)
+
+    def reset(self) -> None:
+        self.held.clear()
+
+
+def test_the_routers_tokenizer_makes_the_engines_ids_and_route_keys(engine, tiny_hf_model):  # noqa: F811
+    eng, kv, ctx = engine
+    tok = ModelTokenizer.from_directory(str(tiny_hf_model))
+    n = next(_unique)
+    words = " ".join(f"token{(n * 7 + i * 3) % 97} and, more: Ünï {i}" for i in range(10))  # ~250 ids: under --max-model-len 512
+    chat = {"messages": [{"role": "system", "content": f"Conversation {n}. Be brief."},
+                         {"role": "user", "content": words}]}
+    prompt = {"prompt": f"Request {n}: {words}"}
+    ours = {}
+    for name, req in (("chat", chat), ("prompt", prompt)):
+        ours[name] = tok.token_ids(req, 10**6)
+        r = httpx.post(f"{eng.url}/tokenize", json={"model": "tiny", **req}, timeout=60)
+        r.raise_for_status()
+        assert ours[name] == r.json()["tokens"], name
+    assert len(ours["chat"]) > 64 and len(ours["prompt"]) > 64
+
+    httpx.post(f"{eng.base_url}/chat/completions", timeout=120,
+               json={"model": "tiny", **chat, "max_tokens": 1, "temperature": 0}).raise_for_status()
+    httpx.post(f"{eng.base_url}/completions", timeout=120,
+               json={"model": "tiny", **prompt, "max_tokens": 1, "temperature": 0}).raise_for_status()
+
+    def engine_keys() -> set[int]:  # the route keys the agent's map makes of every event so far
+        sink = _Keys()
+        m = RouteMap(sink)
+        for msg in replay(ctx, kv["replay_endpoint"], 0):
+            m.apply(msg.batch.events)
+        return sink.held
+
+    for name, ids in ours.items():
+        want = set(chain_keys(ids, 32))
+        assert len(want) >= 2
+        until(lambda: want <= engine_keys(), f"the {name} request's route keys among the engine's")
+
+    # the parity check agrees with this engine: precise routing stays on
+    class Scorer:
+        model_tokenizer = tok
+        enabled = True
+
+        def disable(self, reason: str) -> None:
+            self.enabled = False
+            raise AssertionError(reason)
+
+    async def check() -> dict:
+        rt = SimpleNamespace(id="vllm-0", endpoint=SimpleNamespace(model="tiny"),
+                             get_pool=lambda p=Pool(eng.url, 10, 30): p)
+        parity = ParityCheck({"tiny": Scorer()}, timeout=60)
+        await parity.check_replica(rt)
+        return parity.status()
+
+    assert asyncio.run(check()) == {"tiny": {"parity": "ok", "replica": "vllm-0"}}

@@ -23,9 +23,16 @@ else:  # pragma: no cover - the oldest Python
 ROOT = Path(__file__).resolve().parents[2]
 
 
+RUNTIME_EXTRAS = ("router-tokenize",)  # installed on runtime hosts (a router's model tokenizer): floored too
+
+
 def runtime() -> list[Requirement]:
     with open(ROOT / "pyproject.toml", "rb") as f:
-        return [Requirement(d) for d in tomllib.load(f)["project"]["dependencies"]]
+        project = tomllib.load(f)["project"]
+    deps = list(project["dependencies"])
+    for extra in RUNTIME_EXTRAS:
+        deps += project["optional-dependencies"][extra]
+    return [Requirement(d) for d in deps]
 
 
 def floors() -> dict[str, str]:

@@ -26,7 +26,7 @@ from aiohttp import web
 from llmgw.clientbounds import head_timeout_kwargs
 
 from .admission import Admission, Caps
-from .balancing import make_balancer
+from .balancing import make_balancer, make_parity_check
 from .kvindex import KVIndex
 from .endpoints import EndpointTable
 from .metrics import CONTENT_TYPE, RouterMetrics
@@ -73,7 +73,8 @@ def build_app(cfg: RouterSettings, table: EndpointTable, metrics: RouterMetrics 
     table lacks gets 503 with Retry-After instead of 404.
     """
     metrics = metrics or RouterMetrics()
-    scorer = make_balancer(cfg.balancing, kv_index)  # kv_index: route keys from the watch (cache_aware)
+    scorer = make_balancer(cfg.balancing, kv_index, metrics.registry)  # kv_index: route keys from the watch
+    parity = make_parity_check(scorer, cfg.balancing.cache_aware.parity_timeout, metrics.registry)
     routing = Routing(table, cfg, metrics, scorer)
     proxy = Proxy(cfg, routing, metrics, pending)
     proxy.holds = HoldQueue(routing, cfg.hold, wake)  # ``wake(model)``: ask the control plane to wake it
@@ -98,6 +99,8 @@ def build_app(cfg: RouterSettings, table: EndpointTable, metrics: RouterMetrics 
             doc["route_keys"] = {"revision": kv_index.revision, "replicas": kv_index.sizes(),
                                  "age_s": None if kv_index.synced_at is None
                                  else round(time.monotonic() - kv_index.synced_at, 1)}
+        if parity is not None:  # models tokenized with their own tokenizer: do the engines agree?
+            doc["tokenizer_parity"] = parity.status()
         return web.json_response(doc)
 
     async def metrics_handler(request: web.Request) -> web.Response:
@@ -114,6 +117,8 @@ def build_app(cfg: RouterSettings, table: EndpointTable, metrics: RouterMetrics 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         tasks = [asyncio.create_task(run_housekeeping(routing), name="llmgw-router-housekeeping")]
         tasks += [asyncio.create_task(job(routing)) for job in background]
+        if parity is not None:
+            tasks.append(asyncio.create_task(parity.run(routing), name="llmgw-router-parity"))
         yield
         for task in tasks:
             task.cancel()

@@ -15,7 +15,9 @@
   the control plane's watch), under the same load bound.  Where the index
   cannot speak (a replica's feed stale or absent, no replica holding any
   block, a prompt it cannot tokenize) it is ``PrefixAffinity``, so the
-  first request of a prefix lands where the next ones will look.
+  first request of a prefix lands where the next ones will look.  A model
+  with its own tokenizer is tokenized before the pick, off the event loop
+  (``prepare``, awaited by the forwarder); the pick itself never tokenizes.
 - ``ByModel``: a scorer per model (``balancing.cache_aware.models``), the
   default for the rest.
 """
@@ -33,6 +35,7 @@ from llmgw.kvroutekeys import chain_keys
 
 if TYPE_CHECKING:
     from .kvindex import KVIndex
+    from .tokenize_pool import TokenizePool
     from .settings import Balancing
 
 
@@ -198,20 +201,68 @@ def _replica_id(m: Any) -> str:
     return (getattr(ep, "replica_id", "") or m.id) if ep is not None else m.id
 
 
+class Tokenized(dict):
+    """A request's payload with the token ids its model's tokenizer made of it, off the event loop
+    (``CacheAware.prepare``); ``token_ids`` None: the router could not say in time, or at all."""
+
+    __slots__ = ("token_ids",)
+
+    def __init__(self, payload: dict[str, Any], token_ids: list[int] | None) -> None:
+        super().__init__(payload)
+        self.token_ids = token_ids
+
+
 class CacheAware:
     name = "cache-aware"
 
-    def __init__(self, index: "KVIndex", tokenize: Callable[[dict[str, Any] | None, int], list[int]],
+    def __init__(self, index: "KVIndex", tokenize: Callable[[dict[str, Any] | None, int], list[int]] | None,
                  block_size: int, max_tokens: int, fallback: PrefixAffinity,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, model_tokenizer: Any = None,
+                 pool: "TokenizePool | None" = None, on_fallback: Callable[[str], None] | None = None) -> None:
         self.index = index
-        self.tokenize = tokenize
+        self.tokenize = tokenize  # inline and cheap (the simulator's); None: ``model_tokenizer`` in ``pool``
         self.block_size = block_size
         self.max_tokens = max_tokens
         self.fallback = fallback
         self.clock = clock
+        self.model_tokenizer = model_tokenizer
+        self.pool = pool
+        self.on_fallback = on_fallback or (lambda reason: None)
+        self.enabled = True  # False: the parity check found the router's ids differ from the engine's
+        self.disabled_reason: str | None = None
         self.precise = 0  # requests placed by the index
         self.fell_back = 0  # requests placed by prefix affinity
+
+    def disable(self, reason: str) -> None:
+        self.enabled, self.disabled_reason = False, reason
+
+    async def prepare(self, members: Sequence[Any], payload: dict[str, Any] | None) -> dict[str, Any] | None:
+        """``payload`` with its token ids, tokenized in the pool under its deadline; as is when ids
+        would not be used (inline tokenizer, precise routing off, no replica's feed fresh)."""
+        if self.tokenize is not None or self.pool is None or not payload or not self.enabled:
+            return payload
+        now = self.clock()
+        if not any(self.index.fresh(_replica_id(m), now) for m in members):
+            return payload
+        ids, why = await self.pool.run(self._token_ids, payload)
+        if why is not None:
+            self.on_fallback(why)
+        return Tokenized(payload, ids)
+
+    def _token_ids(self, payload: dict[str, Any]) -> list[int] | None:
+        from .tokenize_model import Unrenderable
+
+        try:
+            return self.model_tokenizer.token_ids(payload, self.max_tokens)
+        except Unrenderable:
+            return None
+
+    def _ids(self, payload: dict[str, Any] | None) -> list[int]:
+        if not self.enabled:
+            return []
+        if self.tokenize is not None:
+            return self.tokenize(payload, self.max_tokens)
+        return (getattr(payload, "token_ids", None) or []) if isinstance(payload, Tokenized) else []
 
     def pick(self, members: Sequence[T], eligible: Eligible, payload: dict[str, Any] | None) -> T | None:
         cands = [m for m in members if eligible(m)]
@@ -221,7 +272,7 @@ class CacheAware:
         fresh = [m for m in cands if self.index.fresh(_replica_id(m), now)]
         best: T | None = None
         if fresh:
-            keys = chain_keys(self.tokenize(payload, self.max_tokens), self.block_size)
+            keys = chain_keys(self._ids(payload), self.block_size)
             if keys:
                 total = sum(m.outstanding for m in cands)
                 cap = math.ceil(self.fallback.load_bound * (total + 1) / len(cands))
@@ -253,18 +304,43 @@ class ByModel:
         scorer = self.scorers.get(getattr(ep, "model", None), self.default) if ep is not None else self.default
         return scorer.pick(members, eligible, payload)
 
+    async def prepare(self, members: Sequence[Any], payload: dict[str, Any] | None) -> dict[str, Any] | None:
+        ep = getattr(members[0], "endpoint", None) if members else None
+        scorer = self.scorers.get(getattr(ep, "model", None)) if ep is not None else None
+        prepare = getattr(scorer, "prepare", None)
+        return await prepare(members, payload) if prepare is not None else payload
 
-def make_balancer(b: "Balancing", index: "KVIndex | None") -> Any:
-    """The scorer ``balancing`` asks for: ``make_scorer``'s, with ``cache_aware.models`` routed by ``index``."""
+
+def make_balancer(b: "Balancing", index: "KVIndex | None", registry: Any = None) -> Any:
+    """The scorer ``balancing`` asks for: ``make_scorer``'s, with ``cache_aware.models`` routed by ``index``.
+
+    A model with a tokenizer directory (``cache_aware.model_tokenizers``) is tokenized with its own
+    tokenizer in a shared thread pool; the others with the engine simulator's, inline."""
     default = make_scorer(b.scorer, b.prefix_tokens, b.load_bound)
     ca = b.cache_aware
     if not ca.models or index is None:
         return default
     from .kvindex_tokens import simulator_token_ids
 
-    aware = CacheAware(index, simulator_token_ids, ca.block_size, ca.max_prompt_tokens,
-                       PrefixAffinity(b.prefix_tokens, b.load_bound))
-    return ByModel(default, {m: aware for m in ca.models})
+    scorers: dict[str, Any] = {}
+    shared = CacheAware(index, simulator_token_ids, ca.block_size, ca.max_prompt_tokens,
+                        PrefixAffinity(b.prefix_tokens, b.load_bound))
+    if ca.model_tokenizers:
+        from .kvindex_tokens import model_scorers
+
+        scorers.update(model_scorers(ca, index, PrefixAffinity(b.prefix_tokens, b.load_bound), registry))
+    return ByModel(default, {m: scorers.get(m, shared) for m in ca.models})
+
+
+def make_parity_check(scorer: Any, timeout: float, registry: Any = None) -> Any:
+    """The parity check of the models ``scorer`` tokenizes with their own tokenizer; None if none."""
+    own = {m: s for m, s in getattr(scorer, "scorers", {}).items()
+           if isinstance(s, CacheAware) and s.model_tokenizer is not None}
+    if not own:
+        return None
+    from .tokenize_parity import ParityCheck
+
+    return ParityCheck(own, timeout, registry)
 
 
 def make_scorer(name: str, prefix_tokens: int, load_bound: float) -> LeastOutstanding | PrefixAffinity:

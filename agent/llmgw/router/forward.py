@@ -50,6 +50,7 @@ class Forwarder:
                                                total_deadline)
             if params is not None:
                 body = decode_body(payload, params)
+        route_payload = await self.routing.prepare(group, payload)  # token ids, for cache-aware models
         tried: set[str] = set()
         last: Failed | None = None
         max_attempts = self.s.retries.max_attempts
@@ -58,7 +59,7 @@ class Forwarder:
             now = loop.time()
             if now >= total_deadline:
                 break
-            pick = self.routing.pick(group, tried, payload)
+            pick = self.routing.pick(group, tried, route_payload)
             if isinstance(pick, RouterError):
                 raise pick
             if pick is None:  # a retry with nothing left to try

@@ -145,6 +145,12 @@ class Routing:
     def runtimes(self) -> list[EndpointRuntime]:
         return list(self._runtimes.values())
 
+    async def prepare(self, group: ModelGroup, payload: dict[str, Any] | None) -> dict[str, Any] | None:
+        """``payload`` as the scorer wants it for ``pick``: with token ids tokenized off the event
+        loop for a model routed by its own tokenizer (``CacheAware.prepare``), else as is."""
+        prepare = getattr(self.scorer, "prepare", None)
+        return payload if prepare is None else await prepare(group.members, payload)
+
     def pick(self, group: ModelGroup, tried: set[str], payload: dict[str, Any] | None) -> EndpointRuntime | RouterError | None:
         """An endpoint for the next attempt; a RouterError saying why there is none on a
         first attempt; None when a retry has nothing left to try."""

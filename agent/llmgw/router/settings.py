@@ -118,6 +118,11 @@ class CacheAware:
     block_size: int = 16
     max_prompt_tokens: int = 8192
     stale_after: float = 90.0
+    # the model's own tokenizer (docs/router.md "Cache-aware routing"): model -> model directory
+    model_tokenizers: Mapping[str, str] = field(default_factory=dict)
+    tokenize_threads: int = 2
+    tokenize_deadline: float = 0.1
+    parity_timeout: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -131,6 +136,7 @@ class Balancing:
     def from_doc(cls, doc: dict[str, Any]) -> "Balancing":
         ca = dict(doc.get("cache_aware") or {})
         ca["models"] = tuple(ca.get("models", ()))
+        ca["model_tokenizers"] = dict(ca.get("model_tokenizers") or {})
         return cls(**{**doc, "cache_aware": CacheAware(**ca)})
 
 
@@ -289,9 +295,39 @@ def semantic_errors(doc: Mapping[str, Any]) -> list[ConfigError]:
         errors.append(ConfigError("/balancing/cache_aware/models", "cache-aware routing reads route keys on the "
                                   "control plane's watch: set control_plane (a router without one, or the "
                                   "in-process router of llmgw server, is fed none)"))
+    errors += _tokenizer_errors(cache_aware)
     o = doc["outlier"]
     if o["base_ejection"] > o["max_ejection"]:
         errors.append(ConfigError("/outlier/base_ejection", "base_ejection exceeds max_ejection"))
+    return errors
+
+
+def _tokenizer_errors(cache_aware: Mapping[str, Any]) -> list[ConfigError]:
+    """Each model tokenizer listed, loadable on this host, for a model routed cache-aware."""
+    errors: list[ConfigError] = []
+    dirs = cache_aware.get("model_tokenizers") or {}
+    if not dirs:
+        return errors
+    from .tokenize_model import EXTRA, ModelTokenizer, TokenizerSourceError
+
+    try:
+        import jinja2  # noqa: F401
+        import tokenizers  # noqa: F401
+    except ImportError as e:
+        return [ConfigError("/balancing/cache_aware/model_tokenizers",
+                            f"the router needs the {e.name} package for a model's own tokenizer: "
+                            f"install llmgw[{EXTRA}]")]
+    models = set(cache_aware.get("models") or ())
+    for model, directory in dirs.items():
+        pointer = "/balancing/cache_aware/model_tokenizers/" + model.replace("~", "~0").replace("/", "~1")
+        if model not in models:
+            errors.append(ConfigError(pointer, f"{model!r} is not in balancing.cache_aware.models: its "
+                                      "tokenizer would never be used"))
+            continue
+        try:
+            ModelTokenizer.from_directory(directory)  # loaded and compiled: a bad file fails here, by pointer
+        except TokenizerSourceError as e:
+            errors.append(ConfigError(pointer, str(e)))
     return errors
 
 
