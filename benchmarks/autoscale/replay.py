@@ -26,9 +26,12 @@ What it models, and what it leaves out:
   the pool has free GPUs (a shortfall is retried every pass and counted as unplaced
   replica-seconds), surplus ones drained newest first.  With ``fixed`` counts instead of
   a policy, the replicas are there, ready, from the start: static provisioning.
-- **The pool.** ``pool`` GPUs shared by the models.  When both ask for more than it holds,
-  free GPUs go one at a time to the model with the larger shortfall (there is no
-  priority between deployments yet).
+- **The pool.** ``pool`` GPUs shared by the models, arbitrated as the control plane does
+  with ``autoscale_budget`` set to it: each pass the scalers' counts go through the real
+  ``controlplane/autoscale_budget.Budget`` (mins first, then priority, equal priorities
+  sharing in proportion to demand, its own reversal damping), and the *granted* count is
+  the one reconciled.  A cut model drains; the winner's new replicas wait for the GPUs
+  to free (make before break), counted as unplaced replica-seconds meanwhile.
 
 GPU-hours are each replica's time from placement to stop (starting and draining included).
 """
@@ -42,6 +45,7 @@ from dataclasses import dataclass, field
 
 from llmgw.catalog import Autoscale
 from llmgw.controlplane.autoscale import Scaler
+from llmgw.controlplane.autoscale_budget import Budget, Claim
 from llmgw.sim.sim_timing import PRESETS, inter_token
 
 _KNOBS = PRESETS["vllm-cpu-tiny"].knobs
@@ -78,7 +82,8 @@ class ModelRun:
     decisions: list[tuple[float, int, str]] = field(default_factory=list)  # (t, desired, reason) on change
     gpu_seconds: float = 0.0
     peak_replicas: int = 0  # most replicas placed at once
-    unplaced_seconds: float = 0.0  # replica-seconds wanted but not placed for want of a GPU
+    cut_seconds: float = 0.0  # replica-seconds its scaler wanted beyond what the budget granted
+    unplaced_seconds: float = 0.0  # replica-seconds granted but not yet placed: GPUs still draining
     max_queue: int = 0
 
 
@@ -96,7 +101,8 @@ class Result:
 
 def replay(trace: list[dict], duration: float, pool: int, engine: Engine, lead: float,
            policies: dict[str, Autoscale] | None = None, fixed: dict[str, int] | None = None,
-           start: dict[str, int] | None = None, tick: float = 1.0) -> Result:
+           start: dict[str, int] | None = None, priorities: dict[str, int] | None = None,
+           tick: float = 1.0) -> Result:
     """Serve ``trace`` (sorted Mooncake-shaped dicts with ``model``) for ``duration`` seconds.
 
     Exactly one of ``policies`` (autoscaled, each model starting with ``start`` ready
@@ -167,18 +173,25 @@ def replay(trace: list[dict], duration: float, pool: int, engine: Engine, lead: 
                 place(n, 0.0, 0.0)  # the opening count is up before the trace starts
         push(0.0, TICK, None)
 
+    budget = Budget()
+
     def reconcile(now: float) -> None:
         short: dict[str, int] = {}
-        for n, s in scalers.items():
+        claims = [Claim(n, s.desired, s.policy.min, (priorities or {}).get(n, 0), 1, s.policy.scale_down_cooldown)
+                  for n, s in scalers.items()]
+        grants = budget.grant(claims, pool, now)
+        for n in scalers:
+            count = grants[n].granted
+            runs[n].cut_seconds += (scalers[n].desired - count) * tick
             active = [r for r in replicas[n] if not r.draining]
-            if s.desired < len(active):
+            if count < len(active):
                 # surplus: newest first; one still starting serves nothing and stops outright
-                for r in sorted(active, key=lambda r: r.placed_at, reverse=True)[:len(active) - s.desired]:
+                for r in sorted(active, key=lambda r: r.placed_at, reverse=True)[:len(active) - count]:
                     r.draining = True
                     if r.running == 0:
                         stop(r, now)
-            elif s.desired > len(active):
-                short[n] = s.desired - len(active)
+            elif count > len(active):
+                short[n] = count - len(active)
         while free > 0 and short:
             n = max(short, key=lambda k: (short[k], -names.index(k)))
             place(n, now, now + lead)

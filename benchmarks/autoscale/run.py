@@ -17,7 +17,8 @@ For each seed: a trace from ``trace.py`` (or ``--trace``, a Mooncake-shaped JSON
    the 90 s a new replica takes.  For scale, the saving is also given against static
    counts sized by the rule's own target (the autoscaled run's peak count of each model);
 3. **tight pool**: autoscaled again in a pool of 60 % of the most GPUs the autoscaled run
-   held at once, to show what happens when the models' needs together exceed it.
+   held at once, arbitrated by the real fleet GPU budget (``autoscale_budget.Budget``,
+   equal priorities), to show what happens when the models' needs together exceed it.
 
 The TTFT objective: a 60 s window of a model's arrivals meets it when their TTFT p99 is
 at most 2 s; the target is 99 % of windows.  A reversal is a change of the decided count's
@@ -129,6 +130,7 @@ def summarize(res: rp.Result, cooldown: float) -> dict:
             if m.ttft else None,
             "count_changes": max(0, len(m.decisions) - 1), "reversals": len(revs),
             "most_reversals_per_cooldown": rp.most_in_span(revs, cooldown),
+            "cut_replica_hours": round(m.cut_seconds / 3600.0, 3),
             "unplaced_replica_hours": round(m.unplaced_seconds / 3600.0, 3), "max_queue": m.max_queue,
         }
     return out
@@ -268,20 +270,22 @@ def report(r: dict) -> str:
         "## When the pool is too small for both",
         "",
         f"The same trace, autoscaled, in a pool of {int(TIGHT * 100)} % of the most GPUs the autoscaled run held "
-        "at once. Scale-ups that find no free GPU wait (retried every pass, counted as unplaced replica-hours); "
-        "free GPUs go to the model with the larger shortfall; there is no priority between the two yet, so both "
-        "queue.",
+        "at once, arbitrated by the fleet GPU budget (`controlplane/autoscale_budget.py`, both models at "
+        "priority 0: they share what is above their mins in proportion to demand). Cut: replica-hours a "
+        "scaler asked for beyond its grant; waiting: granted replica-hours not yet placed because the GPUs "
+        "were still draining from the other model.",
         "",
-        "| seed | pool | unplaced replica-h (chat / agent) | windows met (chat / agent) | worst window p99 s | "
-        "longest queue |",
-        "|---|---|---|---|---|---|",
+        "| seed | pool | cut replica-h (chat / agent) | waiting replica-h (chat / agent) | windows met (chat / agent) "
+        "| worst window p99 s | longest queue |",
+        "|---|---|---|---|---|---|---|",
     ]
     for x in seeds:
         t = x["tight"]
         tm = t["models"]
         names = list(tm)
         lines.append(
-            f"| {x['seed']} | {t['pool']} | " + " / ".join(f"{tm[n]['unplaced_replica_hours']:.2f}" for n in names)
+            f"| {x['seed']} | {t['pool']} | " + " / ".join(f"{tm[n]['cut_replica_hours']:.2f}" for n in names)
+            + " | " + " / ".join(f"{tm[n]['unplaced_replica_hours']:.2f}" for n in names)
             + " | " + " / ".join(f"{100 * tm[n]['windows_meeting']:.1f} %" for n in names) + " | "
             + " / ".join(f"{tm[n]['worst_window_p99_s']:.1f}" for n in names) + " | "
             + " / ".join(str(tm[n]['max_queue']) for n in names) + " |")

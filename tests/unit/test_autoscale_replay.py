@@ -60,7 +60,7 @@ def test_autoscaled_gpu_hours_count_starting_replicas_by_hand():
     assert m.ttft == pytest.approx([1.0, 12.5, 12.5])
 
 
-def test_a_pool_too_small_counts_the_unplaced_and_the_never_served():
+def test_a_pool_too_small_counts_the_cut_and_the_never_served():
     pol = Autoscale(max=3, min=1, target=1.0, stable_window=2.0, panic_window=1.0, tolerance=0.0,
                     scale_down_cooldown=1000.0)
     eng = rp.Engine(prefill=0.0, token=1.0, slowdown=0.0, max_batch=1)
@@ -68,8 +68,10 @@ def test_a_pool_too_small_counts_the_unplaced_and_the_never_served():
     res = rp.replay(trace, 50.0, 1, eng, lead=10.0, policies={"m": pol}, start={"m": 1})
     m = res.models["m"]
     assert m.gpu_seconds == pytest.approx(50.0)
-    # two replicas wanted from t=2 on, passes at 2..50: 49 passes of 1 s each
-    assert m.unplaced_seconds == pytest.approx(2 * 49.0)
+    # two replicas more wanted from t=2 on, passes at 2..50 (49 of 1 s each); the budget
+    # (controlplane/autoscale_budget) grants only the pool's one, so none waits to be placed
+    assert m.cut_seconds == pytest.approx(2 * 49.0)
+    assert m.unplaced_seconds == 0.0
     assert m.ttft[1:] == [math.inf, math.inf]  # never served within the hour: windows miss
 
 
