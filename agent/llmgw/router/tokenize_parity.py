@@ -22,6 +22,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from llmgw import compat
+
 log = logging.getLogger("llmgw.router.parity")
 
 # Canned requests: plain chat, a system prompt, multi-turn, non-ASCII and the completion path.
@@ -85,7 +87,7 @@ async def engine_tokens(rt: Any, model: str, request: dict[str, Any], timeout: f
             conn.close()
 
     try:
-        status, data = await asyncio.wait_for(post(), timeout)
+        status, data = await compat.wait_for(post(), timeout)
     except Exception as e:  # connect, TLS, protocol, timeout: all "not now"
         raise Unreachable(f"{type(e).__name__}: {e}") from None
     if status in (404, 405, 501):

@@ -16,6 +16,8 @@ import concurrent.futures
 import threading
 from typing import Any, Callable
 
+from llmgw import compat
+
 QUEUE_PER_THREAD = 4
 
 
@@ -41,8 +43,8 @@ class TokenizePool:
             return None, "busy"
         fut.add_done_callback(self._done)
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(fut), self.deadline), None
-        except asyncio.TimeoutError:
+            return await compat.wait_for(asyncio.wrap_future(fut), self.deadline), None
+        except TimeoutError:
             fut.cancel()
             return None, "timeout"
         except Exception:
