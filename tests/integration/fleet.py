@@ -374,6 +374,8 @@ class Fleet:
                  f"--- server ---\n{self.server.output(12000)}"]
         for name, a in self.agents.items():
             parts.append(f"--- agent {name} ---\n{a.output(6000)}")
+        for p in self.extra:  # a test's other control planes (ha) and processes: why nothing answered
+            parts.append(f"--- {p.name} ---\n{p.output(6000)}")
         return "\n".join(parts)
 
     def ctl(self, *args: str, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
