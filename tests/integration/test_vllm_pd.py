@@ -1,12 +1,15 @@
-"""Prefill/decode disaggregation on two real vLLM CPU engines over NIXL, routed by llmgw's router.
+"""A disaggregated model on two real vLLM CPU engines over NIXL, placed, launched and routed by llmgw.
 
-vLLM 0.32's CPU build with NixlConnector (NIXL's UCX backend over TCP on loopback), one engine
-``kv_producer`` and one ``kv_consumer``, behind a real router whose static endpoints carry the
-roles (the catalog and placement do not set roles yet). Proves what the simulator cannot: the
-parameters the router forwards are the ones a real decoder accepts (it pulls the blocks: a NIXL
-transfer is counted), the answer is token for token the decoder's own greedy answer, and killing
-the prefill engine costs the client nothing (the decoder prefills). About a minute and a half:
-both engines start together.
+A control plane (with its in-process router) and one agent whose ``engines.vllm`` is vLLM's CPU build
+(``vllmcpu.ENTRY``): the deployment's ``disaggregation`` block becomes one prefill and one decode
+replica of the tiny HF Llama, each started by the vLLM driver as its side of the pair (owned
+``--kv-transfer-config``, ``VLLM_NIXL_SIDE_CHANNEL_HOST``/``PORT`` from the agent) with the profile's
+UCX settings for TCP on loopback (docs/disaggregation.md). The prefill replica reaches the router only
+once the control plane proved a real one-token prefill -> decode round trip (``pairproof``). Proves
+what the simulator cannot: the parameters the router forwards are ones a real decoder accepts (it
+pulls the blocks: NIXL transfers are counted), the answers are token for token the decoder's own
+greedy answers, a bogus transfer costs the client nothing, and neither does killing the prefill
+engine under load. Both engines start together; one fleet serves the module (about 90 s).
 """
 
 from __future__ import annotations
@@ -15,80 +18,247 @@ import contextlib
 import json
 import os
 import signal
+import threading
+import urllib.error
 import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
+import httpx
 import pytest
 
-from realvllm import start_vllm, tiny_hf_model, vllm_python  # noqa: F401 (fixtures)
+import vllmcpu
+from fleet import Fleet
+from realengine import client, engine_fleet
+from realvllm import tiny_hf_model, vllm_python  # noqa: F401 (fixtures)
 from tests.integration.router_support import RouterProcess, openai_client, router_doc
 from tests.support.polling import until
-from tests.support.ports import free_port
-from tests.support.procfs import tree_pids
+from tests.support.procfs import live, tree_pids
 
-PROMPT = [(7 * i + 3) % 200 + 10 for i in range(100)]  # token ids: three full 32-token blocks and a tail
+pytestmark = pytest.mark.integration
 
-
-def nixl_env(side_port: int) -> dict[str, str]:
-    return {"UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port)}
-
-
-def xfer(role: str) -> tuple[str, ...]:
-    return ("--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": role,
-                                                "kv_buffer_device": "cpu", "kv_load_failure_policy": "fail"}))
-
-
-def counter(eng, name: str) -> float:
-    with urllib.request.urlopen(f"{eng.url}/metrics", timeout=10) as r:
-        return sum(float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines()
-                   if line.startswith(name + "{"))
+HEALTH = {"interval": 0.5, "timeout": 10, "fail_after": 120}  # checked often, failed only when truly wedged
+# UCX over TCP on loopback, as docs/disaggregation.md says for tests and CPU builds
+UCX_ENV = {"UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo"}
+# token ids: three full 32-token blocks and a tail each, no two prompts sharing a block
+PROMPTS = [[(7 * i + 3 + 41 * k) % 200 + 10 for i in range(100)] for k in range(3)]
+MAX_TOKENS = 8
+XFERS = "vllm:nixl_xfer_time_seconds_count"
+# transfers, handshakes and notifications that failed, counted together
+FAILED = "vllm:nixl_num_failed_transfers_total"
 
 
-def direct(eng, max_tokens: int) -> str:
-    body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0}).encode()
-    req = urllib.request.Request(f"{eng.url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return json.loads(r.read())["choices"][0]["text"]
+@dataclass
+class Engine:
+    replica_id: str
+    pid: int
+    url: str
+    key: str
+
+    def complete(self, prompt: list[int], **extra) -> str:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, **extra}
+        r = httpx.post(f"{self.url}/v1/completions", json=body, timeout=120,
+                       headers={"Authorization": f"Bearer {self.key}"})
+        r.raise_for_status()
+        return r.json()["choices"][0]["text"]
+
+    def counter(self, name: str) -> float:
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
+    return dict(e.split("=", 1) for e in raw if "=" in e)
+
+
+@dataclass
+class Pair:
+    f: Fleet
+    prefill: Engine
+    decode: Engine
+    alone: list[str]  # the decoder's own greedy answer to each prompt, prefilled locally
 
 
 @pytest.fixture(scope="module")
 def pair(vllm_python, tiny_hf_model, tmp_path_factory):  # noqa: F811
-    work = tmp_path_factory.mktemp("vllm-pd")
-    (work / "p").mkdir()
-    (work / "d").mkdir()
-    engines = [start_vllm(vllm_python, tiny_hf_model, work / name, f"pd-{name}", env=nixl_env(free_port()),
-                          wait=False, extra=xfer(role))[0]
-               for name, role in (("p", "kv_producer"), ("d", "kv_consumer"))]
-    try:
-        for eng in engines:
-            eng.wait_healthy(600)
-        yield engines
-    finally:
-        for eng in engines:
-            eng.stop(timeout=30)
+    root = tmp_path_factory.mktemp("vllm-pd")
+    f = engine_fleet(root, "vllm", [str(vllm_python), *vllmcpu.ENTRY],
+                     models=[{"name": "tiny", "source": str(tiny_hf_model), "max_model_len": 512}],
+                     profiles=[{"name": "cpu", "engine": "vllm", "start_timeout": 600,
+                                "extra_args": list(vllmcpu.ENGINE_ARGS), "env": {**vllmcpu.ENGINE_ENV, **UCX_ENV}}],
+                     deployments=[{"model": "tiny", "profile": "cpu", "disaggregation": {
+                         "prefill": {"replicas": 1}, "decode": {"replicas": 1}}}],
+                     agent={"health": HEALTH}, gpus=2,
+                     # a killed engine is not started again within the module: a third vLLM start
+                     # would cost a minute of CPU for nothing the tests look at
+                     restart={"backoff_initial": 3600, "backoff_max": 3600})
+    f.config["router"]["disaggregation"] = {"min_prompt_bytes": 0}
+    f.write_config()
+    with f:
+        f.start()
+        ready = f.wait_ready(2, timeout=600)
+        engines = {}
+        for r in ready:
+            (s,) = r["shards"]
+            engines[r["profile"].rsplit(":", 1)[1]] = Engine(r["replica_id"], s["pid"], f"http://127.0.0.1:{s['port']}",
+                                                            environ(s["pid"])["VLLM_API_KEY"])
+        prefill, decode = engines["prefill"], engines["decode"]
+
+        # the prefill replica reaches the router once its round trip to the decoder is proved
+        def watched():
+            with f.client(cert=f.pki.router) as c:
+                eps = c.get("/v1/router/endpoints", params={"after": "-1"}).json()["endpoints"]
+            return {e["replica_id"]: e.get("role") for e in eps}
+        until(lambda: watched() == {prefill.replica_id: "prefill", decode.replica_id: "decode"},
+              "the prefill replica proved and published", timeout=120, on_timeout=f.dump)
+        # the reference: each prompt computed by the decoder alone, under a cache salt so that the
+        # routed requests find none of its blocks cached and pull every one of them
+        alone = [decode.complete(p, cache_salt="alone") for p in PROMPTS]
+        yield Pair(f, prefill, decode, alone)
 
 
-def test_two_real_engines_over_nixl_answer_as_the_decoder_alone_and_survive_a_dead_prefill(pair, tmp_path):
-    prefill, decode = pair
-    alone = direct(decode, 8)  # the decoder's own greedy answer, prefilled locally
-    eps = [{"id": "p", "model": "tiny", "url": prefill.url, "role": "prefill"},
-           {"id": "d", "model": "tiny", "url": decode.url, "role": "decode"}]
-    with RouterProcess(router_doc(eps, disaggregation={"min_prompt_bytes": 0}), tmp=tmp_path) as router:
-        client = openai_client(router)
-        pulled = counter(decode, "vllm:nixl_xfer_time_seconds_count")
-        got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
+def test_the_pair_is_launched_by_llmgw_as_the_two_sides_of_nixl(pair):
+    seen = {}
+    for eng in (pair.prefill, pair.decode):
+        argv = Path(f"/proc/{eng.pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+        env = environ(eng.pid)
+        conf = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+        assert conf["kv_connector"] == "NixlConnector"
+        assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1" and env["UCX_TLS"] == UCX_ENV["UCX_TLS"]
+        seen[conf["kv_role"]] = int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"])
+    assert set(seen) == {"kv_producer", "kv_consumer"} and len(set(seen.values())) == 2
+    assert f"{pair.prefill.replica_id}: transfer to {pair.decode.replica_id} proved" in pair.f.server.output(10**7)
+
+
+def test_routed_answers_are_the_decoders_own_and_its_blocks_cross_over_nixl(pair):
+    c = client(pair.f)
+    for prompt, alone in zip(PROMPTS, pair.alone):
+        pulled = pair.decode.counter(XFERS)
+        got = c.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
         assert got.choices[0].text == alone
-        # the blocks crossed over NIXL; vLLM publishes connector stats with a later engine step's
-        # output, so the counter may trail the answer
-        until(lambda: counter(decode, "vllm:nixl_xfer_time_seconds_count") > pulled, "a NIXL transfer counted", 60)
-        assert router.metric("llmgw_router_prefill_total", model="tiny", outcome="ok") == 1
-        # the whole engine dies (API server, EngineCore, worker), as on a host that lost it: a
-        # SIGKILL of the API server alone leaves its EngineCore running, orphaned
-        for pid in sorted(tree_pids(prefill.proc.pid)):
+        # vLLM publishes connector stats with a later engine step's output: the count may trail the answer
+        until(lambda: pair.decode.counter(XFERS) > pulled, "the decoder to count the pull", timeout=60)
+
+
+class KeyedProxy:
+    """An engine's API in front of it, with its engine key; ``tamper`` may rewrite a JSON answer."""
+
+    def __init__(self, engine: Engine, tamper: Callable[[dict], None] | None = None) -> None:
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _forward(self, body: bytes | None) -> None:
+                req = urllib.request.Request(engine.url + self.path, data=body, method=self.command, headers={
+                    "Authorization": f"Bearer {engine.key}", "Content-Type": "application/json"})
+                try:
+                    with urllib.request.urlopen(req, timeout=120) as r:
+                        status, data = r.status, r.read()
+                except urllib.error.HTTPError as e:
+                    status, data = e.code, e.read()
+                if tamper is not None and status == 200 and self.command == "POST":
+                    doc = json.loads(data)
+                    tamper(doc)
+                    data = json.dumps(doc).encode()
+                if self.command == "POST":
+                    proxy.answered.append(status)
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                self._forward(None)
+
+            def do_POST(self) -> None:  # noqa: N802
+                self._forward(self.rfile.read(int(self.headers["Content-Length"])))
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.answered: list[int] = []
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_bogus_transfer_is_served_by_the_decoder_not_a_500(pair, tmp_path):
+    """The prefill engine answers for real, but its ``kv_transfer_params`` name an engine its side channel
+    does not serve (the id rewritten on the way back): the decoder's NIXL handshake finds the mismatch
+    and fails the pull (vLLM 0.32's ``kv_load_failure_policy`` ``fail``: HTTP 500), and the router sends
+    the request again without the parameters. The parameters keep the shape a decoder needs, so only the
+    real decoder can tell; a standalone router with static roles sits in front of the two proxies."""
+
+    def bogus(doc: dict) -> None:
+        doc["kv_transfer_params"]["remote_engine_id"] = "not-" + doc["kv_transfer_params"]["remote_engine_id"]
+
+    prefill, decode = KeyedProxy(pair.prefill, bogus), KeyedProxy(pair.decode)
+    try:
+        eps = [{"id": "p", "model": "tiny", "url": prefill.url, "role": "prefill"},
+               {"id": "d", "model": "tiny", "url": decode.url, "role": "decode"}]
+        with RouterProcess(router_doc(eps, disaggregation={"min_prompt_bytes": 0}), tmp=tmp_path) as router:
+            failed = pair.decode.counter(FAILED)
+            got = openai_client(router).completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                                           temperature=0)
+            assert got.choices[0].text == pair.alone[0]
+            assert router.metric("llmgw_router_prefill_total", model="tiny", outcome="ok") == 1
+            assert decode.answered == [500, 200], decode.answered  # the pull failed; the retry prefilled
+            until(lambda: pair.decode.counter(FAILED) > failed, "the decoder to count the failure",
+                  timeout=60)
+    finally:
+        prefill.close()
+        decode.close()
+    # and the decoder still pulls from the real prefill engine
+    pulled = pair.decode.counter(XFERS)
+    got = client(pair.f).completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0)
+    assert got.choices[0].text == pair.alone[1]
+    until(lambda: pair.decode.counter(XFERS) > pulled, "a pull after the bogus one", timeout=60)
+
+
+def test_sigkill_of_the_prefill_engine_under_load_fails_no_request(pair):
+    """Last: it kills the prefill engine. The whole process tree dies (API server, EngineCore, worker),
+    as on a host that lost it: a SIGKILL of the API server alone would leave its EngineCore running."""
+    c = client(pair.f)
+    failures: list[BaseException] = []
+    answers: list[tuple[int, str]] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        k = 0
+        while not stop.is_set():
+            k = (k + 1) % len(PROMPTS)
+            try:
+                got = c.completions.create(model="tiny", prompt=PROMPTS[k], max_tokens=MAX_TOKENS, temperature=0)
+                answers.append((k, got.choices[0].text))
+            except BaseException as e:  # noqa: BLE001 - every failure is the test's finding
+                failures.append(e)
+    workers = [threading.Thread(target=load) for _ in range(2)]
+    for w in workers:
+        w.start()
+    tree: set[int] = set()
+    try:
+        until(lambda: len(answers) >= 2, "requests flowing before the kill", timeout=120)
+        tree = tree_pids(pair.prefill.pid)
+        assert len(tree) > 1, tree  # the API server and the engine's own processes
+        for pid in sorted(tree):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        prefill.proc.wait(timeout=30)
-        for _ in range(3):  # no prefill engine: the decoder prefills, the client sees nothing
-            assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8,
-                                             temperature=0).choices[0].text == alone
-        assert router.metric("llmgw_router_prefill_total", model="tiny", outcome="ok") == 1
+        n = len(answers)
+        until(lambda: len(answers) >= n + 4, "requests served after the prefill engine died", timeout=120,
+              on_timeout=pair.f.dump)
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(timeout=150)
+    assert failures == []
+    assert all(text == pair.alone[k] for k, text in answers), answers
+    # no process of the killed engine is left spinning
+    until(lambda: not (tree & {p for p, st in live().items() if st.state not in ("Z", "X")}),
+          "the killed engine's processes to be gone", timeout=30)

@@ -211,9 +211,10 @@ def kv_transfer_config(profile: Profile, ctx: LaunchContext) -> str:
     """vLLM's ``--kv-transfer-config`` JSON for one side of a pair.
 
     A shard with no GPUs (vLLM's CPU build) keeps its KV buffer in host
-    memory; otherwise vLLM's default (the GPU) stands.  The load-failure
-    policy stays vLLM's default (recompute): a failed pull is a local
-    prefill inside the decoder, not an error (docs/router.md).
+    memory; otherwise vLLM's default (the platform's device) stands.  The
+    load-failure policy stays vLLM's default, ``fail`` in 0.32: a failed
+    pull answers 500 before the first byte and the router retries the
+    request without the parameters (docs/router.md).
     """
     assert profile.kv_transfer is not None
     doc = {"kv_connector": KV_CONNECTORS[profile.kv_transfer.connector],
