@@ -4,7 +4,6 @@ cannot speak, chosen per model; and its settings."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 import pytest
 
@@ -15,21 +14,9 @@ from llmgw.router.kvindex import KVIndex
 from llmgw.router.kvindex_tokens import simulator_token_ids
 from llmgw.router.settings import RouterSettings
 from llmgw.sim.sim_kvcache import token_ids
+from tests.support.scorermembers import Ep, Member
 
 BS = 4
-
-
-@dataclass
-class Ep:
-    model: str
-    replica_id: str
-
-
-@dataclass
-class Member:
-    id: str
-    endpoint: Ep
-    outstanding: int = 0
 
 
 def members(n: int, model: str = "m") -> list[Member]:

@@ -8,8 +8,6 @@ import asyncio
 import random
 import sys
 import threading
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
@@ -22,6 +20,7 @@ from llmgw.router.tokenize_model import ModelTokenizer, TokenizerSourceError, Un
 from llmgw.router.tokenize_parity import REJECTED, compare
 from llmgw.router.tokenize_pool import TokenizePool
 from tests.support.tinytokenizer import TEMPLATE, VOCAB, WORDS, model_dir
+from tests.support.scorermembers import Ep, Member
 
 def ids(*tokens: str) -> list[int]:
     return [VOCAB[t] for t in tokens]
@@ -101,19 +100,6 @@ def test_read_source_takes_the_inline_template_when_there_is_no_jinja_file(tmp_p
     (d / "tokenizer_config.json").write_text("[]")
     with pytest.raises(TokenizerSourceError, match="not a JSON object"):
         read_source(str(d))
-
-
-@dataclass
-class Ep:
-    model: str
-    replica_id: str
-
-
-@dataclass
-class Member:
-    id: str
-    endpoint: Ep
-    outstanding: int = 0
 
 
 BS = 4
