@@ -50,7 +50,7 @@ class Forwarder:
                                                total_deadline)
             if params is not None:
                 body = decode_body(payload, params)
-        route_payload = await self.routing.prepare(group, payload)  # token ids, for cache-aware models
+        route_payload = payload if self.routing.prepares is None else await self.routing.prepare(group, payload)
         tried: set[str] = set()
         last: Failed | None = None
         max_attempts = self.s.retries.max_attempts

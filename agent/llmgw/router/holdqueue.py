@@ -44,9 +44,9 @@ WAKE_EVERY = 1.0  # s: the most often one model's wake is asked for by one route
 
 
 def all_asleep(group: ModelGroup) -> bool:
-    """Endpoints, and none of them awake and taking requests: only a wake helps."""
-    members = [m for m in group.members if not m.endpoint.draining]
-    return bool(members) and all(m.endpoint.sleeping for m in members)
+    """Endpoints, and none of them awake and taking requests: only a wake helps (worked out per
+    table revision, ``ModelGroup.asleep``)."""
+    return group.asleep
 
 
 def waking(model: str, why: str, retry_after: float) -> RouterError:

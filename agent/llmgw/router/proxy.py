@@ -157,7 +157,7 @@ class Proxy:
         if group is None or not principal.allows(parsed.model):
             raise self.models.unknown_model(parsed.model, principal.allows(parsed.model))
         ctx.model_label = parsed.model
-        if self.holds is not None:  # every endpoint asleep: held until one wakes (router/holdqueue.py)
+        if group.asleep and self.holds is not None:  # every endpoint asleep: held until one wakes (holdqueue)
             group = await self.holds.admit(parsed.model, group)
         state = self.limiter.keys.get(principal.name) if self.limiter.keys else None
         if state is not None:

@@ -81,6 +81,9 @@ class ModelGroup:
     # A disaggregated model's prefill endpoints, a group of their own (ejected on their own
     # failures); None: the model is served whole by each member.
     prefill: "ModelGroup | None" = None
+    # Every member not draining is asleep (scale to sleep): only a wake helps (router/holdqueue.py).
+    # Worked out once per table revision, so a request to a model that is awake pays nothing for it.
+    asleep: bool = False
 
     def ejected_count(self, now: float) -> int:
         return sum(1 for m in self.members if m.health.is_ejected(now))
@@ -95,6 +98,9 @@ class Routing:
         self.settings = settings
         self.metrics = metrics
         self.scorer = scorer
+        # a scorer that tokenizes off the loop before its pick (CacheAware with a model's tokenizer);
+        # None for the rest, whose requests skip ``prepare`` altogether
+        self.prepares = getattr(scorer, "prepare", None)
         self.policy = OutlierPolicy(settings.outlier)
         self.engine_ssl = engine_ssl_context(settings)  # loaded once: a bad CA file fails the start
         self._rev = -1
@@ -127,7 +133,8 @@ class Routing:
                 self._retired.append(rt)
         self._runtimes = runtimes
         self._groups = {m: ModelGroup(m, tuple(groups.get(m, ())),
-                                      ModelGroup(m, tuple(prefills[m])) if m in prefills else None)
+                                      ModelGroup(m, tuple(prefills[m])) if m in prefills else None,
+                                      _asleep(groups.get(m, ())))
                         for m in {**groups, **prefills}}
         self._rev = rev
 
@@ -148,7 +155,7 @@ class Routing:
     async def prepare(self, group: ModelGroup, payload: dict[str, Any] | None) -> dict[str, Any] | None:
         """``payload`` as the scorer wants it for ``pick``: with token ids tokenized off the event
         loop for a model routed by its own tokenizer (``CacheAware.prepare``), else as is."""
-        prepare = getattr(self.scorer, "prepare", None)
+        prepare = self.prepares
         return payload if prepare is None else await prepare(group.members, payload)
 
     def pick(self, group: ModelGroup, tried: set[str], payload: dict[str, Any] | None) -> EndpointRuntime | RouterError | None:
@@ -221,6 +228,11 @@ class Routing:
     async def close(self) -> None:
         for rt in list(self._runtimes.values()) + self._retired:
             await rt.close()
+
+
+def _asleep(members: list[EndpointRuntime] | tuple[EndpointRuntime, ...]) -> bool:
+    awake_or_asleep = [m for m in members if not m.endpoint.draining]
+    return bool(awake_or_asleep) and all(m.endpoint.sleeping for m in awake_or_asleep)
 
 
 def _eligible(tried: set[str], now: float) -> Callable[[EndpointRuntime], bool]:
