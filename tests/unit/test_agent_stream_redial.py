@@ -19,6 +19,18 @@ from llmgw.agent.supervisor import Supervisor, SupervisorConfig
 from llmgw.hardware.types import HardwareInventory
 
 
+def agent_client(tmp_path: Path, port: int, initial: float, maximum: float) -> StreamClient:
+    """An agent's stream client with no engines, dialling ``port`` on loopback with this backoff."""
+    async def discover() -> HardwareInventory:
+        return HardwareInventory(node_id="n1", gpus=(), gpu_source="simulated")
+
+    config = SupervisorConfig(node_id="n1", advertise_address="127.0.0.1", engine_bind_host="127.0.0.1",
+                              engine_ports=(30000, 30010), engine_commands={}, model_dir=str(tmp_path))
+    return StreamClient(url=f"ws://127.0.0.1:{port}/v1/agent/stream", node_id="n1", address="127.0.0.1",
+                        ssl_context=None, supervisor=Supervisor(config, StateDir(tmp_path / "s"), lambda m: None),
+                        discover=discover, reconnect_initial=initial, reconnect_max=maximum)
+
+
 @pytest.mark.parametrize("shared", [False, True], ids=["own-session", "shared-session"])
 def test_a_control_plane_that_hangs_up_gets_one_connection_per_attempt(tmp_path: Path, shared: bool):
     """Also through a session many clients share (``stream_session``, as the fleet simulator's
@@ -35,14 +47,7 @@ def test_a_control_plane_that_hangs_up_gets_one_connection_per_attempt(tmp_path:
         server = await asyncio.start_server(hang_up, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
 
-        async def discover() -> HardwareInventory:
-            return HardwareInventory(node_id="n1", gpus=(), gpu_source="simulated")
-
-        config = SupervisorConfig(node_id="n1", advertise_address="127.0.0.1", engine_bind_host="127.0.0.1",
-                                  engine_ports=(30000, 30010), engine_commands={}, model_dir=str(tmp_path))
-        client = StreamClient(url=f"ws://127.0.0.1:{port}/v1/agent/stream", node_id="n1", address="127.0.0.1",
-                              ssl_context=None, supervisor=Supervisor(config, StateDir(tmp_path / "s"), lambda m: None),
-                              discover=discover, reconnect_initial=0.01, reconnect_max=0.02)
+        client = agent_client(tmp_path, port, 0.01, 0.02)
         session = stream_session() if shared else None
         task = asyncio.create_task(client.run_forever(session))
         try:
@@ -87,14 +92,7 @@ def test_a_standby_refusal_is_obeyed_and_does_not_grow_the_backoff(tmp_path: Pat
         await site.start()
         port = runner.addresses[0][1]
 
-        async def discover() -> HardwareInventory:
-            return HardwareInventory(node_id="n1", gpus=(), gpu_source="simulated")
-
-        config = SupervisorConfig(node_id="n1", advertise_address="127.0.0.1", engine_bind_host="127.0.0.1",
-                                  engine_ports=(30000, 30010), engine_commands={}, model_dir=str(tmp_path))
-        client = StreamClient(url=f"ws://127.0.0.1:{port}/v1/agent/stream", node_id="n1", address="127.0.0.1",
-                              ssl_context=None, supervisor=Supervisor(config, StateDir(tmp_path / "s"), lambda m: None),
-                              discover=discover, reconnect_initial=0.001, reconnect_max=0.002)
+        client = agent_client(tmp_path, port, 0.001, 0.002)
         task = asyncio.create_task(client.run_forever())
         try:
             while len(dials) < 8:
