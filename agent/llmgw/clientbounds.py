@@ -263,13 +263,36 @@ async def read_body(request: web.BaseRequest, length: int, bounds: ClientBounds)
     """``request.read()`` (cached for later readers) within ``body_grace + length / body_min_rate`` seconds.
 
     A body already buffered whole is returned without arming a timer: the
-    common small request pays nothing.
+    common small request pays nothing.  The deadline is the client's, not
+    this loop's: when the loop itself was stalled past it (a long pass, a
+    paused process, a starved host), the bytes the client sent meanwhile and
+    the expired deadline are seen in the same loop iteration, and a
+    cancelling timer would win over them and answer 408 to a client that was
+    on time.  So the read runs as its own task, the wait never cancels it,
+    and a deadline that fired late by more than ``_STALL_EXCUSED`` is given
+    back that lateness (up to ``body_grace``) once more.
     """
     if request.content.is_eof():
         return await request.read()
+    loop = asyncio.get_running_loop()
     allowed = body_allowance(length, bounds)
+    deadline = loop.time() + allowed
+    reader = asyncio.ensure_future(request.read())
     try:
-        async with compat.timeout(allowed):
-            return await request.read()
-    except TimeoutError:
-        raise BodyTooSlow(allowed, bounds) from None
+        while True:
+            await asyncio.wait((reader,), timeout=max(0.0, deadline - loop.time()))
+            if reader.done():
+                return reader.result()
+            late = loop.time() - deadline
+            if late <= _STALL_EXCUSED:
+                raise BodyTooSlow(allowed, bounds)
+            excused = min(late, bounds.body_grace)
+            allowed += excused
+            deadline = loop.time() + excused
+    finally:
+        if not reader.done():
+            reader.cancel()
+
+
+# A deadline that fires this much later than armed means the loop, not the client, was late.
+_STALL_EXCUSED = 1.0

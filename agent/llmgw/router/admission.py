@@ -158,6 +158,11 @@ class Admission:
                 except TimeoutError:
                     if loop.time() < start + body_allowance(got, bounds):
                         continue  # bytes arrived since the timer was armed: they bought more time
+                    if request.content.total_bytes > got:
+                        # bytes arrived but are not read yet: the loop was late (a stall past the
+                        # deadline sees them and the timer in one iteration), not the client;
+                        # a cancelled readany leaves them in the buffer
+                        continue
                     return self._too_slow(source, BodyTooSlow(body_allowance(got, bounds), bounds))
             setattr(request, BODY_CACHE_ATTR, bytes(body))
             del body  # not held twice while the request is forwarded
