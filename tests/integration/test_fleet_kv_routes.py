@@ -124,12 +124,23 @@ def prefix_hits(f: Fleet) -> dict[str, float]:
     return out
 
 
+def router_counter(port: int, name: str, **labels: str) -> float:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    return sum(float(v) for lbl, v in re.findall(rf"^{name}\{{([^}}]*)\}} (\S+)$", text, re.M)
+               if ",".join(sorted(lbl.split(","))) == want)
+
+
 def test_a_standalone_router_sends_a_shared_prefix_to_the_replica_that_caches_it(tmp_path):
     """Two replicas; the first prompt of a prefix lands on one (prefix affinity: nothing is cached
     yet). Once the router's index holds that replica's keys, every later prompt sharing the prefix
     but not its first 1,024 characters (so approximate affinity would scatter them) goes there and
-    hits its cache: the engines' own prefix-cache counters say so."""
-    with Fleet(tmp_path, nodes={"a": 2}, replicas=2, profile={"kv_events": True}) as f:
+    hits its cache: the engines' own prefix-cache counters say so. Then groups sharing a system
+    prompt, several users each, streamed and not: the tokens the router predicted cached agree
+    with those the engines reported in their usage, and a client that did not ask for the usage
+    event does not get it."""
+    profile = {"kv_events": True, "extra_args": ["--enable-prompt-tokens-details"]}
+    with Fleet(tmp_path, nodes={"a": 2}, replicas=2, profile=profile) as f:
         f.start()
         f.wait_ready(2)
         router, port = standalone_router(f, extra={"balancing": {"cache_aware": {"models": ["tiny"]}}})
@@ -160,3 +171,37 @@ def test_a_standalone_router_sends_a_shared_prefix_to_the_replica_that_caches_it
         gained = {r: after[r] - before[r] for r in after}
         assert gained[rid] == 6 * len(shared), (gained, rid)
         assert sum(gained.values()) == gained[rid], gained
+
+        # predicted against reported, on groups of users sharing a system prompt
+        groups = [[f"group{g}word{i}" for i in range(3 * DEFAULT_BLOCK_SIZE)] for g in range(3)]
+
+        def ask(words: list[str], stream: bool) -> None:
+            body = {"model": "tiny", "prompt": " ".join(words), "max_tokens": 2, "stream": stream}
+            r = httpx.post(url, timeout=60, json=body)
+            assert r.status_code == 200, r.text
+            if stream:
+                assert '"usage"' not in r.text and r.text.rstrip().endswith("data: [DONE]"), r.text
+
+        for g, system in enumerate(groups):  # each group's first user: nothing cached, prefix affinity
+            ask(system + [f"g{g}user0"] * 20, False)
+        chains = [{to_hex(k) for k in chain_keys(token_ids(system), DEFAULT_BLOCK_SIZE)} for system in groups]
+
+        def all_held():
+            doc = watch_route_keys(f)
+            held = [set().union(*(e.get("added", ()) for e in doc["replicas"]))]
+            return doc["revision"] if all(c <= held[0] for c in chains) else None
+
+        revision = until(all_held, "every group's route keys on the watch", on_timeout=f.dump)
+        until(lambda: router_health(port).get("route_keys", {}).get("revision", -1) >= revision,
+              "the router's index to hold them", on_timeout=router.output)
+        for user in range(1, 4):
+            for g, system in enumerate(groups):
+                ask(system + [f"g{g}user{user}"] * 20, stream=user % 2 == 1)
+        name = "llmgw_router_cache_{}_total"
+        placed = router_counter(port, name.format("predictions"), model="tiny", outcome="reported")
+        predicted = router_counter(port, name.format("predicted_tokens"), model="tiny")
+        reported = router_counter(port, name.format("reported_tokens"), model="tiny")
+        assert placed >= 6 + 9, placed  # the index placed every request after a prefix's first
+        assert router_counter(port, name.format("predictions"), model="tiny", outcome="unreported") == 0
+        assert reported >= (6 + 9) * len(shared), (predicted, reported)
+        assert abs(predicted - reported) <= 0.05 * reported, (predicted, reported)

@@ -101,3 +101,27 @@ def test_by_model_and_the_settings():
     with pytest.raises(ConfigInvalid, match="tokenizer"):
         RouterSettings.from_config({**base, "control_plane": cp,
                                     "balancing": {"cache_aware": {"models": ["sim"], "tokenizer": "hf"}}})
+
+
+def test_the_pick_predicts_the_tokens_its_replica_reports_cached():
+    """What the index predicts is what vLLM reuses: the held leading blocks, but never the prompt's
+    last token (computed again for its logits), and nothing for a pick by prefix affinity."""
+    ms = members(3)
+    now = [1.0]
+    s = scorer(indexed({"r0": 1, "r1": 3}), now)
+    assert s.pick(ms, lambda m: True, {"prompt": PROMPT}) is ms[1] and s.predicted == 3 * BS
+    by = ByModel(LeastOutstanding(random.Random(1)), {"m": s})
+    assert by.predicted(ms) == 3 * BS and by.predicted(members(1, "other")) is None
+    whole = " ".join(PROMPT.split()[:3 * BS])  # exactly the three held blocks: the last one is computed again
+    assert s.pick(ms, lambda m: True, {"prompt": whole}) is ms[1] and s.predicted == 2 * BS
+    s.pick(ms, lambda m: m is ms[2], {"prompt": PROMPT})  # only r2, which holds nothing: prefix affinity
+    assert s.predicted is None and by.predicted(ms) is None
+
+
+def test_predicted_cached_caps_only_a_whole_prompt():
+    from llmgw.router.balancing import predicted_cached
+
+    assert predicted_cached(3, 14, 4, 1000) == 12
+    assert predicted_cached(3, 12, 4, 1000) == 8  # all 12 tokens held: the last block is recomputed
+    assert predicted_cached(3, 12, 4, 12) == 12  # keyed up to max_tokens: the prompt is longer
+    assert predicted_cached(0, 0, 4, 1000) == 0

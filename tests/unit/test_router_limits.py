@@ -224,7 +224,7 @@ def test_body_usage_reads_only_the_usage_object_and_is_not_fooled_by_text():
 @pytest.mark.parametrize("body, usage", [
     (b'{"usage":{"prompt_tokens":7,"total_tokens":9,"completion_tokens":2}}', Usage(7, 2)),
     (b'{"usage": {"prompt_tokens": 7, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 3}}}',
-     Usage(7, 2)),  # nested details: the object is decoded
+     Usage(7, 2, 3)),  # nested details: the object is decoded, the cached tokens read
     (b'{"usage":{"prompt_tokens":7.5,"completion_tokens":2}}', None),
     (b'{"usage":{"completion_tokens":2}}', None),
 ])

@@ -232,6 +232,9 @@ class CacheAware:
         self.disabled_reason: str | None = None
         self.precise = 0  # requests placed by the index
         self.fell_back = 0  # requests placed by prefix affinity
+        # the prompt tokens the last pick expects its replica to find cached (None: placed by prefix
+        # affinity); read by the forwarder right after ``pick``, before anything else can run
+        self.predicted: int | None = None
 
     def disable(self, reason: str) -> None:
         self.enabled, self.disabled_reason = False, reason
@@ -271,12 +274,14 @@ class CacheAware:
         now = self.clock()
         fresh = [m for m in cands if self.index.fresh(_replica_id(m), now)]
         best: T | None = None
+        held_best = 0
+        ids: list[int] = []
         if fresh:
-            keys = chain_keys(self._ids(payload), self.block_size)
+            ids = self._ids(payload)
+            keys = chain_keys(ids, self.block_size)
             if keys:
                 total = sum(m.outstanding for m in cands)
                 cap = math.ceil(self.fallback.load_bound * (total + 1) / len(cands))
-                held_best = 0
                 for m in fresh:
                     if m.outstanding + 1 > cap:
                         continue
@@ -285,9 +290,24 @@ class CacheAware:
                         best, held_best = m, held
         if best is None:
             self.fell_back += 1
+            self.predicted = None
             return self.fallback.pick(members, eligible, payload)
         self.precise += 1
+        self.predicted = predicted_cached(held_best, len(ids), self.block_size, self.max_tokens)
         return best
+
+
+def predicted_cached(held_blocks: int, ids: int, block_size: int, max_tokens: int) -> int:
+    """The prompt tokens an engine holding ``held_blocks`` leading blocks reports cached.
+
+    vLLM computes a prompt's last token again (it needs its logits), so a prompt found whole in
+    the cache reuses at most ``ids - 1`` tokens, in whole blocks. ``ids`` is the whole prompt only
+    below ``max_tokens`` (the router keys only the first ``max_tokens``); past it the prompt is
+    longer and the cap cannot bind."""
+    tokens = held_blocks * block_size
+    if ids < max_tokens:
+        tokens = min(tokens, (ids - 1) // block_size * block_size)
+    return max(tokens, 0)
 
 
 class ByModel:
@@ -303,6 +323,13 @@ class ByModel:
         ep = getattr(members[0], "endpoint", None) if members else None
         scorer = self.scorers.get(getattr(ep, "model", None), self.default) if ep is not None else self.default
         return scorer.pick(members, eligible, payload)
+
+    def predicted(self, members: Sequence[Any]) -> int | None:
+        """What the last pick among ``members`` predicted cached (``CacheAware.predicted``); None when
+        their model is not routed by the index or the pick fell back."""
+        ep = getattr(members[0], "endpoint", None) if members else None
+        scorer = self.scorers.get(getattr(ep, "model", None)) if ep is not None else None
+        return scorer.predicted if isinstance(scorer, CacheAware) else None
 
     async def prepare(self, members: Sequence[Any], payload: dict[str, Any] | None) -> dict[str, Any] | None:
         ep = getattr(members[0], "endpoint", None) if members else None

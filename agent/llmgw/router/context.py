@@ -20,7 +20,7 @@ access_log = logging.getLogger("llmgw.router.access")
 
 class RequestContext:
     __slots__ = ("rid", "t0", "t0_loop", "model", "model_label", "key", "status", "endpoint", "attempts", "ttft",
-                 "note", "delivered", "out", "limits")
+                 "note", "delivered", "out", "limits", "cache")
 
     def __init__(self, rid: str, t0_loop: float) -> None:
         self.rid = rid
@@ -37,6 +37,7 @@ class RequestContext:
         self.delivered = False  # a stream relayed whole, [DONE] included
         self.out: web.StreamResponse | None = None  # the client's stream, once the relay started
         self.limits: Any = None  # a limited key's reservation and headers (limitsgate.Limited)
+        self.cache: Any = None  # a cache-aware model's predicted and reported hits (cachehits.CacheProbe)
 
 
 def account(ctx: RequestContext, request: web.Request, metrics: RouterMetrics, log_access: bool) -> None:

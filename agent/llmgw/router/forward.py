@@ -72,6 +72,8 @@ class Forwarder:
                     ctx.note = "retry_budget_exhausted"
                     break
                 self.metrics.retries.labels(group.model, last.outcome).inc()
+            if ctx.cache is not None:  # what the index predicted this try's replica holds
+                ctx.cache.predicted = self.routing.predicted(group)
             rt = pick
             carried = body is not whole
             if not carried:  # a decoder whose pull failed may take the request again, prefilling it

@@ -101,6 +101,19 @@ class RouterMetrics:
             "llmgw_router_key_refusals", "Requests of a limited key refused (429) by one of its limits "
             "(requests, input_tokens, output_tokens, tokens, tokens_per_day, concurrent_requests).",
             ["key", "model", "limit"], registry=r)
+        # cache-aware routing: what the index predicted cached against what the engine reported
+        # (router/cachehits.py), for requests the index placed
+        self.cache_predicted_tokens = Counter(
+            "llmgw_router_cache_predicted_tokens", "Prompt tokens the route-key index predicted the chosen replica "
+            "held in its prefix cache, for requests it placed whose answer reported cached tokens.",
+            ["model"], registry=r)
+        self.cache_reported_tokens = Counter(
+            "llmgw_router_cache_reported_tokens", "Prompt tokens the engine reported reused from its prefix cache "
+            "(usage.prompt_tokens_details.cached_tokens) for the same requests.", ["model"], registry=r)
+        self.cache_predictions = Counter(
+            "llmgw_router_cache_predictions", "Requests the route-key index placed, by what the answer said "
+            "(reported: it carried cached_tokens; unreported: it did not, e.g. vLLM without "
+            "--enable-prompt-tokens-details, a failed or abandoned request).", ["model", "outcome"], registry=r)
 
         self._done: dict[tuple[str, int], tuple] = {}
         self._errors: dict[tuple[str, str], Counter] = {}

@@ -39,6 +39,7 @@ from .forward import Forwarder
 from .holdqueue import HoldQueue
 from .limits import Limiter
 from .limitsgate import LimitsGate
+from .cachehits import CacheHits
 from .metrics import RouterMetrics
 from .models import Models
 from .relay import Relay, end_stream
@@ -65,6 +66,8 @@ class Proxy:
         self.forwarder = Forwarder(settings, routing, metrics, self.attempts)
         self.limiter = Limiter(settings.api_keys)
         self.limits_gate = LimitsGate(self.limiter, metrics)
+        models = settings.balancing.cache_aware.models
+        self.cache_hits = CacheHits(models, metrics) if models else None
         self.holds: HoldQueue | None = None  # scale to sleep: set by build_app
 
     async def close(self) -> None:
@@ -91,12 +94,16 @@ class Proxy:
             ctx.status = 200 if ctx.delivered else 499
             if ctx.limits is not None:
                 self.limits_gate.finish(ctx.limits, ctx.out, ctx.status)
+            if ctx.cache is not None:
+                self.cache_hits.settle(ctx.cache, ctx.model_label, ctx.out)
             account(ctx, request, self.metrics, self.s.access_log)
             raise
         except Exception:  # noqa: BLE001 - a bug: still an OpenAI-shaped answer, never aiohttp's text 500
             resp = await self._internal_error(ctx)
         if ctx.limits is not None:
             self.limits_gate.finish(ctx.limits, resp, ctx.status or resp.status)
+        if ctx.cache is not None:
+            self.cache_hits.settle(ctx.cache, ctx.model_label, resp)
         account(ctx, request, self.metrics, self.s.access_log)
         return resp
 
@@ -162,4 +169,6 @@ class Proxy:
         state = self.limiter.keys.get(principal.name) if self.limiter.keys else None
         if state is not None:
             body = await self.limits_gate.admit(ctx, state, principal.name, parsed, body, request.path)
+        if self.cache_hits is not None:
+            body = self.cache_hits.admit(ctx, parsed.model, parsed.stream, parsed.payload, body)
         return await self.forwarder.forward(request, ctx, group, body, parsed.stream, parsed.payload)

@@ -55,13 +55,17 @@ class Relay:
             "Cache-Control": "no-cache",
             "X-Request-Id": ctx.rid,
         })
-        # a limited key's stream (limitsgate): rate-limit headers, and its events read for usage
+        # a limited key's stream (limitsgate): rate-limit headers, and its events read for usage;
+        # a cache-aware model's (cachehits): its usage's cached tokens (one meter when both)
+        meter = None
         if ctx.limits is not None:
             out.headers.update(ctx.limits.headers)
             meter = ctx.limits.meter
-            if meter is not None:
-                held = [meter.see(b"".join(held))]
-                buf = meter.wrap(buf)  # what the buffer releases from now on passes the meter too
+        if meter is None and ctx.cache is not None:
+            meter = ctx.cache.meter
+        if meter is not None:
+            held = [meter.see(b"".join(held))]
+            buf = meter.wrap(buf)  # what the buffer releases from now on passes the meter too
         ctx.status = 200
         m = rt.m
         outcome, failure = "cancelled", False

@@ -172,6 +172,13 @@ class Routing:
             return None
         return self._why_none(group, now)
 
+    def predicted(self, group: ModelGroup) -> int | None:
+        """The prompt tokens the last ``pick`` of ``group`` expects its endpoint to hold cached
+        (``CacheAware.predicted``); None when the route-key index did not place it. Read right
+        after ``pick``: the scorer keeps only its last pick's."""
+        predicted = getattr(self.scorer, "predicted", None)
+        return predicted(group.members) if callable(predicted) else None
+
     def pick_prefill(self, pgroup: ModelGroup, tried: set[str]) -> EndpointRuntime | None:
         """The prefill endpoint with the fewest requests in flight that can take one more, else None."""
         eligible = _eligible(tried, time.monotonic())

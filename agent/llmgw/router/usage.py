@@ -1,9 +1,11 @@
 """Reading what a request used from the engine's answer: ``usage`` of a whole body or of a stream.
 
-Only requests of keys with a ``limits`` block are read here; every other
-answer is relayed as bytes, unparsed.  A stream's usage arrives in its last
-event (``stream_options.include_usage``: ``"choices":[]`` and a ``usage``
-object), which the router asks the engine for on a limited key's stream.
+Only requests of keys with a ``limits`` block and of cache-aware models
+(``cachehits``: the engine's ``prompt_tokens_details.cached_tokens``) are
+read here; every other answer is relayed as bytes, unparsed.  A stream's
+usage arrives in its last event (``stream_options.include_usage``:
+``"choices":[]`` and a ``usage`` object), which the router asks the engine
+for on such a stream.
 When the client did not ask for it, that event is cut out before the client
 sees it (``StreamMeter(strip=True)``), so the client gets exactly the
 stream it asked for.  A stream that ends without usage (the client left,
@@ -20,10 +22,14 @@ from typing import Any
 
 from .sse import event_data
 
+
 @dataclass(frozen=True)
 class Usage:
     prompt: int
     completion: int
+    # ``prompt_tokens_details.cached_tokens``: the prompt tokens the engine found in its prefix
+    # cache (vLLM with --enable-prompt-tokens-details); None when the answer does not say
+    cached: int | None = None
 
 
 def usage_of(obj: Any) -> Usage | None:
@@ -40,7 +46,9 @@ def _fields(u: Any) -> Usage | None:
     completion = u.get("completion_tokens", 0)  # embeddings report none
     if not _count(prompt) or not _count(completion):
         return None
-    return Usage(prompt, completion)
+    details = u.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return Usage(prompt, completion, cached if _count(cached) else None)
 
 
 _DECODER = json.JSONDecoder()
