@@ -100,7 +100,10 @@ def test_route_keys_reach_the_control_plane_and_a_routers_index_and_no_prompt_do
         # the operator's view: the keys held (both prompts' chains share their first block) and a reset
         (shown,) = f.ready_replicas()
         assert shown["route_keys"]["keys"] == 5 and shown["route_keys"]["resets"] >= 1, shown["route_keys"]
-        assert "route keys: 5 held" in f.ctl("replicas").stdout
+        out = f.ctl("replicas").stdout
+        row = next(line.split() for line in out.splitlines() if line.startswith(rid))
+        assert row[-2] == "5" and re.fullmatch(r"\d+[smh]", row[-1]), out  # ROUTE KEYS, KV FEED's age
+        assert "    route keys: " in out and "reset(s)" in out, out
 
 
 def watch_route_keys(f: Fleet) -> dict:

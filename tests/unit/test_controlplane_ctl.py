@@ -88,3 +88,17 @@ def test_routers_ejections_and_a_sick_verdict_are_shown_under_the_replica():
     assert "router router-b: for 30s (timeout" in text
     # a replica no router reports shows nothing of it
     assert "ejected" not in "\n".join(format_replicas({"replicas": [replica()]}))
+
+
+def test_route_keys_and_the_kv_feeds_age_are_columns_and_dash_for_an_engine_that_publishes_none():
+    doc = {"replicas": [replica(route_keys={"keys": 5, "resets": 1, "dropped": 0, "age_s": 12.4}),
+                        replica(replica_id="tiny.llama.1-bb", profile="llama")]}
+    lines = format_replicas(doc)
+    assert lines[0].split()[-4:] == ["ROUTE", "KEYS", "KV", "FEED"]
+    row = next(line for line in lines if line.startswith("tiny.sim.0-aa"))
+    assert row.split()[-2:] == ["5", "12s"]
+    row = next(line for line in lines if line.startswith("tiny.llama.1-bb"))
+    assert row.split()[-2:] == ["-", "-"]
+    assert "    route keys: 1 reset(s)" in lines
+    doc["replicas"][0]["route_keys"].update(resets=0, dropped=7)
+    assert "    route keys: 7 dropped past the cap" in format_replicas(doc)

@@ -262,9 +262,14 @@ def format_replicas(doc: dict[str, Any]) -> list[str]:
     rows = []
     for r in doc.get("replicas", []):
         nodes = sorted({s["node_id"] for s in r["shards"] if s.get("node_id")})
+        rk = r.get("route_keys") or {}  # none: an engine that publishes no KV events, or not yet
         rows.append([r["replica_id"], f"{r['model']}/{r['profile']}", r["state"], ",".join(nodes) or "-",
-                     r.get("endpoint"), r.get("restarts"), human_age(r.get("age_s"))])
-    header = table(["REPLICA", "MODEL/PROFILE", "STATE", "NODES", "ENDPOINT", "RESTARTS", "AGE"], rows)
+                     r.get("endpoint"), r.get("restarts"), human_age(r.get("age_s")), rk.get("keys", "-"),
+                     human_age(rk.get("age_s"))])
+    # ROUTE KEYS: the prefix-cache blocks the replica's engine holds, as its agent reported them;
+    # KV FEED: how long ago that report last changed them (a long one on a busy replica: a stuck feed)
+    header = table(["REPLICA", "MODEL/PROFILE", "STATE", "NODES", "ENDPOINT", "RESTARTS", "AGE", "ROUTE KEYS",
+                    "KV FEED"], rows)
     out = [header[0]]
     for line, r in zip(header[1:], doc.get("replicas", [])):
         out.append(line)
@@ -277,9 +282,10 @@ def format_replicas(doc: dict[str, Any]) -> list[str]:
             out.append(f"    sick: {r['sick']}; its replacement starts first")
         out.extend(ejection_lines(r.get("ejections")))
         rk = r.get("route_keys")
-        if rk:
-            resets = f", {rk['resets']} reset(s)" if rk.get("resets") else ""
-            out.append(f"    route keys: {rk['keys']} held, last report {human_age(rk.get('age_s'))} ago{resets}")
+        if rk and (rk.get("resets") or rk.get("dropped")):
+            bits = [f"{rk['resets']} reset(s)" if rk.get("resets") else "",
+                    f"{rk['dropped']} dropped past the cap" if rk.get("dropped") else ""]
+            out.append(f"    route keys: {', '.join(b for b in bits if b)}")
         for s in r["shards"]:
             gpus = ",".join(map(str, s.get("gpus") or [])) or "-"
             bits = [f"  r{s['rank']}", s.get("node_id") or "(not reported)", f"GPUs {gpus}", s["state"]]
