@@ -51,3 +51,16 @@ def test_a_model_whose_engine_cannot_confirm_the_routers_ids_falls_back_and_says
             assert r.status_code == 200, r.text
         log = router.output(10**6)
         assert log.count("cache-aware routing of tiny falls back to prefix affinity") == 1, log
+
+        # the operator's view: the control plane knows the replica feeds route keys, only the router
+        # knows it does not route by them; ctl explain says both, and why
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": " ".join(f"w{i}" for i in range(40)), "max_tokens": 1})  # two whole blocks
+        assert r.status_code == 200, r.text
+        until(lambda: (f.ready_replicas()[0].get("route_keys") or {}).get("keys"), "the replica's route keys",
+              timeout=30, on_timeout=f.dump)
+        out = f.ctl("explain", "tiny", "--router", f"http://127.0.0.1:{port}").stdout
+        assert "cache-aware routing: 1 of 1 running replica(s) feed route keys" in out, out
+        (line,) = [ln for ln in out.splitlines() if ln.startswith("router ")]
+        assert f"router http://127.0.0.1:{port}: precise routing OFF for tiny" in line, out
+        assert verdict["reason"] in line, out

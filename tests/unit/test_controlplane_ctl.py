@@ -102,3 +102,33 @@ def test_route_keys_and_the_kv_feeds_age_are_columns_and_dash_for_an_engine_that
     assert "    route keys: 1 reset(s)" in lines
     doc["replicas"][0]["route_keys"].update(resets=0, dropped=7)
     assert "    route keys: 7 dropped past the cap" in format_replicas(doc)
+
+
+def test_explain_says_which_replicas_feed_route_keys_and_what_each_router_made_of_them():
+    from llmgw.ctl.fleet import format_explain
+
+    running = {"replica": "tiny/sim#0", "placed": True, "running": "tiny.sim.0-aa", "state": "ready",
+               "text": "tiny/sim: running", "route_keys": {"keys": 40, "resets": 1, "dropped": 0, "age_s": 3.0}}
+    plain = {**running, "replica": "tiny/sim#1", "running": "tiny.sim.1-bb", "route_keys": None}
+    doc = {"model": "tiny", "replicas": [running, plain]}
+    text = "\n".join(format_explain(doc))
+    assert "cache-aware routing: 1 of 2 running replica(s) feed route keys (40 held" in text
+    assert "llmgw ctl explain tiny --router URL" in text
+    mismatch = {"parity": "mismatch", "reason": "replica tiny.sim.0-aa: canned request 0: the router's token ids "
+                                                "differ from the engine's from position 3 (41 ids against 42)"}
+    doc["routers"] = [
+        {"url": "https://r1:8080", "healthz": {"route_keys": {"age_s": 2.0}, "tokenizer_parity": {"tiny": mismatch}}},
+        {"url": "https://r2:8080", "healthz": {"route_keys": {"age_s": 1.0},
+                                               "tokenizer_parity": {"tiny": {"parity": "ok", "replica": "x"}}}},
+        {"url": "https://r3:8080", "healthz": {"status": "ok"}},
+        {"url": "https://r4:8080", "error": "ConnectError: refused"},
+    ]
+    lines = format_explain(doc)
+    assert ("router https://r1:8080: precise routing OFF for tiny until the router restarts (prefix affinity): "
+            + mismatch["reason"]) in "\n".join(lines)
+    assert any(line.startswith("router https://r2:8080: precise routing on for tiny (tokenizer parity ok")
+               for line in lines)
+    assert "router https://r3:8080: not cache-aware" in "\n".join(lines)
+    assert "router https://r4:8080: no answer (ConnectError: refused)" in lines
+    assert "--router URL" not in "\n".join(lines)
+    assert not any("cache-aware" in line for line in format_explain({"model": "m", "replicas": [plain]}))

@@ -158,7 +158,9 @@ SHAPES: dict[str, dict[str, Any]] = {
                      "catalog": shape("Catalog")}),
     "Explain": obj({"model": STR, "replicas": {"type": "array", "items": obj({
         "replica": STR, "placed": BOOL, "running": OPT_STR, "state": OPT_STR, "text": STR, "placement": {},
-        "reason": OPT_STR, "nodes": {"type": "array"}})}}),
+        "reason": OPT_STR, "nodes": {"type": "array"}}, {
+        "route_keys": {"type": ["object", "null"], "description": "a running replica's route keys, as in "
+                       "GET /v1/replicas (null: its engine publishes none)"}})}}),
     "Endpoints": obj({"revision": INT, "epoch": STR, "endpoints": {"type": "array", "items": obj(
         {"id": STR, "model": STR, "url": STR, "replica_id": OPT_STR, "draining": BOOL,
          "max_concurrency": {"type": ["integer", "null"]}},

@@ -307,7 +307,9 @@ def explain_view(cp: ControlPlane, model: str) -> dict[str, Any] | None:
                                        + placed
                                        + _history_lines(book, dep.key, slot, views),
                                "placement": None, "reason": r.sick or (v.reason if v is not None else None),
-                               "nodes": []})
+                               "nodes": [],
+                               # what its engine caches, as its agent relays it (None: publishes nothing)
+                               "route_keys": cp.route_keys.view(r.replica_id, cp.clock())})
             else:
                 pending.append((label, dep))
     if pending:

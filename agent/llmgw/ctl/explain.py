@@ -15,6 +15,10 @@ can be read from here: a local path that exists on this machine, or, with
 ``--probe-urls``, an https:// file's Content-Length or the sum of a
 repository's file list (a mirror's manifest, an hf:// revision).  Otherwise the memory
 check is skipped and the placement says so.
+
+The online form (``ctl explain MODEL``) also says how many of the model's running replicas feed
+route keys; whether a router routes the model by them is that router's own verdict (its
+tokenizer parity check), which ``--router URL`` reads from each router's ``/healthz``.
 """
 
 from __future__ import annotations
@@ -146,6 +150,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="size fetched weights without a declared size_bytes: an https:// file by its Content-Length, "
                         "a repository mirror or hf:// repository by its file list (offline mode)")
     p.add_argument("-o", "--output", choices=("text", "json"), default="text")
+    p.add_argument("--router", action="append", default=[], metavar="URL",
+                   help="a router (https://host:port, verified against --ca) to ask whether it routes MODEL "
+                        "by its engines' route keys, and if not why (its GET /healthz; repeatable; online mode)")
     # Online form (`ctl explain MODEL` without --config): ask the running control plane.
     from llmgw.ctl.fleet import add_connection_args, explain_online
 

@@ -329,7 +329,74 @@ def format_explain(doc: dict[str, Any]) -> list[str]:
     for r in doc.get("refused", []):
         out.append(f"claimed by {r['node_id']} and not adopted: {r['shard_id']} ({r['state']}), being stopped: "
                    f"{r['reason']}")
+    out.extend(cache_aware_lines(doc))
     return out
+
+
+def cache_aware_lines(doc: dict[str, Any]) -> list[str]:
+    """Cache-aware routing of the model: the route keys its replicas feed (the control plane's
+    book), and whether each router asked (``--router``) routes by them.
+
+    Only a router knows whether it turned precise routing off for a model (its tokenizer parity
+    check against the engines' ``/tokenize``), so without ``--router`` this says where to look."""
+    model = doc.get("model")
+    running = [r for r in doc.get("replicas", []) if r.get("running")]
+    feeding = [r for r in running if r.get("route_keys")]
+    out = []
+    if feeding:
+        keys = sum(r["route_keys"].get("keys", 0) for r in feeding)
+        oldest = max((r["route_keys"].get("age_s") or 0.0) for r in feeding)
+        out.append(f"cache-aware routing: {len(feeding)} of {len(running)} running replica(s) feed route keys "
+                   f"({keys} held, the oldest feed changed {human_age(oldest)} ago)")
+    routers = doc.get("routers")
+    if routers is None:
+        if feeding:
+            out.append(f"  whether a router routes {model} by them is that router's own decision (its tokenizer "
+                       f"parity check): llmgw ctl explain {model} --router URL, or the router's GET /healthz")
+        return out
+    for r in routers:
+        out.append(f"router {r['url']}: {router_verdict(model, r)}")
+    return out
+
+
+def router_verdict(model: Any, r: dict[str, Any]) -> str:
+    """One router's precise routing of ``model``, from its ``/healthz`` (or why it did not answer)."""
+    if r.get("error"):
+        return f"no answer ({r['error']})"
+    health = r.get("healthz") or {}
+    rk = health.get("route_keys")
+    if rk is None:
+        return "not cache-aware (no route-key index: balancing.cache_aware lists no model)"
+    watch = f"its index last heard from the control plane {human_age(rk.get('age_s'))} ago"
+    parity = (health.get("tokenizer_parity") or {}).get(model)
+    if parity is None:
+        return (f"no tokenizer parity check for {model} (routed by the simulator's tokenizer, or not in "
+                f"balancing.cache_aware.models); {watch}")
+    if parity.get("parity") == "mismatch":
+        return (f"precise routing OFF for {model} until the router restarts (prefix affinity): "
+                f"{parity.get('reason')}; {watch}")
+    if parity.get("parity") == "ok":
+        return f"precise routing on for {model} (tokenizer parity ok on {parity.get('replica')}); {watch}"
+    return f"precise routing on for {model}, tokenizer parity not checked yet (no replica answered); {watch}"
+
+
+def router_health(url: str, ca: str | None, timeout: float) -> dict[str, Any]:
+    """A router's ``GET /healthz`` for ``ctl explain --router``: no credential is sent (it needs
+    none); an https:// router is verified against ``ca`` (the fleet CA) when given."""
+    import ssl
+
+    verify: Any = True
+    if url.startswith("https://") and ca:
+        verify = ssl.create_default_context(cafile=ca)
+    try:
+        resp = httpx.get(url.rstrip("/") + "/healthz", verify=verify, timeout=timeout)
+        resp.raise_for_status()
+        doc = resp.json()
+    except (httpx.HTTPError, ValueError, OSError, ssl.SSLError) as e:
+        return {"url": url, "error": f"{type(e).__name__}: {e}"}
+    if not isinstance(doc, dict):
+        return {"url": url, "error": "GET /healthz did not answer a JSON object"}
+    return {"url": url, "healthz": doc}
 
 
 # ------------------------------------------------------------------- commands
@@ -429,6 +496,9 @@ def explain_online(args: argparse.Namespace) -> int:
     from urllib.parse import quote
 
     doc = request(args, "GET", f"/v1/explain/{quote(args.model, safe='')}")
+    routers = getattr(args, "router", None)
+    if routers:  # only routers know whether they route the model by its route keys
+        doc["routers"] = [router_health(u, _opt(args, "ca"), float(getattr(args, "timeout", 30.0))) for u in routers]
     _emit(args, doc, format_explain)
     return 0 if all(r.get("placed") for r in doc.get("replicas", [])) else 3
 
