@@ -13,21 +13,28 @@ change), validates the whole result as the router will (a bad limit is
 refused with its JSON pointer before anything is written) and replaces the
 file atomically: a router reloading at that moment reads the old file or the
 new one, never half of one.  A router puts the change in force on SIGHUP.
+
+``usage`` sums the usage records routers append (``router/usagelog.py``,
+``usage_log``) per key and model over a time range; ``--format csv`` is the
+export to bill from.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import csv
 import fcntl
 import json
 import os
 import secrets
 import stat
 import sys
-from dataclasses import fields
+import time
+from dataclasses import asdict, astuple, dataclass, fields
+from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import yaml
 
@@ -163,6 +170,86 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+_UNITS = {"m": 60, "h": 3600, "d": 86400}
+
+
+def parse_time(text: str, now: float) -> float:
+    """``--since``/``--until``: an age (``30m``, ``24h``, ``7d``) or an ISO time (UTC unless it says otherwise)."""
+    if text[:-1].isdigit() and text[-1:] in _UNITS:
+        return now - int(text[:-1]) * _UNITS[text[-1]]
+    try:
+        t = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise KeysError(f"{text!r}: expected an age (30m, 24h, 7d) or an ISO time (2026-12-01T00:00Z)") from None
+    return (t if t.tzinfo else t.replace(tzinfo=timezone.utc)).timestamp()
+
+
+@dataclass
+class UsageRow:
+    key: str
+    model: str
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    first_minute: str = ""
+    last_minute: str = ""
+
+
+def sum_usage(lines: Iterable[str], since: float | None, until: float | None) -> tuple[list[UsageRow], int]:
+    """Sum the usage record's lines per key and model over minutes starting in [since, until); and how many were unreadable.
+
+    A minute counts whole where it starts: ``--since 10:00`` takes 10:00's minute, not 09:59's.
+    """
+    rows: dict[tuple[str, str], UsageRow] = {}
+    bad = 0
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            minute = rec["minute"]
+            start = datetime.fromisoformat(minute.replace("Z", "+00:00")).timestamp()
+            counts = [int(rec[f]) for f in ("requests", "prompt_tokens", "completion_tokens")]
+            key, model = str(rec["key"]), str(rec["model"])
+        except (ValueError, KeyError, TypeError, AttributeError):
+            bad += 1  # a line torn by a full disk, or not ours
+            continue
+        if (since is not None and start < since) or (until is not None and start >= until):
+            continue
+        row = rows.setdefault((key, model), UsageRow(key, model, first_minute=minute, last_minute=minute))
+        row.requests += counts[0]
+        row.prompt_tokens += counts[1]
+        row.completion_tokens += counts[2]
+        row.first_minute = min(row.first_minute, minute)
+        row.last_minute = max(row.last_minute, minute)
+    return sorted(rows.values(), key=lambda r: (r.key, r.model)), bad
+
+
+def cmd_usage(args: argparse.Namespace) -> int:
+    now = time.time()
+    since = parse_time(args.since, now) if args.since else None
+    until = parse_time(args.until, now) if args.until else None
+    lines: list[str] = []
+    for path in args.log:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines += f.readlines()
+    rows, bad = sum_usage(lines, since, until)
+    if bad:
+        print(f"llmgw ctl keys: warning: {bad} unreadable line(s) skipped", file=sys.stderr)
+    if args.format == "json":
+        print(json.dumps([asdict(r) for r in rows], indent=2))
+    elif args.format == "csv":
+        out = csv.writer(sys.stdout, lineterminator="\n")
+        out.writerow([f.name for f in fields(UsageRow)])
+        for r in rows:
+            out.writerow(astuple(r))
+    else:
+        print(f"{'KEY':24} {'MODEL':32} {'REQUESTS':>10} {'PROMPT':>14} {'COMPLETION':>14}")
+        for r in rows:
+            print(f"{r.key:24} {r.model:32} {r.requests:>10} {r.prompt_tokens:>14} {r.completion_tokens:>14}")
+    return 0
+
+
 def _guarded(fn: Any) -> Any:
     def run(args: argparse.Namespace) -> int:
         try:
@@ -210,6 +297,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     _file_arg(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_guarded(cmd_list))
+
+    p = sub.add_parser("usage", help="requests and tokens per key and model, from routers' usage records")
+    p.add_argument("--log", required=True, action="append", metavar="USAGE.jsonl",
+                   help="a router's usage_log; repeat for every router")
+    p.add_argument("--since", metavar="WHEN", help="minutes from this time on: 24h, 7d, or 2026-12-01T00:00Z")
+    p.add_argument("--until", metavar="WHEN", help="minutes before this time (same forms)")
+    p.add_argument("--format", choices=("table", "csv", "json"), default="table",
+                   help="csv: one row per key and model, to bill from")
+    p.set_defaults(func=_guarded(cmd_usage))
     return keys
 
 

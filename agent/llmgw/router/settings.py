@@ -183,6 +183,7 @@ class RouterSettings:
     insecure_http: bool = False
     api_keys: tuple[ApiKey, ...] = ()
     api_keys_file: str | None = None  # merged into api_keys by router/cli.py's load (router/keysfile.py)
+    usage_log: str | None = None  # the usage record limited keys' usage is appended to (router/usagelog.py)
     allow_unauthenticated: bool = False
     static_endpoints: tuple[Endpoint, ...] | None = None  # None: not configured
     control_plane: ControlPlane | None = None
@@ -401,6 +402,7 @@ def _build(doc: Mapping[str, Any]) -> RouterSettings:
         insecure_http=doc["insecure_http"],
         api_keys=keys,
         api_keys_file=doc.get("api_keys_file"),
+        usage_log=doc.get("usage_log"),
         allow_unauthenticated=doc["allow_unauthenticated"],
         static_endpoints=static,
         control_plane=ControlPlane(_first(cp["url"]), cp["ca"], cp["cert"], cp["key"],
