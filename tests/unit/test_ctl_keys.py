@@ -127,3 +127,14 @@ def test_the_in_process_router_refuses_a_keys_file_it_would_not_read():
 
     with pytest.raises(StartupRefused, match="/router/api_keys_file"):
         RouterHook(SimpleNamespace(router={"insecure_http": True, "api_keys_file": "keys.yaml"}, tls=None))
+
+
+def test_config_validate_reads_the_keys_file_and_names_a_clash_at_api_keys_file(tmp_path, capsys):
+    from llmgw.config_cli import validate_file
+
+    (tmp_path / "keys.yaml").write_text(yaml.safe_dump({"api_keys": [{"name": "ops", "sha256": "0" * 64}]}))
+    clean = _router_yaml(tmp_path, api_keys_file="keys.yaml")
+    assert validate_file(clean, "router") == []
+    clash = _router_yaml(tmp_path, api_keys_file="keys.yaml", api_keys=[{"name": "ops", "sha256": "1" * 64}])
+    [err] = validate_file(clash, "router")
+    assert err.pointer == "/api_keys_file" and "keys.yaml: /api_keys/0/name: key 'ops' is also in" in err.message

@@ -97,3 +97,16 @@ def with_keys_file(doc: Mapping[str, Any], config_path: str | Path) -> dict[str,
         raise ConfigInvalid(str(path), clashes)
     out["api_keys"] = list(inline) + extra
     return out
+
+
+def validated_with_keys_file(doc: Any, config_path: str | Path) -> Any:
+    """``with_keys_file`` for a check of ``router.yaml`` (``llmgw config validate``): a problem of the
+    keys file is reported at ``/api_keys_file``, naming the file and the pointer inside it, so a
+    name in both files is caught before a router restarts into a configuration it would refuse."""
+    if not isinstance(doc, dict):
+        return doc
+    try:
+        return with_keys_file(doc, config_path)
+    except ConfigInvalid as e:
+        raise ConfigInvalid(str(config_path), [ConfigError("/api_keys_file", f"{e.source}: {err}")
+                                               for err in e.errors]) from None
