@@ -119,7 +119,7 @@ def test_the_router_names_the_keys_file_and_pointer_of_a_bad_entry_or_a_name_in_
     assert e.value.source.endswith("missing.yaml") and "cannot read" in str(e.value)
 
 
-def test_the_in_process_router_refuses_a_keys_file_it_would_not_read():
+def test_the_in_process_router_refuses_a_keys_file_or_usage_record_it_would_not_keep():
     from types import SimpleNamespace
 
     from llmgw.controlplane.server import RouterHook
@@ -127,6 +127,9 @@ def test_the_in_process_router_refuses_a_keys_file_it_would_not_read():
 
     with pytest.raises(StartupRefused, match="/router/api_keys_file"):
         RouterHook(SimpleNamespace(router={"insecure_http": True, "api_keys_file": "keys.yaml"}, tls=None))
+    with pytest.raises(StartupRefused, match="/router/usage_log"):
+        RouterHook(SimpleNamespace(router={"insecure_http": True, "allow_unauthenticated": True,
+                                           "usage_log": "usage.jsonl"}, tls=None))
 
 
 def test_config_validate_reads_the_keys_file_and_names_a_clash_at_api_keys_file(tmp_path, capsys):
