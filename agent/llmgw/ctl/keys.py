@@ -251,13 +251,12 @@ def cmd_usage(args: argparse.Namespace) -> int:
 
 
 def _guarded(fn: Any) -> Any:
+    """Expected failures as one clear message and exit status 1, never a traceback."""
+
     def run(args: argparse.Namespace) -> int:
         try:
             return fn(args)
-        except KeysError as e:
-            print(f"llmgw ctl keys: error: {e}", file=sys.stderr)
-            return 1
-        except ConfigInvalid as e:
+        except (KeysError, ConfigInvalid) as e:
             print(f"llmgw ctl keys: error: {e}", file=sys.stderr)
             return 1
         except OSError as e:
