@@ -27,6 +27,7 @@ _CTL = [
     ("llmgw.ctl.cert", "cert"),
     ("llmgw.ctl.fleet", "nodes, replicas, drain, cordon, uncordon, openapi"),
     ("llmgw.ctl.manifest", "manifest"),
+    ("llmgw.ctl.keys", "keys"),
 ]
 
 

@@ -66,9 +66,10 @@ def _parser(kind: str) -> Callable[[object, str], object] | None:
 
         return parse_agent_settings
     if kind == "router":
+        from llmgw.router.keysfile import validated_with_keys_file
         from llmgw.router.settings import RouterSettings
 
-        return RouterSettings.from_config
+        return lambda doc, source: RouterSettings.from_config(validated_with_keys_file(doc, source), source)
     return None
 
 

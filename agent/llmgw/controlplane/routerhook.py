@@ -48,6 +48,12 @@ class RouterHook:
         self.watch_handler = endpoints_watch_handler(self.table)
         if settings.router is not None:
             self.router_settings = RouterSettings.from_config(settings.router, source="server.yaml /router")
+            if self.router_settings.api_keys_file is not None:
+                raise StartupRefused("/router/api_keys_file: only a standalone router (llmgw router) reads a "
+                                     "keys file; put the in-process router's keys in /router/api_keys")
+            if self.router_settings.usage_log is not None:
+                raise StartupRefused("/router/usage_log: only a standalone router (llmgw router) keeps a usage "
+                                     "record; the in-process router's usage is in its llmgw_router_key_* metrics")
             if self.router_settings.engine_ca is None and settings.tls is not None:
                 # engines serving TLS hold certificates of the fleet CA this control plane trusts
                 self.router_settings = dataclasses.replace(self.router_settings, engine_ca=settings.tls.ca)

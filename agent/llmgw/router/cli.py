@@ -8,6 +8,7 @@ from typing import Any
 
 from llmgw.config import ConfigError, ConfigInvalid, read_yaml
 
+from .keysfile import with_keys_file
 from .settings import RouterSettings
 
 DESCRIPTION = (
@@ -38,6 +39,7 @@ def load(path: str) -> tuple[RouterSettings, Any]:
         doc = {}
     if not isinstance(doc, dict):
         raise ConfigInvalid(path, [ConfigError("", f"expected a mapping, got {type(doc).__name__}")])
+    doc = with_keys_file(doc, path)  # so a reload (SIGHUP) re-reads the keys file too
     return RouterSettings.from_config(doc, source=path), doc
 
 

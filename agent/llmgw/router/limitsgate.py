@@ -48,6 +48,7 @@ from .limits import KeyState, Limiter, RateView, Refused, Ticket
 from .metrics import RouterMetrics
 from .request import ParsedRequest
 from .usage import StreamMeter, Usage, body_usage
+from .usagelog import UsageLog
 
 __all__ = ["LimitsGate", "Limited", "reset_text", "with_include_usage", "BYTES_PER_TOKEN"]
 
@@ -68,6 +69,7 @@ class LimitsGate:
         self.limiter = limiter
         self.metrics = metrics
         self.allowance: Allowance | None = None  # set by the worker when limits are shared
+        self.usage_log: UsageLog | None = None  # set by a standalone worker with usage_log (router/usagelog.py)
         self._usage: dict[tuple[str, str], tuple] = {}
 
     async def admit(self, ctx: RequestContext, state: KeyState, key: str, parsed: ParsedRequest, body: bytes,
@@ -151,6 +153,8 @@ class LimitsGate:
                 m.key_requests.labels(ticket.key, ticket.model), m.key_prompt_tokens.labels(ticket.key, ticket.model),
                 m.key_completion_tokens.labels(ticket.key, ticket.model))
         c[0].inc()
+        if self.usage_log is not None:
+            self.usage_log.add(ticket.key, ticket.model, used.prompt, used.completion)
         if used.prompt:
             c[1].inc(used.prompt)
         if used.completion:

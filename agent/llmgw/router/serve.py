@@ -52,6 +52,7 @@ from .settings import ControlPlane, RouterSettings
 from .allowance import Allowance
 from .ejectreport import report_ejections
 from .holdqueue import ControlPlaneWaker
+from .usagelog import UsageLog
 from .limitsreload import reload_keys, reloaded_doc
 from .watch import watch_endpoints
 
@@ -213,6 +214,10 @@ async def serve_worker(settings: RouterSettings, sock: socket.socket, on_ready: 
         waker = ControlPlaneWaker(settings.control_plane.url, ctx)
     app = build_app(settings, table, background=background, kv_index=kv_index, wake=waker)
     app[PROXY_KEY].limits_gate.allowance = allowance
+    if settings.usage_log is not None:  # written each minute by a background job, and at the end
+        usage_log = UsageLog(settings.usage_log)
+        app[PROXY_KEY].limits_gate.usage_log = usage_log
+        background.append(lambda routing: usage_log.run())
     if source is not None:
         in_force = [settings]
 

@@ -182,6 +182,8 @@ class RouterSettings:
     tls: TLS | None = None  # None: plain HTTP, only with insecure_http
     insecure_http: bool = False
     api_keys: tuple[ApiKey, ...] = ()
+    api_keys_file: str | None = None  # merged into api_keys by router/cli.py's load (router/keysfile.py)
+    usage_log: str | None = None  # the usage record limited keys' usage is appended to (router/usagelog.py)
     allow_unauthenticated: bool = False
     static_endpoints: tuple[Endpoint, ...] | None = None  # None: not configured
     control_plane: ControlPlane | None = None
@@ -240,7 +242,7 @@ def semantic_errors(doc: Mapping[str, Any]) -> list[ConfigError]:
     if "tls" in doc and doc["insecure_http"]:
         errors.append(ConfigError("/insecure_http", "true while a tls section is set; remove one of them"))
     keys = doc.get("api_keys") or []
-    if not keys and not doc["allow_unauthenticated"]:
+    if not keys and not doc["allow_unauthenticated"] and "api_keys_file" not in doc:
         errors.append(ConfigError(
             "/api_keys",
             "no API keys configured; add keys or set allow_unauthenticated: true to serve without them",
@@ -399,6 +401,8 @@ def _build(doc: Mapping[str, Any]) -> RouterSettings:
         tls=TLS(tls["cert"], tls["key"]) if tls else None,
         insecure_http=doc["insecure_http"],
         api_keys=keys,
+        api_keys_file=doc.get("api_keys_file"),
+        usage_log=doc.get("usage_log"),
         allow_unauthenticated=doc["allow_unauthenticated"],
         static_endpoints=static,
         control_plane=ControlPlane(_first(cp["url"]), cp["ca"], cp["cert"], cp["key"],
