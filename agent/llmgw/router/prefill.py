@@ -17,7 +17,8 @@ first byte is retried without the parameters (the blocks may be gone).
 Prefill endpoints are ejected on their own failures, as a group of their own.
 
 Whether to prefill remotely at all is llm-d's prefix-based P/D rule (its
-inference scheduler's ``prefix-based-pd-decider``, ``nonCachedTokens``): the
+inference scheduler's P/D decider plugin, ``prefix-based-pd-decider``, earlier
+``prefix-disaggregation-decider``, with ``nonCachedTokens``): the
 decode endpoint is chosen first, by the model's balancer as for any request,
 and the prompt goes to a prefill endpoint only when what that decoder would
 still have to compute, the prompt less the part it already caches, is at least
@@ -25,11 +26,15 @@ still have to compute, the prompt less the part it already caches, is at least
 cost more than computing the rest where it will be decoded: the second turn of
 a long conversation, whose first turn the decoder holds, is not moved over the
 fabric again. As in llm-d the cached part is the longest leading run of the
-prompt's blocks the decoder holds; unlike llm-d's approximate index, it is read
+prompt's blocks the decoder holds; unlike the approximate prefix index that
+llm-d's decider reads, it is read
 from the route-key index the engines' own KV events feed (``kvindex``,
 ``balancing.cache_aware``), so it is what the engine holds, not what was sent to
 it. A model the index does not cover, or a decoder whose feed is stale or
-absent, counts as caching nothing: the rule is then prompt length alone. Prompt
+absent, counts as caching nothing: the rule is then prompt length alone (llm-d
+skips the remote prefill when it cannot read the cache state; here a long
+prompt is still worth its transfer, as when the body's size alone decided). ``min_uncached_tokens``
+0 sends every prompt remote (llm-d's 0 turns disaggregation off). Prompt
 length is the router's token ids where it tokenized the request (cache-aware
 models), else llm-d's estimate of 4 characters of prompt text a token. Bodies
 under ``disaggregation.min_prompt_bytes`` skip all of this (a cheap first gate).
