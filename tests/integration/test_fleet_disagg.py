@@ -6,6 +6,10 @@ started with its owned ``--kv-transfer-config`` and its own side channel (read b
 control plane publishes their roles (the prefill replica once a real one-token prefill -> decode round
 trip proved the transfer), the router runs both phases (the decoder counts the pull in its
 ``vllm:nixl_*`` metrics), the answer is the aggregated one, and killing the prefill engine loses no request.
+
+The remote-prefill rule, with the engines' KV events feeding a standalone cache-aware router's index:
+a conversation's second turn, whose prefix the decoder holds since its first, is computed on the
+decoder (no pull); a new long prompt is prefilled remotely again.
 """
 
 from __future__ import annotations
@@ -18,12 +22,20 @@ from pathlib import Path
 
 import httpx
 import openai
+from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.fleet import Fleet
+from llmgw.kvroutekeys import chain_keys, to_hex
+from llmgw.router.kvindex_tokens import simulator_token_ids
+from llmgw.sim.sim_kvcache import DEFAULT_BLOCK_SIZE
+from tests.integration.fleet import Fleet, router_endpoints, standalone_router
 from tests.support.polling import until
 
 LONG = " ".join(f"w{i}" for i in range(600))  # well over min_prompt_bytes
 EXPECTED = "tok0 tok1 tok2 tok3 tok4 tok5"  # what the simulator answers aggregated, for any prompt
+# a conversation: 600 tokens (over min_uncached_tokens' 512), then the same with a few more
+FIRST = [{"role": "user", "content": " ".join(f"c{i}" for i in range(600))}]
+SECOND = FIRST + [{"role": "assistant", "content": EXPECTED}, {"role": "user", "content": "and then?"}]
+OTHER = [{"role": "user", "content": " ".join(f"v{i}" for i in range(600))}]
 
 
 def engine(pid: int) -> tuple[list[str], dict[str, str]]:
@@ -38,8 +50,51 @@ def xfer_count(url: str) -> float:
                if line.startswith("vllm:nixl_xfer_time_seconds_count"))
 
 
+def decisions(port: int) -> dict[str, float]:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return {s.labels["decision"]: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name == "llmgw_router_prefill_decisions_total" and s.labels.get("model") == "tiny"}
+
+
+def the_decoders_cache_decides(f: Fleet, decoder: str, decode_url: str) -> None:
+    """A standalone router with the route-key index: a second turn the decoder holds is not pulled."""
+    router, port = standalone_router(f, extra={
+        "balancing": {"cache_aware": {"models": ["tiny"]}},
+        "disaggregation": {"min_prompt_bytes": 1024}})  # min_uncached_tokens: its default, 512
+    until(lambda: router_endpoints(port) == 2, "the router to see the pair", on_timeout=router.output)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def chat(messages) -> str:
+        return client.chat.completions.create(model="tiny", messages=messages, max_tokens=6).choices[0].message.content
+
+    pulled = xfer_count(decode_url)
+    assert chat(FIRST) == EXPECTED
+    assert xfer_count(decode_url) == pulled + 1  # nothing of it cached on the decoder: prefilled remotely
+
+    # the decoder's engine reports the first turn's blocks as KV events; the router's index gets them
+    want = {to_hex(k) for k in chain_keys(simulator_token_ids({"messages": FIRST}, 8192), DEFAULT_BLOCK_SIZE)}
+
+    def held() -> int | None:
+        with f.client(cert=f.pki.router) as c:
+            doc = c.get("/v1/router/endpoints", params={"kv_after": "-1"}).json()["route_keys"]
+        ok = any(e["replica_id"] == decoder and want <= set(e.get("added", ())) for e in doc["replicas"])
+        return doc["revision"] if ok else None
+
+    revision = until(held, "the first turn's route keys for the decoder on the watch", on_timeout=f.dump)
+    until(lambda: httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10).json()
+          .get("route_keys", {}).get("revision", -1) >= revision, "the router's index to hold them",
+          on_timeout=router.output)
+
+    # the second turn: the 600 tokens the decoder holds and a few it does not: computed there
+    assert chat(SECOND) == EXPECTED
+    assert xfer_count(decode_url) == pulled + 1
+    assert chat(OTHER) == EXPECTED  # a new long prompt is worth the transfer
+    assert xfer_count(decode_url) == pulled + 2
+    assert decisions(port) == {"remote": 2.0, "cached": 1.0}
+
+
 def test_a_disaggregated_model_is_placed_launched_and_served_in_two_phases(tmp_path):
-    with Fleet(tmp_path, nodes={"a": 2}, router=True) as f:
+    with Fleet(tmp_path, nodes={"a": 2}, router=True, profile={"kv_events": True}) as f:
         f.config["deployments"] = [{"model": "tiny", "profile": "sim", "disaggregation": {
             "prefill": {"replicas": 1}, "decode": {"replicas": 1}}}]
         f.config["router"]["disaggregation"] = {"min_prompt_bytes": 1024}
@@ -93,6 +148,9 @@ def test_a_disaggregated_model_is_placed_launched_and_served_in_two_phases(tmp_p
             got = client.completions.create(model="tiny", prompt=LONG, max_tokens=6)
             assert got.choices[0].text == EXPECTED
             assert xfer_count(decode_url) == pulled + 1
+
+        # whether to prefill remotely: the prompt less what the chosen decoder caches
+        the_decoders_cache_decides(f, by_role["decode"]["replica_id"], decode_url)
 
         # the prefill engine dies under load: no request is lost
         failures: list[BaseException] = []

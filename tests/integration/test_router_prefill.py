@@ -68,6 +68,9 @@ def test_a_long_prompt_is_prefilled_remotely_and_decoded_with_the_aggregated_ans
         # a short prompt is not worth a transfer: the decoder computes it
         assert client.completions.create(model="m", prompt="hi", max_tokens=6).choices[0].text == EXPECTED
         assert metric(decode, "vllm:nixl_xfer_time_seconds_count") == before + 2
+        # without a route-key index nothing counts as cached: the rule is prompt length alone
+        assert {d: router.metric("llmgw_router_prefill_decisions_total", model="m", decision=d)
+                for d in ("remote", "short", "cached")} == {"remote": 2, "short": 1, "cached": 0}
 
 
 def test_a_dead_prefill_engine_costs_the_client_nothing(fleet):

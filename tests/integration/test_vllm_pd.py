@@ -95,7 +95,7 @@ def pair(vllm_python, tiny_hf_model, tmp_path_factory):  # noqa: F811
                      # a killed engine is not started again within the module: a third vLLM start
                      # would cost a minute of CPU for nothing the tests look at
                      restart={"backoff_initial": 3600, "backoff_max": 3600})
-    f.config["router"]["disaggregation"] = {"min_prompt_bytes": 0}
+    f.config["router"]["disaggregation"] = {"min_prompt_bytes": 0, "min_uncached_tokens": 0}  # every prompt
     f.write_config()
     with f:
         f.start()
@@ -203,7 +203,7 @@ def test_a_bogus_transfer_is_served_by_the_decoder_not_a_500(pair, tmp_path):
     try:
         eps = [{"id": "p", "model": "tiny", "url": prefill.url, "role": "prefill"},
                {"id": "d", "model": "tiny", "url": decode.url, "role": "decode"}]
-        with RouterProcess(router_doc(eps, disaggregation={"min_prompt_bytes": 0}), tmp=tmp_path) as router:
+        with RouterProcess(router_doc(eps, disaggregation={"min_prompt_bytes": 0, "min_uncached_tokens": 0}), tmp=tmp_path) as router:
             failed = pair.decode.counter(FAILED)
             got = openai_client(router).completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
                                                            temperature=0)

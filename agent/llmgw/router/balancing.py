@@ -260,6 +260,17 @@ class CacheAware:
         except Unrenderable:
             return None
 
+    def held_tokens(self, m: Any, payload: dict[str, Any] | None) -> tuple[int, int] | None:
+        """The request's token ids counted (at most ``max_tokens``) and the tokens of the longest
+        leading run of its blocks that ``m``'s engine holds, as the index says; None when it cannot
+        say (``m``'s feed stale or absent, no token ids). For the remote-prefill rule (``prefill``)."""
+        if not self.index.fresh(_replica_id(m), self.clock()):
+            return None
+        ids = self._ids(payload)
+        if not ids:
+            return None
+        return len(ids), self.index.held_prefix(_replica_id(m), chain_keys(ids, self.block_size)) * self.block_size
+
     def _ids(self, payload: dict[str, Any] | None) -> list[int]:
         if not self.enabled:
             return []

@@ -20,7 +20,7 @@ from .context import RequestContext
 from .errors import SERVER, RouterError
 from .failures import Failed
 from .metrics import RouterMetrics
-from .prefill import Prefill, decode_body
+from .prefill import Prefill
 from .request import engine_head
 from .runtime import ModelGroup, Routing
 from .settings import RouterSettings
@@ -45,12 +45,11 @@ class Forwarder:
         target = request.raw_path.encode("utf-8", "surrogateescape")  # path and query as the client sent them
         self.budget.note_request()
         whole = body  # what a retry sends: a decoder that failed may have lost the prefilled blocks
-        if group.prefill is not None and self.prefill.wanted(group, target, body, payload):
-            params = await self.prefill.params(ctx, group, target, payload, engine_head(request, False, ctx.rid),
-                                               total_deadline)
-            if params is not None:
-                body = decode_body(payload, params)
         route_payload = payload if self.routing.prepares is None else await self.routing.prepare(group, payload)
+        decoder = None  # a disaggregated model's decoder, chosen before the remote-prefill decision
+        if group.prefill is not None:
+            decoder, body = await self.prefill.before_decode(ctx, group, target, body, payload, route_payload,
+                                                             engine_head(request, False, ctx.rid), total_deadline)
         tried: set[str] = set()
         last: Failed | None = None
         max_attempts = self.s.retries.max_attempts
@@ -59,7 +58,13 @@ class Forwarder:
             now = loop.time()
             if now >= total_deadline:
                 break
-            pick = self.routing.pick(group, tried, route_payload)
+            if decoder is not None and self.routing.usable(decoder, tried):
+                pick = decoder  # the prefill, if any, prepared the blocks for it (its prediction noted then)
+            else:
+                pick = self.routing.pick(group, tried, route_payload)
+                if ctx.cache is not None:  # what the index predicted this try's replica holds, read at the pick
+                    ctx.cache.predicted = self.routing.predicted(group)
+            decoder = None
             if isinstance(pick, RouterError):
                 raise pick
             if pick is None:  # a retry with nothing left to try
@@ -72,8 +77,6 @@ class Forwarder:
                     ctx.note = "retry_budget_exhausted"
                     break
                 self.metrics.retries.labels(group.model, last.outcome).inc()
-            if ctx.cache is not None:  # what the index predicted this try's replica holds
-                ctx.cache.predicted = self.routing.predicted(group)
             rt = pick
             carried = body is not whole
             if not carried:  # a decoder whose pull failed may take the request again, prefilling it

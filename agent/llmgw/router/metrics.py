@@ -84,6 +84,12 @@ class RouterMetrics:
         self.prefill_seconds = Histogram(
             "llmgw_router_prefill_seconds", "Time spent in the prefill phase, failed tries included.",
             ["model"], buckets=TTFT_BUCKETS, registry=r)
+        # whether a disaggregated model's request was prefilled remotely, and why (router/prefill.py)
+        self.prefill_decisions = Counter(
+            "llmgw_router_prefill_decisions", "Remote-prefill decisions for requests of disaggregated models "
+            "(remote; short: the prompt is under min_prompt_bytes or min_uncached_tokens; cached: the chosen "
+            "decoder caches enough of it that the rest is under min_uncached_tokens; no_prefill_endpoint: remote "
+            "was wanted and no prefill endpoint could take it).", ["model", "decision"], registry=r)
         self.duration = Histogram(
             "llmgw_router_request_duration_seconds", "Whole request duration as seen by the router.",
             ["model"], buckets=DURATION_BUCKETS, registry=r)

@@ -12,11 +12,35 @@ endpoints), balanced, retried and ejected as any model's.
 Disaggregation never costs the client a request: a prefill that fails (an
 engine error, a timeout, an answer the decoder could not use) is tried once
 more on another prefill endpoint, and after that the request goes to the
-decoder as it came, which prefills it itself. Short prompts skip the remote
-prefill (``disaggregation.min_prompt_bytes``): the transfer costs more than
-computing them where they will be decoded. A decode that fails before its
+decoder as it came, which prefills it itself. A decode that fails before its
 first byte is retried without the parameters (the blocks may be gone).
 Prefill endpoints are ejected on their own failures, as a group of their own.
+
+Whether to prefill remotely at all is llm-d's prefix-based P/D rule (its
+inference scheduler's P/D decider plugin, ``prefix-based-pd-decider``, earlier
+``prefix-disaggregation-decider``, with ``nonCachedTokens``): the
+decode endpoint is chosen first, by the model's balancer as for any request,
+and the prompt goes to a prefill endpoint only when what that decoder would
+still have to compute, the prompt less the part it already caches, is at least
+``disaggregation.min_uncached_tokens``. Below it, the transfer and the extra hop
+cost more than computing the rest where it will be decoded: the second turn of
+a long conversation, whose first turn the decoder holds, is not moved over the
+fabric again. As in llm-d the cached part is the longest leading run of the
+prompt's blocks the decoder holds; unlike the approximate prefix index that
+llm-d's decider reads, it is read
+from the route-key index the engines' own KV events feed (``kvindex``,
+``balancing.cache_aware``), so it is what the engine holds, not what was sent to
+it. A model the index does not cover, or a decoder whose feed is stale or
+absent, counts as caching nothing: the rule is then prompt length alone (llm-d
+skips the remote prefill when it cannot read the cache state; here a long
+prompt is still worth its transfer, as when the body's size alone decided). ``min_uncached_tokens``
+0 sends every prompt remote (llm-d's 0 turns disaggregation off). Prompt
+length is the router's token ids where it tokenized the request (cache-aware
+models), else llm-d's estimate of 4 characters of prompt text a token. Bodies
+under ``disaggregation.min_prompt_bytes`` skip all of this (a cheap first gate).
+The prefill then prepares the blocks for that decoder, and the decode request
+goes to it (unless it has become unusable meanwhile, or fails: then as any
+retry). Each decision is counted with its reason (``DECISIONS``).
 """
 
 from __future__ import annotations
@@ -24,23 +48,86 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from llmgw import compat
 from llmgw.kvtransfer import PREFILL_REQUEST, check_prefill_params
 
+from .balancing import ByModel, CacheAware, prefix_text
 from .context import RequestContext
+from .errors import RouterError
 from .failures import classify_exception, endpoint_fault, status_failure
 from .metrics import RouterMetrics
-from .runtime import ModelGroup, Routing
-from .settings import RouterSettings
+from .runtime import EndpointRuntime, ModelGroup, Routing
+from .settings import Disaggregation, RouterSettings
 from .upstream import Connection
 
 log = logging.getLogger("llmgw.router")
 
 _PATHS = (b"/v1/completions", b"/v1/chat/completions")
 TRIES = 2  # prefill endpoints tried before the decoder prefills itself
+CHARS_PER_TOKEN = 4  # llm-d's estimate where the router has no token ids
+
+# Why a request of a disaggregated model was, or was not, prefilled remotely
+# (``llmgw_router_prefill_decisions_total{decision}``).
+REMOTE = "remote"  # long enough uncached on the chosen decoder: a prefill endpoint computes it
+SHORT = "short"  # the prompt itself is under the threshold (bytes or tokens): the decoder computes it
+CACHED = "cached"  # long enough, but the decoder caches enough of it that the rest is under the threshold
+NO_PREFILL_ENDPOINT = "no_prefill_endpoint"  # remote was wanted; no prefill endpoint could take it
+DECISIONS = (REMOTE, SHORT, CACHED, NO_PREFILL_ENDPOINT)
+
+
+@dataclass(frozen=True)
+class Decision:
+    reason: str  # one of DECISIONS
+    prompt_tokens: int  # as counted (or estimated) by the router
+    cached_tokens: int  # on the chosen decoder; 0 where the index cannot say
+
+    @property
+    def remote(self) -> bool:
+        return self.reason == REMOTE
+
+
+def decide(prompt_tokens: int, cached_tokens: int, min_uncached_tokens: int, prefill_available: bool) -> Decision:
+    """llm-d's rule: remote only when the prompt less the decoder's cached part reaches the threshold."""
+    cached = min(max(cached_tokens, 0), prompt_tokens)
+    if prompt_tokens - cached < min_uncached_tokens:
+        reason = CACHED if cached and prompt_tokens >= min_uncached_tokens else SHORT
+    else:
+        reason = REMOTE if prefill_available else NO_PREFILL_ENDPOINT
+    return Decision(reason, prompt_tokens, cached)
+
+
+def estimate_tokens(payload: dict[str, Any] | None, body_len: int) -> int:
+    """The prompt's length in tokens without a tokenizer: token-id prompts as they are, text at
+    ``CHARS_PER_TOKEN`` characters a token (the body's length bounds the text's)."""
+    prompt = (payload or {}).get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        return len(prompt)
+    return math.ceil(len(prefix_text(payload, body_len)) / CHARS_PER_TOKEN)
+
+
+def cache_view(scorer: Any, model: str) -> CacheAware | None:
+    """The model's cache-aware scorer, whose index says what each replica's engine holds; None: none."""
+    if isinstance(scorer, ByModel):
+        scorer = scorer.scorers.get(model)
+    return scorer if isinstance(scorer, CacheAware) else None
+
+
+def prompt_on(view: CacheAware | None, decoder: Any, route_payload: dict[str, Any] | None,
+              payload: dict[str, Any], body_len: int) -> tuple[int, int]:
+    """(prompt tokens, tokens ``decoder`` caches of it): from the index where it speaks for the
+    decoder, else an estimate with nothing cached."""
+    held = view.held_tokens(decoder, route_payload) if view is not None else None
+    if held is None:
+        return estimate_tokens(payload, body_len), 0
+    counted, cached = held
+    if counted >= view.max_tokens:  # the router keys only the first max_tokens: the prompt may be longer
+        counted = max(counted, estimate_tokens(payload, body_len))
+    return counted, cached
 
 
 def prefill_body(payload: dict[str, Any]) -> bytes:
@@ -59,14 +146,52 @@ def decode_body(payload: dict[str, Any], params: dict[str, Any]) -> bytes:
 
 class Prefill:
     def __init__(self, settings: RouterSettings, routing: Routing, metrics: RouterMetrics) -> None:
-        self.s = settings.disaggregation
+        self.s: Disaggregation = settings.disaggregation
         self.routing = routing
         self.metrics = metrics
 
-    def wanted(self, group: ModelGroup, target: bytes, body: bytes, payload: dict[str, Any]) -> bool:
-        """Whether this request gets a remote prefill: a disaggregated model, a completion, a long prompt."""
-        return (group.prefill is not None and len(body) >= self.s.min_prompt_bytes
-                and target.split(b"?", 1)[0] in _PATHS and "kv_transfer_params" not in payload)
+    def applies(self, group: ModelGroup, target: bytes, payload: dict[str, Any]) -> bool:
+        """Whether the rule is asked at all: a disaggregated model, a completion not already carrying
+        transfer parameters (a client's own two phases pass through)."""
+        return (group.prefill is not None and target.split(b"?", 1)[0] in _PATHS
+                and "kv_transfer_params" not in payload)
+
+    async def before_decode(self, ctx: RequestContext, group: ModelGroup, target: bytes, body: bytes,
+                            payload: dict[str, Any], route_payload: dict[str, Any] | None, headers: bytes,
+                            total_deadline: float) -> tuple[EndpointRuntime | None, bytes]:
+        """The decoder the decision was made for (None: none chosen yet) and the body for it: the
+        client's, or the client's with a remote prefill's ``kv_transfer_params``."""
+        if not self.applies(group, target, payload):
+            return None, body
+        if len(body) < self.s.min_prompt_bytes:
+            self._count(group.model, SHORT)
+            return None, body
+        decoder = self.routing.pick(group, set(), route_payload)
+        if isinstance(decoder, RouterError):
+            raise decoder
+        if decoder is None:  # not with nothing tried; the forwarder's own pick says why
+            return None, body
+        if ctx.cache is not None:  # read at the pick: the scorer keeps only its last pick's
+            ctx.cache.predicted = self.routing.predicted(group)
+        assert group.prefill is not None
+        tokens, cached = prompt_on(cache_view(self.routing.scorer, group.model), decoder, route_payload,
+                                   payload, len(body))
+        available = self.routing.pick_prefill(group.prefill, set()) is not None
+        decision = decide(tokens, cached, self.s.min_uncached_tokens, available)
+        self._count(group.model, decision.reason)
+        if not decision.remote:
+            log.debug("rid=%s no remote prefill (%s): %d prompt tokens, %d cached on %s", ctx.rid,
+                      decision.reason, tokens, cached, decoder.id)
+            return decoder, body
+        decoder.outstanding += 1  # the decoder's load while its prompt is prefilled elsewhere
+        try:
+            params = await self.params(ctx, group, target, payload, headers, total_deadline)
+        finally:
+            decoder.outstanding -= 1
+        return decoder, (body if params is None else decode_body(payload, params))
+
+    def _count(self, model: str, reason: str) -> None:
+        self.metrics.prefill_decisions.labels(model, reason).inc()
 
     async def params(self, ctx: RequestContext, group: ModelGroup, target: bytes, payload: dict[str, Any],
                      headers: bytes, total_deadline: float) -> dict[str, Any] | None:

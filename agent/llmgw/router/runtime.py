@@ -215,6 +215,12 @@ class Routing:
         elif outcome in ("ok", "client_error"):
             self.policy.on_success(rt.health, now)
 
+    def usable(self, rt: EndpointRuntime, tried: set[str]) -> bool:
+        """Whether an endpoint picked earlier may still take the request's next try (the decoder a
+        remote-prefill decision was made for, after the prefill: it may have started draining)."""
+        self.sync()
+        return _eligible(tried, time.monotonic())(rt)
+
     def housekeeping(self) -> list[EndpointRuntime]:
         """Refresh sampled gauges; return retired runtimes whose last request finished."""
         self.sync()

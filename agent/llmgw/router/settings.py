@@ -84,7 +84,8 @@ class Limits:
 class Disaggregation:
     """Two-phase serving of models with prefill endpoints (router/prefill.py)."""
 
-    min_prompt_bytes: int = 4096
+    min_prompt_bytes: int = 4096  # a cheap gate before the decoder is chosen
+    min_uncached_tokens: int = 512  # the prompt less what the chosen decoder caches (router/prefill.py)
     prefill_timeout: float = 30.0
 
 
