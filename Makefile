@@ -80,7 +80,9 @@ INTEGRATION_WORKERS ?= 3
 # The ansible tests: site.yml's module (eleven playbook runs, a third of the stage) on one
 # worker, every other file on the other.
 ANSIBLE_WORKERS ?= 2
-INTEGRATION_ARGS = -n $(INTEGRATION_WORKERS) --dist loadgroup $(DURATIONS)
+# Every test's time, for working out which worker held a stage up: build/junit-<stage>.xml.
+JUNIT        = --junitxml=$(CURDIR)/build/junit-$(1).xml
+INTEGRATION_ARGS = -n $(INTEGRATION_WORKERS) --dist loadgroup $(DURATIONS) $(call JUNIT,integration)
 test: $(STAMP) engines etcd
 	$(STAGE) unit $(PY) -m pytest tests/unit -q -n $(UNIT_WORKERS) $(DURATIONS)
 	$(STAGE) integration $(PY) -m pytest tests/integration -q $(INTEGRATION_ARGS)
@@ -106,7 +108,7 @@ integration: $(STAMP) etcd
 ## The llmgw.fleet collection: real ansible-playbook runs (site.yml on this machine,
 ## every module and role), then ansible-lint and ansible-test sanity.
 ansible: $(STAMP) prometheus
-	$(STAGE) ansible $(PY) -m pytest tests/ansible tests/inventory -q -p no:cacheprovider -n $(ANSIBLE_WORKERS) --dist loadfile $(DURATIONS)
+	$(STAGE) ansible $(PY) -m pytest tests/ansible tests/inventory -q -p no:cacheprovider -n $(ANSIBLE_WORKERS) --dist loadfile $(DURATIONS) $(call JUNIT,ansible)
 	$(STAGE) ansible-lint env VENV=$(abspath $(VENV)) bash tests/ansible/lint.sh lint sanity
 
 ## Debian's Prometheus, which the monitoring role's test runs (on loopback, from the
