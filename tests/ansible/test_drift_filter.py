@@ -1,16 +1,17 @@
-"""drift.yml's node comparison (plugins/filter/drift.py: drift_nodes), on host
-variables shaped as the llmgw.fleet.llmgw inventory plugin sets them. The same
+"""drift.yml's node and deployment comparisons (plugins/filter/drift.py: drift_nodes,
+drift_deployments), on variables shaped as the llmgw.fleet.llmgw inventory plugin sets them. The same
 kinds are checked end to end against a real fleet in tests/inventory/test_inventory_live.py.
 """
 
 from __future__ import annotations
 
+import json
 from datetime import datetime, timedelta, timezone
 
 import pytest
 from ansible.errors import AnsibleFilterError
 
-from fleet_harness import PLUGINS, load_plugin
+from fleet_harness import PLUGINS, REPO, load_plugin
 
 drift = load_plugin(PLUGINS / "filter" / "drift.py")
 
@@ -140,3 +141,93 @@ def test_bad_input_is_a_clear_error():
         _run("gpu0", [], {})
     with pytest.raises(AnsibleFilterError, match="now must be a timestamp"):
         drift.drift_nodes([], [], {}, url=URL, version="1", now="soon", renew_days=30, agent_group="g")
+
+
+# ---------------------------------------------------------------- deployments
+AUTOSCALE = {"min": 1, "max": 4, "signal": "outstanding", "target": 8.0, "stable_window": 60.0, "panic_window": 6.0,
+             "panic_threshold": 2.0, "tolerance": 0.1, "scale_down_cooldown": 300.0, "max_step": 4, "priority": 0}
+
+
+def _scaled(ready, current, desired, reason="stable", **block):
+    """A live deployment as the plugin shows an autoscaled one (started from replicas: 2)."""
+    return {"replicas": 2, "ready": ready, "current": current, "desired": desired, "reason": reason,
+            "autoscale": dict(AUTOSCALE, **block)}
+
+
+def _dep(**over):
+    return dict({"model": "qwen", "profile": "tp1", "replicas": 2}, **over)
+
+
+def test_a_static_deployment_short_of_ready_replicas_says_why():
+    live = {"qwen/tp1": {"replicas": 1, "ready": 1, "not_ready": [{"replica_id": "qwen/tp1#1-ab", "state": "starting"}],
+                         "unplaced": [{"slot": 1, "reason": "no GPU free"}],
+                         "explain": [{"placed": False, "text": "qwen/tp1#1: nowhere\n\n  gpu0 no"}, {"placed": True, "text": "x"}]}}
+    (diff,) = drift.drift_deployments([_dep()], live)
+    assert (diff["kind"], diff["model"], diff["profile"], diff["declared"], diff["ready"]) == ("replicas_short", "qwen", "tp1", 2, 1)
+    assert diff["message"] == (
+        "qwen/tp1: 1 of 2 declared replicas Ready\n"
+        "  the control plane's catalog asks for 1 (server.yaml was not rendered from this declaration: run site.yml)\n"
+        "  qwen/tp1#1-ab starting\n  qwen/tp1#1 not placed: no GPU free\n  qwen/tp1#1: nowhere\n\n    gpu0 no")
+    assert drift.drift_deployments([_dep()], {"qwen/tp1": {"replicas": 2, "ready": 2}}) == []
+    (missing,) = drift.drift_deployments([_dep()], {})
+    assert missing["message"].startswith("qwen/tp1: 0 of 2 declared replicas Ready\n  the control plane's catalog asks for 0")
+
+
+def test_an_autoscaled_count_away_from_replicas_or_min_is_not_drift():
+    declared = [_dep(autoscale={"min": 1, "max": 4, "target": 8})]
+    for ready, current, desired in ((1, 1, 1), (4, 4, 4), (1, 3, 3), (2, 2, 2)):
+        assert drift.drift_deployments(declared, {"qwen/tp1": _scaled(ready, current, desired)}) == []
+    # the same live state is drift for a fixed count of 2
+    assert [d["kind"] for d in drift.drift_deployments([_dep()], {"qwen/tp1": dict(_scaled(1, 1, 1), autoscale=None)})] == [
+        "replicas_short"]
+
+
+def test_an_autoscaled_count_outside_the_declared_bounds_is_drift():
+    declared = [_dep(autoscale={"min": 2, "max": 3})]
+    live = {"qwen/tp1": dict(_scaled(1, 2, 2, reason="min", min=2, max=3),
+                             not_ready=[{"replica_id": "qwen/tp1#1-cd", "state": "failed", "reason": "exited 1"}])}
+    (low,) = drift.drift_deployments(declared, live)
+    assert (low["kind"], low["min"], low["max"], low["ready"], low["desired"]) == ("autoscale_below_min", 2, 3, 1, 2)
+    assert low["message"] == ("qwen/tp1: 1 Ready, below the declared min of 2 (autoscale 2..3, desired 2 (min))\n"
+                              "  qwen/tp1#1-cd failed: exited 1")
+    (high,) = drift.drift_deployments(declared, {"qwen/tp1": _scaled(3, 4, 3, min=2, max=3)})
+    assert high["kind"] == "autoscale_above_max"
+    assert high["message"] == "qwen/tp1: 4 replicas running, above the declared max of 3 (autoscale 2..3, desired 3 (stable))"
+
+
+def test_declared_bounds_that_differ_from_the_live_catalogs_are_drift():
+    live = {"qwen/tp1": _scaled(2, 2, 2)}
+    (diff,) = drift.drift_deployments([_dep(autoscale={"max": 6, "target": 8, "sleep": {"after": 300}})],
+                                      {"qwen/tp1": _scaled(2, 2, 2, sleep={"after": 300.0, "level": 1})})
+    assert diff["kind"] == "autoscale_bounds"
+    assert diff["message"] == ("qwen/tp1: autoscale 1..6 declared, 1..4 in the control plane's catalog: max 6 declared, "
+                               "4 live (server.yaml was not rendered from this declaration: run site.yml)")
+    # min left out means the schema's default; every other key compared only when declared
+    (diff,) = drift.drift_deployments([_dep(autoscale={"max": 4, "priority": 10})],
+                                      {"qwen/tp1": _scaled(2, 2, 2, min=2)})
+    assert "min 1 declared, 2 live; priority 10 declared, 0 live" in diff["message"]
+    assert drift.drift_deployments([_dep(autoscale={"min": 1, "max": 4, "stable_window": 60})], live) == []
+
+
+def test_autoscaled_on_one_side_only_is_drift():
+    (fixed_live,) = drift.drift_deployments([_dep(autoscale={"max": 4})], {"qwen/tp1": {"replicas": 2, "ready": 2}})
+    assert fixed_live["kind"] == "autoscale_bounds"
+    assert fixed_live["message"].startswith("qwen/tp1: declared to autoscale 1..4, but the control plane's catalog has "
+                                            "a fixed count of 2 (server.yaml")
+    (absent,) = drift.drift_deployments([_dep(autoscale={"max": 4})], {})
+    assert "the control plane's catalog does not have it" in absent["message"]
+    (scaled_live,) = drift.drift_deployments([_dep()], {"qwen/tp1": _scaled(1, 1, 1)})
+    assert scaled_live["message"].startswith("qwen/tp1: declared with a fixed count of 2, but the control plane's catalog "
+                                             "autoscales it 1..4")
+
+
+def test_deployments_bad_input_is_a_clear_error():
+    with pytest.raises(AnsibleFilterError, match="expected llmgw_deployments"):
+        drift.drift_deployments({"model": "qwen"}, {})
+    with pytest.raises(AnsibleFilterError, match="not a mapping"):
+        drift.drift_deployments(["qwen"], {})
+
+
+def test_the_autoscale_min_default_is_the_schemas():
+    schema = json.loads((REPO / "agent" / "llmgw" / "schemas" / "server.schema.json").read_text())
+    assert drift.AUTOSCALE_MIN_DEFAULT == schema["$defs"]["autoscale"]["properties"]["min"]["default"]

@@ -1,8 +1,8 @@
 """llmgw.fleet.llmgw and playbooks/drift.yml against a real fleet.
 
-One fleet for the module (control plane, two agents with one simulated GPU
-each and a declared InfiniBand fabric checked against a sysfs fixture, two
-Ready replicas of ``tiny``). Each drift test injects one difference, checks
+One fleet for the module (control plane with its in-process router, two agents
+with one simulated GPU each and a declared InfiniBand fabric checked against a
+sysfs fixture, two Ready replicas of ``tiny``). Each drift test injects one difference, checks
 that drift.yml reports exactly that kind, and puts the fleet back; the node
 left silent comes last.
 """
@@ -28,7 +28,8 @@ LIFECYCLE = {"unreachable_after": 4.0, "lost_after": 600.0}
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
-    with running(tmp_path_factory.mktemp("live"), {"a": 1, "b": 1}, replicas=2, lifecycle=LIFECYCLE) as lf:
+    # the in-process router: an autoscaled deployment's signal (llmgw config validate refuses one without it)
+    with running(tmp_path_factory.mktemp("live"), {"a": 1, "b": 1}, replicas=2, lifecycle=LIFECYCLE, router=True) as lf:
         yield lf
 
 
@@ -204,6 +205,45 @@ def test_replicas_ready_below_declared_with_the_placement_explanation(live, tmp_
         live.fleet.write_config()
         with live.fleet.client() as c:
             assert c.post("/v1/reload").status_code == 200
+
+
+def reload(lf: LiveFleet) -> None:
+    lf.fleet.write_config()
+    with lf.fleet.client() as c:
+        res = c.post("/v1/reload")
+        assert res.status_code == 200, res.text
+
+
+def test_an_autoscaled_deployment_shows_its_counts_and_drifts_only_on_its_bounds(live, tmp_path):
+    # Rolled out autoscaled 1..2: with nothing in flight the count falls to min and one replica is drained.
+    autoscale = {"min": 1, "max": 2, "target": 4, "stable_window": 1, "panic_window": 0.5, "scale_down_cooldown": 0}
+    cfg = live.fleet.config
+    cfg["deployments"][0]["autoscale"] = autoscale
+    reload(live)
+    try:
+        until(lambda: [r["state"] for r in live.fleet.replicas()["replicas"]] == ["ready"], "tiny/sim scaled down to 1",
+              on_timeout=live.fleet.dump)
+        node = live.node("a")
+        res = run([str(BIN / "ansible-inventory"), "--host", node, "-i", str(live.plugin_config)], tmp_path)
+        assert res.returncode == 0, res.stderr
+        dep = plain(json.loads(res.stdout))["llmgw_live_fleet"]["deployments"]["tiny/sim"]
+        assert dep["autoscale"]["min"] == 1 and dep["autoscale"]["max"] == 2 and dep["autoscale"]["target"] == 4
+        assert dep["autoscale"]["signal"] == "outstanding"  # the live catalog's block, defaults filled in
+        assert (dep["replicas"], dep["ready"], dep["current"], dep["desired"], dep["reason"]) == (2, 1, 1, 1, "min")
+        # Declared as rolled out: one Ready of `replicas: 2` is the moving count, not drift; a declared max the
+        # control plane does not have is (the bounds compared are the live catalog's, through the plugin). Both
+        # declarations of the one deployment go in one run: drift.yml compares each entry on its own.
+        declared = live.declared(llmgw_deployments=[
+            {"model": "tiny", "profile": "sim", "replicas": 2, "autoscale": autoscale},
+            {"model": "tiny", "profile": "sim", "replicas": 2, "autoscale": {**autoscale, "max": 3}}])
+        res, doc = report(live, declared, tmp_path)
+        assert kinds(doc) == [("autoscale_bounds", "tiny")], res.stdout
+        assert doc["differences"][0]["message"].startswith(
+            "tiny/sim: autoscale 1..3 declared, 1..2 in the control plane's catalog: max 3 declared, 2 live")
+    finally:
+        del cfg["deployments"][0]["autoscale"]
+        reload(live)
+        live.fleet.wait_ready(2)
 
 
 def test_agent_version_differing_from_the_declared_one(live, tmp_path):

@@ -152,7 +152,11 @@ SHAPES: dict[str, dict[str, Any]] = {
                                                   "weights": {"type": "object"}})},
         "profiles": {"type": "array", "items": ref("stream", "profile")},
         "deployments": {"type": "array", "items": obj({"model": STR, "profile": STR,
-                                                       "replicas": {"type": "integer", "minimum": 0}})},
+                                                       "replicas": {"type": "integer", "minimum": 0}}, {
+            # only on an autoscaled deployment: its bounds (defaults filled in) and where its count stands
+            "autoscale": ref("server", "autoscale"),
+            "scaling": obj({"current": INT, "desired": INT, "reason": STR,
+                            "wanted": {"type": ["integer", "null"]}, "budget": {"type": ["object", "null"]}})})},
     }),
     "Reloaded": obj({"ok": {"const": True}, "errors": {"type": "array", "maxItems": 0},
                      "catalog": shape("Catalog")}),

@@ -249,8 +249,37 @@ def catalog_view(cp: ControlPlane) -> dict[str, Any]:
         "loaded_ago_s": round(max(0.0, time.time() - cp.loaded.loaded_at), 3),
         "models": [{**model_to_dict(m), "weights": cp.sizes.describe(m)} for m in cat.models.values()],
         "profiles": [profile_to_dict(p) for p in cat.profiles.values()],
-        "deployments": [{"model": d.model, "profile": d.profile, "replicas": d.replicas} for d in cat.deployments],
+        "deployments": [{"model": d.model, "profile": d.profile, "replicas": d.replicas, **autoscale_view(cp, d)}
+                        for d in cat.deployments],
     }
+
+
+# ---- autoscaled deployments in the catalog view (additive: keys only on autoscaled deployments) ----
+def autoscale_view(cp: ControlPlane, dep: Any) -> dict[str, Any]:
+    """An autoscaled deployment's bounds as the control plane holds them and where its count stands.
+
+    The inventory plugin reads the catalog once; without this an operator's ``ansible-inventory``
+    (and drift.yml comparing declared bounds) would need ``/v1/explain`` per model, which also runs
+    placement for every empty slot. ``autoscale`` is the block with its defaults filled in;
+    ``scaling.current`` the replicas not retired, ``desired`` the count the reconciler places (what
+    the budget granted, if any), ``reason`` the rule's last reason and ``budget`` the budget's grant.
+    """
+    policy = dep.autoscale
+    if policy is None:
+        return {}
+    block = {k: getattr(policy, k) for k in ("min", "max", "signal", "target", "stable_window", "panic_window",
+                                             "panic_threshold", "tolerance", "scale_down_cooldown", "max_step",
+                                             "priority")}
+    if policy.sleep is not None:
+        block["sleep"] = {"after": policy.sleep.after, "level": policy.sleep.level}
+    d = cp.autoscaler.decision(dep.key)
+    g = cp.autoscaler.grant(dep.key)
+    return {"autoscale": block, "scaling": {
+        "current": sum(1 for r in cp.reconciler.book.live() if r.key == dep.key),
+        "desired": cp.replica_counts.get(dep.key, policy.clamp(dep.replicas)),
+        "reason": d.reason if d is not None else "start",
+        "wanted": d.wanted if d is not None else None,
+        "budget": None if g is None else {"desired": g.desired, "granted": g.granted, "reason": g.reason}}}
 
 
 def weights_line(weights: dict[str, Any], source: str, cp: ControlPlane) -> str:

@@ -24,6 +24,14 @@ description:
     state, and for each deployment of the live catalog, keyed C(MODEL/PROFILE), its replica count, how many are
     Ready, the replicas that are not, the unplaced slots and, for a deployment short of Ready replicas, the placement
     explanation).
+  - "An autoscaled deployment's entry in C(llmgw_live_fleet.deployments) also has C(autoscale), the block as the
+    control plane's catalog holds it (C(min), C(max), C(target) and the rest, defaults filled in); C(current), the
+    replicas it runs (draining and stopping ones aside); C(desired), the count the autoscaler decided and the
+    reconciler places (after the fleet GPU budget, when there is one); C(reason), why the count is what it is
+    (the autoscaler's reason as C(ctl explain) shows it, for example C(start), C(stable), C(panic), C(cooldown), C(min));
+    C(wanted), what the signal asked for before damping and bounds; and with a budget C(budget) (C(desired),
+    C(granted), C(reason)). There C(replicas) is only the count it started from. Query them with
+    C(ansible-inventory --host NODE) or C(--list), e.g. C(llmgw_live_fleet.deployments['qwen-7b/vllm-tp1'].desired)."
   - Host variables are kept compact because C(ansible-inventory --list) prints every host's variables, including a
     copy of the C(all) group's, and at thousands of nodes printing them is most of its time. Keys the API left
     empty are left out of a shard.
@@ -300,7 +308,7 @@ class InventoryModule(BaseInventoryPlugin, Constructable, Cacheable):
             if self.get_option("explain"):
                 ready = _ready_by_deployment(data["replicas"])
                 for model in sorted({d["model"] for d in data["catalog"].get("deployments", ())
-                                     if ready.get((d["model"], d["profile"]), 0) < d["replicas"]}):
+                                     if ready.get((d["model"], d["profile"]), 0) < _wanted(d)}):
                     data["explain"][model] = self._get(client, url, "/v1/explain/%s" % model)
         return data
 
@@ -432,6 +440,33 @@ def _ready_by_deployment(replicas_doc):
     return ready
 
 
+def _wanted(deployment):
+    """The count the control plane places: an autoscaled deployment's decided one, else the declared one."""
+    scaling = deployment.get("scaling")
+    if isinstance(scaling, dict) and isinstance(scaling.get("desired"), int):
+        return scaling["desired"]
+    return deployment["replicas"]
+
+
+def _autoscale_vars(deployment):
+    """An autoscaled deployment's bounds (the live catalog's block, defaults filled in) and its counts: ``current``
+    (replicas not retired), ``desired`` (the count placed), ``reason`` (the rule's last), ``wanted`` (what the signal asked
+    for) and ``budget`` (the fleet GPU budget's grant, with a budget). Nothing for a deployment with a fixed count, or
+    from a control plane that predates the view."""
+    block, scaling = deployment.get("autoscale"), deployment.get("scaling")
+    if not isinstance(block, dict) or not isinstance(scaling, dict):
+        return {}
+    budget = scaling.get("budget") if isinstance(scaling.get("budget"), dict) else None
+    return _compact({
+        "autoscale": block,
+        "current": scaling.get("current"),
+        "desired": scaling.get("desired"),
+        "reason": scaling.get("reason"),
+        "wanted": scaling.get("wanted"),
+        "budget": budget,
+    })
+
+
 def _compact(values):
     """Leave out what the API left empty: at 40,000 shards every key is paid for per host."""
     return dict((k, v) for k, v in values.items() if v is not None)
@@ -508,6 +543,7 @@ def _fleet_vars(data):
         explain = data["explain"].get(d["model"]) or {}
         label = "%s/%s#" % pair
         entry = {"replicas": d["replicas"], "ready": sum(1 for r in mine if r.get("state") == REPLICA_READY)}
+        entry.update(_autoscale_vars(d))
         not_ready = [_compact({"replica_id": r["replica_id"], "state": r.get("state"), "reason": r.get("reason")})
                      for r in mine if r.get("state") != REPLICA_READY]
         explained = [_compact({"replica": e.get("replica"), "placed": e.get("placed"), "reason": e.get("reason"),
