@@ -129,21 +129,17 @@ class Slots:
     until enough requests end.
     """
 
-    __slots__ = ("pool", "limit", "span", "lease", "amount", "in_use", "expires", "ttl", "denied_until",
-                 "retry_after", "sent")
+    __slots__ = ("pool", "limit", "lease", "amount", "in_use", "expires", "ttl", "denied_until")
 
     def __init__(self, pool: tuple[str, str, str], limit: int) -> None:
         self.pool = pool
         self.limit = limit
-        self.span = 0.0
         self.lease: str | None = None
-        self.amount = 0
-        self.in_use = 0
-        self.expires = 0.0
+        self.amount = 0  # slots the books count for this worker, as far as it knows
+        self.in_use = 0  # requests running on them
+        self.expires = 0.0  # on this worker's monotonic clock
         self.ttl = 0.0
-        self.denied_until = 0.0
-        self.retry_after = 0.0
-        self.sent = False  # an exchange keeping ``amount`` is on its way
+        self.denied_until = 0.0  # the books had no slot: no ask before then
 
     def free(self, now: float, stale_ok: bool = False) -> bool:
         return self.lease is not None and self.in_use < self.amount and (stale_ok or self.expires > now)
@@ -436,9 +432,10 @@ class Allowance:
                 renew, back = self.due(now)
                 if renew or back or any(s.lease is not None and s.expires <= now for s in self.slices.values()):
                     async with self._lock:
+                        now = self.clock()
+                        renew, back = self.due(now)  # what an exchange made while we waited changed
                         try:
-                            await self._exchange([(s.pool, s.limit, 0.0, 0) for s in renew], self.clock(),
-                                                 give_back=back)
+                            await self._exchange([(s.pool, s.limit, 0.0, 0) for s in renew], now, give_back=back)
                         except Unavailable:
                             pass
         except asyncio.CancelledError:
