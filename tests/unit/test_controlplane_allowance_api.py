@@ -73,6 +73,8 @@ def test_concurrency_slots_are_renewed_over_the_route_and_a_short_renewal_says_w
         a, b = {"X-Test-Router": "router-a"}, {"X-Test-Router": "router-b"}
         r = await c.post(ALLOWANCE_PATH, json={"instance": "w", "asks": [{**conc, "held": -1}]}, headers=a)
         assert r.status == 400 and (await r.json())["errors"][0]["pointer"] == "/asks/0/held"
+        r = await c.post(ALLOWANCE_PATH, json={"instance": "w", "asks": [{**ASK, "span": 0}]}, headers=a)
+        assert r.status == 400 and (await r.json())["errors"][0]["pointer"] == "/asks/0/span"  # a window needs one
         got = []
         for h in (a, b):
             r = await c.post(ALLOWANCE_PATH, json={"instance": "w", "asks": [conc]}, headers=h)
