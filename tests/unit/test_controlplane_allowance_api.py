@@ -61,3 +61,30 @@ def test_only_a_router_leases_a_bad_body_changes_nothing_and_new_books_answer_50
         return True
 
     assert run(cp, steps)
+
+
+def test_concurrency_slots_are_renewed_over_the_route_and_a_short_renewal_says_when_to_retry():
+    now = [100.0]
+    cp = fake_cp(now)
+    conc = {"key": "k", "scope": "", "dimension": "concurrent_requests", "limit": 2, "span": 0, "need": 1}
+
+    async def steps(c, api):
+        now[0] += 2.0
+        a, b = {"X-Test-Router": "router-a"}, {"X-Test-Router": "router-b"}
+        r = await c.post(ALLOWANCE_PATH, json={"instance": "w", "asks": [{**conc, "held": -1}]}, headers=a)
+        assert r.status == 400 and (await r.json())["errors"][0]["pointer"] == "/asks/0/held"
+        r = await c.post(ALLOWANCE_PATH, json={"instance": "w", "asks": [{**ASK, "span": 0}]}, headers=a)
+        assert r.status == 400 and (await r.json())["errors"][0]["pointer"] == "/asks/0/span"  # a window needs one
+        got = []
+        for h in (a, b):
+            r = await c.post(ALLOWANCE_PATH, json={"instance": "w", "asks": [conc]}, headers=h)
+            got.append((await r.json())["answers"][0])
+        assert [g["amount"] for g in got] == [1, 1] and "retry_after" not in got[0]
+        # router-a keeps its running request and asks for one more: kept, none to add, retry in 1 s
+        r = await c.post(ALLOWANCE_PATH, json={"instance": "w", "asks": [{**conc, "held": 1}]}, headers=a)
+        kept = (await r.json())["answers"][0]
+        assert kept["amount"] == 1 and kept["retry_after"] == 1.0 and kept["lease"] != got[0]["lease"]
+        assert api.book.outstanding(("k", "", "concurrent_requests"), now[0]) == 2
+        return True
+
+    assert run(cp, steps)

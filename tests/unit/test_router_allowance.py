@@ -12,7 +12,7 @@ import math
 
 from llmgw.controlplane.allowance import AllowanceBook
 from llmgw.controlplane.allowance_api import exchange
-from llmgw.router.allowance import Allowance, Unavailable
+from llmgw.router.allowance import CONCURRENT, Allowance, Unavailable
 from llmgw.router.limits import Limiter, Refused, Ticket
 from llmgw.router.settings import ApiKey, KeyLimits, KeyRates
 
@@ -297,3 +297,52 @@ def test_a_standby_redirects_and_the_worker_leases_from_the_next_control_plane()
         return held
 
     assert asyncio.run(run()) == (True, 5, 5)
+
+
+def test_concurrent_requests_hold_across_workers_renew_while_running_and_come_back():
+    """Two slots for a key across four workers: held while requests run, renewed, freed when they end or die."""
+    clock = Clock()
+    book = AllowanceBook(LEASE, clock.t - LEASE)
+    ws = workers(4, book, clock, concurrent_requests=2)
+    lm = Limiter([])
+    pool = ("k", "", CONCURRENT)
+    dead: list = []
+
+    async def loop(dt: float) -> None:
+        """Time passes; each live worker's return loop renews or gives back what is due."""
+        clock.t += dt
+        for al, _ in ws:
+            if al not in dead:
+                renew, back = al.due(clock())
+                await al._exchange([(s.pool, s.limit, 0.0, 0) for s in renew], clock(), give_back=back)
+
+    async def run():
+        got = [await admit(*ws[i % 4]) for i in range(8)]
+        running = [g for g in got if isinstance(g, Ticket)]
+        refused = [g for g in got if isinstance(g, Refused)]
+        assert len(running) == 2 and len(refused) == 6  # per worker it would have been 2 each: 8
+        assert all(r.dimension == CONCURRENT and r.retry_after >= 1 for r in refused)
+        assert book.outstanding(pool, clock()) == 2
+        holders = [al for al, _ in ws if al.slices[pool].in_use]
+        idle = [w for w in ws if w[0] not in holders]
+        # the leases of workers with requests running are renewed: past the first leases' end they still count
+        for _ in range(4):
+            await loop(LEASE * 0.3)
+        assert book.outstanding(pool, clock()) == 2 and clock.t - 100.0 > LEASE
+        assert isinstance(await admit(*idle[0]), Refused)
+        # a request ends: its worker gives the lease back (nothing runs there) and the books free the slot
+        lm.settle(running[0], 1, 1, clock())
+        await loop(LEASE * 0.3)
+        await loop(LEASE * 0.3)
+        assert book.outstanding(pool, clock()) == 1
+        await loop(0.5)  # the refused workers' 1 s wait
+        assert isinstance(await admit(*idle[1]), Ticket)
+        assert isinstance(await admit(*idle[0]), Refused)
+        # a worker holding a slot dies (never renews, never returns): its slot comes back within one lease
+        dead.extend(al for al in holders if al.slices[pool].in_use)
+        for _ in range(4):
+            await loop(LEASE * 0.3)
+        assert book.outstanding(pool, clock()) == 1  # the survivor's, renewed
+        return await admit(*idle[0])
+
+    assert isinstance(asyncio.run(run()), Ticket)

@@ -37,6 +37,23 @@ The rule that keeps the sum granted under the limit:
   books is alive once grants start.  What the old books counted as spent is
   not known here: in the window of a restart or failover a key may be
   admitted up to its limit once more (docs/router.md).
+
+**Concurrent requests** (``concurrent_requests``) are a pool with no
+window: a slot is not spent but *held* while a request runs, and given
+back when it ends.  A worker holds one lease per such pool, ``amount``
+slots counted until the lease ends (``t + T``, nothing after: a slot
+leaves no trace in a window).  Each exchange that asks for the pool
+*renews* the worker's lease: the worker says how many slots it keeps
+(``held``, its requests running when it sent the ask, never more than
+its live lease had) and how many more it needs; the old lease is replaced
+by one of ``held`` plus a slice sized as for the other dimensions.  A
+worker renews while it has requests running, and gives its spare slots
+back with the renewal or the return.  A dead worker's slots free
+themselves when its lease ends: they are unavailable for at most ``T``.
+When the books do not know the worker's lease (a restart, a lease that
+lapsed) ``held`` is granted only from what is free, so the slots counted
+never pass the limit; the worker admits nothing until its running
+requests fit what it holds.
 """
 
 from __future__ import annotations
@@ -45,9 +62,11 @@ import math
 import secrets
 from dataclasses import dataclass, field
 
-__all__ = ["AllowanceBook", "Ask", "Return", "Grant", "Denial", "PoolKey", "DIMENSIONS"]
+__all__ = ["AllowanceBook", "Ask", "Return", "Grant", "Denial", "PoolKey", "DIMENSIONS", "CONCURRENT"]
 
-DIMENSIONS = ("requests", "input_tokens", "output_tokens", "tokens", "tokens_per_day")
+CONCURRENT = "concurrent_requests"  # held while a request runs, not spent in a window
+DIMENSIONS = ("requests", "input_tokens", "output_tokens", "tokens", "tokens_per_day", CONCURRENT)
+CONCURRENT_RETRY = 1.0  # a slot frees when some request ends: no window says when; a second is a fair retry
 MAX_LEASES_PER_HOLDER = 4096  # a worker holds one lease per pool; more is a runaway
 
 
@@ -62,6 +81,7 @@ class Ask:
     limit: int
     span: float  # the window, seconds
     need: int  # at least this much, or nothing
+    held: int = 0  # concurrent_requests: slots of the worker's lease that it keeps (requests running)
 
     @property
     def pool(self) -> PoolKey:
@@ -83,6 +103,7 @@ class Grant:
     ttl: float
     remaining: int  # free in the pool after this grant (OpenAI's x-ratelimit-remaining-*)
     reset: float  # seconds until everything counted now has left the window
+    retry_after: float | None = None  # concurrent_requests: the slots kept, but ``need`` more did not fit
 
 
 @dataclass(frozen=True)
@@ -159,7 +180,7 @@ class AllowanceBook:
             unused = min(max(0, r.unused), lease.amount)
             entry = lease.entry
             entry[1] -= unused
-            if entry[1] > 0:
+            if entry[1] > 0 and lease.pool[2] != CONCURRENT:  # slots still held count until the lease ends
                 pool = self.pools.get(lease.pool)
                 span = pool.span if pool is not None else 0.0
                 entry[0] = min(entry[0], now - min(max(0.0, r.idle), self.lease_seconds) + span)
@@ -174,6 +195,9 @@ class AllowanceBook:
             if pool is None:
                 pool = self.pools[a.pool] = _Pool(a.limit, a.span)
             pool.limit, pool.span = a.limit, a.span  # a reload changed it: the new limit holds from now
+            if a.dimension == CONCURRENT:
+                out.append(self._slots(holder, a, pool, now))
+                continue
             if a.need > a.limit:
                 out.append(Denial(a.pool, math.inf, a.limit, pool.reset(now)))
                 continue
@@ -195,6 +219,38 @@ class AllowanceBook:
             mine += 1
             out.append(Grant(a.pool, lease_id, amount, self.lease_seconds, free - amount, pool.reset(now)))
         return out
+
+    def _slots(self, holder: tuple[str, str], a: Ask, pool: _Pool, now: float) -> Grant | Denial:
+        """Renew ``holder``'s lease of concurrency slots: keep ``held`` of it, and add ``need`` or more."""
+        pool.span = 0.0  # a slot counts while its lease lasts, never in a window
+        if a.need > a.limit:
+            return Denial(a.pool, math.inf, a.limit, 0.0)
+        keep = max(0, a.held)
+        old_id = next((i for i in pool.leases
+                       if self.leases[i].holder == holder and self.leases[i].expires > now), None)
+        if old_id is not None:  # replaced, not added to: the slots kept move to the new lease
+            old = self.leases[old_id]
+            keep = min(keep, old.entry[1])
+            old.entry[1] = 0
+            self._drop(old_id, old)
+        free = pool.limit - pool.counted(now)
+        keep = min(keep, max(0, free))  # unknown to these books (a restart): only from what is free
+        free -= keep
+        extra = 0
+        short = a.need > free
+        if a.need and not short:
+            holders = len({self.leases[i].holder for i in pool.leases if self.leases[i].expires > now} | {holder})
+            extra = min(free, max(a.need, free // (2 * holders)))
+        amount = keep + extra
+        retry = CONCURRENT_RETRY if short else None
+        if amount == 0:
+            return Denial(a.pool, retry or 0.001, pool.limit, 0.0)
+        lease_id = secrets.token_hex(8)
+        entry = [now + self.lease_seconds, amount]
+        pool.entries.append(entry)
+        pool.leases.add(lease_id)
+        self.leases[lease_id] = _Lease(a.pool, holder, amount, now + self.lease_seconds, entry)
+        return Grant(a.pool, lease_id, amount, self.lease_seconds, free - extra, self.lease_seconds, retry)
 
     def outstanding(self, pool: PoolKey, now: float) -> int:
         """What the pool counts now (granted and not returned, or spent and still in the window)."""

@@ -64,14 +64,17 @@ def exchange(book: AllowanceBook, holder: tuple[str, str], doc: dict, now: float
     if left > 0:
         return 503, {"error": f"allowance books are new: grants start in {left:.1f}s (leases of an earlier "
                               "control plane end by then)", "retry_after": left}
-    got = book.grant(holder, [Ask(a["key"], a["scope"], a["dimension"], a["limit"], float(a["span"]), a["need"])
-                              for a in asks], now)
+    got = book.grant(holder, [Ask(a["key"], a["scope"], a["dimension"], a["limit"], float(a["span"]), a["need"],
+                                  a.get("held", 0)) for a in asks], now)
     out = []
     for g in got:
         if isinstance(g, Denial):
             out.append({"retry_after": None if math.isinf(g.retry_after) else round(g.retry_after, 3),
                         "limit": g.limit, "reset": round(g.reset, 3)})
         else:
-            out.append({"lease": g.lease, "amount": g.amount, "ttl": g.ttl, "remaining": g.remaining,
-                        "reset": round(g.reset, 3)})
+            grant = {"lease": g.lease, "amount": g.amount, "ttl": g.ttl, "remaining": g.remaining,
+                     "reset": round(g.reset, 3)}
+            if g.retry_after is not None:  # concurrency slots kept, but no more to be had
+                grant["retry_after"] = round(g.retry_after, 3)
+            out.append(grant)
     return 200, {"answers": out}

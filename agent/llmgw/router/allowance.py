@@ -26,9 +26,18 @@ scope (the key's own limits, or a ``per_model`` block) and dimension.
   ask was sent, which precedes the grant, so a worker never spends a slice
   the control plane already counts as ended.
 
+* **Concurrency slots are held, not spent** (``Slots``): a request takes a
+  slot of the worker's lease on the key's ``concurrent_requests`` pool and
+  gives it back when it ends (``Limiter.settle``).  The lease is renewed
+  while requests run (when less than half of it is left) with the slots in
+  use, and the spare ones go back to the books then; a worker with none
+  running returns the lease.  What a renewal or ask keeps is frozen when it
+  is sent (no spare slot is taken while it is on its way), so a worker never
+  runs more requests than the books count for it.
+
 ``on_outage`` decides what happens when the control plane does not answer
 (``serve``: spend the slices held past their lease, then each worker's own
-windows; ``refuse``: 429).  Concurrent requests stay per worker.
+windows and concurrency; ``refuse``: 429).
 """
 
 from __future__ import annotations
@@ -50,7 +59,9 @@ from .limits import BUDGET, NAMES, REQUESTS, KeyState, RateView, Refused, Rule, 
 
 log = logging.getLogger("llmgw.router.allowance")
 
-__all__ = ["Allowance", "Slice", "Unavailable", "Short"]
+__all__ = ["Allowance", "Slice", "Slots", "Unavailable", "Short", "CONCURRENT"]
+
+CONCURRENT = "concurrent_requests"  # the pool dimension of slots held while a request runs
 
 TOP_UP_BELOW = 0.25  # share of a grant left when a background top-up starts
 RETURN_EVERY = 0.5  # seconds between looks for slices whose lease has ended
@@ -86,6 +97,9 @@ class Slice:
         self.denied_until = 0.0  # the books said no until then
         self.retry_after = 0.0
 
+    def enough(self, need: int, now: float) -> bool:
+        return self.lease is not None and self.expires > now and self.balance >= need
+
     def adjust(self, entry: Any, delta: int, now: float) -> None:
         """Settle a request's tokens: a debt always, a credit only into the lease they came from."""
         if delta > 0 or entry == self.lease:
@@ -105,6 +119,64 @@ class Slice:
         self.balance -= unused
         self.lease = None
         self.spent = False
+
+
+class Slots:
+    """This worker's lease of one key's concurrency slots: ``amount`` counted by the books, ``in_use`` running.
+
+    ``in_use`` may pass ``amount`` only after the books lost our lease (a
+    restart granted back fewer than were running): nothing is admitted then
+    until enough requests end.
+    """
+
+    __slots__ = ("pool", "limit", "lease", "amount", "in_use", "expires", "ttl", "denied_until")
+
+    def __init__(self, pool: tuple[str, str, str], limit: int) -> None:
+        self.pool = pool
+        self.limit = limit
+        self.lease: str | None = None
+        self.amount = 0  # slots the books count for this worker, as far as it knows
+        self.in_use = 0  # requests running on them
+        self.expires = 0.0  # on this worker's monotonic clock
+        self.ttl = 0.0
+        self.denied_until = 0.0  # the books had no slot: no ask before then
+
+    def free(self, now: float, stale_ok: bool = False) -> bool:
+        return self.lease is not None and self.in_use < self.amount and (stale_ok or self.expires > now)
+
+    def enough(self, need: int, now: float) -> bool:
+        return self.lease is not None and self.expires > now and self.amount - self.in_use >= need
+
+    def release(self) -> None:
+        self.in_use -= 1
+
+    def keep(self) -> int:
+        """Freeze the lease at the slots in use as an ask is sent: the books renew exactly those."""
+        self.amount = min(self.amount, self.in_use) if self.lease is not None else 0
+        return self.amount if self.lease is not None else self.in_use
+
+    def returned(self, now: float) -> dict[str, Any]:
+        unused = max(0, self.amount - self.in_use)
+        self.amount -= unused  # given back: not taken while the return is on its way
+        return {"lease": self.lease, "unused": unused, "idle": 0.0}
+
+    def settle_return(self, unused: int) -> None:
+        self.lease = None
+        self.amount = 0
+
+    def granted(self, answer: dict[str, Any], now: float, timeout: float) -> None:
+        if "lease" in answer:
+            self.lease = answer["lease"]
+            self.amount = int(answer["amount"])
+            self.ttl = float(answer["ttl"])
+            self.expires = now + self.ttl
+        else:
+            self.lease, self.amount = None, 0
+        wait = answer.get("retry_after")
+        if "lease" not in answer or wait is not None:
+            self.denied_until = now + (float(wait) if wait is not None else float(timeout))
+        else:
+            self.denied_until = 0.0
 
 
 @dataclass
@@ -146,8 +218,17 @@ class Allowance:
         short: dict[tuple[str, str, str], tuple[int, float, int]] = {}
         denied: Refused | None = None
         for rule, scope in rules:
-            if rule.concurrent is not None and rule.in_flight >= rule.concurrent:
-                return Refused("concurrent_requests", 1.0, rule.concurrent, *self.views(state, key, model, now))
+            if rule.concurrent is not None:
+                pool = (key, scope, CONCURRENT)
+                c = self.slices.get(pool)
+                if not isinstance(c, Slots):
+                    c = self.slices[pool] = Slots(pool, rule.concurrent)
+                c.limit = rule.concurrent
+                if not c.free(now, stale_ok):
+                    if c.denied_until > now:  # the books said no a moment ago: a slot frees when a request ends
+                        return Refused(CONCURRENT, max(1.0, c.denied_until - now), rule.concurrent,
+                                       *self.views(state, key, model, now))
+                    short[pool] = (rule.concurrent, 0.0, 1)
             for dim, w in rule.windows:
                 n = need[dim]
                 pool = (key, scope, NAMES[dim])
@@ -168,8 +249,13 @@ class Allowance:
             return Short(short)
         entries = []
         top_up = []
+        slots = []
         req = tok = None  # the slices with the least room left, for the headers
         for rule, scope in rules:
+            if rule.concurrent is not None:
+                c = self.slices[(key, scope, CONCURRENT)]
+                c.in_use += 1
+                slots.append(c)
             for dim, _w in rule.windows:
                 s = self.slices[(key, scope, NAMES[dim])]
                 n = need[dim]
@@ -188,7 +274,7 @@ class Allowance:
         if top_up:
             self._top_up(top_up)
         return Ticket(key, model, prompt, completion, tuple(r for r, _ in rules), entries,
-                      None if req is None else _view(req, now), None if tok is None else _view(tok, now))
+                      None if req is None else _view(req, now), None if tok is None else _view(tok, now), slots)
 
     def views(self, state: KeyState, key: str, model: str, now: float) -> tuple[RateView | None, RateView | None]:
         """(requests, tokens) for OpenAI's headers: the books' room as of our last grant, less what we spent since."""
@@ -219,14 +305,14 @@ class Allowance:
             asks = []
             for pool, (limit, span, need) in short.asks.items():
                 s = self.slices.get(pool)
-                if s is not None and s.lease is not None and s.expires > now and s.balance >= need:
+                if s is not None and s.enough(need, now):
                     continue  # an exchange while we waited for the lock brought enough
                 asks.append((pool, limit, span, need))
             if asks:
                 await self._exchange(asks, now)
 
     async def _exchange(self, asks: list[tuple[tuple[str, str, str], int, float, int]], now: float,
-                        everything: bool = False) -> None:
+                        everything: bool = False, give_back: Sequence[Any] = ()) -> None:
         """One POST: return the asked pools' leases and every ended lease, then apply the answers.
 
         A returned lease is spent from until the answer comes (a request
@@ -238,18 +324,28 @@ class Allowance:
         returns, sent = [], []
         asked = {a[0] for a in asks}
         for pool, s in self.slices.items():
-            if s.lease is not None and (everything or pool in asked or s.expires <= now):
+            if isinstance(s, Slots) and pool in asked:
+                continue  # renewed by the ask, not returned
+            if s.lease is not None and (everything or pool in asked or s.expires <= now or s in give_back):
                 r = s.returned(now)
                 returns.append(r)
                 sent.append((s, r["unused"]))
-        body = {"instance": self.instance, "returns": returns,
-                "asks": [{"key": p[0], "scope": p[1], "dimension": p[2], "limit": limit, "span": span,
-                          "need": max(0, need)} for p, limit, span, need in asks]}
+        wire = []
+        for p, limit, span, need in asks:
+            ask = {"key": p[0], "scope": p[1], "dimension": p[2], "limit": limit, "span": span, "need": max(0, need)}
+            c = self.slices.get(p)
+            if isinstance(c, Slots):
+                ask["held"] = c.keep()
+            wire.append(ask)
+        body = {"instance": self.instance, "returns": returns, "asks": wire}
         doc = await self._post(body)
         for s, unused in sent:
             s.settle_return(unused)
         for (pool, limit, span, _need), answer in zip(asks, doc.get("answers", ())):
             s = self.slices.get(pool) or self.slices.setdefault(pool, Slice(pool, limit, span))
+            if isinstance(s, Slots):
+                s.granted(answer, now, self.timeout)
+                continue
             if "lease" in answer:
                 s.lease = answer["lease"]
                 s.balance += int(answer["amount"])
@@ -322,20 +418,37 @@ class Allowance:
         task.add_done_callback(self._tasks.discard)
 
     async def run_returns(self) -> None:
-        """Return slices whose lease ended, for as long as the worker runs; every slice when it stops."""
+        """Return slices whose lease ended and renew concurrency slots, for as long as the worker runs.
+
+        Every slice goes back when it stops.  Concurrency leases are looked
+        at every quarter of their lease at least, so that one with requests
+        running is renewed before it ends.
+        """
         try:
             while True:
-                await asyncio.sleep(RETURN_EVERY)
+                ttls = [s.ttl for s in self.slices.values() if isinstance(s, Slots) and s.lease is not None]
+                await asyncio.sleep(min([RETURN_EVERY, *(t / 4 for t in ttls if t > 0)]))
                 now = self.clock()
-                if any(s.lease is not None and s.expires <= now for s in self.slices.values()):
+                renew, back = self.due(now)
+                if renew or back or any(s.lease is not None and s.expires <= now for s in self.slices.values()):
                     async with self._lock:
+                        now = self.clock()
+                        renew, back = self.due(now)  # what an exchange made while we waited changed
                         try:
-                            await self._exchange([], self.clock())
+                            await self._exchange([(s.pool, s.limit, 0.0, 0) for s in renew], now, give_back=back)
                         except Unavailable:
                             pass
         except asyncio.CancelledError:
             await self.close()
             raise
+
+    def due(self, now: float) -> tuple[list[Slots], list[Slots]]:
+        """Concurrency leases past half their time: (to renew, requests running; to give back, none running)."""
+        renew, back = [], []
+        for s in self.slices.values():
+            if isinstance(s, Slots) and s.lease is not None and s.expires - now < s.ttl / 2:
+                (renew if s.in_use > 0 else back).append(s)
+        return renew, back
 
     async def close(self) -> None:
         """Give every slice back (a worker restarting strands nothing for a window), then close the session."""

@@ -169,10 +169,11 @@ RateView = tuple
 class Ticket:
     """An admitted request's reservations, given back (settled) exactly once."""
 
-    __slots__ = ("key", "model", "prompt", "completion", "rules", "entries", "requests", "tokens", "settled")
+    __slots__ = ("key", "model", "prompt", "completion", "rules", "entries", "requests", "tokens", "settled",
+                 "slots")
 
     def __init__(self, key: str, model: str, prompt: int, completion: int, rules: tuple[Rule, ...],
-                 entries: list, requests: RateView | None, tokens: RateView | None) -> None:
+                 entries: list, requests: RateView | None, tokens: RateView | None, slots: list = ()) -> None:
         self.key = key
         self.model = model
         self.prompt = prompt  # reserved
@@ -182,6 +183,7 @@ class Ticket:
         self.requests = requests  # the tightest requests window after this reservation
         self.tokens = tokens  # the tightest minute token window after it
         self.settled = False
+        self.slots = slots  # concurrency slots leased across routers (allowance.Slots), held until settled
 
 
 @dataclass(frozen=True)
@@ -275,6 +277,8 @@ class Limiter:
                 w.adjust(entry, delta, now)
         for rule in ticket.rules:
             rule.in_flight -= 1
+        for slots in ticket.slots:
+            slots.release()
 
     def views(self, state: KeyState, model: str, now: float) -> tuple[RateView | None, RateView | None]:
         """(requests, tokens) as OpenAI's headers show them: the tightest window of each kind."""

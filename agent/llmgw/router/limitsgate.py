@@ -24,7 +24,8 @@ clients read before ``Retry-After``.
 
 With ``allowance`` (a router fed by a control plane, ``allowance.mode:
 shared``) the window limits are spent from slices leased from the control
-plane (``allowance.py``) instead of this worker's own windows; a request
+plane (``allowance.py``) instead of this worker's own windows, and
+concurrent requests hold slots leased the same way; a request
 that finds its slices short waits for one exchange, and when the control
 plane does not answer ``allowance.on_outage`` decides: ``serve`` spends
 the slices held past their lease, then this worker's own windows;
