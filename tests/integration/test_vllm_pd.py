@@ -30,7 +30,7 @@ import httpx
 import pytest
 
 import vllmcpu
-from fleet import Fleet
+from fleet import Fleet, metric_samples
 from realengine import client, engine_fleet
 from realvllm import tiny_hf_model, vllm_python  # noqa: F401 (fixtures)
 from tests.integration.router_support import RouterProcess, openai_client, router_doc
@@ -133,14 +133,30 @@ def test_the_pair_is_launched_by_llmgw_as_the_two_sides_of_nixl(pair):
     assert f"{pair.prefill.replica_id}: transfer to {pair.decode.replica_id} proved" in pair.f.server.output(10**7)
 
 
+def pulls_reach(pair: Pair, count: float, what: str) -> None:
+    """Wait for the decoder's NIXL pull count to reach ``count``. vLLM publishes connector stats
+    with a later engine step's output, so the count of a request's pull may trail its answer
+    until the decoder steps again: a one-token request of its own (its own cache salt, so it
+    computes and pulls nothing) makes it step while we wait."""
+    nudges = iter(range(10**6))
+
+    def reached() -> bool:
+        if pair.decode.counter(XFERS) >= count:
+            return True
+        pair.decode.complete(PROMPTS[0], max_tokens=1, cache_salt=f"nudge-{next(nudges)}")
+        return pair.decode.counter(XFERS) >= count
+
+    until(reached, what, timeout=120, interval=2, on_timeout=lambda: pair.f.dump() + "\n" + repr(
+        {k: v for k, v in metric_samples(pair.f).items() if "prefill" in k}))
+
+
 def test_routed_answers_are_the_decoders_own_and_its_blocks_cross_over_nixl(pair):
     c = client(pair.f)
+    pulled = pair.decode.counter(XFERS)
     for prompt, alone in zip(PROMPTS, pair.alone):
-        pulled = pair.decode.counter(XFERS)
         got = c.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
         assert got.choices[0].text == alone
-        # vLLM publishes connector stats with a later engine step's output: the count may trail the answer
-        until(lambda: pair.decode.counter(XFERS) > pulled, "the decoder to count the pull", timeout=60)
+    pulls_reach(pair, pulled + len(PROMPTS), "the decoder to count a pull for each routed prompt")
 
 
 class KeyedProxy:
@@ -219,7 +235,7 @@ def test_a_bogus_transfer_is_served_by_the_decoder_not_a_500(pair, tmp_path):
     pulled = pair.decode.counter(XFERS)
     got = client(pair.f).completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0)
     assert got.choices[0].text == pair.alone[1]
-    until(lambda: pair.decode.counter(XFERS) > pulled, "a pull after the bogus one", timeout=60)
+    pulls_reach(pair, pulled + 1, "a pull after the bogus one")
 
 
 def test_sigkill_of_the_prefill_engine_under_load_fails_no_request(pair):
