@@ -21,7 +21,7 @@ from typing import Any, Mapping
 from llmgw.config import ConfigError, ConfigInvalid, read_yaml, schema_errors
 from llmgw.schemadefaults import with_defaults
 
-from .settings import _key_limits_errors
+from .settings import duplicate_key_errors, key_limits_errors
 
 FIELD = "api_keys_file"
 
@@ -44,26 +44,13 @@ def keys_file_errors(doc: Any) -> list[ConfigError]:
         return errors
     if not isinstance(keys, list):
         return errors + [ConfigError("/api_keys", f"expected a list, got {type(keys).__name__}")]
-    names: dict[str, int] = {}
-    hashes: dict[str, int] = {}
     for i, item in enumerate(keys):
         shape = schema_errors(item, "router", "api_key")
         errors += [ConfigError(f"/api_keys/{i}{e.pointer}", e.message) for e in shape]
-        if not isinstance(item, dict):
-            continue
-        if not shape and "limits" in item:
+        if isinstance(item, dict) and not shape and "limits" in item:
             full = with_defaults({"api_keys": [item]}, "router")["api_keys"][0]
-            errors += _key_limits_errors(full, f"/api_keys/{i}")
-        name, digest = item.get("name"), item.get("sha256")
-        if isinstance(name, str):
-            if name in names:
-                errors.append(ConfigError(f"/api_keys/{i}/name",
-                                          f"duplicate key name {name!r} (also /api_keys/{names[name]})"))
-            names.setdefault(name, i)
-        if isinstance(digest, str):
-            if digest in hashes:
-                errors.append(ConfigError(f"/api_keys/{i}/sha256", f"same key hash as /api_keys/{hashes[digest]}"))
-            hashes.setdefault(digest, i)
+            errors += key_limits_errors(full, f"/api_keys/{i}")
+    errors += duplicate_key_errors(keys)
     return errors
 
 

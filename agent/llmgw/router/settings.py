@@ -248,17 +248,10 @@ def semantic_errors(doc: Mapping[str, Any]) -> list[ConfigError]:
             "/api_keys",
             "no API keys configured; add keys or set allow_unauthenticated: true to serve without them",
         ))
-    names: dict[str, int] = {}
-    hashes: dict[str, int] = {}
+    errors += duplicate_key_errors(keys)
     for i, k in enumerate(keys):
-        if k["name"] in names:
-            errors.append(ConfigError(f"/api_keys/{i}/name", f"duplicate key name {k['name']!r} (also /api_keys/{names[k['name']]})"))
-        names.setdefault(k["name"], i)
-        if k["sha256"] in hashes:
-            errors.append(ConfigError(f"/api_keys/{i}/sha256", f"same key hash as /api_keys/{hashes[k['sha256']]}"))
-        hashes.setdefault(k["sha256"], i)
         if "limits" in k:
-            errors += _key_limits_errors(k, f"/api_keys/{i}")
+            errors += key_limits_errors(k, f"/api_keys/{i}")
     if "static_endpoints" in doc and "control_plane" in doc:
         errors.append(ConfigError("/control_plane", "set either static_endpoints or control_plane, not both"))
     ids: dict[str, int] = {}
@@ -338,7 +331,29 @@ _RATES = tuple(f.name for f in fields(KeyRates))
 _TOKEN_RATES = ("output_tokens_per_minute", "tokens_per_minute", "tokens_per_day")
 
 
-def _key_limits_errors(key: Mapping[str, Any], where: str) -> list[ConfigError]:
+def duplicate_key_errors(keys: list[Any]) -> list[ConfigError]:
+    """A key name or digest given twice in ``api_keys`` (``router.yaml``'s or a keys file's):
+    which entry is in force must never be a question. Entries of the wrong shape are skipped
+    (the schema reports them)."""
+    errors: list[ConfigError] = []
+    names: dict[str, int] = {}
+    hashes: dict[str, int] = {}
+    for i, k in enumerate(keys):
+        if not isinstance(k, dict):
+            continue
+        name, digest = k.get("name"), k.get("sha256")
+        if isinstance(name, str):
+            if name in names:
+                errors.append(ConfigError(f"/api_keys/{i}/name", f"duplicate key name {name!r} (also /api_keys/{names[name]})"))
+            names.setdefault(name, i)
+        if isinstance(digest, str):
+            if digest in hashes:
+                errors.append(ConfigError(f"/api_keys/{i}/sha256", f"same key hash as /api_keys/{hashes[digest]}"))
+            hashes.setdefault(digest, i)
+    return errors
+
+
+def key_limits_errors(key: Mapping[str, Any], where: str) -> list[ConfigError]:
     """A per-model block for a model the key may not use, or a default reservation no window could hold."""
     errors: list[ConfigError] = []
     lim = key["limits"]
