@@ -4,7 +4,6 @@ messages it sent, and waits on them."""
 from __future__ import annotations
 
 import os
-import random
 import time
 from pathlib import Path
 
@@ -13,6 +12,7 @@ from llmgw.agent.supervisor import Supervisor, SupervisorConfig
 from llmgw.config import schema_errors
 from llmgw.settings import FetchPolicy
 from tests.support.polling import until_async
+from tests.support.ports import engine_port_block
 
 
 WAIT = 90.0
@@ -23,7 +23,7 @@ SLEEPER = ("/bin/sh", "-c", "exec sleep 60", "engine")
 
 class Agent:
     def __init__(self, tmp_path: Path, policy: FetchPolicy):
-        first = random.randrange(30000, 60000, 200)
+        first = engine_port_block(200)
         self.config = SupervisorConfig(
             node_id=f"n-{os.getpid()}", advertise_address="127.0.0.1", engine_bind_host="127.0.0.1",
             engine_ports=(first, first + 199), engine_commands={"vllm": SLEEPER},

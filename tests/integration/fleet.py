@@ -46,7 +46,7 @@ from llmgw.tls.context import client_context
 from llmgw.tls.files import write_pair
 from tests.support.fleetclient import admin_client
 from tests.support.polling import WAIT, until
-from tests.support.ports import free_port
+from tests.support.ports import engine_port_block, free_port
 from tests.support.procfs import start_time as process_start_time  # noqa: F401 (tests import it from here)
 
 SIM_SCRIPT = Path(sys.executable).parent / "llmgw-engine-sim"
@@ -259,7 +259,7 @@ class Fleet:
         d = self.root / name
         d.mkdir(exist_ok=True)
         crt, key = self.pki.node(node_id)
-        first = random.randrange(30000, 60000, 100)
+        first = engine_port_block(100)
         cfg = {
             "node_id": node_id,
             "control_plane": {"url": self.stream_url, "reconnect_initial": 0.2, "reconnect_max": 1.0},

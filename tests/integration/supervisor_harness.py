@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from llmgw.agent.statedir import StateDir
 from llmgw.agent.supervisor import Supervisor, SupervisorConfig
 from llmgw.config import schema_errors
 from tests.support.polling import until_async
+from tests.support.ports import engine_port_block
 
 
 WAIT = 90.0  # generous: a loaded 2-core machine must not turn slowness into failure
@@ -37,7 +37,7 @@ class Harness:
     def __init__(self, tmp_path: Path, command=SIM, stop_grace: float = 15.0, drain_grace: float = 120.0,
                  bind_host: str = "127.0.0.1", health: LivenessPolicy = LivenessPolicy()):
         self.statedir = StateDir(tmp_path / "state")
-        first = random.randrange(30000, 60000, 200)
+        first = engine_port_block(200)
         self.config = SupervisorConfig(
             node_id=f"n-{os.getpid()}", advertise_address="127.0.0.1", engine_bind_host=bind_host,
             engine_ports=(first, first + 199), engine_commands={"vllm": tuple(command)},

@@ -26,7 +26,7 @@ import yaml
 from llmgw.agent import procident
 from llmgw.tls import client_context, init_ca, issue_admin, issue_node, issue_server
 from llmgw.tls.files import write_pair
-from tests.support.ports import free_port
+from tests.support.ports import engine_port_block, free_port
 
 from fleet import until
 
@@ -84,7 +84,7 @@ def test_real_control_plane_places_on_the_agent_which_survives_sigkills_and_stop
     engine = tmp_path / "engine-sim"  # this test's own engine command: its scan matches nothing else
     engine.write_bytes(SIM_SCRIPT.read_bytes())
     engine.chmod(0o755)
-    first = random.randrange(30000, 60000, 200)
+    first = engine_port_block(200)
     agent_yaml = tmp_path / "agent.yaml"
     agent_yaml.write_text(yaml.safe_dump({
         "node_id": node,

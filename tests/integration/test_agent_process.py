@@ -40,7 +40,7 @@ from llmgw.agent.statedir import ShardRecord, StateDir
 from llmgw.config import schema_errors
 from llmgw.tls import IdentityError, check_node_identity, init_ca, issue_node, issue_server, peer_identity, server_context
 from llmgw.tls.files import write_pair
-from tests.support.ports import free_port
+from tests.support.ports import engine_port_block, free_port
 
 from fleet import until
 from simproc import start_sim
@@ -244,7 +244,7 @@ class AgentProcess:
         self.node_id = node_id
         self.state_dir = root / "state"
         crt, key = pki.node(node_id)
-        first = random.randrange(30000, 60000, 200)
+        first = engine_port_block(200)
         self.config = {
             "node_id": node_id,
             "control_plane": {"url": url, "reconnect_initial": 0.2, "reconnect_max": 1.0},

@@ -149,7 +149,8 @@ def test_replicas_of_a_lost_node_are_replaced_no_faster_than_replacements_per_mi
         log = f.server.output(10**7)
         lost_at = log_times(log, f"node {a}: unreachable -> lost")
         placed = sorted(t for t in log_times(log, ": placed (") if t >= lost_at[0])
-        assert len(lost_at) == 1 and len(placed) == 3, (lost_at, placed)
+        events = [ln for ln in log.splitlines() if ": placed (" in ln or "->" in ln or "fail" in ln]
+        assert len(lost_at) == 1 and len(placed) == 3, (lost_at, placed, events[-40:])
         # Not all at once: the last one waited for the bucket to refill a token
         # (60/per_minute seconds after the bucket was first drawn on).
         refill = 60.0 / per_minute
