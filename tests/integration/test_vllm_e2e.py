@@ -278,7 +278,7 @@ def test_kv_events_are_published_on_the_ipc_socket_the_agent_chose(served):
     kv_dir = f.root / "a" / "state" / "kv"
     assert config["endpoint"].startswith(f"ipc://{kv_dir}/") and config["replay_endpoint"].startswith(f"ipc://{kv_dir}/")
     assert config["topic"] == f"kv@{shard['shard_id']}"
-    assert "--enable-prefix-caching" in argv
+    assert "--enable-prefix-caching" in argv and "--enable-prompt-tokens-details" in argv
     assert oct(os.stat(Path(config["endpoint"].removeprefix("ipc://")).parent).st_mode & 0o777) == "0o700"
 
     c = client(f)
@@ -286,10 +286,13 @@ def test_kv_events_are_published_on_the_ipc_socket_the_agent_chose(served):
     try:
         sub = Subscriber(ctx, config["endpoint"], config["topic"])
 
+        sent: list[list[int]] = []
+
         def published() -> list[BlockStored] | None:
             # PUB/SUB drops what is published before the subscription reaches the publisher:
             # send a new prompt (a new block) until its event arrives.
             prompt = block(next(_unique)) + [7]
+            sent.append(prompt)
             c.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0)
             try:
                 return until(lambda: sub.stored(prompt[:vllmcpu.BLOCK_SIZE]), "its BlockStored", timeout=5,
@@ -302,6 +305,12 @@ def test_kv_events_are_published_on_the_ipc_socket_the_agent_chose(served):
         assert {m.topic for m in sub.got} == {config["topic"]}
         seqs = [m.seq for m in sub.got]
         assert seqs == sorted(seqs)
+        # The stored block's prompt again: vLLM finds its first block in the prefix cache and,
+        # started with the flag the adapter adds beside kv_events, says so in the answer's usage
+        # (the figure the router checks its predicted hits against).
+        again = c.completions.create(model="tiny", prompt=sent[-1], max_tokens=1, temperature=0)
+        details = again.usage.prompt_tokens_details
+        assert details is not None and details.cached_tokens == vllmcpu.BLOCK_SIZE, again.usage
     finally:
         ctx.destroy(linger=0)
 

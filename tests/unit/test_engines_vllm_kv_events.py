@@ -50,6 +50,18 @@ def test_kv_events_emit_prefix_caching_and_an_ipc_publisher_in_the_shards_socket
 def test_without_kv_events_nothing_is_published():
     argv = build_launch(MODEL, Profile("p", "vllm"), ctx()).argv
     assert "--kv-events-config" not in argv and "--enable-prefix-caching" not in argv
+    assert "--enable-prompt-tokens-details" not in argv
+
+
+def test_kv_events_ask_the_engine_to_report_its_cached_prompt_tokens_unless_extra_args_decide():
+    """The router's cache-hit predictions are checked against the engine's own count
+    (usage.prompt_tokens_details.cached_tokens), which vLLM reports only with the flag."""
+    assert build_launch(MODEL, KV, ctx()).argv.count("--enable-prompt-tokens-details") == 1
+    for given in (["--no-enable-prompt-tokens-details"], ["--enable-prompt-tokens-details"],
+                  ["--enable_prompt_tokens_details=false"]):
+        argv = build_launch(MODEL, Profile("kv", "vllm", kv_events=True, extra_args=tuple(given)), ctx()).argv
+        assert argv.count("--enable-prompt-tokens-details") == (1 if given[0] == "--enable-prompt-tokens-details" else 0)
+        assert list(argv[-len(given):]) == given
 
 
 def test_only_rank_0_publishes():
@@ -57,6 +69,7 @@ def test_only_rank_0_publishes():
     rank1 = build_launch(MODEL, multi, ctx(rank=1, nnodes=2, master_addr="10.0.0.1", gpu_indices=(0,))).argv
     rank0 = build_launch(MODEL, multi, ctx(rank=0, nnodes=2, master_addr="10.0.0.1", gpu_indices=(0,))).argv
     assert "--kv-events-config" not in rank1 and "--kv-events-config" in rank0
+    assert "--enable-prompt-tokens-details" not in rank1 and "--enable-prompt-tokens-details" in rank0
 
 
 def test_no_socket_dir_or_a_path_past_the_unix_socket_limit_is_refused_before_launch():

@@ -62,7 +62,9 @@ the node's address and a port the agent allocates; docs/disaggregation.md) are
 owned in every form vLLM's parser accepts, including the dotted
 ``--kv-transfer-config.kv_role kv_producer``.  A profile with ``kv_events``
 gets ``--enable-prefix-caching`` and a ZMQ publisher on rank 0 (where the
-scheduler runs): ``ipc://`` sockets in the shard's ``socket_dir`` (never
+scheduler runs), and ``--enable-prompt-tokens-details`` there (the engine's
+own count of cached prompt tokens, which the router's predictions are
+checked against) unless ``extra_args`` says either way: ``ipc://`` sockets in the shard's ``socket_dir`` (never
 ``tcp://*``, which vLLM would bind on every interface), named short because a
 unix socket address holds 107 bytes, and the topic ``kv@<shard id>``.  Also owned since
 0.33: ``--device-ids`` (physical GPUs chosen around CUDA_VISIBLE_DEVICES),
@@ -237,6 +239,13 @@ _MULTI_NODE_OWNED = (
 )
 
 
+# With KV events on, the router predicts each request's cached prompt tokens; the engine's
+# own count (usage.prompt_tokens_details.cached_tokens) is what the prediction is checked
+# against, and vLLM reports it only with this flag. An operator's either spelling in
+# extra_args is left to decide.
+_PROMPT_TOKENS_DETAILS = OwnedFlag(("--enable-prompt-tokens-details", "--no-enable-prompt-tokens-details"), "")
+
+
 class VLLMAdapter(Adapter):
     name = "vllm"
     default_command = ("vllm",)
@@ -301,6 +310,8 @@ class VLLMAdapter(Adapter):
             args += ["--max-model-len", str(model.max_model_len)]
         if profile.kv_events and ctx.rank == 0:
             args += ["--enable-prefix-caching", "--kv-events-config", kv_events_config(ctx)]
+            if not find_owned(profile.extra_args, (_PROMPT_TOKENS_DETAILS,), self.syntax):
+                args.append("--enable-prompt-tokens-details")
         if profile.kv_transfer is not None:
             if ctx.kv_side_channel is None:
                 raise LaunchContextError(f"profile {profile.name!r} is one side of a prefill/decode pair: "
