@@ -705,6 +705,12 @@ def resilience(res: dict[str, Any]) -> list[tuple[str, str, Any, bool | None]]:
                          bool(p.get("converged")) and (p.get("registrations_mean") or 9) <= 1.1))
             rows.append((f"{share} core, {what}: connect errors / refusals / streams closed", "reported",
                          f"{p.get('connect_errors')} / {p.get('refusals')} / {p.get('streams_closed')}", None))
+            # The duty cycle bounds wall time, not CPU: on a crowded host the control plane's running
+            # windows are shared with everything else, and it gets less than the share it was held to.
+            span = p.get("wall_s") if what == "cold" else p.get("to_converged_s")
+            if span and p.get("cp_cpu_s") is not None:
+                rows.append((f"{share} core, {what}: CPU the control plane got, share of one core",
+                             f"reported (≤ {share})", round(p["cp_cpu_s"] / span, 3), None))
     fo = res.get("failover")
     if fo and "server_exited" in (fo.get("cold") or {}):
         rows.append(("failover: the leader leads through the cold start", "yes",
