@@ -14,12 +14,15 @@ import openai
 import pytest
 
 from llmgw.ctl.keys import main as keys_main
-from router_support import RouterProcess, openai_client, router_doc, start_sims
+from router_support import RouterProcess, openai_client, router_doc
+from simproc import start_sim
 from tests.support.polling import until
 
 pytestmark = pytest.mark.integration
 
-MSG = [{"role": "user", "content": "hello"}]
+# Long enough to fill prefix-cache blocks: the second request finds the first one's blocks cached,
+# and the simulator (as vLLM with --enable-prompt-tokens-details) says how many tokens in its usage.
+MSG = [{"role": "user", "content": " ".join(f"word{i}" for i in range(120))}]
 
 
 def ctl(*args: str) -> subprocess.CompletedProcess:
@@ -29,7 +32,7 @@ def ctl(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def sims():
-    started = start_sims(1)
+    started = [start_sim(model="m", extra_args=["--enable-prompt-tokens-details"], timeout=120)]
     yield started
     for s in started:
         s.stop()
@@ -82,3 +85,7 @@ def test_a_created_key_serves_is_billed_and_once_revoked_is_refused_after_sighup
     assert int(row["requests"]) == 2 and len(used) == 2
     assert int(row["prompt_tokens"]) == sum(u.prompt_tokens for u in used)
     assert int(row["completion_tokens"]) == sum(u.completion_tokens for u in used)
+    # what the engine had cached of the prompt (the second request's, the first one's blocks)
+    cached = [u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0 for u in used]
+    assert cached[0] == 0 and cached[1] > 0, used
+    assert int(row["cached_prompt_tokens"]) == sum(cached)

@@ -64,23 +64,26 @@ def test_workers_sharing_the_file_are_summed_and_a_torn_line_is_skipped_and_coun
     path = tmp_path / "usage.jsonl"
     for t in (T0, T0 + 1):  # two workers, the same minute
         w = UsageLog(str(path), Clock(t))
-        w.add("a", "m", 3, 4)
+        w.add("a", "m", 3, 4, cached=2)
         w.flush()
     late = UsageLog(str(path), Clock(T0 + 3600))
     late.add("a", "m", 100, 100)
     late.add("a", "n", 1, 1)
     late.flush()
     with open(path, "a") as f:
-        f.write('{"minute": "2026-11-30T23:33:00Z", "key": "a", "mod')  # a full disk's torn line
+        # a line from before cached prompt tokens were recorded (0 of them), and a full disk's torn line
+        f.write('{"minute": "2026-12-01T00:33:00Z", "key": "a", "model": "n", "requests": 1, "prompt_tokens": 2, '
+                '"completion_tokens": 3, "router": "old", "pid": 1}\n')
+        f.write('{"minute": "2026-11-30T23:33:00Z", "key": "a", "mod')
     rows, bad = sum_usage(path.read_text().splitlines(), since=T0, until=T0 + 60)
-    assert bad == 1 and [(r.key, r.model, r.requests, r.prompt_tokens, r.completion_tokens) for r in rows] == [
-        ("a", "m", 2, 6, 8)]
+    assert bad == 1 and [(r.key, r.model, r.requests, r.prompt_tokens, r.cached_prompt_tokens, r.completion_tokens)
+                         for r in rows] == [("a", "m", 2, 6, 4, 8)]
     assert main(["keys", "usage", "--log", str(path), "--since", "2026-11-30T23:33Z", "--format", "csv"]) == 0
     out = capsys.readouterr()
     assert out.out.splitlines() == [
-        "key,model,requests,prompt_tokens,completion_tokens,first_minute,last_minute",
-        "a,m,3,106,108,2026-11-30T23:33:00Z,2026-12-01T00:33:00Z",
-        "a,n,1,1,1,2026-12-01T00:33:00Z,2026-12-01T00:33:00Z",
+        "key,model,requests,prompt_tokens,cached_prompt_tokens,completion_tokens,first_minute,last_minute",
+        "a,m,3,106,4,108,2026-11-30T23:33:00Z,2026-12-01T00:33:00Z",
+        "a,n,2,3,0,4,2026-12-01T00:33:00Z,2026-12-01T00:33:00Z",
     ]
     assert "1 unreadable line(s) skipped" in out.err
 

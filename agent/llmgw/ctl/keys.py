@@ -190,6 +190,7 @@ class UsageRow:
     model: str
     requests: int = 0
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # part of prompt_tokens: what the engine had in its prefix cache
     completion_tokens: int = 0
     first_minute: str = ""
     last_minute: str = ""
@@ -210,6 +211,7 @@ def sum_usage(lines: Iterable[str], since: float | None, until: float | None) ->
             minute = rec["minute"]
             start = datetime.fromisoformat(minute.replace("Z", "+00:00")).timestamp()
             counts = [int(rec[f]) for f in ("requests", "prompt_tokens", "completion_tokens")]
+            cached = int(rec.get("cached_prompt_tokens", 0))  # absent from lines written before it was recorded
             key, model = str(rec["key"]), str(rec["model"])
         except (ValueError, KeyError, TypeError, AttributeError):
             bad += 1  # a line torn by a full disk, or not ours
@@ -220,6 +222,7 @@ def sum_usage(lines: Iterable[str], since: float | None, until: float | None) ->
         row.requests += counts[0]
         row.prompt_tokens += counts[1]
         row.completion_tokens += counts[2]
+        row.cached_prompt_tokens += cached
         row.first_minute = min(row.first_minute, minute)
         row.last_minute = max(row.last_minute, minute)
     return sorted(rows.values(), key=lambda r: (r.key, r.model)), bad
@@ -244,9 +247,10 @@ def cmd_usage(args: argparse.Namespace) -> int:
         for r in rows:
             out.writerow(astuple(r))
     else:
-        print(f"{'KEY':24} {'MODEL':32} {'REQUESTS':>10} {'PROMPT':>14} {'COMPLETION':>14}")
+        print(f"{'KEY':24} {'MODEL':32} {'REQUESTS':>10} {'PROMPT':>14} {'CACHED':>14} {'COMPLETION':>14}")
         for r in rows:
-            print(f"{r.key:24} {r.model:32} {r.requests:>10} {r.prompt_tokens:>14} {r.completion_tokens:>14}")
+            print(f"{r.key:24} {r.model:32} {r.requests:>10} {r.prompt_tokens:>14} {r.cached_prompt_tokens:>14} "
+                  f"{r.completion_tokens:>14}")
     return 0
 
 

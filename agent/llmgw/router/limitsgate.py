@@ -152,14 +152,18 @@ class LimitsGate:
             m = self.metrics
             c = self._usage[(ticket.key, ticket.model)] = (
                 m.key_requests.labels(ticket.key, ticket.model), m.key_prompt_tokens.labels(ticket.key, ticket.model),
-                m.key_completion_tokens.labels(ticket.key, ticket.model))
+                m.key_completion_tokens.labels(ticket.key, ticket.model),
+                m.key_cached_prompt_tokens.labels(ticket.key, ticket.model))
+        cached = min(used.cached or 0, used.prompt)  # part of the prompt, never more than it
         c[0].inc()
         if self.usage_log is not None:
-            self.usage_log.add(ticket.key, ticket.model, used.prompt, used.completion)
+            self.usage_log.add(ticket.key, ticket.model, used.prompt, used.completion, cached)
         if used.prompt:
             c[1].inc(used.prompt)
         if used.completion:
             c[2].inc(used.completion)
+        if cached:
+            c[3].inc(cached)
 
     def _used(self, lim: Limited, resp: web.StreamResponse | None, status: int) -> Usage:
         ticket = lim.ticket

@@ -103,6 +103,10 @@ class RouterMetrics:
         self.key_completion_tokens = Counter(
             "llmgw_router_key_completion_tokens", "Completion tokens settled for a limited key (engine usage, else "
             "one per event relayed), by key name and model.", ["key", "model"], registry=r)
+        self.key_cached_prompt_tokens = Counter(
+            "llmgw_router_key_cached_prompt_tokens", "Of a limited key's prompt tokens, those the engine reported "
+            "found in its prefix cache (usage.prompt_tokens_details.cached_tokens), by key name and model.",
+            ["key", "model"], registry=r)
         self.key_refusals = Counter(
             "llmgw_router_key_refusals", "Requests of a limited key refused (429) by one of its limits "
             "(requests, input_tokens, output_tokens, tokens, tokens_per_day, concurrent_requests).",
@@ -146,14 +150,6 @@ class RouterMetrics:
         """
         self.request_done("-", status, seconds)
         self.error("-", klass)
-
-    def key_usage(self, key: str, model: str, prompt: int, completion: int) -> None:
-        """One settled request of a limited key (label lookups: only limited keys pay them)."""
-        self.key_requests.labels(key, model).inc()
-        if prompt:
-            self.key_prompt_tokens.labels(key, model).inc(prompt)
-        if completion:
-            self.key_completion_tokens.labels(key, model).inc(completion)
 
     def render(self) -> bytes:
         path = multiprocess_dir()

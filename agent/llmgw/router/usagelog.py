@@ -13,8 +13,11 @@ it holds when it stops (SIGTERM); one that is killed loses at most its
 current minute.  ``llmgw ctl keys usage`` reads and sums the lines.
 
 A line: ``{"minute": "2026-12-06T03:27:00Z", "key": "team-a", "model": "m",
-"requests": 3, "prompt_tokens": 30, "completion_tokens": 12, "router":
-"host", "pid": 4242}``.  Only keys with a ``limits`` block are accounted
+"requests": 3, "prompt_tokens": 30, "cached_prompt_tokens": 16,
+"completion_tokens": 12, "router": "host", "pid": 4242}``.
+``cached_prompt_tokens`` (part of ``prompt_tokens``) are those the engine
+said it found in its prefix cache (``usage.prompt_tokens_details.cached_tokens``;
+0 where it does not say), which providers bill at a discount.  Only keys with a ``limits`` block are accounted
 (``limits: {}`` accounts without limiting).
 """
 
@@ -45,15 +48,17 @@ class UsageLog:
         self.router = socket.gethostname()
         self._minutes: dict[int, dict[tuple[str, str], list[int]]] = {}
 
-    def add(self, key: str, model: str, prompt: int, completion: int) -> None:
-        """Count one settled request; a minute already over is written now."""
+    def add(self, key: str, model: str, prompt: int, completion: int, cached: int = 0) -> None:
+        """Count one settled request (``cached``: of its prompt tokens, those the engine had cached);
+        a minute already over is written now."""
         minute = int(self.clock() // 60)
         if self._minutes and min(self._minutes) < minute:
             self.flush(minute)
-        row = self._minutes.setdefault(minute, {}).setdefault((key, model), [0, 0, 0])
+        row = self._minutes.setdefault(minute, {}).setdefault((key, model), [0, 0, 0, 0])
         row[0] += 1
         row[1] += prompt
         row[2] += completion
+        row[3] += cached
 
     def flush(self, before: int | None = None) -> None:
         """Append every minute earlier than ``before`` (all of them when None) in one write."""
@@ -62,9 +67,10 @@ class UsageLog:
             return
         lines = []
         for m in done:
-            for (key, model), (requests, prompt, completion) in sorted(self._minutes[m].items()):
+            for (key, model), (requests, prompt, completion, cached) in sorted(self._minutes[m].items()):
                 lines.append(json.dumps({"minute": minute_text(m), "key": key, "model": model, "requests": requests,
-                                         "prompt_tokens": prompt, "completion_tokens": completion,
+                                         "prompt_tokens": prompt, "cached_prompt_tokens": cached,
+                                         "completion_tokens": completion,
                                          "router": self.router, "pid": os.getpid()}, separators=(",", ":")))
         data = ("\n".join(lines) + "\n").encode()
         try:
