@@ -161,3 +161,44 @@ def test_sighup_puts_changed_limits_in_force_and_a_bad_file_changes_nothing(sims
         until(lambda: "refused, the keys in force stay" in r.output(), "the refusal in the log")
         assert "/api_keys/0/limits/requests_per_minute" in r.output()
         assert limit() == "7" and r.proc.poll() is None
+
+
+def test_cached_prompt_tokens_count_the_keys_weight_in_its_token_window(tmp_path):
+    """Two keys, the same requests: a long prompt, then the same prompt again (which the engine finds
+    in its prefix cache and says so, as vLLM does with --enable-prompt-tokens-details), then a
+    third whose headers show what the first two left of the window. The key whose cached tokens
+    weigh 0 was charged exactly the second answer's cached tokens less."""
+    from simproc import start_sim
+
+    sim = start_sim(model="m", extra_args=["--enable-prompt-tokens-details"], timeout=120)
+    try:
+        keys = [{"name": name, "sha256": hash_key(f"sk-{name}"),
+                 "limits": {"tokens_per_minute": 100_000, "default_max_tokens": 1, "cached_prompt_weight": weight}}
+                for name, weight in (("whole", 1), ("free", 0))]
+        doc = router_doc([{"id": "sim0", "model": "m", "url": sim.url}], allow_unauthenticated=False, api_keys=keys,
+                         metrics_tokens=[{"name": "prometheus", "sha256": hash_key(METRICS_TOKEN)}])
+        with RouterProcess(doc, workers=1, tmp=tmp_path) as r:
+            r.metrics_token = METRICS_TOKEN
+            left, cached, prompt = {}, {}, {}
+            for name, tag in (("whole", "alpha1"), ("free", "alpha2")):
+                c = openai_client(r, f"sk-{name}")
+                # the same bytes and tokens for both keys but a first word of their own: each key's first
+                # request is uncached, and the third's reservation (from the body's size) is the same
+                msg = [{"role": "user", "content": " ".join([tag] + [f"w{i}" for i in range(200)])}]
+                first = c.chat.completions.create(model="m", messages=msg, max_tokens=1)
+                second = c.chat.completions.create(model="m", messages=msg, max_tokens=1)
+                assert first.usage.prompt_tokens == second.usage.prompt_tokens
+                prompt[name] = first.usage.prompt_tokens
+                assert (first.usage.prompt_tokens_details.cached_tokens or 0) == 0
+                cached[name] = second.usage.prompt_tokens_details.cached_tokens
+                assert 0 < cached[name] < second.usage.prompt_tokens
+                until(lambda: r.metric("llmgw_router_key_requests_total", key=name, model="m") == 2,
+                      "both requests settled")
+                third = c.chat.completions.with_raw_response.create(model="m", messages=msg, max_tokens=1)
+                left[name] = int(third.headers["x-ratelimit-remaining-tokens"])
+            assert prompt["free"] == prompt["whole"] and cached["free"] == cached["whole"]
+            assert left["free"] - left["whole"] == cached["free"]
+            # the usage counters count cached tokens apart, unweighted, for either key
+            assert r.metric("llmgw_router_key_cached_prompt_tokens_total", key="free", model="m") >= cached["free"]
+    finally:
+        sim.stop()

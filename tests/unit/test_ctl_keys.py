@@ -49,7 +49,11 @@ def test_a_duplicate_name_or_a_bad_limit_is_refused_with_its_pointer_and_nothing
     assert "/api_keys/1/limits/tokens_per_minute: 10 is below default_max_tokens" in err.err and err.out == ""
     assert main(["keys", "create", "bad name", "--file", str(keys)]) == 1
     assert "/api_keys/1/name" in capsys.readouterr().err
+    assert main(["keys", "create", "carol", "--file", str(keys), "--cached-prompt-weight", "1.5"]) == 1
+    assert "/api_keys/1/limits/cached_prompt_weight" in capsys.readouterr().err
     assert keys.read_text() == before
+    create(capsys, keys, "carol", "--cached-prompt-weight", "0.1")
+    assert yaml.safe_load(keys.read_text())["api_keys"][1]["limits"] == {"cached_prompt_weight": 0.1}
 
 
 def test_revoke_removes_the_key_and_an_unknown_name_is_an_error(tmp_path, capsys):

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from llmgw.config import ConfigInvalid
-from llmgw.router.limits import DAY, Limiter, Refused, Ticket, Window
+from llmgw.router.limits import BUDGET, DAY, INPUT, TOTAL, Limiter, Refused, Ticket, Window
 from llmgw.router.limitsgate import _max_tokens, reset_text
 from llmgw.router.settings import ApiKey, KeyLimits, KeyRates, RouterSettings
 from llmgw.router.usage import StreamMeter, Usage, body_usage
@@ -81,6 +81,26 @@ def test_settlement_gives_back_an_unused_reservation_and_charges_an_overrun():
     assert lm.views(st, "m", 0.4)[1][1] == 100
     lm.settle(t2, 0, 0, 0.5)  # a second settlement is ignored
     assert lm.views(st, "m", 0.5)[1][1] == 100
+
+
+@pytest.mark.parametrize("weight, counted", [(1.0, 1000), (0.1, 1000 - 720), (0.0, 1000 - 800)])
+def test_cached_prompt_tokens_count_their_weight_once_settled(weight, counted):
+    """Admission reserves the whole prompt (what is cached is known from the answer only);
+    settlement counts each cached prompt token at the key's cached_prompt_weight."""
+    lim = KeyLimits(KeyRates(tokens_per_minute=5000, input_tokens_per_minute=5000, tokens_per_day=50_000), 16,
+                    cached_prompt_weight=weight)
+    lm = Limiter([ApiKey("k", H, None, lim)])
+    st = lm.keys["k"]
+    t = lm.admit(st, "k", "m", 900, 100, 0.0)
+    assert isinstance(t, Ticket) and lm.views(st, "m", 0.0)[1][1] == 5000 - 1000  # all of it reserved
+    lm.settle(t, 900, 100, 0.1, cached=800)
+    prompt = counted - 100
+    assert lm.views(st, "m", 0.1)[1][1] == 5000 - counted
+    assert {dim: w.used for dim, w in st.rule.windows} == {INPUT: prompt, TOTAL: counted, BUDGET: counted}
+    # never more cached than the prompt: a wrong figure from an engine cannot make usage negative
+    t2 = lm.admit(st, "k", "m", 10, 0, 0.2)
+    lm.settle(t2, 10, 0, 0.3, cached=10_000)
+    assert all(w.used >= 0 for _, w in st.rule.windows)
 
 
 def test_settling_after_the_slot_aged_out_changes_nothing():

@@ -59,7 +59,7 @@ def new_key() -> str:
     return PREFIX + secrets.token_urlsafe(32)
 
 
-def entry(name: str, digest: str, models: list[str] | None, limits: dict[str, int]) -> dict[str, Any]:
+def entry(name: str, digest: str, models: list[str] | None, limits: dict[str, int | float]) -> dict[str, Any]:
     """One ``api_keys`` item as ``router.yaml`` accepts it."""
     out: dict[str, Any] = {"name": name, "sha256": digest, "models": models if models else "*"}
     if limits:
@@ -129,7 +129,8 @@ def _locked(path: Path) -> Iterator[None]:
 
 
 def cmd_create(args: argparse.Namespace) -> int:
-    limits = {n: getattr(args, n) for n in (*RATES, "default_max_tokens") if getattr(args, n) is not None}
+    limits = {n: getattr(args, n) for n in (*RATES, "default_max_tokens", "cached_prompt_weight")
+              if getattr(args, n) is not None}
     key = new_key()
     path = Path(args.file)
     with _locked(path):
@@ -289,6 +290,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         p.add_argument(f"--{n.replace('_', '-')}", type=int, metavar="N", default=None, dest=n)
     p.add_argument("--default-max-tokens", type=int, metavar="N", default=None, dest="default_max_tokens",
                    help="tokens reserved for a request that sets no max_tokens (with token limits)")
+    p.add_argument("--cached-prompt-weight", type=float, metavar="W", default=None, dest="cached_prompt_weight",
+                   help="what a prompt token the engine had cached counts in the token limits, 0 to 1 (default 1)")
     p.set_defaults(func=_guarded(cmd_create))
 
     p = sub.add_parser("revoke", help="remove a key by name")

@@ -170,7 +170,7 @@ class Ticket:
     """An admitted request's reservations, given back (settled) exactly once."""
 
     __slots__ = ("key", "model", "prompt", "completion", "rules", "entries", "requests", "tokens", "settled",
-                 "slots")
+                 "slots", "cached_weight")
 
     def __init__(self, key: str, model: str, prompt: int, completion: int, rules: tuple[Rule, ...],
                  entries: list, requests: RateView | None, tokens: RateView | None, slots: list = ()) -> None:
@@ -184,6 +184,7 @@ class Ticket:
         self.tokens = tokens  # the tightest minute token window after it
         self.settled = False
         self.slots = slots  # concurrency slots leased across routers (allowance.Slots), held until settled
+        self.cached_weight = 1.0  # what a cached prompt token counts when settled (KeyLimits.cached_prompt_weight)
 
 
 @dataclass(frozen=True)
@@ -261,15 +262,22 @@ class Limiter:
             return Refused(worst.dimension, worst.retry_after, worst.limit, rv, tv)
         for rule in rules:
             rule.in_flight += 1
-        return Ticket(key, model, prompt, completion, rules, entries,
-                      None if req is None else _view(req, now), None if tok is None else _view(tok, now))
+        ticket = Ticket(key, model, prompt, completion, rules, entries,
+                        None if req is None else _view(req, now), None if tok is None else _view(tok, now))
+        ticket.cached_weight = state.limits.cached_prompt_weight
+        return ticket
 
-    def settle(self, ticket: Ticket, prompt: int, completion: int, now: float) -> None:
-        """Replace the ticket's reservations with what the request used; a second call does nothing."""
+    def settle(self, ticket: Ticket, prompt: int, completion: int, now: float, cached: int = 0) -> None:
+        """Replace the ticket's reservations with what the request used; a second call does nothing.
+
+        ``cached`` of the ``prompt`` tokens were in the engine's prefix cache: each counts
+        ``cached_weight`` of a token in the token windows."""
         if ticket.settled:
             return
         ticket.settled = True
         reserved = amounts(ticket.prompt, ticket.completion)
+        if cached > 0 and ticket.cached_weight < 1.0:
+            prompt -= round(min(cached, prompt) * (1.0 - ticket.cached_weight))
         used = amounts(prompt, completion)
         for w, entry, dim in ticket.entries:
             delta = used[dim] - reserved[dim]

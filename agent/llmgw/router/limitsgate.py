@@ -146,7 +146,8 @@ class LimitsGate:
         if ticket is None or ticket.settled:
             return
         used = self._used(lim, resp, status)
-        self.limiter.settle(ticket, used.prompt, used.completion, asyncio.get_running_loop().time())
+        cached = min(used.cached or 0, used.prompt)  # part of the prompt, never more than it
+        self.limiter.settle(ticket, used.prompt, used.completion, asyncio.get_running_loop().time(), cached)
         c = self._usage.get((ticket.key, ticket.model))
         if c is None:  # label children resolved once per key and model (labels() takes a lock)
             m = self.metrics
@@ -154,7 +155,6 @@ class LimitsGate:
                 m.key_requests.labels(ticket.key, ticket.model), m.key_prompt_tokens.labels(ticket.key, ticket.model),
                 m.key_completion_tokens.labels(ticket.key, ticket.model),
                 m.key_cached_prompt_tokens.labels(ticket.key, ticket.model))
-        cached = min(used.cached or 0, used.prompt)  # part of the prompt, never more than it
         c[0].inc()
         if self.usage_log is not None:
             self.usage_log.add(ticket.key, ticket.model, used.prompt, used.completion, cached)

@@ -37,6 +37,8 @@ class KeyLimits:
     default_max_tokens: int = 1024
     window_seconds: float = 60.0
     per_model: Mapping[str, KeyRates] = field(default_factory=dict, hash=False)
+    # what one cached prompt token counts in the token windows once settled (1: a whole token; 0: nothing)
+    cached_prompt_weight: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -385,6 +387,7 @@ def _key_limits(raw: Mapping[str, Any] | None) -> KeyLimits | None:
         rates=KeyRates(**{n: raw.get(n) for n in _RATES}),
         default_max_tokens=raw["default_max_tokens"],
         window_seconds=float(raw["window_seconds"]),
+        cached_prompt_weight=float(raw["cached_prompt_weight"]),
         per_model={m: KeyRates(**{n: r.get(n) for n in _RATES}) for m, r in (raw.get("per_model") or {}).items()},
     )
 
