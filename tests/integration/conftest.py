@@ -7,9 +7,19 @@ one worker, as ``--dist loadfile`` would keep it: its module fixtures (a 200-nod
 an etcd cluster) are built once. The files that load the CPU for long (simulated fleets of
 hundreds of nodes, fuzzing, the real llama-server and vLLM, the chaos run) share one group, so they
 run one after another on one worker and never starve each other into a timeout.
+
+They also run at a lower CPU priority (``HEAVY_NICE``, inherited by every process they start:
+engines, simulated fleets, control planes): a real vLLM starting (two processes importing
+torch, four for a prefill/decode pair) took both cores for a minute, and a control plane in a
+test beside it went 20 s between an agent's connect and its registration, long enough for the
+short heartbeats and health checks the light tests use to call a healthy engine dead. Most
+light tests sleep on timers; given the CPU first when they wake, they leave the heavy files
+nearly all of it.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -39,3 +49,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         name = item.path.name
         item.add_marker(pytest.mark.xdist_group("cpu-heavy" if name in CPU_HEAVY else name))
+
+
+HEAVY_NICE = 10  # CFS weight 110 against 1024 at 0: a waking light test gets about 90 % of a contended core
+
+
+@pytest.fixture(scope="module", autouse=True)
+def heavy_files_yield_the_cpu(request: pytest.FixtureRequest):
+    """A CPU_HEAVY module (and all it starts, module fixtures included: autouse fixtures are set up
+    before the others of their scope) runs at HEAVY_NICE; the worker goes back to its niceness after.
+    Going back needs root (CI); elsewhere the worker stays niced, which costs nothing but priority."""
+    if request.path.name not in CPU_HEAVY:
+        yield
+        return
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    os.setpriority(os.PRIO_PROCESS, 0, max(before, HEAVY_NICE))
+    try:
+        yield
+    finally:
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, before)
+        except PermissionError:
+            pass
