@@ -175,3 +175,66 @@ def test_a_disaggregated_model_is_placed_launched_and_served_in_two_phases(tmp_p
             worker.join(timeout=90)
         assert failures == []
         assert set(answers) == {EXPECTED}
+
+
+def prompt_tokens(url: str) -> float:
+    """The prompt tokens an engine computed (vLLM's counter; the simulator keeps the same name)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:prompt_tokens_total"))
+
+
+def test_a_prompt_goes_to_the_prefill_replica_whose_engine_holds_its_prefix(tmp_path):
+    """Two prefill replicas publishing KV events, each holding the first turn of a conversation of its
+    own: each conversation's second turn is prefilled by the replica that holds its first, though
+    the least-loaded rule (both idle) would send both to the same one."""
+    with Fleet(tmp_path, nodes={"a": 3}, profile={"kv_events": True}) as f:
+        f.config["deployments"] = [{"model": "tiny", "profile": "sim", "disaggregation": {
+            "prefill": {"replicas": 2}, "decode": {"replicas": 1}}}]
+        f.write_config()
+        f.start()
+        ready = f.wait_ready(3)
+        prefill = {r["replica_id"]: f"http://127.0.0.1:{r['shards'][0]['port']}" for r in ready
+                   if r["profile"].endswith(":prefill")}
+        keys_of = {r["replica_id"]: engine(r["shards"][0]["pid"])[1]["VLLM_API_KEY"] for r in ready}
+        assert len(prefill) == 2
+        conversations = dict(zip(sorted(prefill), (FIRST, OTHER)))
+        # each prefill engine computes one first turn (sent to it directly, with its engine key) and
+        # reports its blocks
+        for rid, messages in conversations.items():
+            r = httpx.post(f"{prefill[rid]}/v1/chat/completions", timeout=60,
+                           headers={"Authorization": f"Bearer {keys_of[rid]}"},
+                           json={"model": "tiny", "messages": messages, "max_tokens": 1})
+            assert r.status_code == 200, r.text
+
+        def keys(messages) -> set[str]:
+            return {to_hex(k) for k in chain_keys(simulator_token_ids({"messages": messages}, 8192), DEFAULT_BLOCK_SIZE)}
+
+        def held() -> int | None:
+            with f.client(cert=f.pki.router) as c:
+                doc = c.get("/v1/router/endpoints", params={"kv_after": "-1"}).json()["route_keys"]
+            have = {e["replica_id"]: set(e.get("added", ())) for e in doc["replicas"]}
+            ok = all(keys(m) <= have.get(rid, set()) for rid, m in conversations.items())
+            return doc["revision"] if ok else None
+
+        revision = until(held, "both prefill replicas' route keys on the watch", on_timeout=f.dump)
+        # every prompt remote (min_uncached_tokens 0): the decoder's own cache decides nothing here
+        router, port = standalone_router(f, extra={
+            "balancing": {"cache_aware": {"models": ["tiny"]}},
+            "disaggregation": {"min_prompt_bytes": 0, "min_uncached_tokens": 0}})
+        until(lambda: router_endpoints(port) == 3, "the router to see the three replicas", on_timeout=router.output)
+        until(lambda: httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10).json()
+              .get("route_keys", {}).get("revision", -1) >= revision, "the router's index to hold them",
+              on_timeout=router.output)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+
+        for rid, first in conversations.items():
+            second = first + [{"role": "assistant", "content": EXPECTED}, {"role": "user", "content": "and then?"}]
+            before = {p: prompt_tokens(url) for p, url in prefill.items()}
+            assert client.chat.completions.create(model="tiny", messages=second, max_tokens=6) \
+                .choices[0].message.content == EXPECTED
+            assert [p for p, url in prefill.items() if prompt_tokens(url) > before[p]] == [rid]
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        picks = {s.labels["by"]: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+                 if s.name == "llmgw_router_prefill_picks_total" and s.labels.get("model") == "tiny"}
+        assert picks.get("cache") == 2.0, picks

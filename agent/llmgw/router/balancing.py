@@ -271,6 +271,23 @@ class CacheAware:
             return None
         return len(ids), self.index.held_prefix(_replica_id(m), chain_keys(ids, self.block_size)) * self.block_size
 
+    def holdings(self, payload: dict[str, Any] | None) -> Callable[[Any], int | None]:
+        """For one request: how many of its leading tokens a member's engine holds, in whole blocks
+        (None where the index cannot say: a stale or absent feed, no token ids). The prompt is keyed
+        once, at the first member asked about. For the choice of a prefill endpoint (``prefill``)."""
+        keys: list[int] | None = None
+
+        def held(m: Any) -> int | None:
+            nonlocal keys
+            if not self.index.fresh(_replica_id(m), self.clock()):
+                return None
+            if keys is None:
+                keys = chain_keys(self._ids(payload), self.block_size)
+            if not keys:
+                return None
+            return self.index.held_prefix(_replica_id(m), keys) * self.block_size
+        return held
+
     def _ids(self, payload: dict[str, Any] | None) -> list[int]:
         if not self.enabled:
             return []

@@ -90,6 +90,10 @@ class RouterMetrics:
             "(remote; short: the prompt is under min_prompt_bytes or min_uncached_tokens; cached: the chosen "
             "decoder caches enough of it that the rest is under min_uncached_tokens; no_prefill_endpoint: remote "
             "was wanted and no prefill endpoint could take it).", ["model", "decision"], registry=r)
+        self.prefill_picks = Counter(
+            "llmgw_router_prefill_picks", "Prefill endpoints chosen for remote prefills, by what chose them (cache: "
+            "the route-key index says its engine holds a leading part of the prompt; load: the fewest requests in "
+            "flight).", ["model", "by"], registry=r)
         self.duration = Histogram(
             "llmgw_router_request_duration_seconds", "Whole request duration as seen by the router.",
             ["model"], buckets=DURATION_BUCKETS, registry=r)

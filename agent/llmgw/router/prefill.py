@@ -51,6 +51,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 from llmgw import compat
@@ -130,6 +131,19 @@ def prompt_on(view: CacheAware | None, decoder: Any, route_payload: dict[str, An
     return counted, cached
 
 
+def prefill_cache(view: CacheAware | None, route_payload: dict[str, Any] | None
+                  ) -> tuple[Callable[[Any], int | None] | None, float]:
+    """How many of the prompt's leading tokens a prefill endpoint's engine holds (None where the index
+    cannot say), and the load bound the choice keeps; (None, 1.25) for a model the index does not cover.
+
+    As for the decoder, what the engine holds is read from the route-key index its KV events feed,
+    so a prefill group whose engines publish them (``kv_events`` on the prefill profile) sends a
+    prompt whose prefix one of them holds to that one, which computes only the rest."""
+    if view is None:
+        return None, 1.25
+    return view.holdings(route_payload), view.fallback.load_bound
+
+
 def prefill_body(payload: dict[str, Any]) -> bytes:
     """The prefill phase's request: the client's, not streamed, one token, blocks held for a decoder."""
     req = {**payload, "stream": False, "max_tokens": 1, "kv_transfer_params": dict(PREFILL_REQUEST)}
@@ -185,7 +199,7 @@ class Prefill:
             return decoder, body
         decoder.outstanding += 1  # the decoder's load while its prompt is prefilled elsewhere
         try:
-            params = await self.params(ctx, group, target, payload, headers, total_deadline)
+            params = await self.params(ctx, group, target, payload, headers, total_deadline, route_payload)
         finally:
             decoder.outstanding -= 1
         return decoder, (body if params is None else decode_body(payload, params))
@@ -194,22 +208,26 @@ class Prefill:
         self.metrics.prefill_decisions.labels(model, reason).inc()
 
     async def params(self, ctx: RequestContext, group: ModelGroup, target: bytes, payload: dict[str, Any],
-                     headers: bytes, total_deadline: float) -> dict[str, Any] | None:
+                     headers: bytes, total_deadline: float,
+                     route_payload: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """The decoder's ``kv_transfer_params`` from a prefill endpoint; None: the decoder prefills."""
         pgroup = group.prefill
         assert pgroup is not None
         loop = asyncio.get_running_loop()
+        cached, bound = prefill_cache(cache_view(self.routing.scorer, group.model), route_payload)
         body = prefill_body(payload)
         tried: set[str] = set()
         started = time.monotonic()
         outcome = "fallback"
         try:
             for _ in range(TRIES):
-                rt = self.routing.pick_prefill(pgroup, tried)
+                rt = self.routing.pick_prefill(pgroup, tried, cached, bound)
                 if rt is None:
                     outcome = "fallback" if tried else "unavailable"
                     return None
                 tried.add(rt.id)
+                by = "cache" if cached is not None and cached(rt) else "load"
+                self.metrics.prefill_picks.labels(group.model, by).inc()
                 deadline = min(loop.time() + self.s.prefill_timeout, total_deadline)
                 rt.outstanding += 1
                 conn: Connection | None = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import ssl
 import time
 from collections.abc import Callable
@@ -179,10 +180,19 @@ class Routing:
         predicted = getattr(self.scorer, "predicted", None)
         return predicted(group.members) if callable(predicted) else None
 
-    def pick_prefill(self, pgroup: ModelGroup, tried: set[str]) -> EndpointRuntime | None:
-        """The prefill endpoint with the fewest requests in flight that can take one more, else None."""
+    def pick_prefill(self, pgroup: ModelGroup, tried: set[str],
+                     cached: Callable[[EndpointRuntime], int | None] | None = None,
+                     load_bound: float = 1.25) -> EndpointRuntime | None:
+        """The prefill endpoint to compute a prompt, else None (none can take one more).
+
+        ``cached`` (the route-key index's view, for prefill engines that publish KV events) says how
+        many of the prompt's leading tokens an endpoint's engine holds: the one holding the most
+        computes the least, so it is chosen unless it carries more than ``load_bound`` times the
+        group's mean load (as the cache-aware scorer bounds a hot prefix). Without a holder, or
+        without the view, the endpoint with the fewest requests in flight."""
         eligible = _eligible(tried, time.monotonic())
-        return min((m for m in pgroup.members if eligible(m)), key=lambda m: m.outstanding, default=None)
+        cands = [m for m in pgroup.members if eligible(m)]
+        return choose_prefill(cands, cached, load_bound)
 
     def _why_none(self, group: ModelGroup, now: float) -> RouterError:
         draining = sum(1 for m in group.members if m.endpoint.draining)
@@ -241,6 +251,25 @@ class Routing:
     async def close(self) -> None:
         for rt in list(self._runtimes.values()) + self._retired:
             await rt.close()
+
+
+def choose_prefill(cands: list[Any], cached: Callable[[Any], int | None] | None, load_bound: float) -> Any:
+    """Among ``cands`` (each with ``outstanding``): the one whose engine holds the most of the prompt
+    within the load bound, ties to the least loaded; else the least loaded. Pure, for tests."""
+    if not cands:
+        return None
+    least = min(cands, key=lambda m: m.outstanding)
+    if cached is None:
+        return least
+    cap = math.ceil(load_bound * (sum(m.outstanding for m in cands) + 1) / len(cands))
+    best, held_best = None, 0
+    for m in cands:
+        if m.outstanding + 1 > cap:
+            continue
+        held = cached(m) or 0
+        if held > held_best or (held and held == held_best and m.outstanding < best.outstanding):
+            best, held_best = m, held
+    return best if best is not None else least
 
 
 def _asleep(members: list[EndpointRuntime] | tuple[EndpointRuntime, ...]) -> bool:
