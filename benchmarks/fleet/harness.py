@@ -96,6 +96,9 @@ class Fleet:
     standby: subprocess.Popen | None = None
     standby_port: int = 0
     etcd: "EtcdServer | None" = None
+    # api.clients.max_connections_per_source; None: the product's default. Every simulated agent
+    # dials from 127.0.0.1, where a fleet's nodes each have their own address.
+    per_source_cap: int | None = None
 
     def __post_init__(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -125,7 +128,9 @@ class Fleet:
         return path
 
     def _config(self, port: int, name: str, lifecycle: dict[str, Any]) -> dict[str, Any]:
-        cfg = {"api": {"listen": {"host": "127.0.0.1", "port": port}},
+        cfg = {"api": {"listen": {"host": "127.0.0.1", "port": port},
+                       **({"clients": {"max_connections_per_source": self.per_source_cap}}
+                          if self.per_source_cap is not None else {})},
                "tls": {"ca": str(self.ca.cert_path), "cert": str(self.server_pair[0]),
                        "key": str(self.server_pair[1])},
                "lifecycle": {**self.lifecycle, **lifecycle},

@@ -335,7 +335,8 @@ def contention(n: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     connect errors the agents saw, the streams and nodes the control plane
     logged going away."""
     out: dict[str, Any] = {"cpu_share": args.contention_share, "load_avg_1m": round(os.getloadavg()[0], 2)}
-    f = Fleet(tmp / "contention", n, procs=args.procs, lifecycle=lifecycle(args), cpu_share=args.contention_share)
+    f = Fleet(tmp / "contention", n, procs=args.procs, lifecycle=lifecycle(args), cpu_share=args.contention_share,
+              per_source_cap=args.per_source_cap)
     try:
         got = cold(f, args.contention_timeout)
         got.pop("summary", None)
@@ -375,7 +376,7 @@ def failover(n: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         return {"skipped": "etcd is not installed (make etcd: Debian's etcd-server)"}
     ha = {"lease_ttl": args.lease_ttl, "renew_interval": args.renew_interval}
     out: dict[str, Any] = {**ha, "load_avg_1m": round(os.getloadavg()[0], 2)}
-    f = Fleet(tmp / "failover", n, procs=args.procs, lifecycle=lifecycle(args), ha=ha)
+    f = Fleet(tmp / "failover", n, procs=args.procs, lifecycle=lifecycle(args), ha=ha, per_source_cap=args.per_source_cap)
     try:
         # The standby runs from the start, as it would in production: a leader that cannot renew
         # its lease during the cold start (its loop held by the registrations) hands over to it.
@@ -568,14 +569,16 @@ SHARED = ("cold", "steady", "reads", "stall", "storm", "partitions")
 
 
 def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
-    res: dict[str, Any] = {"nodes": n, "desired_replicas": sum(d["replicas"] for d in catalog(n)["deployments"])}
+    res: dict[str, Any] = {"nodes": n, "desired_replicas": sum(d["replicas"] for d in catalog(n)["deployments"]),
+                           "per_source_cap": args.per_source_cap}
     if "placement" in args.phases:
         log(f"{n}: placement rate")
         res["placement"] = placement_rate(n)
     live = [p for p in args.phases if p in SHARED]
     with tempfile.TemporaryDirectory(prefix=f"llmgw-fleet-{n}-") as tmp:
         if live:
-            f = Fleet(Path(tmp), n, procs=args.procs, lifecycle=lifecycle(args), cpu_share=args.cpu_share)
+            f = Fleet(Path(tmp), n, procs=args.procs, lifecycle=lifecycle(args), cpu_share=args.cpu_share,
+                      per_source_cap=args.per_source_cap)
             try:
                 log(f"{n}: cold start")
                 load = round(os.getloadavg()[0], 2)
@@ -816,6 +819,11 @@ def main() -> int:
                     choices=["placement", "cold", "steady", "reads", "stall", "storm", "partitions", "contention", "failover"])
     ap.add_argument("--keep-logs", default=None, help="copy each size's server and simulator logs here")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--per-source-cap", type=int, default=None,
+                    help="api.clients.max_connections_per_source for the control plane (default: the product's, "
+                         "128): every simulated agent dials from 127.0.0.1, so the cap on connections not yet "
+                         "through their TLS handshake holds the whole fleet to 128 handshakes at a time; 0 lifts it, "
+                         "as nodes on their own addresses do not share it")
     ap.add_argument("--update", action="store_true",
                     help="merge the phases measured now into the existing results (same sizes), keeping the rest")
     ap.add_argument("--note", default=None, help="what changed since the last measurement, for the results")
