@@ -346,3 +346,27 @@ def test_concurrent_requests_hold_across_workers_renew_while_running_and_come_ba
         return await admit(*idle[0])
 
     assert isinstance(asyncio.run(run()), Ticket)
+
+
+def test_cached_prompt_tokens_weigh_the_keys_weight_in_a_leased_slice_too():
+    """Fails before: tickets made from slices ignored cached_prompt_weight and charged cached tokens whole."""
+    clock = Clock()
+    book = AllowanceBook(LEASE, clock.t - LEASE)
+    keys = [ApiKey("k", "0" * 64, None, KeyLimits(KeyRates(tokens_per_minute=1000), default_max_tokens=4,
+                                                  window_seconds=WINDOW, cached_prompt_weight=0.0))]
+    al = Allowance(["https://cp"], None, clock=clock, on_outage="refuse")
+    state = Limiter(keys).keys["k"]
+
+    async def post(body):
+        status, answer = exchange(book, ("router-0", al.instance), body, clock())
+        return answer
+    al._post = post
+
+    async def run():
+        t = await admit(al, state, prompt=100, completion=100)
+        s = al.slices[("k", "", "tokens")]
+        before = s.balance
+        Limiter([]).settle(t, 100, 10, clock(), cached=80)  # 80 of the 100 prompt tokens cached, weighing 0
+        return s.balance - before
+
+    assert asyncio.run(run()) == 200 - (100 - 80 + 10)

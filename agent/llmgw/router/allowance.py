@@ -274,7 +274,8 @@ class Allowance:
         if top_up:
             self._top_up(top_up)
         return Ticket(key, model, prompt, completion, tuple(r for r, _ in rules), entries,
-                      None if req is None else _view(req, now), None if tok is None else _view(tok, now), slots)
+                      None if req is None else _view(req, now), None if tok is None else _view(tok, now), slots,
+                      cached_weight=state.limits.cached_prompt_weight)
 
     def views(self, state: KeyState, key: str, model: str, now: float) -> tuple[RateView | None, RateView | None]:
         """(requests, tokens) for OpenAI's headers: the books' room as of our last grant, less what we spent since."""

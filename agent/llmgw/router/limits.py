@@ -173,7 +173,8 @@ class Ticket:
                  "slots", "cached_weight")
 
     def __init__(self, key: str, model: str, prompt: int, completion: int, rules: tuple[Rule, ...],
-                 entries: list, requests: RateView | None, tokens: RateView | None, slots: list = ()) -> None:
+                 entries: list, requests: RateView | None, tokens: RateView | None, slots: list = (),
+                 cached_weight: float = 1.0) -> None:
         self.key = key
         self.model = model
         self.prompt = prompt  # reserved
@@ -184,7 +185,7 @@ class Ticket:
         self.tokens = tokens  # the tightest minute token window after it
         self.settled = False
         self.slots = slots  # concurrency slots leased across routers (allowance.Slots), held until settled
-        self.cached_weight = 1.0  # what a cached prompt token counts when settled (KeyLimits.cached_prompt_weight)
+        self.cached_weight = cached_weight  # what a cached prompt token counts when settled (KeyLimits.cached_prompt_weight)
 
 
 @dataclass(frozen=True)
@@ -262,10 +263,9 @@ class Limiter:
             return Refused(worst.dimension, worst.retry_after, worst.limit, rv, tv)
         for rule in rules:
             rule.in_flight += 1
-        ticket = Ticket(key, model, prompt, completion, rules, entries,
-                        None if req is None else _view(req, now), None if tok is None else _view(tok, now))
-        ticket.cached_weight = state.limits.cached_prompt_weight
-        return ticket
+        return Ticket(key, model, prompt, completion, rules, entries,
+                      None if req is None else _view(req, now), None if tok is None else _view(tok, now),
+                      cached_weight=state.limits.cached_prompt_weight)
 
     def settle(self, ticket: Ticket, prompt: int, completion: int, now: float, cached: int = 0) -> None:
         """Replace the ticket's reservations with what the request used; a second call does nothing.
