@@ -308,14 +308,8 @@ class CacheAware:
             ids = self._ids(payload)
             keys = chain_keys(ids, self.block_size)
             if keys:
-                total = sum(m.outstanding for m in cands)
-                cap = math.ceil(self.fallback.load_bound * (total + 1) / len(cands))
-                for m in fresh:
-                    if m.outstanding + 1 > cap:
-                        continue
-                    held = self.index.held_prefix(_replica_id(m), keys)
-                    if held > held_best or (held and held == held_best and m.outstanding < best.outstanding):  # type: ignore[union-attr]
-                        best, held_best = m, held
+                best, held_best = best_holder(cands, lambda m: self.index.held_prefix(_replica_id(m), keys),
+                                              self.fallback.load_bound, fresh)
         if best is None:
             self.fell_back += 1
             self.predicted = None
@@ -323,6 +317,25 @@ class CacheAware:
         self.precise += 1
         self.predicted = predicted_cached(held_best, len(ids), self.block_size, self.max_tokens)
         return best
+
+
+def best_holder(cands: Sequence[T], held: Callable[[T], int | None], load_bound: float,
+                among: Sequence[T] | None = None) -> tuple[T | None, int]:
+    """The member of ``among`` (default ``cands``) for which ``held`` is largest, ties to the least
+    loaded, leaving out any that would carry more than ``load_bound`` times the mean load of
+    ``cands`` with one more request (so a hot prefix cannot bury one endpoint); and what it holds.
+    (None, 0) when none within the bound holds anything. The decoders' cache-aware pick and the
+    prefill phase's (``runtime.choose_prefill``) both choose by it."""
+    cap = math.ceil(load_bound * (sum(m.outstanding for m in cands) + 1) / len(cands))
+    best: T | None = None
+    held_best = 0
+    for m in (cands if among is None else among):
+        if m.outstanding + 1 > cap:
+            continue
+        h = held(m) or 0
+        if h > held_best or (h and h == held_best and m.outstanding < best.outstanding):  # type: ignore[union-attr]
+            best, held_best = m, h
+    return best, held_best
 
 
 def predicted_cached(held_blocks: int, ids: int, block_size: int, max_tokens: int) -> int:

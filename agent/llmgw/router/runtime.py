@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .balancing import LeastOutstanding, PrefixAffinity
+from .balancing import LeastOutstanding, PrefixAffinity, best_holder
 from .endpoints import Endpoint, EndpointTable
 from .errors import RATE_LIMIT, SERVER, RouterError
 from .metrics import EndpointMetrics, RouterMetrics
@@ -261,14 +260,7 @@ def choose_prefill(cands: list[Any], cached: Callable[[Any], int | None] | None,
     least = min(cands, key=lambda m: m.outstanding)
     if cached is None:
         return least
-    cap = math.ceil(load_bound * (sum(m.outstanding for m in cands) + 1) / len(cands))
-    best, held_best = None, 0
-    for m in cands:
-        if m.outstanding + 1 > cap:
-            continue
-        held = cached(m) or 0
-        if held > held_best or (held and held == held_best and m.outstanding < best.outstanding):
-            best, held_best = m, held
+    best, _ = best_holder(cands, cached, load_bound)
     return best if best is not None else least
 
 
