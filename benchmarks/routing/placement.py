@@ -85,18 +85,33 @@ def workload(a: argparse.Namespace, rng: random.Random) -> list[list[int]]:
     return order[:a.requests]
 
 
-class Fleet:
-    def __init__(self, a: argparse.Namespace) -> None:
-        self.caches = [KVCache(num_blocks=a.kv_tokens // BS + 1, block_size=BS, record_events=True)
-                       for _ in range(a.replicas)]
-        self.members = [Member(f"e{i}", Ep("m", f"r{i}")) for i in range(a.replicas)]
+class KeyPath:
+    """Replica ``i``'s KV events (``r{i}``) into a router's index, the way a fleet carries them, without
+    its sockets: the agent relay's map and outbox, ``kv_routes`` messages checked and applied by the
+    control plane's book, read back as the watch reads them."""
+
+    def __init__(self, replicas: int) -> None:
         self.maps, self.outbox = [], Outbox()
-        for i in range(a.replicas):
+        for i in range(replicas):
             p = Pending(f"r{i}", f"r{i}/r0", current=lambda i=i: self.maps[i].keys())
             self.outbox.replicas[f"r{i}/r0"] = p
             self.maps.append(RouteMap(p))
         self.book = RouteKeyBook(lambda n, s: s.removesuffix("/r0"))
         self.index = KVIndex()
+
+    def sync(self, now: float) -> None:
+        while (msg := self.outbox.take(1024)) is not None:
+            self.book.apply("n", parse_up(dumps(msg)))
+        rev, full, reps = self.book.since(self.index.revision, self.index.epoch or None)
+        self.index.apply({"epoch": self.book.epoch, "revision": rev, "full": full, "replicas": reps}, now)
+
+
+class Fleet(KeyPath):
+    def __init__(self, a: argparse.Namespace) -> None:
+        super().__init__(a.replicas)
+        self.caches = [KVCache(num_blocks=a.kv_tokens // BS + 1, block_size=BS, record_events=True)
+                       for _ in range(a.replicas)]
+        self.members = [Member(f"e{i}", Ep("m", f"r{i}")) for i in range(a.replicas)]
         self.recent: deque[int] = deque(maxlen=a.window)
 
     def serve(self, i: int, prompt: list[int], answer: int) -> int:
@@ -117,12 +132,6 @@ class Fleet:
         for j, n in Counter(self.recent).items():
             self.members[j].outstanding = n
         return cache.hits - before
-
-    def sync(self, now: float) -> None:
-        while (msg := self.outbox.take(1024)) is not None:
-            self.book.apply("n", parse_up(dumps(msg)))
-        rev, full, reps = self.book.since(self.index.revision, self.index.epoch or None)
-        self.index.apply({"epoch": self.book.epoch, "revision": rev, "full": full, "replicas": reps}, now)
 
 
 def run(name: str, a: argparse.Namespace, prompts: list[list[int]]) -> dict[str, float | None]:

@@ -48,15 +48,10 @@ import zmq  # noqa: E402
 
 import tinyhf  # noqa: E402
 import vllmcpu  # noqa: E402
-from llmgw.agent.kvrelay_map import RouteMap  # noqa: E402
-from llmgw.agent.kvrelay_outbox import Outbox, Pending  # noqa: E402
-from llmgw.controlplane.messages import dumps, parse_up  # noqa: E402
-from llmgw.controlplane.routekeys import RouteKeyBook  # noqa: E402
 from llmgw.durable import write_atomic  # noqa: E402
 from llmgw.kvroutekeys import chain_keys  # noqa: E402
 from llmgw.router.balancing import CacheAware, LeastOutstanding, PrefixAffinity  # noqa: E402
-from llmgw.router.kvindex import KVIndex  # noqa: E402
-from placement import Ep, Member  # noqa: E402
+from placement import Ep, KeyPath, Member  # noqa: E402
 from tests.support.kvsub import Subscriber  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 
@@ -129,20 +124,13 @@ class Engine:
         self.log.close()
 
 
-class Feed:
-    """The engines' KV events into the router's index, along the fleet's path without its sockets."""
+class Feed(KeyPath):
+    """The engines' KV events, as their ZMQ publishers send them, into the router's index."""
 
     def __init__(self, subs: list[Subscriber]) -> None:
+        super().__init__(len(subs))
         self.subs = subs
         self.seen = [0] * len(subs)
-        self.outbox = Outbox()
-        self.maps = []
-        for i in range(len(subs)):
-            p = Pending(f"r{i}", f"r{i}/r0", current=lambda i=i: self.maps[i].keys())
-            self.outbox.replicas[f"r{i}/r0"] = p
-            self.maps.append(RouteMap(p))
-        self.book = RouteKeyBook(lambda n, s: s.removesuffix("/r0"))
-        self.index = KVIndex()
 
     def drain(self) -> None:
         """Take what each engine published so far (ZMQ delivers in order; the poll waits 50 ms at most)."""
@@ -154,10 +142,7 @@ class Feed:
 
     def sync(self, now: float) -> None:
         self.drain()
-        while (msg := self.outbox.take(1024)) is not None:
-            self.book.apply("n", parse_up(dumps(msg)))
-        rev, full, reps = self.book.since(self.index.revision, self.index.epoch or None)
-        self.index.apply({"epoch": self.book.epoch, "revision": rev, "full": full, "replicas": reps}, now)
+        super().sync(now)
 
 
 def run(name: str, engines: list[Engine], subs: list[Subscriber], prompts: list[list[int]],
