@@ -14,7 +14,8 @@ torch, four for a prefill/decode pair) took both cores for a minute, and a contr
 test beside it went 20 s between an agent's connect and its registration, long enough for the
 short heartbeats and health checks the light tests use to call a healthy engine dead. Most
 light tests sleep on timers; given the CPU first when they wake, they leave the heavy files
-nearly all of it.
+nearly all of it. Engines run in sessions of their own, which the kernel's autogroups weigh
+apart from their niceness; ``SessionNicer`` lowers those groups too (``tests/support/cpushare``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from __future__ import annotations
 import os
 
 import pytest
+
+from tests.support.cpushare import SessionNicer
 
 CPU_HEAVY = frozenset({
     "test_admin_api_fuzz.py",
@@ -65,7 +68,8 @@ def heavy_files_yield_the_cpu(request: pytest.FixtureRequest):
     before = os.getpriority(os.PRIO_PROCESS, 0)
     os.setpriority(os.PRIO_PROCESS, 0, max(before, HEAVY_NICE))
     try:
-        yield
+        with SessionNicer(os.getpid(), HEAVY_NICE):  # engines run in sessions of their own
+            yield
     finally:
         try:
             os.setpriority(os.PRIO_PROCESS, 0, before)
