@@ -21,6 +21,9 @@ and from the simulator's status file; nothing here measures speed.
 from __future__ import annotations
 
 import signal
+import socket
+import ssl
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -60,6 +63,35 @@ def ready(f: Fleet, sim: Sim, nodes: int, replicas: int) -> dict[str, Any]:
                  on_timeout=lambda: f"{sim.status()}\n--- server ---\n{f.server.output(6000)}")
 
 
+class HandshakeAcrossThePause:
+    """An admin client connected before the control plane stops, its TLS handshake (and the
+    control plane's handshake deadline, head_timeout: 15 s) begun: it sends its ClientHello
+    during the pause and asks for ``/healthz`` once the handshake completes."""
+
+    def __init__(self, f: Fleet) -> None:
+        self.raw = socket.create_connection(("127.0.0.1", f.port), timeout=WAIT)
+        time.sleep(0.5)  # accepted: the control plane has begun the handshake and armed its deadline
+        self.ctx = ssl.create_default_context(cafile=str(f.pki.ca_cert))
+        self.ctx.load_cert_chain(*map(str, f.pki.admin))
+        self.result: list[object] = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        try:
+            with self.ctx.wrap_socket(self.raw, server_hostname="127.0.0.1") as tls:
+                tls.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+                self.result.append(int(tls.recv(4096).split(b" ", 2)[1]))
+        except OSError as e:
+            self.result.append(e)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def answer(self) -> object:
+        self.thread.join(WAIT)
+        return self.result[0] if self.result else "no answer"
+
+
 @pytest.fixture(scope="module")
 def stalled_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Fleet, Sim]]:
     root = tmp_path_factory.mktemp("stall")
@@ -83,11 +115,14 @@ def test_a_control_plane_pause_costs_no_stream(stalled_fleet: tuple[Fleet, Sim],
     cp_regs = {n["node_id"]: n["registrations"] for n in nodes_doc(f)["nodes"]}
     log_from = len(f.server.life_output())
 
+    handshake = HandshakeAcrossThePause(f)
     f.server.signal(signal.SIGSTOP)
     try:
+        handshake.start()  # its ClientHello waits in the socket while the control plane is stopped
         time.sleep(pause)
     finally:
         f.server.signal(signal.SIGCONT)
+    assert handshake.answer() == 200, "a TLS handshake begun before the pause was aborted by it"
 
     # Back: every node heard from since the pause (its heartbeats read), and a lifecycle pass made after that.
     def caught_up() -> bool:

@@ -137,6 +137,58 @@ def test_control_plane_site_reads_1_KiB_at_a_time_and_the_routers_tls_on_the_sam
     assert not seen["cp"]["peercert_kept"]
 
 
+def _handshake_across_a_stall(server_ctx: ssl.SSLContext, client_ctx: ssl.SSLContext) -> str:
+    """A client whose TLS handshake starts while the control plane's loop is blocked for longer
+    than the handshake deadline (1 s): its ClientHello waits in the socket meanwhile."""
+    import threading
+    import time
+
+    connected, go = threading.Event(), threading.Event()
+    result: dict[str, str] = {}
+
+    async def scenario():
+        runner = await _runner()
+        site = HandshakeLoggingSite(runner, "127.0.0.1", 0, ssl_context=server_ctx, handshake_timeout=1.0)
+        await site.start()
+        port = site.addresses[0][1]
+
+        def client() -> None:
+            raw = socket.create_connection(("127.0.0.1", port), timeout=20)
+            connected.set()
+            go.wait(20)
+            try:
+                with client_ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+                    tls.sendall(b"GET /plain HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                    result["answer"] = tls.recv(4096).split(b"\r\n", 1)[0].decode()
+            except OSError as e:
+                result["answer"] = f"{type(e).__name__}: {e}"
+
+        t = threading.Thread(target=client)
+        t.start()
+        try:
+            while not connected.is_set():
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)  # accepted: the handshake (and its deadline) has begun
+            go.set()
+            time.sleep(2.5)  # the loop stalls past the deadline while the ClientHello arrives
+            await asyncio.get_running_loop().run_in_executor(None, t.join, 20)
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(scenario())
+    return result["answer"]
+
+
+@pytest.mark.skipif(not BUFFERED_TLS, reason="the stall-excusing deadline is SmallReadSSLProtocol's (3.11 on)")
+def test_a_control_plane_stall_past_the_handshake_deadline_does_not_abort_the_handshake(tls):
+    """Also the guard of the private names the excuse relies on: the deadline handle, its
+    callback and the protocol's state (asyncio calls the method by name from a lambda)."""
+    assert hasattr(sslproto.SSLProtocol, "_check_handshake_timeout")
+    assert sslproto.SSLProtocolState.DO_HANDSHAKE
+    server_ctx, client_ctx = tls
+    assert _handshake_across_a_stall(server_ctx, client_ctx) == "HTTP/1.1 200 OK"
+
+
 def test_aiohttp_StreamResponse__send_headers_immediately_holds_the_head_for_the_first_write():
     assert HOLD_HEADERS_ATTR == "_send_headers_immediately"
     assert vars(web.StreamResponse).get(HOLD_HEADERS_ATTR) is True, \
