@@ -26,6 +26,7 @@ import pytest
 from fleet_sim import NODES, REAL, Sim, assert_no_gpu_twice, nodes_doc, placement, read_json
 from fleet import Fleet, Proc, until
 from llmgw.sim.fleet.client import send_command
+from tests.support.procfs import tcp_clients_of
 
 pytestmark = pytest.mark.integration
 
@@ -118,6 +119,9 @@ def test_cold_start_registers_every_node_and_readies_every_replica(fleet: tuple[
     assert st["registrations"] >= NODES and st["messages_sent"]["register"] >= NODES
     assert st["messages_sent"]["heartbeat"] > 0
     assert st["progress_sent"] > 0  # the download phase reported progress
+    # each agent dials from a loopback address of its own, as from its own machine
+    sources = [ip for ip in tcp_clients_of(f.port) if ip.startswith("127.1.")]
+    assert len(sources) == len(set(sources)) == NODES, sorted(sources)[:5]
     nodes = nodes_doc(f)["nodes"]
     # every node registered with its own hardware: distinct GPU UUIDs fleet-wide
     uuids = [g["uuid"] for n in nodes for g in n["gpus"]]

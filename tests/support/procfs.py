@@ -110,3 +110,17 @@ def processes_under(root: Path | str, environ: bool = False) -> list[int]:
         if found:
             pids.append(int(entry.name))
     return pids
+
+
+def tcp_clients_of(port: int) -> list[str]:
+    """The local IPv4 address of every established connection to ``port`` (``/proc/net/tcp``): where
+    this namespace's clients of a local server dial from, one entry per connection."""
+    out = []
+    with open("/proc/net/tcp") as f:
+        next(f)
+        for line in f:
+            local, remote, state = line.split()[1:4]
+            if state == "01" and int(remote.split(":")[1], 16) == port:
+                raw = bytes.fromhex(local.split(":")[0])[::-1]  # little-endian on the hosts we run on
+                out.append(".".join(str(b) for b in raw))
+    return out

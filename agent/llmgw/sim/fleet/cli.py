@@ -105,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mix", default=DEFAULT_MIX, help="hardware templates and their weights, NAME=W,... (default: %(default)s)")
     g.add_argument("--template", action="append", type=_template, default=[], metavar="NAME=PATH",
                    help="add a hardware file as template NAME (repeatable); built in: " + ", ".join(builtin_templates()))
+    g.add_argument("--nodes-per-address", type=_count, default=1,
+                   help="against a control plane on an IPv4 loopback address, agents dial from addresses of their "
+                        "own, 127.1.0.0 on, this many to one, as agents on their own machines do (default: 1; "
+                        "0: all from the kernel's choice, one address for the whole fleet)")
     g.add_argument("--ramp", type=_seconds, default=0.0, help="spread the agents' first dial over this many seconds (default: 0)")
     g.add_argument("--seed", type=int, default=None, help="seed for choosing the nodes a fault applies to")
     g.add_argument("--duration", type=_seconds, default=0.0, help="exit after this many seconds (default: 0, run until quit or SIGTERM)")
@@ -251,7 +255,8 @@ async def _run(args: argparse.Namespace, ca: Any, assignment: list[str]) -> int:
                         reconnect_max=args.reconnect_max, keepalive=args.keepalive,
                         ramp=args.ramp, engines=engines_per_proc[i], engine_command=[args.engine_command],
                         engine_dir=str(engine_dir) if engine_dir else None, engine_ports=args.engine_ports,
-                        engine_models=[m for m in args.engine_models.split(",") if m])
+                        engine_models=[m for m in args.engine_models.split(",") if m],
+                        nodes_per_address=args.nodes_per_address)
              for i in range(args.procs)]
     handles: list[Any] = ([LocalHandle(specs[0])] if args.procs == 1
                           else [ProcessHandle(s, "DEBUG" if args.log_level == "DEBUG" else "WARNING") for s in specs])
