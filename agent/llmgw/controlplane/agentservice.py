@@ -191,6 +191,7 @@ class AgentService:
         retry = self.admission.decide(self.cp.clock(), lc.max_registrations_per_second, self.cp.looplag.behind(),
                                       lc.max_loop_lag)
         if retry is None:
+            self.cp.arriving("admitted")
             return None
         self.cp.timers.note_refused(self.cp.clock(), retry, lc)
         if self.admission.refused % 100 == 1:  # a storm would otherwise log a line per refusal

@@ -78,12 +78,19 @@ async def open_api(cp: ControlPlane, ssl_ctx: ssl.SSLContext | None, reload: Cal
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True, **head_timeout_kwargs(bounds))
     await runner.setup()
     quiet_malformed_requests()
-    gate = SourceGate(bounds.max_connections_per_source, ThrottledLog(log, "connection from %(host)s%(port)s refused: %(reason)s"))
+    refused_log = ThrottledLog(log, "connection from %(host)s%(port)s refused: %(reason)s")
+
+    def refused(peer: Any, reason: str) -> None:
+        refused_log(peer, reason)
+        cp.arriving("capped")  # most likely an agent dialling back: it holds the startup grace
+
+    gate = SourceGate(bounds.max_connections_per_source, refused)
     if ssl_ctx is not None:
         # handshakes run by the site itself, so a refused client certificate is logged with its reason
         site: FactorySite = HandshakeLoggingSite(runner, settings.api_host, settings.api_port, ssl_context=ssl_ctx,
                                                  reuse_address=True, backlog=API_BACKLOG, gate=gate,
-                                                 anonymous=anonymous, handshake_timeout=bounds.head_timeout)
+                                                 anonymous=anonymous, handshake_timeout=bounds.head_timeout,
+                                                 timed_out=lambda: cp.arriving("timed_out"))
     else:
         site = LimitedTCPSite(runner, settings.api_host, settings.api_port, reuse_address=True, backlog=API_BACKLOG,
                               gate=gate, handshake_timeout=bounds.head_timeout)

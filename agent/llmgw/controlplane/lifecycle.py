@@ -11,7 +11,7 @@ changed, so the rules below are tested without clocks or sockets.
 - A control plane that has just started declares nothing lost before
   ``startup_grace`` has passed, and silence is never counted from before it
   started: it cannot tell an agent still backing off from a dead one.  The
-  grace lasts while agents it refused (admission) are still due back.
+  grace lasts while agents are still arriving (``lifecycletimers``).
 - When more than ``max_unreachable_share`` of the (not yet lost) fleet is
   unreachable at once, the fault is far more likely on the control plane's
   side of the network than on every node at once, so nobody is declared
@@ -124,7 +124,7 @@ def evaluate(
     ``last_damped``: the previous evaluation's ``last_damped``; the silence
     that makes a node lost is not counted from before it.  ``grace_until``:
     when the startup grace ends, if not ``startup_grace`` after ``started_at``
-    (it is held while agents still wait to be admitted).
+    (it is held while agents are still arriving).
     """
     # Called every tick over the whole fleet: one pass over the clocks, sorting
     # only the nodes that change (a settled fleet of 10,000 has none), not the fleet.
@@ -169,7 +169,7 @@ def evaluate(
         held_longer = now - started_at >= timings.startup_grace
         hold_reason = (f"control plane started {now - started_at:.1f}s ago "
                        f"(startup_grace {timings.startup_grace:g}s"
-                       f"{', held while agents wait to be admitted' if held_longer else ''}): "
+                       f"{', held while agents are still arriving' if held_longer else ''}): "
                        "no node is declared lost yet")
     elif due and damped:
         hold_reason = (f"{unreachable} of {alive} nodes unreachable at once "

@@ -4,6 +4,11 @@ Nodes are judged on silence, so the control plane must not count its own
 pauses against them: the lag of its event loop (``looplag``) is added up
 and, once it matters, every node's deadlines are pushed back by it before
 the lifecycle is evaluated.
+
+The startup grace is held while agents are still arriving (``note_arrival``,
+``grace_end``): a restart whose fleet dials back slower than the grace (a
+starved host, the per-source connection cap, handshakes timing out) must not
+judge the agents still in line, nor place their replicas again elsewhere.
 """
 
 from __future__ import annotations
@@ -18,10 +23,19 @@ from llmgw.settings import Lifecycle
 log = logging.getLogger("llmgw.controlplane")
 
 STALL_EXCUSED_FROM = 0.25  # seconds of loop lateness, added up, before the nodes' deadlines are pushed back
-# The startup grace is held while agents refused by admission are due back, up to this many
-# times startup_grace: a restart that cannot admit its fleet within the grace must not judge
+# The startup grace is held while agents are still arriving, up to this many times
+# startup_grace: a restart that cannot take its fleet back within the grace must not judge
 # the agents still waiting in line (and re-place their replicas), nor wait forever.
 MAX_GRACE_FACTOR = 4.0
+
+# What counts as an agent arriving (``LifecycleTimers.note_arrival``), in the order logged.
+ARRIVALS = {
+    "registered": "registered",
+    "admitted": "streams admitted",
+    "refused": "refused by admission",
+    "capped": "dials aborted at max_connections_per_source",
+    "timed_out": "TLS handshakes timed out",
+}
 
 
 class LifecycleTimers:
@@ -33,6 +47,10 @@ class LifecycleTimers:
         self._stall_owed = 0.0  # loop lateness not yet excused (see excuse_stall)
         self._fleet_size = 0  # the most nodes known at once: sizes the heartbeat interval
         self._refused_due = 0.0  # when the last agents refused during the grace are due back
+        self._last_arrival = float("-inf")  # the latest sign during the grace of an agent arriving
+        self.arrivals = dict.fromkeys(ARRIVALS, 0)  # those signs during this grace, by kind
+        self._held_logged = False  # "held past startup_grace" said for this grace
+        self._grace_open = True  # the end of this grace not yet logged
 
     def lifecycle(self, configured: Lifecycle) -> Lifecycle:
         """The lifecycle timings in force: the configured ones, stretched for a large fleet.
@@ -58,19 +76,32 @@ class LifecycleTimers:
         """A new grace from ``now`` (taking the lead): nothing judged before agents have moved over."""
         self.started_at = now
         self._refused_due = 0.0
+        self._last_arrival = float("-inf")
+        self.arrivals = dict.fromkeys(ARRIVALS, 0)
+        self._held_logged = False
+        self._grace_open = True
         self.evaluation = Evaluation()
 
     def grace_end(self, lc: Lifecycle) -> float:
-        """When the startup grace ends: ``startup_grace`` after the start, or later while refused agents are due.
+        """When the startup grace ends: ``startup_grace`` after the start, or later while agents are arriving.
 
-        An agent refused by admission is told a Retry-After and comes back
-        within twice that; until the last of them has, a silent node may be
-        one still in line, not a dead one.
+        It ends at the earliest of ``MAX_GRACE_FACTOR x startup_grace`` after
+        the start and the latest of: ``startup_grace`` after the start;
+        ``startup_grace`` after the last agent seen arriving; twice the
+        Retry-After of the last admission refusal after it.
+
+        ``startup_grace`` is sized to cover an agent's reconnect backoff
+        (``reconnect_max``), so an agent whose dial failed (aborted at the
+        per-source cap, its handshake timed out) is back within it; while any
+        agent keeps arriving, a silent node may be one still in line, not a
+        dead one.  An agent refused by admission is told a Retry-After and
+        comes back within twice that.
         """
         base = self.started_at + lc.startup_grace
-        if self._refused_due <= base:
+        held = max(self._refused_due, self._last_arrival + lc.startup_grace)
+        if held <= base:
             return base
-        return min(self._refused_due, self.started_at + MAX_GRACE_FACTOR * lc.startup_grace)
+        return min(held, self.started_at + MAX_GRACE_FACTOR * lc.startup_grace)
 
     def grace_left(self, now: float, lc: Lifecycle) -> float:
         return max(0.0, self.grace_end(lc) - now)
@@ -83,6 +114,44 @@ class LifecycleTimers:
         """
         if now < self.grace_end(lc):
             self._refused_due = max(self._refused_due, now + 2 * retry_after)
+            self.note_arrival(now, "refused", lc)
+
+    def note_arrival(self, now: float, kind: str, lc: Lifecycle) -> None:
+        """A sign of an agent arriving (a key of ``ARRIVALS``): during the grace, it holds the grace (``grace_end``).
+
+        Signs after the grace has ended change nothing: a settled fleet's
+        nodes are judged by their silence as always, and a node that flaps
+        must not hold judgement off the others.
+        """
+        if now < self.grace_end(lc):
+            self._last_arrival = max(self._last_arrival, now)
+            self.arrivals[kind] += 1
+
+    def _arrivals_said(self) -> str:
+        return ", ".join(f"{self.arrivals[k]} {what}" for k, what in ARRIVALS.items() if self.arrivals[k]) \
+            or "no agent seen"
+
+    def _log_grace(self, in_grace: bool, now: float, nodes: int, lc: Lifecycle) -> None:
+        """Once per grace: when agents still arriving hold it past ``startup_grace``, and when it ends, and why."""
+        if not self._grace_open or lc.startup_grace <= 0:
+            return
+        since = now - self.started_at
+        last = now - self._last_arrival
+        late = self._last_arrival >= self.started_at + lc.startup_grace  # an agent arrived after startup_grace
+        if in_grace and late and not self._held_logged:
+            self._held_logged = True
+            log.warning("startup grace held past startup_grace %gs: agents still arriving (last %.1fs ago; %d nodes "
+                        "registered; %s); it ends once none has arrived for %gs, at the latest %gs after the start",
+                        lc.startup_grace, last, nodes, self._arrivals_said(), lc.startup_grace,
+                        MAX_GRACE_FACTOR * lc.startup_grace)
+        elif not in_grace:
+            self._grace_open = False
+            capped = since >= MAX_GRACE_FACTOR * lc.startup_grace and last < lc.startup_grace
+            why = (f"held to its limit, {MAX_GRACE_FACTOR:g} x startup_grace, with agents still arriving "
+                   f"({last:.1f}s ago)" if capped else f"no agent arriving for startup_grace {lc.startup_grace:g}s")
+            log.log(logging.WARNING if capped else logging.INFO,
+                    "startup grace over after %.1fs (%s): %d nodes registered; %s; silent nodes are judged and "
+                    "missing replicas placed from now", since, why, nodes, self._arrivals_said())
 
     def evaluate(self, clocks: Mapping[str, NodeClock], now: float, lc: Lifecycle) -> bool:
         """Stalls excused, then every node judged; True when a pass should look again.
@@ -92,6 +161,7 @@ class LifecycleTimers:
         self.excuse_stall(clocks, now)
         prev = self.evaluation
         ev = evaluate(clocks, now, self.started_at, lc, prev.last_damped, self.grace_end(lc))
+        self._log_grace(ev.in_grace, now, len(clocks), lc)
         if ev.hold_reason and ev.hold_reason != prev.hold_reason and ev.held:
             log.warning("not declaring %s lost: %s", ", ".join(ev.held), ev.hold_reason)
         self.evaluation = ev

@@ -188,7 +188,13 @@ class ControlPlane:
     def register(self, msg: dict[str, Any], session: Session, peer: str | None = None,
                  certificate: dict[str, Any] | None = None) -> int:
         """A validated, identity-checked ``register``: a new epoch (``NodeStreams.register``)."""
-        return self.streams.register(msg, session, peer, certificate)
+        epoch = self.streams.register(msg, session, peer, certificate)
+        self.arriving("registered")
+        return epoch
+
+    def arriving(self, kind: str) -> None:
+        """A sign of an agent arriving (``lifecycletimers.ARRIVALS``): it holds the startup grace while it lasts."""
+        self.timers.note_arrival(self.clock(), kind, self.settings.lifecycle)
 
     def message(self, node_id: str, epoch: int, msg: dict[str, Any]) -> bool:
         """A validated message after ``register``; False (and no effect) if its stream is superseded."""

@@ -18,7 +18,9 @@ verified stops counting (agents behind one NAT address each prove who they
 are, and must not cap each other); the handshake has ``head_timeout``; and a connection
 that presents no client certificate (an operator with an admin token) is
 closed ``anonymous_timeout`` seconds after its handshake unless a request on
-it has authenticated by then (``AnonymousDeadline.authenticated``).
+it has authenticated by then (``AnonymousDeadline.authenticated``).  A
+handshake that times out is told to ``timed_out`` (the control plane counts
+it as an agent still arriving: its startup grace holds).
 
 Its connections read ``TLS_READ_BUFFER`` bytes at a time (asyncio's default
 is a 256 KiB buffer per connection); the cap is this site's alone, so the
@@ -88,18 +90,19 @@ class AnonymousDeadline:
 class _Upgrade(asyncio.Protocol):
     """Holds an accepted TCP connection until its TLS handshake succeeds or fails."""
 
-    __slots__ = ("_factory", "_ctx", "_refused", "_gate", "_anonymous", "_handshake_timeout", "_source",
-                 "_app", "_transport", "_task")
+    __slots__ = ("_factory", "_ctx", "_refused", "_gate", "_anonymous", "_handshake_timeout", "_timed_out",
+                 "_source", "_app", "_transport", "_task")
 
     def __init__(self, factory: Callable[[], asyncio.Protocol], ctx: ssl.SSLContext,
                  refused: Callable[[Any, str], None], gate: SourceGate, anonymous: AnonymousDeadline,
-                 handshake_timeout: float) -> None:
+                 handshake_timeout: float, timed_out: Callable[[], None] | None = None) -> None:
         self._factory = factory
         self._ctx = ctx
         self._refused = refused
         self._gate = gate
         self._anonymous = anonymous
         self._handshake_timeout = handshake_timeout
+        self._timed_out = timed_out
         self._source: str | None = None
         self._app: CountedProtocol | None = None
         self._transport: asyncio.Transport | None = None
@@ -120,6 +123,7 @@ class _Upgrade(asyncio.Protocol):
         loop = asyncio.get_running_loop()
         app = self._app
         assert app is not None
+        began = loop.time()
         try:
             tls = await start_tls_small_reads(loop, transport, app, self._ctx, self._handshake_timeout)
         except ssl.SSLError as e:
@@ -132,6 +136,12 @@ class _Upgrade(asyncio.Protocol):
             app.release()
             log.debug("TLS handshake with %s abandoned: %s", transport.get_extra_info("peername"), e)
             transport.abort()
+            # A timeout (asyncio's is a ConnectionAbortedError once handshake_timeout has passed), not
+            # a peer that hung up: a TCP health check closes at once, while a client whose hello this
+            # process was too busy to answer in time will dial again.
+            if self._timed_out is not None and (isinstance(e, (TimeoutError, asyncio.TimeoutError))
+                                                or loop.time() - began >= self._handshake_timeout):
+                self._timed_out()
             return
         except BaseException:
             app.release()
@@ -269,7 +279,8 @@ class HandshakeLoggingSite(FactorySite):
     def __init__(self, runner: web.BaseRunner, host: str | None, port: int, *, ssl_context: ssl.SSLContext,
                  gate: SourceGate | None = None, anonymous: AnonymousDeadline | None = None,
                  handshake_timeout: float = HANDSHAKE_TIMEOUT, backlog: int = 128,
-                 reuse_address: bool | None = None, reuse_port: bool | None = None) -> None:
+                 reuse_address: bool | None = None, reuse_port: bool | None = None,
+                 timed_out: Callable[[], None] | None = None) -> None:
         # plain TCP at accept: the handshake is _Upgrade's
         super().__init__(runner, {"host": host, "port": port, "reuse_address": reuse_address,
                                   "reuse_port": reuse_port}, ssl_context=ssl_context, backlog=backlog)
@@ -278,7 +289,8 @@ class HandshakeLoggingSite(FactorySite):
         self._gate = SourceGate(0, self._refused) if gate is None else gate
         self._anonymous = AnonymousDeadline(HANDSHAKE_TIMEOUT) if anonymous is None else anonymous
         self._handshake_timeout = handshake_timeout
+        self._timed_out = timed_out
 
     def protocol_factory(self, handler: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
         return lambda: _Upgrade(handler, self._ctx, self._refused, self._gate, self._anonymous,
-                                self._handshake_timeout)
+                                self._handshake_timeout, self._timed_out)
