@@ -38,3 +38,42 @@ def test_one_line_per_peer_and_reason_a_minute(caplog, monkeypatch):
         "TLS connection from 10.0.0.7:41000 refused: client certificate refused: self-signed certificate",
         "TLS connection from 10.0.0.9:42000 refused: client certificate refused: self-signed certificate",
     ]
+
+
+def test_a_handshake_that_times_out_is_told_and_one_whose_peer_hangs_up_is_not(tmp_path):
+    """A timed-out handshake is an agent the control plane was too busy for (it holds the startup
+    grace); a peer that connects and closes (a TCP health check) is nobody arriving."""
+    import asyncio
+
+    from aiohttp import web
+
+    from llmgw.tls.ca import init_ca
+    from llmgw.tls.context import server_context
+    from llmgw.tls.files import write_pair
+    from llmgw.tls.issue import issue_server
+
+    ca = init_ca(tmp_path / "ca")
+    server = write_pair(tmp_path / "server", *issue_server(ca, ["localhost"], ["127.0.0.1"]))
+    ctx = server_context(ca.cert_path, *server)
+    timed_out: list[None] = []
+
+    async def run() -> None:
+        runner = web.AppRunner(web.Application())
+        await runner.setup()
+        site = tlssite.HandshakeLoggingSite(runner, "127.0.0.1", 0, ssl_context=ctx, handshake_timeout=0.3,
+                                            timed_out=lambda: timed_out.append(None))
+        await site.start()
+        port = site.addresses[0][1]
+        try:
+            _, w = await asyncio.open_connection("127.0.0.1", port)
+            w.close()  # hangs up before a word
+            await asyncio.sleep(0.6)
+            assert timed_out == []
+            _, w = await asyncio.open_connection("127.0.0.1", port)  # connects, says nothing
+            await asyncio.sleep(0.8)
+            assert timed_out == [None]
+            w.close()
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(run())
