@@ -158,14 +158,17 @@ def grace_aware_watch(cp: ControlPlane, handler: Handler, stopping: asyncio.Even
     """
 
     async def held(request: web.Request) -> web.StreamResponse:
+        # the grace may grow while the poll waits (agents still arriving hold it): wait again, up to WATCH_HOLD
+        loop = asyncio.get_running_loop()
+        until = loop.time() + WATCH_HOLD
         left = startup_grace_left(cp)
-        if left > 0:
-            await asyncio.sleep(min(left, WATCH_HOLD))
+        while left > 0 and loop.time() < until:
+            await asyncio.sleep(min(left, until - loop.time()))
             left = startup_grace_left(cp)
-            if left > 0:
-                return web.json_response({"error": f"control plane starting: the endpoint set is not known until "
-                                                   f"agents have reported ({left:.0f}s of startup grace left)"},
-                                         status=503, headers={"Retry-After": str(int(left) + 1)})
+        if left > 0:
+            return web.json_response({"error": f"control plane starting: the endpoint set is not known until "
+                                               f"agents have reported ({left:.0f}s of startup grace left)"},
+                                     status=503, headers={"Retry-After": str(int(left) + 1)})
         return await handler(request)
 
     if stopping is None:
