@@ -231,6 +231,7 @@ def test_a_restart_whose_agents_come_back_over_their_backoff_holds_its_grace_and
         try:
             sim.proc.start()
             before = placement(ready(f, sim, nodes, replicas))
+            first = f.server.life_output()  # the first control plane on its store: placed nothing before
             f.server.kill()
             f.server.start()
             after = ready(f, sim, nodes, replicas)
@@ -238,6 +239,7 @@ def test_a_restart_whose_agents_come_back_over_their_backoff_holds_its_grace_and
             st = sim.status()
         finally:
             sim.close()
+        assert "the first control plane on this store: startup_grace alone" in first
         anew = sorted(set(placement(after)) - set(before))
         assert placement(after) == before, (f"{len(anew)} replica(s) placed anew across the restart, "
                                             f"{sum(a != placement(after).get(r) for r, a in before.items())} "

@@ -126,3 +126,20 @@ def test_a_restart_whose_agents_are_back_in_time_says_only_that_the_grace_is_ove
     assert not [line for line in lines if "held past" in line], lines
     (over,) = [line for line in lines if "startup grace over" in line]
     assert over.startswith("startup grace over after 11.0s"), over
+
+
+def test_the_first_control_plane_on_a_store_waits_startup_grace_alone_and_a_takeover_after_a_run_is_held(caplog):
+    """No earlier run on the store (no epoch handed out): nothing was placed anywhere, so agents
+    arriving do not hold the grace (a first rollout starts its agents while the grace runs, and
+    would wait startup_grace more after the last); refusals still do, as before."""
+    timers = LifecycleTimers(started_at=100.0, after_a_run=False)
+    timers.note_arrival(108.0, "registered", LC)
+    assert timers.grace_end(LC) == 110.0
+    timers.note_refused(109.0, 3.0, LC)
+    assert timers.grace_end(LC) == 115.0  # 2 x Retry-After
+    with caplog.at_level(logging.INFO, logger="llmgw.controlplane"):
+        timers.evaluate({}, 116.0, LC)
+    assert "the first control plane on this store" in caplog.text
+    timers.restart(200.0, after_a_run=True)  # leading after one ran: arrivals hold it again
+    timers.note_arrival(209.0, "registered", LC)
+    assert timers.grace_end(LC) == 219.0

@@ -39,8 +39,13 @@ ARRIVALS = {
 
 
 class LifecycleTimers:
-    def __init__(self, started_at: float):
+    def __init__(self, started_at: float, after_a_run: bool = True):
         self.started_at = started_at  # the startup (or failover) grace counts from here
+        # Whether an earlier control plane ran on this store (it handed out an epoch): only then can
+        # agents still arriving bring engines it placed. A store that never ran one placed nothing
+        # anywhere, so its first grace is startup_grace alone: agents arriving hold nothing, and a
+        # first rollout, whose agents start while the grace runs, does not wait startup_grace more.
+        self.after_a_run = after_a_run
         self.evaluation = Evaluation()
         self.looplag = LoopLag()  # this process's own stalls, not counted against agents
         self.stalled = 0.0  # seconds of stall excused so far, for logs and tests
@@ -72,9 +77,10 @@ class LifecycleTimers:
                      "lost after %.1fs", nodes, after.heartbeat_interval,
                      after.max_heartbeats_per_second, after.unreachable_after, after.lost_after)
 
-    def restart(self, now: float) -> None:
+    def restart(self, now: float, after_a_run: bool = True) -> None:
         """A new grace from ``now`` (taking the lead): nothing judged before agents have moved over."""
         self.started_at = now
+        self.after_a_run = after_a_run
         self._refused_due = 0.0
         self._last_arrival = float("-inf")
         self.arrivals = dict.fromkeys(ARRIVALS, 0)
@@ -98,7 +104,8 @@ class LifecycleTimers:
         comes back within twice that.
         """
         base = self.started_at + lc.startup_grace
-        held = max(self._refused_due, self._last_arrival + lc.startup_grace)
+        arrived = self._last_arrival + lc.startup_grace if self.after_a_run else base
+        held = max(self._refused_due, arrived)
         if held <= base:
             return base
         return min(held, self.started_at + MAX_GRACE_FACTOR * lc.startup_grace)
@@ -148,7 +155,8 @@ class LifecycleTimers:
             self._grace_open = False
             capped = since >= MAX_GRACE_FACTOR * lc.startup_grace and last < lc.startup_grace
             why = (f"held to its limit, {MAX_GRACE_FACTOR:g} x startup_grace, with agents still arriving "
-                   f"({last:.1f}s ago)" if capped else f"no agent arriving for startup_grace {lc.startup_grace:g}s")
+                   f"({last:.1f}s ago)" if capped else f"no agent arriving for startup_grace {lc.startup_grace:g}s"
+                   if self.after_a_run else "the first control plane on this store: startup_grace alone")
             log.log(logging.WARNING if capped else logging.INFO,
                     "startup grace over after %.1fs (%s): %d nodes registered; %s; silent nodes are judged and "
                     "missing replicas placed from now", since, why, nodes, self._arrivals_said())

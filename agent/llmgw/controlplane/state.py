@@ -88,7 +88,7 @@ class ControlPlane:
         self.reconciler = Reconciler(keys=keys, cp_epoch=self.store.epoch)
         self.limiter = ReplacementLimiter(settings.lifecycle.replacements_per_minute)
         self.gate = PassGate()
-        self.timers = LifecycleTimers(clock())
+        self.timers = LifecycleTimers(clock(), after_a_run=self.store.epoch > 0)
         self.streams = NodeStreams(clock, self.store, self.reconciler, self.kick,
                                    lambda n: self.timers.grown_to(n, self.settings.lifecycle),
                                    self._learn_reported_size)
@@ -252,7 +252,7 @@ class ControlPlane:
         self.reconciler.keys = grantsecret.from_store(self.store)
         self.intent.refresh_cordons()
         self.leader_epoch = epoch
-        self.timers.restart(self.clock())
+        self.timers.restart(self.clock(), after_a_run=self.store.epoch > 0)
         log.warning("leading as term %d: %d cordon(s), %d drain(s) from the store; failover grace %gs",
                     epoch, len(self.store.intent.cordons), len(self.store.intent.drains),
                     self.settings.lifecycle.startup_grace)
