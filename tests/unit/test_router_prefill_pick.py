@@ -34,20 +34,20 @@ class M:
 def test_the_holder_of_the_most_is_chosen_unless_it_is_past_the_load_bound():
     a, b, c = M("a", 1), M("b", 2), M("c", 1)
     held = {"a": 0, "b": 320, "c": 160}
-    assert choose_prefill([a, b, c], lambda m: held[m.id], 1.25).id == "b"  # 1.25 x (4 + 1) / 3: 3 at most
+    assert choose_prefill([a, b, c], (lambda m: held[m.id], 1.25)).id == "b"  # 1.25 x (4 + 1) / 3: 3 at most
     a.outstanding, b.outstanding, c.outstanding = 0, 3, 0  # 1.25 x (3 + 1) / 3: 2 at most, b would carry 4
-    assert choose_prefill([a, b, c], lambda m: held[m.id], 1.25).id == "c"
+    assert choose_prefill([a, b, c], (lambda m: held[m.id], 1.25)).id == "c"
     held["c"] = 320
     a.outstanding, b.outstanding, c.outstanding = 1, 1, 0
-    assert choose_prefill([a, b, c], lambda m: held[m.id], 1.25).id == "c"  # a tie goes to the less loaded
+    assert choose_prefill([a, b, c], (lambda m: held[m.id], 1.25)).id == "c"  # a tie goes to the less loaded
 
 
 def test_without_a_holder_or_an_index_the_least_loaded():
     a, b = M("a", 2), M("b", 1)
-    assert choose_prefill([a, b], lambda m: 0, 1.25).id == "b"
-    assert choose_prefill([a, b], lambda m: None, 1.25).id == "b"  # stale feeds say nothing
-    assert choose_prefill([a, b], None, 1.25).id == "b"
-    assert choose_prefill([], None, 1.25) is None
+    assert choose_prefill([a, b], (lambda m: 0, 1.25)).id == "b"
+    assert choose_prefill([a, b], (lambda m: None, 1.25)).id == "b"  # stale feeds say nothing
+    assert choose_prefill([a, b], None).id == "b"
+    assert choose_prefill([], None) is None
 
 
 def phase(holder: str | None) -> tuple[Prefill, RouterMetrics, list[str]]:

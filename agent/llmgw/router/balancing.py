@@ -186,8 +186,7 @@ class PrefixAffinity:
         cands = [m for m in members if eligible(m)]
         if not cands:
             return None
-        total = sum(m.outstanding for m in cands)
-        cap = math.ceil(self.load_bound * (total + 1) / len(cands))
+        cap = load_cap(cands, self.load_bound)
         ok = {id(m) for m in cands}
         for idx in self.ring(members).walk(_h64(text.encode("utf-8", "surrogatepass"))):
             m = members[idx]
@@ -319,6 +318,12 @@ class CacheAware:
         return best
 
 
+def load_cap(cands: Sequence[Any], load_bound: float) -> int:
+    """The most requests in flight a member of ``cands`` may carry with one more added: ``load_bound``
+    times the mean over ``cands``, rounded up, so an affinity (a prefix, a cached block) cannot bury one."""
+    return math.ceil(load_bound * (sum(m.outstanding for m in cands) + 1) / len(cands))
+
+
 def best_holder(cands: Sequence[T], held: Callable[[T], int | None], load_bound: float,
                 among: Sequence[T] | None = None) -> tuple[T | None, int]:
     """The member of ``among`` (default ``cands``) for which ``held`` is largest, ties to the least
@@ -326,7 +331,7 @@ def best_holder(cands: Sequence[T], held: Callable[[T], int | None], load_bound:
     ``cands`` with one more request (so a hot prefix cannot bury one endpoint); and what it holds.
     (None, 0) when none within the bound holds anything. The decoders' cache-aware pick and the
     prefill phase's (``runtime.choose_prefill``) both choose by it."""
-    cap = math.ceil(load_bound * (sum(m.outstanding for m in cands) + 1) / len(cands))
+    cap = load_cap(cands, load_bound)
     best: T | None = None
     held_best = 0
     for m in (cands if among is None else among):

@@ -132,15 +132,15 @@ def prompt_on(view: CacheAware | None, decoder: Any, route_payload: dict[str, An
 
 
 def prefill_cache(view: CacheAware | None, route_payload: dict[str, Any] | None
-                  ) -> tuple[Callable[[Any], int | None] | None, float]:
+                  ) -> tuple[Callable[[Any], int | None], float] | None:
     """How many of the prompt's leading tokens a prefill endpoint's engine holds (None where the index
-    cannot say), and the load bound the choice keeps; (None, 1.25) for a model the index does not cover.
+    cannot say), and the load bound the choice keeps; None for a model the index does not cover.
 
     As for the decoder, what the engine holds is read from the route-key index its KV events feed,
     so a prefill group whose engines publish them (``kv_events`` on the prefill profile) sends a
     prompt whose prefix one of them holds to that one, which computes only the rest."""
     if view is None:
-        return None, 1.25
+        return None
     return view.holdings(route_payload), view.fallback.load_bound
 
 
@@ -214,19 +214,19 @@ class Prefill:
         pgroup = group.prefill
         assert pgroup is not None
         loop = asyncio.get_running_loop()
-        cached, bound = prefill_cache(cache_view(self.routing.scorer, group.model), route_payload)
+        by_cache = prefill_cache(cache_view(self.routing.scorer, group.model), route_payload)
         body = prefill_body(payload)
         tried: set[str] = set()
         started = time.monotonic()
         outcome = "fallback"
         try:
             for _ in range(TRIES):
-                rt = self.routing.pick_prefill(pgroup, tried, cached, bound)
+                rt = self.routing.pick_prefill(pgroup, tried, by_cache)
                 if rt is None:
                     outcome = "fallback" if tried else "unavailable"
                     return None
                 tried.add(rt.id)
-                by = "cache" if cached is not None and cached(rt) else "load"
+                by = "cache" if by_cache is not None and by_cache[0](rt) else "load"
                 self.metrics.prefill_picks.labels(group.model, by).inc()
                 deadline = min(loop.time() + self.s.prefill_timeout, total_deadline)
                 rt.outstanding += 1

@@ -180,18 +180,18 @@ class Routing:
         return predicted(group.members) if callable(predicted) else None
 
     def pick_prefill(self, pgroup: ModelGroup, tried: set[str],
-                     cached: Callable[[EndpointRuntime], int | None] | None = None,
-                     load_bound: float = 1.25) -> EndpointRuntime | None:
+                     by_cache: tuple[Callable[[EndpointRuntime], int | None], float] | None = None
+                     ) -> EndpointRuntime | None:
         """The prefill endpoint to compute a prompt, else None (none can take one more).
 
-        ``cached`` (the route-key index's view, for prefill engines that publish KV events) says how
-        many of the prompt's leading tokens an endpoint's engine holds: the one holding the most
-        computes the least, so it is chosen unless it carries more than ``load_bound`` times the
-        group's mean load (as the cache-aware scorer bounds a hot prefix). Without a holder, or
-        without the view, the endpoint with the fewest requests in flight."""
+        ``by_cache`` (the route-key index's view, for prefill engines that publish KV events, and its
+        load bound) says how many of the prompt's leading tokens an endpoint's engine holds: the one
+        holding the most computes the least, so it is chosen unless it carries more than the load
+        bound times the group's mean load (as the cache-aware scorer bounds a hot prefix). Without a
+        holder, or without the view, the endpoint with the fewest requests in flight."""
         eligible = _eligible(tried, time.monotonic())
         cands = [m for m in pgroup.members if eligible(m)]
-        return choose_prefill(cands, cached, load_bound)
+        return choose_prefill(cands, by_cache)
 
     def _why_none(self, group: ModelGroup, now: float) -> RouterError:
         draining = sum(1 for m in group.members if m.endpoint.draining)
@@ -252,15 +252,15 @@ class Routing:
             await rt.close()
 
 
-def choose_prefill(cands: list[Any], cached: Callable[[Any], int | None] | None, load_bound: float) -> Any:
+def choose_prefill(cands: list[Any], by_cache: tuple[Callable[[Any], int | None], float] | None) -> Any:
     """Among ``cands`` (each with ``outstanding``): the one whose engine holds the most of the prompt
     within the load bound, ties to the least loaded; else the least loaded. Pure, for tests."""
     if not cands:
         return None
     least = min(cands, key=lambda m: m.outstanding)
-    if cached is None:
+    if by_cache is None:
         return least
-    best, _ = best_holder(cands, cached, load_bound)
+    best, _ = best_holder(cands, *by_cache)
     return best if best is not None else least
 
 
