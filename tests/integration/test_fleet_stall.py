@@ -25,6 +25,7 @@ import socket
 import ssl
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -185,6 +186,34 @@ def test_an_idle_stream_lives_on_the_pings_the_control_plane_asks_for(tmp_path: 
         assert f.nodes()[f.node_ids["a"]]["registrations"] == 1
 
 
+@dataclass
+class Restarted:
+    before: dict[str, Any]  # placement before the restart
+    after: dict[str, Any]  # the replicas once every node is back
+    first: str  # the first control plane's log
+    logged: str  # the restarted one's
+    status: dict[str, Any]  # the simulator's status at the end
+
+
+def restart_a_simulated_fleet(f: Fleet, tmp_path: Path, nodes: int, replicas: int,
+                              extra: tuple[str, ...] = ()) -> Restarted:
+    """A simulated fleet brought up on ``f``, its control plane SIGKILLed and started again, and the
+    fleet back: what each life of the control plane saw."""
+    f.start(agents=False)
+    sim = Sim(f, tmp_path, nodes=nodes, engines=0, extra=extra)
+    f.extra.append(sim.proc)
+    try:
+        sim.proc.start()
+        before = placement(ready(f, sim, nodes, replicas))
+        first = f.server.life_output()
+        f.server.kill()
+        f.server.start()
+        after = ready(f, sim, nodes, replicas)
+        return Restarted(before, after, first, f.server.life_output(), sim.status())
+    finally:
+        sim.close()
+
+
 def test_a_restart_that_admits_its_fleet_slowly_holds_its_grace_and_moves_nothing(tmp_path: Path) -> None:
     """After a restart the control plane admits agents at its own rate; the startup grace holds while
     those it refused are due back. With a fixed grace, the replicas of agents still waiting in line
@@ -193,23 +222,11 @@ def test_a_restart_that_admits_its_fleet_slowly_holds_its_grace_and_moves_nothin
     nodes, replicas = 24, 12
     lifecycle = {**LIFECYCLE, "startup_grace": 5.0, "max_registrations_per_second": 4.0}
     with Fleet(tmp_path, nodes={}, replicas=replicas, lifecycle=lifecycle) as f:
-        f.start(agents=False)
-        sim = Sim(f, tmp_path, nodes=nodes, engines=0, extra=("--nodes-per-address", "0"))  # behind one NAT
-        f.extra.append(sim.proc)
-        try:
-            sim.proc.start()
-            before = placement(ready(f, sim, nodes, replicas))
-            f.server.kill()
-            f.server.start()
-            after = ready(f, sim, nodes, replicas)
-            logged = f.server.life_output()
-            st = sim.status()
-        finally:
-            sim.close()
-        assert st["refusals"] > 0, "the restart admitted every agent at once: nothing was tested"
-        assert "admission: refusing new agent streams" in logged
-        assert placement(after) == before, "a replica moved or restarted across the restart"
-        assert_no_gpu_twice(after)
+        r = restart_a_simulated_fleet(f, tmp_path, nodes, replicas)
+        assert r.status["refusals"] > 0, "the restart admitted every agent at once: nothing was tested"
+        assert "admission: refusing new agent streams" in r.logged
+        assert placement(r.after) == r.before, "a replica moved or restarted across the restart"
+        assert_no_gpu_twice(r.after)
 
 
 def test_a_restart_whose_agents_come_back_over_their_backoff_holds_its_grace_and_moves_nothing(tmp_path: Path) -> None:
@@ -225,28 +242,17 @@ def test_a_restart_whose_agents_come_back_over_their_backoff_holds_its_grace_and
     lifecycle = {**LIFECYCLE, "startup_grace": 4.0, "max_registrations_per_second": 100000.0, "max_loop_lag": 600.0}
     # a whole node per replica: half the fleet holds one, so any of them late after the grace shows
     with Fleet(tmp_path, nodes={}, replicas=replicas, lifecycle=lifecycle, profile={"tensor_parallel_size": 8}) as f:
-        f.start(agents=False)
-        sim = Sim(f, tmp_path, nodes=nodes, engines=0, extra=("--reconnect-initial", "8", "--reconnect-max", "8"))
-        f.extra.append(sim.proc)
-        try:
-            sim.proc.start()
-            before = placement(ready(f, sim, nodes, replicas))
-            first = f.server.life_output()  # the first control plane on its store: placed nothing before
-            f.server.kill()
-            f.server.start()
-            after = ready(f, sim, nodes, replicas)
-            logged = f.server.life_output()
-            st = sim.status()
-        finally:
-            sim.close()
-        assert "the first control plane on this store: startup_grace alone" in first
-        anew = sorted(set(placement(after)) - set(before))
-        assert placement(after) == before, (f"{len(anew)} replica(s) placed anew across the restart, "
-                                            f"{sum(a != placement(after).get(r) for r, a in before.items())} "
-                                            f"of {replicas} moved or restarted")
-        assert_no_gpu_twice(after)
-        assert st["registrations_per_node"] == {"2": nodes}, "every node came back, once"
+        r = restart_a_simulated_fleet(f, tmp_path, nodes, replicas, ("--reconnect-initial", "8", "--reconnect-max", "8"))
+        # the first control plane on its store placed nothing before it: it waited startup_grace alone
+        assert "the first control plane on this store: startup_grace alone" in r.first
+        after, before = placement(r.after), r.before
+        anew = sorted(set(after) - set(before))
+        assert after == before, (f"{len(anew)} replica(s) placed anew across the restart, "
+                                 f"{sum(a != after.get(rep) for rep, a in before.items())} "
+                                 f"of {replicas} moved or restarted")
+        assert_no_gpu_twice(r.after)
+        assert r.status["registrations_per_node"] == {"2": nodes}, "every node came back, once"
         assert {n["registrations"] for n in nodes_doc(f)["nodes"]} == {1}
-        assert "admission: refusing" not in logged
-        assert "startup grace held past startup_grace" in logged, \
+        assert "admission: refusing" not in r.logged
+        assert "startup grace held past startup_grace" in r.logged, \
             "every agent was back within the grace: nothing was tested"
