@@ -25,6 +25,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -49,9 +50,8 @@ def source_address(number: int, nodes_per_address: int) -> str:
 def loopback_v4(urls: str | list[str]) -> bool:
     """Whether every control-plane address is an IPv4 loopback literal (where 127.x.y.z can dial it)."""
     for url in [urls] if isinstance(urls, str) else urls:
-        host = url.split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)[0]
         try:
-            ip = ipaddress.ip_address(host)
+            ip = ipaddress.ip_address(urlsplit(url).hostname or "")
         except ValueError:
             return False
         if ip.version != 4 or not ip.is_loopback:
