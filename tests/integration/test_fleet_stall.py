@@ -13,6 +13,9 @@ mutual TLS) against a real ``llmgw server``:
   admission rate below what the fleet asks for: the excess is refused with
   503 and Retry-After, the agents come back when told, and every node ends
   up registered once.
+- dials that arrive while the control plane is behind are dropped at accept,
+  before their TLS handshake (the dearest part of a refusal), and the agents
+  back off and come back.
 
 Everything asserted is a count, read from the control plane's API and log
 and from the simulator's status file; nothing here measures speed.
@@ -34,6 +37,7 @@ import pytest
 from fleet import FAST_LIFECYCLE, Fleet, until
 from llmgw.sim.fleet.throttle import Throttle
 from fleet_sim import Sim, assert_no_gpu_twice, nodes_doc, placement
+from tests.support.procfs import tcp_clients_of
 
 pytestmark = pytest.mark.integration
 
@@ -169,6 +173,41 @@ def test_a_starved_control_plane_admits_what_it_can_and_every_node_registers_onc
         assert st["registrations_per_node"] == {"1": nodes}
         assert {n["registrations"] for n in nodes_doc(f)["nodes"]} == {1}
         assert "admission: refusing new agent streams" in logged
+        assert "stream closed" not in logged
+
+
+def test_dials_that_arrive_while_the_control_plane_is_behind_are_dropped_before_their_handshake(tmp_path: Path) -> None:
+    """A fleet dials a stopped control plane: on waking its loop is seconds behind and admits
+    nothing, so a handshake with any of the agents waiting in its backlog would be spent on a
+    refusal. They are dropped at accept instead (at half a core, 10,000 agents refused after
+    their handshakes and dialling back kept the control plane from ever converging), and every
+    agent backs off, comes back and registers once."""
+    nodes, replicas = 30, 6
+    # while the loop lags, handshakes run at 5 % of the admission rate: one a second here
+    lifecycle = {**LIFECYCLE, "max_registrations_per_second": 20.0}
+    with Fleet(tmp_path, nodes={}, replicas=replicas, lifecycle=lifecycle) as f:
+        f.start(agents=False)
+        sim = Sim(f, tmp_path, nodes=nodes, engines=0)
+        f.extra.append(sim.proc)
+        try:
+            f.server.signal(signal.SIGSTOP)
+            try:
+                sim.proc.start()  # every agent's dial waits in the stopped control plane's backlog
+                # the kernel completes their TCP handshakes; the TLS ones wait for the control plane
+                until(lambda: len([ip for ip in tcp_clients_of(f.port) if ip.startswith("127.1.")]) >= nodes,
+                      "every agent's dial in the backlog", WAIT, interval=0.2)
+                time.sleep(2.0)
+            finally:
+                f.server.signal(signal.SIGCONT)
+            ready(f, sim, nodes, replicas)
+            st = sim.status()
+            logged = f.server.life_output()
+        finally:
+            sim.close()
+        assert "admission: dropping new connections before their TLS handshake" in logged
+        assert st["connect_errors"] > 0, st  # dropped: the agents saw their dials fail, not a 503
+        assert st["registrations_per_node"] == {"1": nodes}, st
+        assert {n["registrations"] for n in nodes_doc(f)["nodes"]} == {1}
         assert "stream closed" not in logged
 
 

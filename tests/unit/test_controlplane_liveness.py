@@ -10,7 +10,7 @@ import pytest
 
 from llmgw.agent.backoff import Backoff
 from llmgw.agent.stream import MAX_RETRY_AFTER, StreamClient
-from llmgw.controlplane.admission import Admission
+from llmgw.controlplane.admission import LOADED_LAG, MAX_HANDSHAKES_IN_FLIGHT, Admission
 from llmgw.controlplane.lifecycle import NodeClock, NodeState, evaluate, excuse, half_open
 from llmgw.controlplane.looplag import LoopLag
 from llmgw.controlplane.state import ControlPlane
@@ -119,6 +119,25 @@ def test_admission_refuses_while_the_loop_runs_late():
     a = Admission()
     assert a.decide(0.0, rate=100, lag=3.5, max_lag=1.0) == 3
     assert a.decide(0.1, rate=100, lag=0.2, max_lag=1.0) is None
+
+
+def test_handshakes_run_at_most_so_many_at_once_and_a_trickle_while_the_loop_lags():
+    """A refusal after a TLS handshake still costs the handshake: while the loop runs behind, beyond
+    MAX_HANDSHAKES_IN_FLIGHT running a new connection is dropped at accept; while it lags past
+    max_loop_lag (every stream refused anyway), all but a trickle."""
+    a = Admission()
+    behind = LOADED_LAG
+    assert all(a.handshake(0.0, rate=10, lag=behind, max_lag=1.0, in_flight=n) for n in range(MAX_HANDSHAKES_IN_FLIGHT))
+    assert a.shed == 0
+    assert not a.handshake(0.0, rate=10, lag=behind, max_lag=1.0, in_flight=MAX_HANDSHAKES_IN_FLIGHT)
+    assert a.shed == 1
+    # a loop keeping time: handshakes held open by a client that says nothing cost no CPU, and lock nobody out
+    assert a.handshake(0.0, rate=10, lag=0.0, max_lag=1.0, in_flight=10 * MAX_HANDSHAKES_IN_FLIGHT)
+    lagging = [a.handshake(3.0, rate=100, lag=3.0, max_lag=1.0, in_flight=0) for _ in range(100)]
+    assert lagging.count(True) == 5 and a.shed == 96  # 5 % of the rate while the loop runs late
+    assert a.handshake(3.0, rate=10, lag=3.0, max_lag=1.0, in_flight=0) is False
+    assert a.handshake(4.0, rate=10, lag=3.0, max_lag=1.0, in_flight=0)  # never below one a second
+    assert all(a.handshake(4.0, rate=10, lag=0.5, max_lag=1.0, in_flight=0) for _ in range(100))  # caught up
 
 
 def test_a_refused_agent_waits_as_told_with_jitter():

@@ -77,3 +77,57 @@ def test_a_handshake_that_times_out_is_told_and_one_whose_peer_hangs_up_is_not(t
             await runner.cleanup()
 
     asyncio.run(run())
+
+
+def test_load_shedding_weighs_each_connection_against_the_handshakes_under_way_and_drops_it_unread(tmp_path):
+    """The site counts the handshakes it runs (one whose peer hangs up before it begins
+    included) and asks ``shed`` about each new connection with that count; a connection shed is
+    closed before the site reads a byte of it."""
+    import asyncio
+
+    from aiohttp import web
+
+    from llmgw.tls.ca import init_ca
+    from llmgw.tls.context import server_context
+    from llmgw.tls.files import write_pair
+    from llmgw.tls.issue import issue_server
+
+    ca = init_ca(tmp_path / "ca")
+    server = write_pair(tmp_path / "server", *issue_server(ca, ["localhost"], ["127.0.0.1"]))
+    ctx = server_context(ca.cert_path, *server)
+    asked: list[int] = []
+
+    def shed(running: int) -> bool:
+        asked.append(running)
+        return running >= 3
+
+    async def run() -> None:
+        runner = web.AppRunner(web.Application())
+        await runner.setup()
+        site = tlssite.HandshakeLoggingSite(runner, "127.0.0.1", 0, ssl_context=ctx, handshake_timeout=30, shed=shed)
+        await site.start()
+        port = site.addresses[0][1]
+        try:
+            silent = []
+            for _ in range(3):  # connected, no ClientHello: three handshakes under way
+                silent.append(await asyncio.open_connection("127.0.0.1", port))
+                await asyncio.sleep(0.1)
+            assert asked == [0, 1, 2] and site.handshakes.n == 3
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(b"\x16\x03\x01")  # the start of a ClientHello, never read
+            try:  # closed at once, unanswered (a reset where the close found those bytes unread)
+                assert await asyncio.wait_for(r.read(), 5) == b""
+            except ConnectionResetError:
+                pass
+            assert asked[-1] == 3 and site.handshakes.n == 3
+            for _, sw in silent:
+                sw.close()
+            for _ in range(50):
+                if site.handshakes.n == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert site.handshakes.n == 0  # every one that ended stopped counting
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(run())

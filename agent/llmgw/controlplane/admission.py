@@ -11,6 +11,20 @@ are refused before the WebSocket upgrade with HTTP 503 and a ``Retry-After``
 sized to spread the agents refused of late over the admission rate.  Agents
 wait that long, plus jitter, before they dial again.
 
+A refusal after the TLS handshake still costs the handshake, the dearest
+part of a registration: at half a core, 10,000 agents refused after their
+handshakes and dialling back kept the control plane busy with handshakes
+it then refused, and the fleet never converged.  So while the loop runs
+behind, TLS handshakes run at most ``MAX_HANDSHAKES_IN_FLIGHT`` at once, and
+while it runs later than ``max_loop_lag`` (when every stream is refused
+anyway) at a trickle of the admission rate; a connection beyond is dropped
+at accept, before its handshake (``handshake``), and its agent backs off
+exponentially, with jitter.  A cap on handshakes at once, not a rate: a
+control plane with less CPU finishes them more slowly and so starts fewer,
+whatever rate is configured.  Only while the loop runs behind: a client
+holding handshakes open without a word costs no CPU, and must not lock
+everyone else out of an idle control plane.
+
 Pure: every method takes ``now``.
 """
 
@@ -21,6 +35,13 @@ from collections import deque
 from dataclasses import dataclass, field
 
 MAX_RETRY_AFTER = 60  # seconds: never tell an agent to stay away longer
+# TLS handshakes at once, at most, while the loop runs LOADED_LAG or more behind.  Each costs
+# milliseconds of CPU, so this many queue a fraction of a second of work on the loop.
+MAX_HANDSHAKES_IN_FLIGHT = 64
+LOADED_LAG = 0.25
+# While the loop runs later than max_loop_lag nothing is admitted: handshakes run at this share of
+# the admission rate (at least one a second), a trickle that keeps the API answering an operator.
+LAGGING_HANDSHAKE_SHARE = 0.05
 
 
 @dataclass
@@ -30,7 +51,10 @@ class Admission:
     admitted: int = 0
     refused: int = 0
     retry_after: int = 1  # the delay told last
+    shed: int = 0  # connections dropped at accept, before their handshake
     _recent: deque = field(default_factory=deque)  # [second, refusals in it], the last MAX_RETRY_AFTER seconds
+    _handshake_tokens: float = 0.0
+    _handshake_updated: float | None = None
 
     def decide(self, now: float, rate: float, lag: float, max_lag: float) -> int | None:
         """None: admit one stream now.  Otherwise the Retry-After (whole seconds) to answer with."""
@@ -45,6 +69,27 @@ class Admission:
             self.admitted += 1
             return None
         return self.refuse(now, rate, lag - max_lag if lag > max_lag else 0.0)
+
+    def handshake(self, now: float, rate: float, lag: float, max_lag: float, in_flight: int) -> bool:
+        """Whether a connection just accepted gets its TLS handshake, ``in_flight`` others running;
+        False: drop it now (counted in ``shed``)."""
+        if in_flight >= MAX_HANDSHAKES_IN_FLIGHT and lag >= LOADED_LAG:
+            self.shed += 1
+            return False
+        if lag <= max_lag:
+            self._handshake_updated = None  # a fresh bucket, full, when the loop falls behind again
+            return True
+        allowed = max(1.0, rate * LAGGING_HANDSHAKE_SHARE)
+        if self._handshake_updated is None:
+            self._handshake_tokens = allowed
+        else:
+            self._handshake_tokens = min(allowed, self._handshake_tokens + (now - self._handshake_updated) * allowed)
+        self._handshake_updated = now
+        if self._handshake_tokens >= 1.0:
+            self._handshake_tokens -= 1.0
+            return True
+        self.shed += 1
+        return False
 
     def refuse(self, now: float, rate: float, behind: float = 0.0) -> int:
         """Count one refused stream and answer the Retry-After (whole seconds) that spreads the

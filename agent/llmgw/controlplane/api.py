@@ -50,6 +50,7 @@ log = logging.getLogger("llmgw.controlplane.api")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 OPEN_PATHS = frozenset({"/healthz"})
+AGENTS = web.AppKey("agents", AgentService)  # the agent streams' service: its admission also gates handshakes
 NO_TOKENS = ("the admin API is closed: without TLS client certificates (insecure_no_tls) it needs an admin "
              "bearer token, and none is configured; add api.admin_tokens to server.yaml (name and sha256 of "
              "the token) and reload or restart")
@@ -242,6 +243,7 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
         return await handler(request)
 
     app = web.Application(middlewares=[json_refusals, admin_only], client_max_size=1 << 20)
+    app[AGENTS] = agents
     app.on_shutdown.append(agents.shutdown)
     if revocations is not None:
         install(app, revocations)

@@ -17,7 +17,7 @@ from aiohttp import web
 
 from llmgw.clientbounds import (BodyTooSlow, ClientBounds, FactorySite, LimitedTCPSite, SourceGate, ThrottledLog,
                                 head_timeout_kwargs, read_body)
-from llmgw.controlplane.api import build_api
+from llmgw.controlplane.api import AGENTS, build_api
 from llmgw.controlplane.badrequests import quiet_malformed_requests
 from llmgw.controlplane.leader import Elector
 from llmgw.controlplane.standby import stamp_leader_epoch, standby_gate
@@ -90,7 +90,8 @@ async def open_api(cp: ControlPlane, ssl_ctx: ssl.SSLContext | None, reload: Cal
         site: FactorySite = HandshakeLoggingSite(runner, settings.api_host, settings.api_port, ssl_context=ssl_ctx,
                                                  reuse_address=True, backlog=API_BACKLOG, gate=gate,
                                                  anonymous=anonymous, handshake_timeout=bounds.head_timeout,
-                                                 timed_out=lambda: cp.arriving("timed_out"))
+                                                 timed_out=lambda: cp.arriving("timed_out"),
+                                                 shed=app[AGENTS].shed_handshake)
     else:
         site = LimitedTCPSite(runner, settings.api_host, settings.api_port, reuse_address=True, backlog=API_BACKLOG,
                               gate=gate, handshake_timeout=bounds.head_timeout)

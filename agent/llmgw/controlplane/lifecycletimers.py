@@ -33,6 +33,7 @@ ARRIVALS = {
     "registered": "registered",
     "admitted": "streams admitted",
     "refused": "refused by admission",
+    "shed": "dials dropped before their TLS handshake",
     "capped": "dials aborted at max_connections_per_source",
     "timed_out": "TLS handshakes timed out",
 }

@@ -20,7 +20,9 @@ that presents no client certificate (an operator with an admin token) is
 closed ``anonymous_timeout`` seconds after its handshake unless a request on
 it has authenticated by then (``AnonymousDeadline.authenticated``).  A
 handshake that times out is told to ``timed_out`` (the control plane counts
-it as an agent still arriving: its startup grace holds).
+it as an agent still arriving: its startup grace holds).  While the control
+plane sheds load (``shed``, its admission control), a connection is dropped at
+accept, before its handshake, which is the dearest part of a connection.
 
 Its connections read ``TLS_READ_BUFFER`` bytes at a time (asyncio's default
 is a 256 KiB buffer per connection); the cap is this site's alone, so the
@@ -87,15 +89,28 @@ class AnonymousDeadline:
         return len(self._pending)
 
 
+class HandshakesRunning:
+    """The TLS handshakes a site is running now: what its load shedding weighs a new connection against."""
+
+    __slots__ = ("n",)
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def done(self, _task: object = None) -> None:
+        self.n -= 1
+
+
 class _Upgrade(asyncio.Protocol):
     """Holds an accepted TCP connection until its TLS handshake succeeds or fails."""
 
     __slots__ = ("_factory", "_ctx", "_refused", "_gate", "_anonymous", "_handshake_timeout", "_timed_out",
-                 "_source", "_app", "_transport", "_task")
+                 "_shed", "_running", "_source", "_app", "_transport", "_task")
 
     def __init__(self, factory: Callable[[], asyncio.Protocol], ctx: ssl.SSLContext,
                  refused: Callable[[Any, str], None], gate: SourceGate, anonymous: AnonymousDeadline,
-                 handshake_timeout: float, timed_out: Callable[[], None] | None = None) -> None:
+                 handshake_timeout: float, timed_out: Callable[[], None] | None = None,
+                 shed: Callable[[int], bool] | None = None, running: HandshakesRunning | None = None) -> None:
         self._factory = factory
         self._ctx = ctx
         self._refused = refused
@@ -103,6 +118,8 @@ class _Upgrade(asyncio.Protocol):
         self._anonymous = anonymous
         self._handshake_timeout = handshake_timeout
         self._timed_out = timed_out
+        self._shed = shed
+        self._running = HandshakesRunning() if running is None else running
         self._source: str | None = None
         self._app: CountedProtocol | None = None
         self._transport: asyncio.Transport | None = None
@@ -110,6 +127,9 @@ class _Upgrade(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         transport = cast(asyncio.Transport, transport)
+        if self._shed is not None and self._shed(self._running.n):  # nothing read, no handshake: the peer backs off
+            transport.abort()
+            return
         self._source = self._gate.admit(transport.get_extra_info("peername"))
         if self._source is None:  # over the cap: nothing read, no handshake, the descriptor freed now
             transport.abort()
@@ -118,6 +138,8 @@ class _Upgrade(asyncio.Protocol):
         self._app = CountedProtocol(self._factory(), self._gate, self._source)
         self._transport = transport
         self._task = asyncio.get_running_loop().create_task(self._handshake(transport))
+        self._running.n += 1
+        self._task.add_done_callback(self._running.done)  # however it ends, cancelled before it began included
 
     async def _handshake(self, transport: asyncio.Transport) -> None:
         loop = asyncio.get_running_loop()
@@ -280,7 +302,7 @@ class HandshakeLoggingSite(FactorySite):
                  gate: SourceGate | None = None, anonymous: AnonymousDeadline | None = None,
                  handshake_timeout: float = HANDSHAKE_TIMEOUT, backlog: int = 128,
                  reuse_address: bool | None = None, reuse_port: bool | None = None,
-                 timed_out: Callable[[], None] | None = None) -> None:
+                 timed_out: Callable[[], None] | None = None, shed: Callable[[int], bool] | None = None) -> None:
         # plain TCP at accept: the handshake is _Upgrade's
         super().__init__(runner, {"host": host, "port": port, "reuse_address": reuse_address,
                                   "reuse_port": reuse_port}, ssl_context=ssl_context, backlog=backlog)
@@ -290,7 +312,9 @@ class HandshakeLoggingSite(FactorySite):
         self._anonymous = AnonymousDeadline(HANDSHAKE_TIMEOUT) if anonymous is None else anonymous
         self._handshake_timeout = handshake_timeout
         self._timed_out = timed_out
+        self._shed = shed  # (handshakes running) True: drop the connection just accepted, before its handshake
+        self.handshakes = HandshakesRunning()
 
     def protocol_factory(self, handler: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
         return lambda: _Upgrade(handler, self._ctx, self._refused, self._gate, self._anonymous,
-                                self._handshake_timeout, self._timed_out)
+                                self._handshake_timeout, self._timed_out, self._shed, self.handshakes)
