@@ -821,9 +821,8 @@ def main() -> int:
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--per-source-cap", type=int, default=None,
                     help="api.clients.max_connections_per_source for the control plane (default: the product's, "
-                         "128): every simulated agent dials from 127.0.0.1, so the cap on connections not yet "
-                         "through their TLS handshake holds the whole fleet to 128 handshakes at a time; 0 lifts it, "
-                         "as nodes on their own addresses do not share it")
+                         "128). Each simulated agent dials from a loopback address of its own, so the cap binds "
+                         "only where several share one (the simulator's --nodes-per-address); 0 lifts it")
     ap.add_argument("--update", action="store_true",
                     help="merge the phases measured now into the existing results (same sizes), keeping the rest")
     ap.add_argument("--note", default=None, help="what changed since the last measurement, for the results")
