@@ -131,3 +131,25 @@ def test_load_shedding_weighs_each_connection_against_the_handshakes_under_way_a
             await runner.cleanup()
 
     asyncio.run(run())
+
+
+def test_handshakes_under_way_count_at_most_so_many_from_one_address():
+    """A client holding handshakes open in silence from one address fills at most PER_SOURCE of
+    the count the load shedding reads; agents, one handshake each from their own address, count whole."""
+    running = tlssite.HandshakesRunning()
+    per = tlssite.HandshakesRunning.PER_SOURCE
+    for _ in range(10 * per):
+        running.start("10.0.0.9")
+    for i in range(20):
+        running.start(f"10.1.0.{i}")
+    assert running.n == per + 20
+    for _ in range(10 * per - per):
+        running.done("10.0.0.9")
+    assert running.n == per + 20  # still PER_SOURCE under way from there
+    running.done("10.0.0.9")
+    assert running.n == per + 19
+    for _ in range(per - 1):
+        running.done("10.0.0.9")
+    for i in range(20):
+        running.done(f"10.1.0.{i}")
+    assert running.n == 0 and not running._by_source

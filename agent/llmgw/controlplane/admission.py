@@ -21,9 +21,10 @@ anyway) at a trickle of the admission rate; a connection beyond is dropped
 at accept, before its handshake (``handshake``), and its agent backs off
 exponentially, with jitter.  A cap on handshakes at once, not a rate: a
 control plane with less CPU finishes them more slowly and so starts fewer,
-whatever rate is configured.  Only while the loop runs behind: a client
-holding handshakes open without a word costs no CPU, and must not lock
-everyone else out of an idle control plane.
+whatever rate is configured.  Only while the loop runs behind, and counting
+at most a few handshakes from any one address (``tlssite.HandshakesRunning``):
+a client holding handshakes open without a word costs no CPU, and must not
+lock everyone else out.
 
 Pure: every method takes ``now``.
 """

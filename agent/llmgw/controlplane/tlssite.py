@@ -90,15 +90,36 @@ class AnonymousDeadline:
 
 
 class HandshakesRunning:
-    """The TLS handshakes a site is running now: what its load shedding weighs a new connection against."""
+    """The TLS handshakes a site is running now, ``n``: what its load shedding weighs a new connection against.
 
-    __slots__ = ("n",)
+    At most ``PER_SOURCE`` count from any one address.  A handshake waiting
+    for a ClientHello costs no CPU, and a client holding many open in silence
+    from one address (within its ``max_connections_per_source``) must not
+    fill the count and have everyone else's connections shed.  Agents dial
+    one at a time, each from its own address, so a storm of them counts whole.
+    """
+
+    PER_SOURCE = 8
+    __slots__ = ("n", "_by_source")
 
     def __init__(self) -> None:
         self.n = 0
+        self._by_source: dict[str, int] = {}
 
-    def done(self, _task: object = None) -> None:
-        self.n -= 1
+    def start(self, source: str) -> None:
+        k = self._by_source.get(source, 0)
+        self._by_source[source] = k + 1
+        if k < self.PER_SOURCE:
+            self.n += 1
+
+    def done(self, source: str) -> None:
+        k = self._by_source.get(source, 0) - 1
+        if k > 0:
+            self._by_source[source] = k
+        else:
+            self._by_source.pop(source, None)
+        if k < self.PER_SOURCE:
+            self.n -= 1
 
 
 class _Upgrade(asyncio.Protocol):
@@ -127,19 +148,22 @@ class _Upgrade(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         transport = cast(asyncio.Transport, transport)
-        if self._shed is not None and self._shed(self._running.n):  # nothing read, no handshake: the peer backs off
+        source = self._source = self._gate.admit(transport.get_extra_info("peername"))
+        if source is None:  # over the cap: nothing read, no handshake, the descriptor freed now
             transport.abort()
             return
-        self._source = self._gate.admit(transport.get_extra_info("peername"))
-        if self._source is None:  # over the cap: nothing read, no handshake, the descriptor freed now
+        if self._shed is not None and self._shed(self._running.n):  # nothing read, no handshake: the peer backs off
+            self._gate.release(source)
             transport.abort()
             return
         compat.pause_reading_at_accept(transport)  # the ClientHello waits in the socket for start_tls
         self._app = CountedProtocol(self._factory(), self._gate, self._source)
         self._transport = transport
         self._task = asyncio.get_running_loop().create_task(self._handshake(transport))
-        self._running.n += 1
-        self._task.add_done_callback(self._running.done)  # however it ends, cancelled before it began included
+        running = self._running
+        running.start(source)
+        # however it ends, cancelled before it began included
+        self._task.add_done_callback(lambda _task: running.done(source))
 
     async def _handshake(self, transport: asyncio.Transport) -> None:
         loop = asyncio.get_running_loop()
