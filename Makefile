@@ -141,13 +141,14 @@ PYENV_VERSIONS ?= $(shell pyenv root 2>/dev/null)/versions
 OLDEST_PYTHON  ?= 3.10
 NEWEST_PYTHON  ?= 3.13
 pythons:
-	PY=$$(ls -d $(PYENV_VERSIONS)/$(OLDEST_PYTHON).*/bin/python 2>/dev/null | sort -V | tail -1); \
-	  test -n "$$PY" || { echo "no Python $(OLDEST_PYTHON) under $(PYENV_VERSIONS)"; exit 1; }; \
-	  $(STAGE) "unit $(OLDEST_PYTHON)" $(MAKE) --no-print-directory PYTHON=$$PY VENV=$(VENV)-$(OLDEST_PYTHON) EXTRAS=test CONSTRAINTS=constraints/floor.txt unit
+	OLD=$$(ls -d $(PYENV_VERSIONS)/$(OLDEST_PYTHON).*/bin/python 2>/dev/null | sort -V | tail -1); \
+	  NEW=$$(ls -d $(PYENV_VERSIONS)/$(NEWEST_PYTHON).*/bin/python 2>/dev/null | sort -V | tail -1); \
+	  test -n "$$OLD" || { echo "no Python $(OLDEST_PYTHON) under $(PYENV_VERSIONS)"; exit 1; }; \
+	  test -n "$$NEW" || { echo "no Python $(NEWEST_PYTHON) under $(PYENV_VERSIONS)"; exit 1; }; \
+	  $(STAGE) "unit $(OLDEST_PYTHON) + $(NEWEST_PYTHON)" tests/ci/side-by-side \
+	    "unit $(OLDEST_PYTHON)" "$(MAKE) --no-print-directory PYTHON=$$OLD VENV=$(VENV)-$(OLDEST_PYTHON) EXTRAS=test CONSTRAINTS=constraints/floor.txt unit" \
+	    "unit $(NEWEST_PYTHON)" "$(MAKE) --no-print-directory PYTHON=$$NEW VENV=$(VENV)-$(NEWEST_PYTHON) unit"
 	$(STAGE) "smoke $(OLDEST_PYTHON)" $(VENV)-$(OLDEST_PYTHON)/bin/python -m pytest tests/integration/test_runtime_smoke.py -q
-	PY=$$(ls -d $(PYENV_VERSIONS)/$(NEWEST_PYTHON).*/bin/python 2>/dev/null | sort -V | tail -1); \
-	  test -n "$$PY" || { echo "no Python $(NEWEST_PYTHON) under $(PYENV_VERSIONS)"; exit 1; }; \
-	  $(STAGE) "unit $(NEWEST_PYTHON)" $(MAKE) --no-print-directory PYTHON=$$PY VENV=$(VENV)-$(NEWEST_PYTHON) unit
 	$(MAKE) --no-print-directory VENV=$(VENV)-$(NEWEST_PYTHON) fleet-down
 	$(STAGE) "quickstart $(NEWEST_PYTHON)" $(MAKE) --no-print-directory VENV=$(VENV)-$(NEWEST_PYTHON) quickstart; rc=$$?; \
 	  $(MAKE) --no-print-directory VENV=$(VENV)-$(NEWEST_PYTHON) fleet-down; exit $$rc
