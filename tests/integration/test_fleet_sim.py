@@ -121,7 +121,10 @@ def test_cold_start_registers_every_node_and_readies_every_replica(fleet: tuple[
     assert st["progress_sent"] > 0  # the download phase reported progress
     # each agent dials from a loopback address of its own, as from its own machine
     sources = [ip for ip in tcp_clients_of(f.port) if ip.startswith("127.1.")]
-    assert len(sources) == len(set(sources)) == NODES, sorted(sources)[:5]
+    # one address per agent, every agent's: a shared address would show fewer addresses than nodes.
+    # Not one connection each: a loaded CI host once showed 202 for 200 registered streams, a dial
+    # or two in flight (each agent's second connection from its own address)
+    assert len(set(sources)) == NODES, sorted(sources)[:5]
     nodes = nodes_doc(f)["nodes"]
     # every node registered with its own hardware: distinct GPU UUIDs fleet-wide
     uuids = [g["uuid"] for n in nodes for g in n["gpus"]]
