@@ -35,6 +35,8 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from llmgw.controlplane.tokenbucket import TokenBucket
+
 MAX_RETRY_AFTER = 60  # seconds: never tell an agent to stay away longer
 # TLS handshakes at once, at most, while the loop runs LOADED_LAG or more behind.  Each costs
 # milliseconds of CPU, so this many queue a fraction of a second of work on the loop.
@@ -54,8 +56,7 @@ class Admission:
     retry_after: int = 1  # the delay told last
     shed: int = 0  # connections dropped at accept, before their handshake
     _recent: deque = field(default_factory=deque)  # [second, refusals in it], the last MAX_RETRY_AFTER seconds
-    _handshake_tokens: float = 0.0
-    _handshake_updated: float | None = None
+    _trickle: TokenBucket | None = None  # handshakes while the loop lags; None while it keeps time
 
     def decide(self, now: float, rate: float, lag: float, max_lag: float) -> int | None:
         """None: admit one stream now.  Otherwise the Retry-After (whole seconds) to answer with."""
@@ -78,16 +79,13 @@ class Admission:
             self.shed += 1
             return False
         if lag <= max_lag:
-            self._handshake_updated = None  # a fresh bucket, full, when the loop falls behind again
+            self._trickle = None  # a fresh bucket, full, when the loop falls behind again
             return True
         allowed = max(1.0, rate * LAGGING_HANDSHAKE_SHARE)
-        if self._handshake_updated is None:
-            self._handshake_tokens = allowed
-        else:
-            self._handshake_tokens = min(allowed, self._handshake_tokens + (now - self._handshake_updated) * allowed)
-        self._handshake_updated = now
-        if self._handshake_tokens >= 1.0:
-            self._handshake_tokens -= 1.0
+        if self._trickle is None:
+            self._trickle = TokenBucket(allowed, allowed, allowed, now)
+        self._trickle.capacity = self._trickle.rate = allowed  # the rate as configured now (a reload may change it)
+        if self._trickle.take(now):
             return True
         self.shed += 1
         return False

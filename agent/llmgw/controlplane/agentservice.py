@@ -185,15 +185,14 @@ class AgentService:
     def shed_handshake(self, running: int) -> bool:
         """True: drop a connection just accepted, before its TLS handshake, with ``running`` others under way
         (``Admission.handshake``); the agents dropped back off and dial again."""
-        lc = self.cp.settings.lifecycle
-        if self.admission.handshake(self.cp.clock(), lc.max_registrations_per_second, self.cp.looplag.behind(),
-                                    lc.max_loop_lag, running):
+        lc, behind = self.cp.settings.lifecycle, self.cp.looplag.behind()
+        if self.admission.handshake(self.cp.clock(), lc.max_registrations_per_second, behind, lc.max_loop_lag, running):
             return False
         self.cp.arriving("shed")  # most likely an agent dialling back: it holds the startup grace
         if self.admission.shed % 1000 == 1:  # a storm would otherwise log a line per connection
             log.warning("admission: dropping new connections before their TLS handshake (%d handshakes under way, "
                         "loop %.1fs behind; %d dropped so far, %d refused after a handshake, %d admitted)",
-                        running, self.cp.looplag.behind(), self.admission.shed, self.admission.refused,
+                        running, behind, self.admission.shed, self.admission.refused,
                         self.admission.admitted)
         return True
 

@@ -30,6 +30,7 @@ from typing import Any
 from aiohttp import web
 
 from llmgw.config import schema_errors
+from llmgw.controlplane.tokenbucket import TokenBucket
 
 __all__ = ["MAX_ERRORS", "MAX_WORKERS", "NumberRefused", "RouterBudget", "RouterPost", "RouterPosts", "TokenBucket",
            "parse_report"]
@@ -38,22 +39,6 @@ MAX_WORKERS = 64  # workers of one router that widen its budget; more count as t
 WORKER_TTL = 60.0  # a worker not heard from for this long no longer widens it
 MAX_NUMBER_CHARS = 32  # a number literal longer than this is no duration or count anyone sends
 MAX_ERRORS = 20  # a refusal names this many problems at most
-
-
-@dataclass
-class TokenBucket:
-    capacity: float
-    rate: float
-    tokens: float
-    at: float
-
-    def take(self, now: float) -> bool:
-        self.tokens = min(self.capacity, self.tokens + (now - self.at) * self.rate)
-        self.at = now
-        if self.tokens < 1:
-            return False
-        self.tokens -= 1
-        return True
 
 
 @dataclass

@@ -131,7 +131,7 @@ class _Upgrade(asyncio.Protocol):
     def __init__(self, factory: Callable[[], asyncio.Protocol], ctx: ssl.SSLContext,
                  refused: Callable[[Any, str], None], gate: SourceGate, anonymous: AnonymousDeadline,
                  handshake_timeout: float, timed_out: Callable[[], None] | None = None,
-                 shed: Callable[[int], bool] | None = None, running: HandshakesRunning | None = None) -> None:
+                 shed: Callable[[int], bool] | None = None, *, running: HandshakesRunning) -> None:
         self._factory = factory
         self._ctx = ctx
         self._refused = refused
@@ -140,7 +140,7 @@ class _Upgrade(asyncio.Protocol):
         self._handshake_timeout = handshake_timeout
         self._timed_out = timed_out
         self._shed = shed
-        self._running = HandshakesRunning() if running is None else running
+        self._running = running  # the site's, shared by all its connections
         self._source: str | None = None
         self._app: CountedProtocol | None = None
         self._transport: asyncio.Transport | None = None
@@ -341,4 +341,4 @@ class HandshakeLoggingSite(FactorySite):
 
     def protocol_factory(self, handler: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
         return lambda: _Upgrade(handler, self._ctx, self._refused, self._gate, self._anonymous,
-                                self._handshake_timeout, self._timed_out, self._shed, self.handshakes)
+                                self._handshake_timeout, self._timed_out, self._shed, running=self.handshakes)
