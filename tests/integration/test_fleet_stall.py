@@ -211,6 +211,31 @@ def test_dials_that_arrive_while_the_control_plane_is_behind_are_dropped_before_
         assert "stream closed" not in logged
 
 
+def test_a_stream_whose_handshake_ran_is_not_refused_for_a_pause_that_came_after(tmp_path: Path) -> None:
+    """An agent's TLS handshake completes, then the control plane stops and the agent's upgrade
+    request waits for it: on waking the loop is seconds behind. The handshake is paid; a refusal
+    would only buy a second one when the agent dials back (at half a core, 10,000 agents: three
+    handshakes in four were spent on such refusals), so the stream is admitted."""
+    with Fleet(tmp_path, nodes={}, replicas=1, lifecycle=LIFECYCLE) as f:
+        f.start(agents=False)
+        ctx = ssl.create_default_context(cafile=str(f.pki.ca_cert))
+        ctx.load_cert_chain(*map(str, f.pki.node("late-upgrade")))
+        with socket.create_connection(("127.0.0.1", f.port), timeout=WAIT) as raw, \
+                ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+            time.sleep(0.5)  # the control plane has read the client's Finished: its handshake is done
+            f.server.signal(signal.SIGSTOP)
+            try:
+                tls.sendall(b"GET /v1/agent/stream HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
+                            b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                            b"Sec-WebSocket-Version: 13\r\n\r\n")
+                time.sleep(3.0)  # three times max_loop_lag
+            finally:
+                f.server.signal(signal.SIGCONT)
+            head = tls.recv(4096)
+        until(lambda: "stalled for" in f.server.life_output(), "the control plane to notice its pause", WAIT)
+        assert head.split(b" ", 2)[1] == b"101", head  # before: 503 and a Retry-After
+
+
 def test_an_idle_stream_lives_on_the_pings_the_control_plane_asks_for(tmp_path: Path) -> None:
     """The agent's own keepalive_interval is 10 s; the control plane asks for a ping every 1 s and gives
     2 s of grace: the agent must ping at the interval it was told from then on, or its stream, idle but

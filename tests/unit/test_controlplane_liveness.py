@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import aiohttp
 import pytest
 
 from llmgw.agent.backoff import Backoff
 from llmgw.agent.stream import MAX_RETRY_AFTER, StreamClient
-from llmgw.controlplane.admission import LOADED_LAG, MAX_HANDSHAKES_IN_FLIGHT, Admission
+from llmgw.controlplane.admission import LOADED_HOLD, LOADED_LAG, MAX_HANDSHAKES_IN_FLIGHT, Admission
 from llmgw.controlplane.lifecycle import NodeClock, NodeState, evaluate, excuse, half_open
 from llmgw.controlplane.looplag import LoopLag
 from llmgw.controlplane.state import ControlPlane
@@ -115,10 +116,60 @@ def test_admission_admits_at_its_rate_and_sizes_the_retry_to_the_crowd():
     assert a.admitted == 11 and a.refused == 20
 
 
-def test_admission_refuses_while_the_loop_runs_late():
+def test_admission_refuses_while_the_loop_runs_late_unless_the_handshake_is_paid():
     a = Admission()
     assert a.decide(0.0, rate=100, lag=3.5, max_lag=1.0) == 3
     assert a.decide(0.1, rate=100, lag=0.2, max_lag=1.0) is None
+    # through TLS the lag was judged before the handshake: refusing now would buy a second one
+    assert a.decide(0.2, rate=100, lag=3.5, max_lag=1.0, handshake_paid=True) is None
+    assert a.admitted == 2 and a.refused == 1
+    # the rate still holds for it
+    slow = Admission()
+    assert slow.decide(0.0, rate=1, lag=0.0, max_lag=1.0, handshake_paid=True) is None
+    assert slow.decide(0.0, rate=1, lag=0.0, max_lag=1.0, handshake_paid=True) == 1
+
+
+def test_a_reconcile_pass_that_holds_the_loop_is_not_read_as_overload():
+    """A pass over a large fleet on a slow core holds the loop for seconds, paced to half of it:
+    admission must not drop handshakes for it, while the heartbeat deadlines still move by it."""
+    clock = Clock()
+    lag = LoopLag(period=0.25, clock=clock)
+    lag._due = clock.t + 0.25
+    clock.t += 2.25  # a 2 s pass ...
+    lag.held(2.0)  # ... that said so
+    assert lag.behind() == pytest.approx(0.0)
+    assert lag.take() == pytest.approx(2.0)  # no heartbeat was read meanwhile
+    clock.t += 0.5  # and 0.5 s more that nobody accounts for: overload
+    assert lag.behind() == pytest.approx(0.5)
+    lag._woke(lag._due)
+    assert lag.lag == pytest.approx(0.5) and lag.behind() == pytest.approx(0.5)
+
+
+def test_the_control_planes_own_pass_tells_the_lag_it_held_the_loop():
+    """Through ``ControlPlane.run``: a tick that holds the loop 1.5 s leaves admission's reading low."""
+    async def scenario() -> tuple[float, float]:
+        cp = ControlPlane(settings(replicas=0))
+        real = cp.tick
+        calls = []
+
+        def slow_tick():
+            if not calls:
+                time.sleep(1.5)
+            calls.append(1)
+            return real()
+
+        cp.tick = slow_tick  # type: ignore[method-assign]
+        task = asyncio.get_running_loop().create_task(cp.run(interval=0.1))
+        while not calls:
+            await asyncio.sleep(0.01)
+        behind, taken = cp.looplag.behind(), cp.stalled
+        task.cancel()
+        await asyncio.wait({task}, timeout=2.0)
+        return behind, taken
+
+    behind, taken = asyncio.run(scenario())
+    assert behind < 0.5  # the pass said it held the loop
+    assert taken > 1.0  # the heartbeat deadlines moved by it all the same
 
 
 def test_handshakes_run_at_most_so_many_at_once_and_a_trickle_while_the_loop_lags():
@@ -131,10 +182,13 @@ def test_handshakes_run_at_most_so_many_at_once_and_a_trickle_while_the_loop_lag
     assert a.shed == 0
     assert not a.handshake(0.0, rate=10, lag=behind, max_lag=1.0, in_flight=MAX_HANDSHAKES_IN_FLIGHT)
     assert a.shed == 1
+    # caught up for a moment: the cap holds a while, so hundreds of handshakes do not start at once
+    assert not a.handshake(LOADED_HOLD - 0.1, rate=10, lag=0.0, max_lag=1.0, in_flight=MAX_HANDSHAKES_IN_FLIGHT)
     # a loop keeping time: handshakes held open by a client that says nothing cost no CPU, and lock nobody out
-    assert a.handshake(0.0, rate=10, lag=0.0, max_lag=1.0, in_flight=10 * MAX_HANDSHAKES_IN_FLIGHT)
+    assert a.handshake(LOADED_HOLD, rate=10, lag=0.0, max_lag=1.0, in_flight=10 * MAX_HANDSHAKES_IN_FLIGHT)
+    assert a.shed == 2
     lagging = [a.handshake(3.0, rate=100, lag=3.0, max_lag=1.0, in_flight=0) for _ in range(100)]
-    assert lagging.count(True) == 5 and a.shed == 96  # 5 % of the rate while the loop runs late
+    assert lagging.count(True) == 5 and a.shed == 97  # 5 % of the rate while the loop runs late
     assert a.handshake(3.0, rate=10, lag=3.0, max_lag=1.0, in_flight=0) is False
     assert a.handshake(4.0, rate=10, lag=3.0, max_lag=1.0, in_flight=0)  # never below one a second
     assert all(a.handshake(4.0, rate=10, lag=0.5, max_lag=1.0, in_flight=0) for _ in range(100))  # caught up

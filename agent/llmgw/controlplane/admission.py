@@ -5,26 +5,28 @@ handshake, a 20 KB hardware document, a reconciler pass), and a control
 plane that takes more of them than it can process starts missing the
 heartbeats of agents already connected: they drop, dial again, and the load
 feeds itself (a metastable failure).  So new streams are admitted at most at
-``max_registrations_per_second`` (a token bucket with one second's burst),
-and none while the event loop runs later than ``max_loop_lag``; the rest
-are refused before the WebSocket upgrade with HTTP 503 and a ``Retry-After``
-sized to spread the agents refused of late over the admission rate.  Agents
-wait that long, plus jitter, before they dial again.
+``max_registrations_per_second`` (a token bucket with one second's burst);
+the rest are refused before the WebSocket upgrade with HTTP 503 and a
+``Retry-After`` sized to spread the agents refused of late over the
+admission rate.  Agents wait that long, plus jitter, before they dial again.
 
 A refusal after the TLS handshake still costs the handshake, the dearest
 part of a registration: at half a core, 10,000 agents refused after their
 handshakes and dialling back kept the control plane busy with handshakes
 it then refused, and the fleet never converged.  So while the loop runs
-behind, TLS handshakes run at most ``MAX_HANDSHAKES_IN_FLIGHT`` at once, and
-while it runs later than ``max_loop_lag`` (when every stream is refused
-anyway) at a trickle of the admission rate; a connection beyond is dropped
-at accept, before its handshake (``handshake``), and its agent backs off
+behind (and for ``LOADED_HOLD`` seconds after it last did), TLS handshakes
+run at most ``MAX_HANDSHAKES_IN_FLIGHT`` at once, and while it runs later
+than ``max_loop_lag`` at a trickle of the admission rate; a connection
+beyond is dropped at accept, before its handshake (``handshake``), and its
+agent backs off
 exponentially, with jitter.  A cap on handshakes at once, not a rate: a
 control plane with less CPU finishes them more slowly and so starts fewer,
 whatever rate is configured.  Only while the loop runs behind, and counting
 at most a few handshakes from any one address (``tlssite.HandshakesRunning``):
 a client holding handshakes open without a word costs no CPU, and must not
-lock everyone else out.
+lock everyone else out.  A stream whose handshake ran is not refused for the
+loop's lag (only for the rate): that was judged before the handshake.  Where
+the API has no TLS (no handshake to spare), the lag is judged at the upgrade.
 
 Pure: every method takes ``now``.
 """
@@ -42,6 +44,9 @@ MAX_RETRY_AFTER = 60  # seconds: never tell an agent to stay away longer
 # milliseconds of CPU, so this many queue a fraction of a second of work on the loop.
 MAX_HANDSHAKES_IN_FLIGHT = 64
 LOADED_LAG = 0.25
+# ... and for this long after it last did: a loop that caught up for a moment must not start hundreds
+# of handshakes at once (at half a core 288 were under way a second after the loop read on time).
+LOADED_HOLD = 5.0
 # While the loop runs later than max_loop_lag nothing is admitted: handshakes run at this share of
 # the admission rate (at least one a second), a trickle that keeps the API answering an operator.
 LAGGING_HANDSHAKE_SHARE = 0.05
@@ -57,25 +62,34 @@ class Admission:
     shed: int = 0  # connections dropped at accept, before their handshake
     _recent: deque = field(default_factory=deque)  # [second, refusals in it], the last MAX_RETRY_AFTER seconds
     _trickle: TokenBucket | None = None  # handshakes while the loop lags; None while it keeps time
+    _loaded_until: float = float("-inf")  # the cap on handshakes at once holds until then
 
-    def decide(self, now: float, rate: float, lag: float, max_lag: float) -> int | None:
-        """None: admit one stream now.  Otherwise the Retry-After (whole seconds) to answer with."""
+    def decide(self, now: float, rate: float, lag: float, max_lag: float, *, handshake_paid: bool = False) -> int | None:
+        """None: admit one stream now.  Otherwise the Retry-After (whole seconds) to answer with.
+
+        ``handshake_paid``: the stream came through a TLS handshake that ``handshake`` let begin.  Its
+        cost is sunk, and a refusal for the loop's lag would buy a second one when the agent dials
+        back (at half a core, 10,000 agents: 22,183 such refusals, three in four handshakes the
+        control plane did); the lag was judged before the handshake, only the rate is judged here."""
         burst = max(1.0, rate)
         if self.updated is None:
             self.tokens = burst
         else:
             self.tokens = min(burst, self.tokens + (now - self.updated) * rate)
         self.updated = now
-        if lag <= max_lag and self.tokens >= 1.0:
+        late = lag > max_lag and not handshake_paid
+        if not late and self.tokens >= 1.0:
             self.tokens -= 1.0
             self.admitted += 1
             return None
-        return self.refuse(now, rate, lag - max_lag if lag > max_lag else 0.0)
+        return self.refuse(now, rate, lag - max_lag if late else 0.0)
 
     def handshake(self, now: float, rate: float, lag: float, max_lag: float, in_flight: int) -> bool:
         """Whether a connection just accepted gets its TLS handshake, ``in_flight`` others running;
         False: drop it now (counted in ``shed``)."""
-        if in_flight >= MAX_HANDSHAKES_IN_FLIGHT and lag >= LOADED_LAG:
+        if lag >= LOADED_LAG:
+            self._loaded_until = now + LOADED_HOLD
+        if in_flight >= MAX_HANDSHAKES_IN_FLIGHT and now < self._loaded_until:
             self.shed += 1
             return False
         if lag <= max_lag:

@@ -196,14 +196,14 @@ class AgentService:
                         self.admission.admitted)
         return True
 
-    def _shed(self, peer: str) -> web.Response | None:
+    def _shed(self, peer: str, secure: bool) -> web.Response | None:
         """Refuse a new stream the control plane cannot serve now (see ``admission``); None: go on."""
         if self.cp.stopping:
             return web.json_response({"error": "the control plane is stopping"}, status=503,
                                      headers={"Retry-After": "1"})
         lc = self.cp.settings.lifecycle
         retry = self.admission.decide(self.cp.clock(), lc.max_registrations_per_second, self.cp.looplag.behind(),
-                                      lc.max_loop_lag)
+                                      lc.max_loop_lag, handshake_paid=secure)
         if retry is None:
             self.cp.arriving("admitted")
             return None
@@ -263,7 +263,7 @@ class AgentService:
                 log.warning("refused agent stream from %s: %s", peer, e.reason)
                 return web.json_response({"error": e.reason}, status=403)
 
-        shed = self._shed(peer)
+        shed = self._shed(peer, request.secure)
         if shed is not None:
             return shed
         ws = web.WebSocketResponse(max_msg_size=MAX_MESSAGE, autoping=False)

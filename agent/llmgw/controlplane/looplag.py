@@ -11,6 +11,13 @@ loop is behind.
 A sampler task sleeps ``period`` and records how late it woke.  ``take``
 also counts a sleep that is overdue right now, so a caller that runs first
 after a pause (before the sampler) is not told "no stall".
+
+``behind`` (what admission control reads) leaves out the time the loop was
+``held`` on purpose by a reconcile pass: a pass over 10,000 nodes on half a
+core holds the loop for seconds, paced to at most half of it, and read as
+overload it made admission drop or refuse the very agents the pass was
+placing replicas for.  ``take`` (what the heartbeat deadlines are moved by)
+keeps it: no heartbeat was read while the pass ran.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ class LoopLag:
         self._due: float | None = None  # when the sleeping sample should wake
         self._owed = 0.0  # lateness of completed samples not yet taken
         self._given = 0.0  # lateness of the current sample already taken
+        self._held = 0.0  # seconds the current sample's wait was held by reconcile passes (``held``)
 
     def take(self) -> float:
         """Seconds the loop ran late since the last call (including a wake-up overdue now)."""
@@ -38,18 +46,24 @@ class LoopLag:
         out, self._owed = self._owed + extra, 0.0
         return out
 
+    def held(self, seconds: float) -> None:
+        """The caller held the loop ``seconds`` on purpose (a paced reconcile pass): not overload."""
+        if self._due is not None:
+            self._held += seconds
+
     def behind(self) -> float:
-        """How far behind the loop is now: the last sample's lateness, or the overdue one's."""
+        """How far behind the loop is now, its deliberate holds left out: the last sample's
+        lateness, or the overdue one's."""
         if self._due is None:
             return self.lag
-        return max(self.lag, self.clock() - self._due)
+        return max(self.lag, self.clock() - self._due - self._held)
 
     def _woke(self, due: float) -> None:
         late = max(0.0, self.clock() - due)
-        self.lag = late
+        self.lag = max(0.0, late - self._held)
         self.total += late
         self._owed += max(0.0, late - self._given)
-        self._given = 0.0
+        self._given = self._held = 0.0
         self._due = None
 
     async def run(self) -> None:
