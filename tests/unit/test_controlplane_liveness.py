@@ -14,7 +14,7 @@ from llmgw.agent.stream import MAX_RETRY_AFTER, StreamClient
 from llmgw.controlplane.admission import LOADED_HOLD, LOADED_LAG, MAX_HANDSHAKES_IN_FLIGHT, Admission
 from llmgw.controlplane.lifecycle import NodeClock, NodeState, evaluate, excuse, half_open
 from llmgw.controlplane.looplag import LoopLag
-from llmgw.controlplane.state import ControlPlane
+from llmgw.controlplane.state import PASS_SHARE, PASS_SHARE_SHEDDING, SHEDDING_HOLD, ControlPlane
 from llmgw.settings import Lifecycle
 from cp_state_fakes import Clock, FakeSession, register, settings
 
@@ -219,3 +219,41 @@ def test_a_standby_spreads_the_agents_it_refuses_over_the_rate_a_leader_admits()
     assert told[0] == 1 and told[-1] == 10 and told == sorted(told)
     assert a.refuse(200.0, rate=100) == 1  # a lone agent much later is not kept away
     assert a.refused == 1001 and a.admitted == 0
+
+
+def test_passes_take_less_of_the_loop_while_agents_are_turned_away_at_the_door():
+    """Each pass walks the whole fleet whatever arrived since the last: while dials are dropped
+    before their handshake, a long pass is followed by four times its length for the agents."""
+    async def scenario(shed: bool) -> tuple[float, float]:
+        cp = ControlPlane(settings(replicas=0))
+        real = cp.tick
+
+        def slow_tick():
+            time.sleep(0.2)
+            return real()
+
+        cp.tick = slow_tick  # type: ignore[method-assign]
+        if shed:
+            cp.arriving("shed")
+        task = asyncio.get_running_loop().create_task(cp.run(interval=0.05))
+        while cp.pass_pause == (0.0, 0.0):
+            await asyncio.sleep(0.01)
+        task.cancel()
+        await asyncio.wait({task}, timeout=2.0)
+        return cp.pass_pause
+
+    spent, pause = asyncio.run(scenario(shed=True))
+    assert pause == pytest.approx(4 * spent)
+    spent, pause = asyncio.run(scenario(shed=False))
+    assert pause == pytest.approx(spent)
+
+
+def test_the_shedding_share_lapses_when_no_dial_was_dropped_of_late():
+    clock = Clock()
+    cp = ControlPlane(settings(replicas=0), clock=clock)
+    assert cp.pass_share() == PASS_SHARE
+    cp.arriving("shed")
+    assert cp.pass_share() == PASS_SHARE_SHEDDING
+    cp.arriving("admitted")  # an agent let in says nothing of the door
+    clock.t += SHEDDING_HOLD
+    assert cp.pass_share() == PASS_SHARE

@@ -66,6 +66,11 @@ class Loaded:
 
 
 PASS_SHARE = 0.5  # at most this share of the event loop goes to back-to-back reconcile passes
+# ... and this share while agents are being turned away at the door (dials dropped before their TLS
+# handshake in the last SHEDDING_HOLD seconds): each pass walks the whole fleet whatever arrived since
+# the last, so fewer passes place the same replicas, and the loop's time goes to letting agents in.
+PASS_SHARE_SHEDDING = 0.2
+SHEDDING_HOLD = 2.0
 
 
 def _files(tls: TLSFiles | None) -> TLSFiles | None:
@@ -111,6 +116,8 @@ class ControlPlane:
         self.drain_blocked: dict[str, str] = {}  # draining node(s) -> why the next move waits
         self.reload_errors: list[str] = []
         self.stopping = False  # SIGTERM: no new stream is admitted, none registering is kept
+        self.shedding_until = float("-inf")  # passes take PASS_SHARE_SHEDDING of the loop until then
+        self.pass_pause = (0.0, 0.0)  # the last long pass: seconds it held the loop, seconds the loop got after it
 
     # ------------------------------------------------------------------ access
     @property
@@ -194,7 +201,14 @@ class ControlPlane:
 
     def arriving(self, kind: str) -> None:
         """A sign of an agent arriving (``lifecycletimers.ARRIVALS``): it holds the startup grace while it lasts."""
-        self.timers.note_arrival(self.clock(), kind, self.settings.lifecycle)
+        now = self.clock()
+        if kind == "shed":
+            self.shedding_until = now + SHEDDING_HOLD
+        self.timers.note_arrival(now, kind, self.settings.lifecycle)
+
+    def pass_share(self) -> float:
+        """The share of the loop back-to-back reconcile passes may take now (``PASS_SHARE``)."""
+        return PASS_SHARE_SHEDDING if self.clock() < self.shedding_until else PASS_SHARE
 
     def message(self, node_id: str, epoch: int, msg: dict[str, Any]) -> bool:
         """A validated message after ``register``; False (and no effect) if its stream is superseded."""
@@ -367,7 +381,9 @@ class ControlPlane:
                 spent = time.perf_counter() - began
                 self.looplag.held(spent)  # paced below: admission must not read it as overload
                 if spent > 0.05:
-                    await asyncio.sleep(min(5.0, spent * (1 - PASS_SHARE) / PASS_SHARE))
+                    share = self.pass_share()
+                    self.pass_pause = (spent, min(5.0, spent * (1 - share) / share))
+                    await asyncio.sleep(self.pass_pause[1])
         finally:
             lag.cancel()
             self.sizes.cancel()
