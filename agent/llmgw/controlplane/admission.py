@@ -18,8 +18,7 @@ behind (and for ``LOADED_HOLD`` seconds after it last did), TLS handshakes
 run at most ``MAX_HANDSHAKES_IN_FLIGHT`` at once, and while it runs later
 than ``max_loop_lag`` at a trickle of the admission rate; a connection
 beyond is dropped at accept, before its handshake (``handshake``), and its
-agent backs off
-exponentially, with jitter.  A cap on handshakes at once, not a rate: a
+agent backs off exponentially, with jitter.  A cap on handshakes at once, not a rate: a
 control plane with less CPU finishes them more slowly and so starts fewer,
 whatever rate is configured.  Only while the loop runs behind, and counting
 at most a few handshakes from any one address (``tlssite.HandshakesRunning``):
@@ -47,8 +46,8 @@ LOADED_LAG = 0.25
 # ... and for this long after it last did: a loop that caught up for a moment must not start hundreds
 # of handshakes at once (at half a core 288 were under way a second after the loop read on time).
 LOADED_HOLD = 5.0
-# While the loop runs later than max_loop_lag nothing is admitted: handshakes run at this share of
-# the admission rate (at least one a second), a trickle that keeps the API answering an operator.
+# While the loop runs later than max_loop_lag handshakes run at this share of the admission rate (at
+# least one a second), a trickle that keeps the API answering an operator.
 LAGGING_HANDSHAKE_SHARE = 0.05
 
 

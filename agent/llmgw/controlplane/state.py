@@ -377,7 +377,8 @@ class ControlPlane:
                     log.exception("reconcile pass failed; retrying on the next tick")
                 # A pass over a large fleet holds the loop for a while; during a
                 # registration storm the next kick is already waiting, so leave
-                # the stream as much time again before the next pass.
+                # the streams as much time again before the next pass (four times
+                # as much while agents are turned away at the door: pass_share).
                 spent = time.perf_counter() - began
                 self.looplag.held(spent)  # paced below: admission must not read it as overload
                 if spent > 0.05:
