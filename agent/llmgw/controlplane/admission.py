@@ -53,13 +53,12 @@ LAGGING_HANDSHAKE_SHARE = 0.05
 
 @dataclass
 class Admission:
-    tokens: float = 1.0
-    updated: float | None = None
     admitted: int = 0
     refused: int = 0
     retry_after: int = 1  # the delay told last
     shed: int = 0  # connections dropped at accept, before their handshake
     _recent: deque = field(default_factory=deque)  # [second, refusals in it], the last MAX_RETRY_AFTER seconds
+    _rate: TokenBucket | None = None  # streams admitted: max_registrations_per_second, one second's burst
     _trickle: TokenBucket | None = None  # handshakes while the loop lags; None while it keeps time
     _loaded_until: float = float("-inf")  # the cap on handshakes at once holds until then
 
@@ -71,14 +70,11 @@ class Admission:
         back (at half a core, 10,000 agents: 22,183 such refusals, three in four handshakes the
         control plane did); the lag was judged before the handshake, only the rate is judged here."""
         burst = max(1.0, rate)
-        if self.updated is None:
-            self.tokens = burst
-        else:
-            self.tokens = min(burst, self.tokens + (now - self.updated) * rate)
-        self.updated = now
+        if self._rate is None:
+            self._rate = TokenBucket(burst, rate, burst, now)
+        self._rate.capacity, self._rate.rate = burst, rate  # as configured now (a reload may change it)
         late = lag > max_lag and not handshake_paid
-        if not late and self.tokens >= 1.0:
-            self.tokens -= 1.0
+        if not late and self._rate.take(now):
             self.admitted += 1
             return None
         return self.refuse(now, rate, lag - max_lag if late else 0.0)

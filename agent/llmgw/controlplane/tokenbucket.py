@@ -1,7 +1,8 @@
 """A token bucket: ``capacity`` tokens at most, refilled at ``rate`` a second, one taken per event.
 
 Pure: ``take`` is told the time.  Shared by the routers' post budgets
-(``routerposts``) and the handshake trickle of admission control.
+(``routerposts``) and admission control (its registration rate and its
+handshake trickle).
 """
 
 from __future__ import annotations
