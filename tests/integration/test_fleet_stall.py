@@ -15,7 +15,8 @@ mutual TLS) against a real ``llmgw server``:
   up registered once.
 - dials that arrive while the control plane is behind are dropped at accept,
   before their TLS handshake (the dearest part of a refusal), and the agents
-  back off and come back.
+  back off and come back; a fleet dialling at once waits for its handshakes,
+  none dropped.
 
 Everything asserted is a count, read from the control plane's API and log
 and from the simulator's status file; nothing here measures speed.
@@ -34,7 +35,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from fleet import FAST_LIFECYCLE, Fleet, until
+from fleet import FAST_LIFECYCLE, Fleet, metric_samples, until
 from llmgw.sim.fleet.throttle import Throttle
 from fleet_sim import Sim, assert_no_gpu_twice, nodes_doc, placement
 from tests.support.procfs import tcp_clients_of
@@ -209,6 +210,33 @@ def test_dials_that_arrive_while_the_control_plane_is_behind_are_dropped_before_
         assert st["registrations_per_node"] == {"1": nodes}, st
         assert {n["registrations"] for n in nodes_doc(f)["nodes"]} == {1}
         assert "stream closed" not in logged
+
+
+def test_a_fleet_dialling_at_once_waits_for_its_handshakes_and_none_is_dropped(tmp_path: Path) -> None:
+    """A fleet dials at once, before the control plane's loop can read as behind: beyond twice
+    max_tls_handshakes under way the burst is load in itself, and each connection past the cap waits,
+    accepted and unread, for a handshake to end. None is dropped, so no agent sees its dial fail and
+    backs off (at 10,000 agents, the dials dropped came back on their backoff in waves and the control
+    plane sat idle between them), and every agent registers once."""
+    nodes, replicas = 40, 8
+    lifecycle = {**LIFECYCLE, "max_tls_handshakes": 2}
+    with Fleet(tmp_path, nodes={}, replicas=replicas, lifecycle=lifecycle) as f:
+        f.start(agents=False)
+        sim = Sim(f, tmp_path, nodes=nodes, engines=0)
+        f.extra.append(sim.proc)
+        try:
+            sim.proc.start()
+            ready(f, sim, nodes, replicas)
+            st = sim.status()
+            dials = {labels["outcome"]: v for labels, v in metric_samples(f)["llmgw_agent_dials_total"]}
+            logged = f.server.life_output()
+        finally:
+            sim.close()
+    assert dials["shed"] == 0 and st["connect_errors"] == 0, (dials, st)  # none dropped
+    assert dials["waiting"] > 0, dials  # the burst was held at the cap
+    assert dials["registered"] == nodes, dials
+    assert st["registrations_per_node"] == {"1": nodes}, st
+    assert "stream closed" not in logged
 
 
 def test_a_stream_whose_handshake_ran_is_not_refused_for_a_pause_that_came_after(tmp_path: Path) -> None:

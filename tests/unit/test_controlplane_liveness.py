@@ -11,7 +11,7 @@ import pytest
 
 from llmgw.agent.backoff import Backoff
 from llmgw.agent.stream import MAX_RETRY_AFTER, StreamClient
-from llmgw.controlplane.admission import LOADED_HOLD, LOADED_LAG, MAX_HANDSHAKES_IN_FLIGHT, Admission
+from llmgw.controlplane.admission import BURST_FACTOR, DROP, LOADED_HOLD, LOADED_LAG, RUN, WAIT, Admission
 from llmgw.controlplane.lifecycle import NodeClock, NodeState, evaluate, excuse, half_open
 from llmgw.controlplane.looplag import LoopLag
 from llmgw.controlplane.state import PASS_SHARE, PASS_SHARE_SHEDDING, SHEDDING_HOLD, ControlPlane
@@ -173,25 +173,31 @@ def test_the_control_planes_own_pass_tells_the_lag_it_held_the_loop():
 
 
 def test_handshakes_run_at_most_so_many_at_once_and_a_trickle_while_the_loop_lags():
-    """A refusal after a TLS handshake still costs the handshake: while the loop runs behind, beyond
-    MAX_HANDSHAKES_IN_FLIGHT running a new connection is dropped at accept; while it lags past
-    max_loop_lag (every stream refused anyway), all but a trickle."""
-    a = Admission()
+    """A refusal after a TLS handshake still costs the handshake: while the loop runs behind, or a burst
+    of handshakes is under way, beyond max_tls_handshakes running a new connection waits, unread, for
+    one to end; while the loop lags past max_loop_lag (every stream refused anyway), all but a trickle
+    are dropped at accept."""
+    a, cap = Admission(), Lifecycle().max_tls_handshakes
     behind = LOADED_LAG
-    assert all(a.handshake(0.0, rate=10, lag=behind, max_lag=1.0, in_flight=n) for n in range(MAX_HANDSHAKES_IN_FLIGHT))
-    assert a.shed == 0
-    assert not a.handshake(0.0, rate=10, lag=behind, max_lag=1.0, in_flight=MAX_HANDSHAKES_IN_FLIGHT)
-    assert a.shed == 1
+    assert {a.handshake(0.0, rate=10, lag=behind, max_lag=1.0, in_flight=n, cap=cap)
+            for n in range(cap)} == {RUN}
+    assert a.handshake(0.0, rate=10, lag=behind, max_lag=1.0, in_flight=cap, cap=cap) == WAIT
     # caught up for a moment: the cap holds a while, so hundreds of handshakes do not start at once
-    assert not a.handshake(LOADED_HOLD - 0.1, rate=10, lag=0.0, max_lag=1.0, in_flight=MAX_HANDSHAKES_IN_FLIGHT)
-    # a loop keeping time: handshakes held open by a client that says nothing cost no CPU, and lock nobody out
-    assert a.handshake(LOADED_HOLD, rate=10, lag=0.0, max_lag=1.0, in_flight=10 * MAX_HANDSHAKES_IN_FLIGHT)
-    assert a.shed == 2
-    lagging = [a.handshake(3.0, rate=100, lag=3.0, max_lag=1.0, in_flight=0) for _ in range(100)]
-    assert lagging.count(True) == 5 and a.shed == 97  # 5 % of the rate while the loop runs late
-    assert a.handshake(3.0, rate=10, lag=3.0, max_lag=1.0, in_flight=0) is False
-    assert a.handshake(4.0, rate=10, lag=3.0, max_lag=1.0, in_flight=0)  # never below one a second
-    assert all(a.handshake(4.0, rate=10, lag=0.5, max_lag=1.0, in_flight=0) for _ in range(100))  # caught up
+    assert a.handshake(LOADED_HOLD - 0.1, rate=10, lag=0.0, max_lag=1.0, in_flight=cap, cap=cap) == WAIT
+    # a loop keeping time, no burst: no cap
+    assert a.handshake(LOADED_HOLD, rate=10, lag=0.0, max_lag=1.0, in_flight=cap, cap=cap) == RUN
+    # a fleet dialling at once is accepted before the loop can read as behind: the burst is the load
+    assert a.handshake(20.0, rate=10, lag=0.0, max_lag=1.0, in_flight=BURST_FACTOR * cap, cap=cap) == WAIT
+    assert a.handshake(20.0 + LOADED_HOLD - 0.1, rate=10, lag=0.0, max_lag=1.0,
+                       in_flight=cap, cap=cap) == WAIT
+    assert a.shed == 0  # none dropped while the loop keeps time
+    assert a.handshake(21.0, rate=10, lag=3.0, max_lag=1.0, in_flight=cap, cap=cap) == DROP
+    assert a.shed == 1
+    lagging = [a.handshake(30.0, rate=100, lag=3.0, max_lag=1.0, in_flight=0, cap=cap) for _ in range(100)]
+    assert lagging.count(RUN) == 5 and lagging.count(DROP) == 95 and a.shed == 96  # 5 % of the rate
+    assert a.handshake(30.0, rate=10, lag=3.0, max_lag=1.0, in_flight=0, cap=cap) == DROP
+    assert a.handshake(31.0, rate=10, lag=3.0, max_lag=1.0, in_flight=0, cap=cap) == RUN  # never below one a second
+    assert {a.handshake(31.0, rate=10, lag=0.5, max_lag=1.0, in_flight=0, cap=cap) for _ in range(100)} == {RUN}  # caught up
 
 
 def test_a_refused_agent_waits_as_told_with_jitter():

@@ -7,6 +7,7 @@ import ssl
 
 from llmgw.controlplane import tlssite
 from llmgw import clientbounds
+from llmgw.controlplane.admission import DROP, RUN, WAIT
 from llmgw.controlplane.tlssite import _refusal_log, refusal_reason
 
 
@@ -97,9 +98,9 @@ def test_load_shedding_weighs_each_connection_against_the_handshakes_under_way_a
     ctx = server_context(ca.cert_path, *server)
     asked: list[int] = []
 
-    def shed(running: int) -> bool:
+    def shed(running: int) -> str:
         asked.append(running)
-        return running >= 3
+        return DROP if running >= 3 else RUN
 
     async def run() -> None:
         runner = web.AppRunner(web.Application())
@@ -133,23 +134,104 @@ def test_load_shedding_weighs_each_connection_against_the_handshakes_under_way_a
     asyncio.run(run())
 
 
-def test_handshakes_under_way_count_at_most_so_many_from_one_address():
-    """A client holding handshakes open in silence from one address fills at most PER_SOURCE of
-    the count the load shedding reads; agents, one handshake each from their own address, count whole."""
-    running = tlssite.HandshakesRunning()
+def test_handshakes_under_way_count_at_most_so_many_from_one_address_and_not_for_long():
+    """A client holding handshakes open in silence fills at most PER_SOURCE of the count the load
+    shedding reads from one address, and none of it after BUSY_FOR seconds: a handshake that computes
+    ends in milliseconds; agents, one handshake each from their own address, count whole."""
+    now = [100.0]
+    running = tlssite.HandshakesRunning(clock=lambda: now[0])
     per = tlssite.HandshakesRunning.PER_SOURCE
-    for _ in range(10 * per):
-        running.start("10.0.0.9")
-    for i in range(20):
-        running.start(f"10.1.0.{i}")
+    silent = [running.start("10.0.0.9") for _ in range(10 * per)]
+    agents = [running.start(f"10.1.0.{i}") for i in range(20)]
     assert running.n == per + 20
-    for _ in range(10 * per - per):
-        running.done("10.0.0.9")
+    for token in silent[per:]:
+        running.done("10.0.0.9", token)
     assert running.n == per + 20  # still PER_SOURCE under way from there
-    running.done("10.0.0.9")
+    running.done("10.0.0.9", silent[0])
     assert running.n == per + 19
-    for _ in range(per - 1):
-        running.done("10.0.0.9")
-    for i in range(20):
-        running.done(f"10.1.0.{i}")
+    now[0] += tlssite.HandshakesRunning.BUSY_FOR / 2
+    later = running.start("10.2.0.1")
+    assert running.n == per + 20
+    now[0] += tlssite.HandshakesRunning.BUSY_FOR / 2 + 0.01
+    assert running.n == 1  # only the one begun since counts: the rest are waiting on their peers
+    for token in silent[1:per]:
+        running.done("10.0.0.9", token)
+    for i, token in enumerate(agents):
+        running.done(f"10.1.0.{i}", token)
+    running.done("10.2.0.1", later)
     assert running.n == 0 and not running._by_source
+
+
+def test_connections_wait_newest_first_and_none_past_max_wait():
+    now = [0.0]
+    q = tlssite.HandshakeQueue(clock=lambda: now[0])
+    assert q.push("a") == [] and q.push("b") == []
+    now[0] = 1.0
+    assert q.push("c") == []
+    assert q.newest() == (1.0, "c")  # newest first: the oldest are likeliest to have given up
+    now[0] = q.MAX_WAIT + 0.5
+    assert q.expired() == ["a", "b"] and len(q) == 0
+    q.limit = 2
+    assert q.push("d") == [] and q.push("e") == [] and q.push("f") == ["d"]  # pushed out by newer ones
+
+
+def test_a_connection_beyond_the_cap_waits_unread_and_is_served_when_a_handshake_ends(tmp_path):
+    """While the shedding says WAIT, a real TLS client's connection is held, unread, and its handshake
+    runs once one under way ends; one that waits past MAX_WAIT is dropped unread and told to ``dropped``."""
+    import asyncio
+
+    from aiohttp import web
+
+    from llmgw.tls.ca import init_ca
+    from llmgw.tls.context import client_context, server_context
+    from llmgw.tls.files import write_pair
+    from llmgw.tls.issue import issue_node, issue_server
+
+    ca = init_ca(tmp_path / "ca")
+    server = write_pair(tmp_path / "server", *issue_server(ca, ["localhost"], ["127.0.0.1"]))
+    ctx = server_context(ca.cert_path, *server)
+    client = client_context(ca.cert_path, *write_pair(tmp_path / "node", *issue_node(ca, "node-1")))
+    dropped: list[int] = []
+
+    async def run() -> None:
+        app = web.Application()
+        async def ok(request: web.Request) -> web.Response:
+            return web.Response(text="ok")
+
+        app.router.add_get("/", ok)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = tlssite.HandshakeLoggingSite(runner, "127.0.0.1", 0, ssl_context=ctx, handshake_timeout=30,
+                                            shed=lambda running: WAIT if running >= 1 else RUN,
+                                            dropped=lambda: dropped.append(1))
+        site.slots.waiting.max_wait = 1.0
+        await site.start()
+        port = site.addresses[0][1]
+        try:
+            _, silent = await asyncio.open_connection("127.0.0.1", port)  # a handshake under way, no ClientHello
+            await asyncio.sleep(0.1)
+            assert site.handshakes.n == 1
+            served = asyncio.ensure_future(asyncio.open_connection("127.0.0.1", port, ssl=client,
+                                                                   server_hostname="localhost"))
+            await asyncio.sleep(0.5)
+            assert not served.done() and len(site.slots.waiting) == 1  # held, its ClientHello unread
+            silent.close()  # that handshake ends: the one waiting takes its place
+            r, w = await asyncio.wait_for(served, 5)
+            w.write(b"GET / HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+            assert (await asyncio.wait_for(r.read(), 5)).endswith(b"ok")
+            w.close()
+            _, silent = await asyncio.open_connection("127.0.0.1", port)
+            await asyncio.sleep(0.1)
+            late = asyncio.ensure_future(asyncio.open_connection("127.0.0.1", port, ssl=client,
+                                                                 server_hostname="localhost"))
+            try:  # nobody ends a handshake: after MAX_WAIT it is dropped, never answered
+                await asyncio.wait_for(late, 5)
+                raise AssertionError("a connection that waited past MAX_WAIT was served")
+            except (ConnectionError, ssl.SSLError, OSError):
+                pass
+            assert dropped == [1] and len(site.slots.waiting) == 0
+            silent.close()
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(run())

@@ -14,16 +14,23 @@ A refusal after the TLS handshake still costs the handshake, the dearest
 part of a registration: at half a core, 10,000 agents refused after their
 handshakes and dialling back kept the control plane busy with handshakes
 it then refused, and the fleet never converged.  So while the loop runs
-behind (and for ``LOADED_HOLD`` seconds after it last did), TLS handshakes
-run at most ``MAX_HANDSHAKES_IN_FLIGHT`` at once, and while it runs later
-than ``max_loop_lag`` at a trickle of the admission rate; a connection
-beyond is dropped at accept, before its handshake (``handshake``), and its
-agent backs off exponentially, with jitter.  A cap on handshakes at once, not a rate: a
-control plane with less CPU finishes them more slowly and so starts fewer,
-whatever rate is configured.  Only while the loop runs behind, and counting
-at most a few handshakes from any one address (``tlssite.HandshakesRunning``):
-a client holding handshakes open without a word costs no CPU, and must not
-lock everyone else out.  A stream whose handshake ran is not refused for the
+behind, or ``BURST_FACTOR`` times the cap are under way (and for
+``LOADED_HOLD`` seconds after either), TLS handshakes run at most
+``max_tls_handshakes`` at once; a connection beyond waits, accepted
+and unread, for one of them to end (``WAIT``: ``tlssite.HandshakeQueue``,
+newest first, a few seconds at most).  While the loop runs later than
+``max_loop_lag`` handshakes run at a trickle of the admission rate and a
+connection beyond is dropped at accept, before its handshake (``DROP``), and
+its agent backs off exponentially, with jitter.  A cap on handshakes at once, not a
+rate: a control plane with less CPU finishes them more slowly and so starts
+fewer, whatever rate is configured.  Waiting, not dropping, below the lag:
+at 10,000 agents dialling at once, dropped dials came back on their backoff
+in waves and the control plane sat idle between them, and before the loop
+could read as behind 9,786 handshakes had begun together, none finished for
+29 s, and three thousand timed out at their agents.  Counting at most a few
+handshakes from any one address, and none older than a couple of seconds
+(``tlssite.HandshakesRunning``): a client holding handshakes open without a
+word costs no CPU, and must not lock everyone else out.  A stream whose handshake ran is not refused for the
 loop's lag (only for the rate): that was judged before the handshake.  Where
 the API has no TLS (no handshake to spare), the lag is judged at the upgrade.
 
@@ -39,9 +46,7 @@ from dataclasses import dataclass, field
 from llmgw.controlplane.tokenbucket import TokenBucket
 
 MAX_RETRY_AFTER = 60  # seconds: never tell an agent to stay away longer
-# TLS handshakes at once, at most, while the loop runs LOADED_LAG or more behind.  Each costs
-# milliseconds of CPU, so this many queue a fraction of a second of work on the loop.
-MAX_HANDSHAKES_IN_FLIGHT = 64
+# The cap on TLS handshakes at once (lifecycle.max_tls_handshakes) holds while the loop runs this late:
 LOADED_LAG = 0.25
 # ... and for this long after it last did: a loop that caught up for a moment must not start hundreds
 # of handshakes at once (at half a core 288 were under way a second after the loop read on time).
@@ -49,6 +54,12 @@ LOADED_HOLD = 5.0
 # While the loop runs later than max_loop_lag handshakes run at this share of the admission rate (at
 # least one a second), a trickle that keeps the API answering an operator.
 LAGGING_HANDSHAKE_SHARE = 0.05
+# This many times the cap under way at once is load in itself: a fleet dialling at once is accepted in
+# one go, before the loop has had a chance to read as behind.
+BURST_FACTOR = 2
+
+# What ``handshake`` says of a connection just accepted.
+RUN, WAIT, DROP = "run", "wait", "drop"
 
 
 @dataclass
@@ -79,25 +90,24 @@ class Admission:
             return None
         return self.refuse(now, rate, lag - max_lag if late else 0.0)
 
-    def handshake(self, now: float, rate: float, lag: float, max_lag: float, in_flight: int) -> bool:
-        """Whether a connection just accepted gets its TLS handshake, ``in_flight`` others running;
-        False: drop it now (counted in ``shed``)."""
-        if lag >= LOADED_LAG:
+    def handshake(self, now: float, rate: float, lag: float, max_lag: float, in_flight: int,
+                  cap: int) -> str:
+        """What a connection just accepted gets, ``in_flight`` handshakes under way: ``RUN`` its TLS handshake
+        now, ``WAIT`` (unread) for one under way to end, or ``DROP`` it now (counted in ``shed``)."""
+        if lag >= LOADED_LAG or in_flight >= BURST_FACTOR * cap:
             self._loaded_until = now + LOADED_HOLD
-        if in_flight >= MAX_HANDSHAKES_IN_FLIGHT and now < self._loaded_until:
-            self.shed += 1
-            return False
+        capped = in_flight >= cap and now < self._loaded_until
         if lag <= max_lag:
             self._trickle = None  # a fresh bucket, full, when the loop falls behind again
-            return True
+            return WAIT if capped else RUN
         allowed = max(1.0, rate * LAGGING_HANDSHAKE_SHARE)
         if self._trickle is None:
             self._trickle = TokenBucket(allowed, allowed, allowed, now)
         self._trickle.capacity = self._trickle.rate = allowed  # the rate as configured now (a reload may change it)
-        if self._trickle.take(now):
-            return True
+        if not capped and self._trickle.take(now):
+            return RUN
         self.shed += 1
-        return False
+        return DROP
 
     def refuse(self, now: float, rate: float, behind: float = 0.0) -> int:
         """Count one refused stream and answer the Retry-After (whole seconds) that spreads the

@@ -43,7 +43,7 @@ from typing import Any
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from llmgw import compat
-from llmgw.controlplane.admission import Admission
+from llmgw.controlplane.admission import DROP, WAIT, Admission
 from llmgw.controlplane.gpuclaims import GpuOwners
 from llmgw.controlplane.lifecycle import NodeState
 from llmgw.controlplane.messages import MessageProblem, dumps, parse_up
@@ -182,19 +182,29 @@ class AgentService:
             self.gpus.record(node_id, hardware)
         return problem
 
-    def shed_handshake(self, running: int) -> bool:
-        """True: drop a connection just accepted, before its TLS handshake, with ``running`` others under way
-        (``Admission.handshake``); the agents dropped back off and dial again."""
+    def shed_handshake(self, running: int) -> str:
+        """What a connection just accepted gets, with ``running`` TLS handshakes under way (``Admission.handshake``):
+        RUN its handshake, WAIT for one to end, or DROP it; the agents dropped back off and dial again."""
         lc, behind = self.cp.settings.lifecycle, self.cp.looplag.behind()
-        if self.admission.handshake(self.cp.clock(), lc.max_registrations_per_second, behind, lc.max_loop_lag, running):
-            return False
+        verdict = self.admission.handshake(self.cp.clock(), lc.max_registrations_per_second, behind, lc.max_loop_lag,
+                                           running, lc.max_tls_handshakes)
+        if verdict == WAIT:
+            self.cp.arriving("waiting")  # an agent, most likely: it holds the startup grace
+        elif verdict == DROP:
+            self._dropped(f"{running} handshakes under way, loop {behind:.1f}s behind")
+        return verdict
+
+    def handshake_waited_out(self) -> None:
+        """A connection that waited for a handshake was dropped: waited too long, or pushed out by newer ones."""
+        self.admission.shed += 1
+        self._dropped("waited too long for a handshake")
+
+    def _dropped(self, why: str) -> None:
         self.cp.arriving("shed")  # most likely an agent dialling back: it holds the startup grace
         if self.admission.shed % 1000 == 1:  # a storm would otherwise log a line per connection
-            log.warning("admission: dropping new connections before their TLS handshake (%d handshakes under way, "
-                        "loop %.1fs behind; %d dropped so far, %d refused after a handshake, %d admitted)",
-                        running, behind, self.admission.shed, self.admission.refused,
-                        self.admission.admitted)
-        return True
+            log.warning("admission: dropping new connections before their TLS handshake (%s; %d dropped so far, "
+                        "%d refused after a handshake, %d admitted)", why, self.admission.shed,
+                        self.admission.refused, self.admission.admitted)
 
     def _shed(self, peer: str, secure: bool) -> web.Response | None:
         """Refuse a new stream the control plane cannot serve now (see ``admission``); None: go on."""
@@ -208,6 +218,7 @@ class AgentService:
             self.cp.arriving("admitted")
             return None
         self.cp.timers.note_refused(self.cp.clock(), retry, lc)
+        self.cp.dials["refused"] += 1
         if self.admission.refused % 100 == 1:  # a storm would otherwise log a line per refusal
             log.warning("admission: refusing new agent streams for now (from %s; %d refused so far, %d admitted): "
                         "retry after %ds", peer, self.admission.refused, self.admission.admitted, retry)

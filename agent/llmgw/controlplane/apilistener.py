@@ -91,7 +91,8 @@ async def open_api(cp: ControlPlane, ssl_ctx: ssl.SSLContext | None, reload: Cal
                                                  reuse_address=True, backlog=API_BACKLOG, gate=gate,
                                                  anonymous=anonymous, handshake_timeout=bounds.head_timeout,
                                                  timed_out=lambda: cp.arriving("timed_out"),
-                                                 shed=app[AGENTS].shed_handshake)
+                                                 shed=app[AGENTS].shed_handshake,
+                                                 dropped=app[AGENTS].handshake_waited_out)
     else:
         site = LimitedTCPSite(runner, settings.api_host, settings.api_port, reuse_address=True, backlog=API_BACKLOG,
                               gate=gate, handshake_timeout=bounds.head_timeout)

@@ -34,6 +34,7 @@ ARRIVALS = {
     "admitted": "streams admitted",
     "refused": "refused by admission",
     "shed": "dials dropped before their TLS handshake",
+    "waiting": "dials waiting for a TLS handshake",
     "capped": "dials aborted at max_connections_per_source",
     "timed_out": "TLS handshakes timed out",
 }

@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from llmgw.controlplane.lifecycle import NodeState
+from llmgw.controlplane.lifecycletimers import ARRIVALS
 from llmgw.controlplane.replicas import ReplicaState
 from llmgw.controlplane.state import ControlPlane
 from llmgw.protocol import ShardState
@@ -106,6 +107,14 @@ class FleetCollector(Collector):
                                         "for pings with agents that know answers_heartbeats)")
         keepalive.add_metric([], cp.streams.keepalive_frames)
         yield keepalive
+        dials = CounterMetricFamily("llmgw_agent_dials",
+                                    "Agents' dials by what became of them: registered, admitted, refused (503 and "
+                                    "Retry-After), waiting (held unread for a TLS handshake), shed (dropped before "
+                                    "one), capped (max_connections_per_source), timed_out (in the handshake)",
+                                    labels=["outcome"])
+        for outcome in ARRIVALS:
+            dials.add_metric([outcome], cp.dials[outcome])
+        yield dials
 
         reports = CounterMetricFamily("llmgw_router_ejection_reports", "Ejection reports received, by router certificate",
                                       labels=["router"])

@@ -22,6 +22,7 @@ import dataclasses
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,8 +67,8 @@ class Loaded:
 
 
 PASS_SHARE = 0.5  # at most this share of the event loop goes to back-to-back reconcile passes
-# ... and this share while agents are being turned away at the door (dials dropped before their TLS
-# handshake in the last SHEDDING_HOLD seconds): each pass walks the whole fleet whatever arrived since
+# ... and this share while agents are being held or turned away at the door (dials waiting for, or
+# dropped before, their TLS handshake in the last SHEDDING_HOLD seconds): each pass walks the whole fleet whatever arrived since
 # the last, so fewer passes place the same replicas, and the loop's time goes to letting agents in.
 PASS_SHARE_SHEDDING = 0.2
 SHEDDING_HOLD = 2.0
@@ -117,6 +118,8 @@ class ControlPlane:
         self.reload_errors: list[str] = []
         self.stopping = False  # SIGTERM: no new stream is admitted, none registering is kept
         self.shedding_until = float("-inf")  # passes take PASS_SHARE_SHEDDING of the loop until then
+        # Agents' dials by what became of them (the kinds of ``lifecycletimers.ARRIVALS``), since start
+        self.dials: Counter[str] = Counter()
         self.pass_pause = (0.0, 0.0)  # the last long pass: seconds it held the loop, seconds the loop got after it
 
     # ------------------------------------------------------------------ access
@@ -202,7 +205,8 @@ class ControlPlane:
     def arriving(self, kind: str) -> None:
         """A sign of an agent arriving (``lifecycletimers.ARRIVALS``): it holds the startup grace while it lasts."""
         now = self.clock()
-        if kind == "shed":
+        self.dials[kind] += 1
+        if kind in ("shed", "waiting"):
             self.shedding_until = now + SHEDDING_HOLD
         self.timers.note_arrival(now, kind, self.settings.lifecycle)
 

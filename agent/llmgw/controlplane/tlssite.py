@@ -21,8 +21,9 @@ closed ``anonymous_timeout`` seconds after its handshake unless a request on
 it has authenticated by then (``AnonymousDeadline.authenticated``).  A
 handshake that times out is told to ``timed_out`` (the control plane counts
 it as an agent still arriving: its startup grace holds).  While the control
-plane sheds load (``shed``, its admission control), a connection is dropped at
-accept, before its handshake, which is the dearest part of a connection.
+plane sheds load (``shed``, its admission control), a connection waits at
+accept, unread, for a running handshake to end (``HandshakeSlots``), or is
+dropped there, before its handshake, which is the dearest part of a connection.
 
 Its connections read ``TLS_READ_BUFFER`` bytes at a time (asyncio's default
 is a 256 KiB buffer per connection); the cap is this site's alone, so the
@@ -34,12 +35,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+import time
+from collections import deque
 from typing import Any, Callable, cast
 
 from aiohttp import web
 
 from llmgw import compat
 from llmgw.clientbounds import CountedProtocol, FactorySite, SourceGate, ThrottledLog
+from llmgw.controlplane.admission import DROP, RUN, WAIT
 
 log = logging.getLogger("llmgw.controlplane.tls")
 
@@ -92,46 +96,164 @@ class AnonymousDeadline:
 class HandshakesRunning:
     """The TLS handshakes a site is running now, ``n``: what its load shedding weighs a new connection against.
 
-    At most ``PER_SOURCE`` count from any one address.  A handshake waiting
-    for a ClientHello costs no CPU, and a client holding many open in silence
-    from one address (within its ``max_connections_per_source``) must not
-    fill the count and have everyone else's connections shed.  Agents dial
-    one at a time, each from its own address, so a storm of them counts whole.
+    At most ``PER_SOURCE`` count from any one address, and none after
+    ``BUSY_FOR`` seconds.  A handshake waiting for a ClientHello costs no CPU,
+    and a client holding many open in silence (within its
+    ``max_connections_per_source``, from as many addresses as it has) must not
+    fill the count and keep everyone else's connections waiting.  One that is
+    computing is done in milliseconds, or in a fraction of a second when
+    ``max_tls_handshakes`` share a busy loop.  Agents dial one at a time,
+    each from its own address, so a storm of them counts whole.
     """
 
     PER_SOURCE = 8
-    __slots__ = ("n", "_by_source")
+    BUSY_FOR = 2.0
+    __slots__ = ("_by_source", "_young", "_next", "_clock")
 
-    def __init__(self) -> None:
-        self.n = 0
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._by_source: dict[str, int] = {}
+        self._young: dict[int, float] = {}  # token -> when it began, of those counted: oldest first
+        self._next = 0
+        self._clock = clock
 
-    def start(self, source: str) -> None:
+    @property
+    def n(self) -> int:
+        young, cutoff = self._young, self._clock() - self.BUSY_FOR
+        while young:
+            first = next(iter(young))
+            if young[first] >= cutoff:
+                break
+            del young[first]
+        return len(young)
+
+    def start(self, source: str) -> int:
+        """One began from ``source``; the token to end it with."""
         k = self._by_source.get(source, 0)
         self._by_source[source] = k + 1
+        self._next += 1
         if k < self.PER_SOURCE:
-            self.n += 1
+            self._young[self._next] = self._clock()
+        return self._next
 
-    def done(self, source: str) -> None:
+    def done(self, source: str, token: int) -> None:
         k = self._by_source.get(source, 0) - 1
         if k > 0:
             self._by_source[source] = k
         else:
             self._by_source.pop(source, None)
-        if k < self.PER_SOURCE:
-            self.n -= 1
+        self._young.pop(token, None)
+
+
+class HandshakeQueue:
+    """Connections accepted while the site's handshakes are capped, unread, waiting for one to end.
+
+    Newest first: under a burst the oldest are the likeliest to have given up
+    (an agent's dial, TLS included, times out after 15 s), and a handshake with
+    a client that left is the whole cost of a handshake for nothing.  One that
+    has waited ``MAX_WAIT`` seconds, or is pushed out by ``LIMIT`` newer ones, is
+    dropped, as a shed connection is; its agent backs off and dials again.
+    """
+
+    MAX_WAIT = 10.0
+    LIMIT = 4096
+    __slots__ = ("_waiting", "_clock", "max_wait", "limit")
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, max_wait: float = MAX_WAIT,
+                 limit: int = LIMIT) -> None:
+        self._waiting: deque[tuple[float, Any]] = deque()  # (since, connection), oldest first
+        self._clock = clock
+        self.max_wait, self.limit = max_wait, limit
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def push(self, conn: Any, since: float | None = None) -> list[Any]:
+        """Queue ``conn`` (waiting since ``since``, else now); those to drop: pushed out or waited too long."""
+        self._waiting.append((self._clock() if since is None else since, conn))
+        out = self.expired()
+        while len(self._waiting) > self.limit:
+            out.append(self._waiting.popleft()[1])
+        return out
+
+    def expired(self) -> list[Any]:
+        cutoff, out = self._clock() - self.max_wait, []
+        while self._waiting and self._waiting[0][0] < cutoff:
+            out.append(self._waiting.popleft()[1])
+        return out
+
+    def newest(self) -> tuple[float, Any] | None:
+        """(since, connection) of the one that came last, taken off the queue; None: none waits."""
+        return self._waiting.pop() if self._waiting else None
+
+
+class HandshakeSlots:
+    """Who runs a TLS handshake now, who waits (``HandshakeQueue``) and who is dropped, for one site.
+
+    ``verdict(n)`` is the load shedding's word on a connection with ``n``
+    handshakes under way (``admission.RUN``/``WAIT``/``DROP``; always RUN
+    without one); ``dropped()`` hears of every connection dropped after
+    waiting (``verdict`` counts its own DROPs)."""
+
+    __slots__ = ("running", "waiting", "_verdict", "_dropped", "_sweep")
+
+    def __init__(self, verdict: Callable[[int], str] | None = None, dropped: Callable[[], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.running = HandshakesRunning(clock)
+        self.waiting = HandshakeQueue(clock)
+        self._verdict = verdict
+        self._dropped = dropped
+        self._sweep: asyncio.TimerHandle | None = None
+
+    def verdict(self) -> str:
+        return RUN if self._verdict is None else self._verdict(self.running.n)
+
+    def wait(self, conn: _Upgrade) -> None:
+        for old in self.waiting.push(conn):
+            self._drop(old)
+        if self._sweep is None:  # one timer for the queue: nothing waits past MAX_WAIT, events or none
+            self._sweep = asyncio.get_running_loop().call_later(self.waiting.max_wait / 2, self._swept)
+
+    def _swept(self) -> None:
+        self._sweep = None
+        for old in self.waiting.expired():
+            self._drop(old)
+        if len(self.waiting):
+            self._sweep = asyncio.get_running_loop().call_later(self.waiting.max_wait / 2, self._swept)
+
+    def ended(self) -> None:
+        """A handshake ended: the newest connection waiting takes its place, if the shedding lets it."""
+        for old in self.waiting.expired():
+            self._drop(old)
+        while (top := self.waiting.newest()) is not None:
+            since, conn = top
+            if conn.closing:
+                continue
+            verdict = self.verdict()
+            if verdict == RUN:
+                conn.begin()
+            elif verdict == WAIT:
+                self.waiting.push(top[1], since)
+            else:
+                conn.drop()  # counted by the verdict
+                continue
+            return
+
+    def _drop(self, conn: _Upgrade) -> None:
+        conn.drop()
+        if self._dropped is not None:
+            self._dropped()
 
 
 class _Upgrade(asyncio.Protocol):
     """Holds an accepted TCP connection until its TLS handshake succeeds or fails."""
 
     __slots__ = ("_factory", "_ctx", "_refused", "_gate", "_anonymous", "_handshake_timeout", "_timed_out",
-                 "_shed", "_running", "_source", "_app", "_transport", "_task")
+                 "_slots", "_source", "_app", "_transport", "_task")
 
     def __init__(self, factory: Callable[[], asyncio.Protocol], ctx: ssl.SSLContext,
                  refused: Callable[[Any, str], None], gate: SourceGate, anonymous: AnonymousDeadline,
                  handshake_timeout: float, timed_out: Callable[[], None] | None = None,
-                 shed: Callable[[int], bool] | None = None, *, running: HandshakesRunning) -> None:
+                 *, slots: HandshakeSlots) -> None:
         self._factory = factory
         self._ctx = ctx
         self._refused = refused
@@ -139,8 +261,7 @@ class _Upgrade(asyncio.Protocol):
         self._anonymous = anonymous
         self._handshake_timeout = handshake_timeout
         self._timed_out = timed_out
-        self._shed = shed
-        self._running = running  # the site's, shared by all its connections
+        self._slots = slots  # the site's, shared by all its connections
         self._source: str | None = None
         self._app: CountedProtocol | None = None
         self._transport: asyncio.Transport | None = None
@@ -152,18 +273,43 @@ class _Upgrade(asyncio.Protocol):
         if source is None:  # over the cap: nothing read, no handshake, the descriptor freed now
             transport.abort()
             return
-        if self._shed is not None and self._shed(self._running.n):  # nothing read, no handshake: the peer backs off
+        verdict = self._slots.verdict()
+        if verdict == DROP:  # nothing read, no handshake: the peer backs off
             self._gate.release(source)
             transport.abort()
             return
         compat.pause_reading_at_accept(transport)  # the ClientHello waits in the socket for start_tls
-        self._app = CountedProtocol(self._factory(), self._gate, self._source)
         self._transport = transport
+        if verdict == WAIT:
+            self._slots.wait(self)
+        else:
+            self.begin()
+
+    @property
+    def closing(self) -> bool:
+        return self._transport is None or self._transport.is_closing()
+
+    def begin(self) -> None:
+        """Run the handshake (the ClientHello still waits unread in the socket)."""
+        transport, source = self._transport, self._source
+        assert transport is not None and source is not None
+        self._app = CountedProtocol(self._factory(), self._gate, source)
         self._task = asyncio.get_running_loop().create_task(self._handshake(transport))
-        running = self._running
-        running.start(source)
-        # however it ends, cancelled before it began included
-        self._task.add_done_callback(lambda _task: running.done(source))
+        slots = self._slots
+        token = slots.running.start(source)
+
+        def ended(_task: asyncio.Task[None]) -> None:  # however it ends, cancelled before it began included
+            slots.running.done(source, token)
+            slots.ended()
+
+        self._task.add_done_callback(ended)
+
+    def drop(self) -> None:
+        """Waited too long, or pushed out: nothing read, no handshake; the peer backs off."""
+        if self._transport is not None and not self._transport.is_closing():
+            assert self._source is not None
+            self._gate.release(self._source)
+            self._transport.abort()
 
     async def _handshake(self, transport: asyncio.Transport) -> None:
         loop = asyncio.get_running_loop()
@@ -326,7 +472,8 @@ class HandshakeLoggingSite(FactorySite):
                  gate: SourceGate | None = None, anonymous: AnonymousDeadline | None = None,
                  handshake_timeout: float = HANDSHAKE_TIMEOUT, backlog: int = 128,
                  reuse_address: bool | None = None, reuse_port: bool | None = None,
-                 timed_out: Callable[[], None] | None = None, shed: Callable[[int], bool] | None = None) -> None:
+                 timed_out: Callable[[], None] | None = None, shed: Callable[[int], str] | None = None,
+                 dropped: Callable[[], None] | None = None) -> None:
         # plain TCP at accept: the handshake is _Upgrade's
         super().__init__(runner, {"host": host, "port": port, "reuse_address": reuse_address,
                                   "reuse_port": reuse_port}, ssl_context=ssl_context, backlog=backlog)
@@ -336,9 +483,13 @@ class HandshakeLoggingSite(FactorySite):
         self._anonymous = AnonymousDeadline(HANDSHAKE_TIMEOUT) if anonymous is None else anonymous
         self._handshake_timeout = handshake_timeout
         self._timed_out = timed_out
-        self._shed = shed  # (handshakes running) True: drop the connection just accepted, before its handshake
-        self.handshakes = HandshakesRunning()
+        # (handshakes running) RUN, WAIT or DROP the connection just accepted (admission's load shedding)
+        self.slots = HandshakeSlots(shed, dropped)
+
+    @property
+    def handshakes(self) -> HandshakesRunning:
+        return self.slots.running
 
     def protocol_factory(self, handler: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
         return lambda: _Upgrade(handler, self._ctx, self._refused, self._gate, self._anonymous,
-                                self._handshake_timeout, self._timed_out, self._shed, running=self.handshakes)
+                                self._handshake_timeout, self._timed_out, slots=self.slots)
