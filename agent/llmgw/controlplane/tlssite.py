@@ -306,10 +306,11 @@ class _Upgrade(asyncio.Protocol):
 
     def drop(self) -> None:
         """Waited too long, or pushed out: nothing read, no handshake; the peer backs off."""
-        if self._transport is not None and not self._transport.is_closing():
+        transport, self._transport = self._transport, None
+        if transport is not None and self._task is None:
             assert self._source is not None
             self._gate.release(self._source)
-            self._transport.abort()
+            transport.abort()
 
     async def _handshake(self, transport: asyncio.Transport) -> None:
         loop = asyncio.get_running_loop()
@@ -354,7 +355,11 @@ class _Upgrade(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         # only before start_tls took the transport over: the peer left before the handshake began
-        if self._task is not None and not self._task.done():
+        if self._task is None and self._transport is not None:  # closed while it waited (not by drop)
+            self._transport = None
+            assert self._source is not None
+            self._gate.release(self._source)
+        elif self._task is not None and not self._task.done():
             self._task.cancel()
             if self._app is not None:
                 self._app.release()
