@@ -48,7 +48,8 @@ class Lifecycle:
     max_loop_lag: float = 1.0
     # Each handshake costs about 2 ms of CPU, so 256 queue half a second of work on a full core: enough to
     # keep it busy while each waits on its agent's replies (10,000 agents dialling at once: 64 left the
-    # control plane idle a third of the time; 256 and 512 took the same 64-67 s cold start).
+    # control plane idle a third of the time; 256 and 512 took the same 64-67 s cold start).  Applies
+    # while the loop runs behind or admission.BURST_FACTOR times as many are under way.
     max_tls_handshakes: int = 256
 
     def for_fleet(self, nodes: int) -> "Lifecycle":

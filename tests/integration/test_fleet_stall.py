@@ -213,7 +213,7 @@ def test_dials_that_arrive_while_the_control_plane_is_behind_are_dropped_before_
 
 
 def test_a_fleet_dialling_at_once_waits_for_its_handshakes_and_none_is_dropped(tmp_path: Path) -> None:
-    """A fleet dials at once, before the control plane's loop can read as behind: beyond twice
+    """A fleet dials at once, before the control plane's loop can read as behind: beyond four times
     max_tls_handshakes under way the burst is load in itself, and each connection past the cap waits,
     accepted and unread, for a handshake to end. None is dropped, so no agent sees its dial fail and
     backs off (at 10,000 agents, the dials dropped came back on their backoff in waves and the control
