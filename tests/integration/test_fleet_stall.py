@@ -29,6 +29,7 @@ import socket
 import ssl
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -50,6 +51,19 @@ WAIT = 120.0
 LIFECYCLE = {"heartbeat_interval": 1.0, "keepalive_interval": 10.0, "unreachable_after": 15.0, "lost_after": 20.0,
              "startup_grace": 2.0, "max_unreachable_share": 0.55, "replacements_per_minute": 600,
              "stream_grace": 60.0}
+
+
+@contextmanager
+def sim_fleet(tmp_path: Path, nodes: int, replicas: int, lifecycle: dict[str, Any]) -> Iterator[tuple[Fleet, Sim]]:
+    """A control plane with no agents of its own, and a simulator of ``nodes`` agents not yet started."""
+    with Fleet(tmp_path, nodes={}, replicas=replicas, lifecycle=lifecycle) as f:
+        f.start(agents=False)
+        sim = Sim(f, tmp_path, nodes=nodes, engines=0)
+        f.extra.append(sim.proc)
+        try:
+            yield f, sim
+        finally:
+            sim.close()
 
 
 def ready(f: Fleet, sim: Sim, nodes: int, replicas: int) -> dict[str, Any]:
@@ -186,25 +200,19 @@ def test_dials_that_arrive_while_the_control_plane_is_behind_are_dropped_before_
     nodes, replicas = 30, 6
     # while the loop lags, handshakes run at 5 % of the admission rate: one a second here
     lifecycle = {**LIFECYCLE, "max_registrations_per_second": 20.0}
-    with Fleet(tmp_path, nodes={}, replicas=replicas, lifecycle=lifecycle) as f:
-        f.start(agents=False)
-        sim = Sim(f, tmp_path, nodes=nodes, engines=0)
-        f.extra.append(sim.proc)
+    with sim_fleet(tmp_path, nodes, replicas, lifecycle) as (f, sim):
+        f.server.signal(signal.SIGSTOP)
         try:
-            f.server.signal(signal.SIGSTOP)
-            try:
-                sim.proc.start()  # every agent's dial waits in the stopped control plane's backlog
-                # the kernel completes their TCP handshakes; the TLS ones wait for the control plane
-                until(lambda: len([ip for ip in tcp_clients_of(f.port) if ip.startswith("127.1.")]) >= nodes,
-                      "every agent's dial in the backlog", WAIT, interval=0.2)
-                time.sleep(2.0)
-            finally:
-                f.server.signal(signal.SIGCONT)
-            ready(f, sim, nodes, replicas)
-            st = sim.status()
-            logged = f.server.life_output()
+            sim.proc.start()  # every agent's dial waits in the stopped control plane's backlog
+            # the kernel completes their TCP handshakes; the TLS ones wait for the control plane
+            until(lambda: len([ip for ip in tcp_clients_of(f.port) if ip.startswith("127.1.")]) >= nodes,
+                  "every agent's dial in the backlog", WAIT, interval=0.2)
+            time.sleep(2.0)
         finally:
-            sim.close()
+            f.server.signal(signal.SIGCONT)
+        ready(f, sim, nodes, replicas)
+        st = sim.status()
+        logged = f.server.life_output()
         assert "admission: dropping new connections before their TLS handshake" in logged
         assert st["connect_errors"] > 0, st  # dropped: the agents saw their dials fail, not a 503
         assert st["registrations_per_node"] == {"1": nodes}, st
@@ -220,18 +228,12 @@ def test_a_fleet_dialling_at_once_waits_for_its_handshakes_and_none_is_dropped(t
     plane sat idle between them), and every agent registers once."""
     nodes, replicas = 40, 8
     lifecycle = {**LIFECYCLE, "max_tls_handshakes": 2}
-    with Fleet(tmp_path, nodes={}, replicas=replicas, lifecycle=lifecycle) as f:
-        f.start(agents=False)
-        sim = Sim(f, tmp_path, nodes=nodes, engines=0)
-        f.extra.append(sim.proc)
-        try:
-            sim.proc.start()
-            ready(f, sim, nodes, replicas)
-            st = sim.status()
-            dials = {labels["outcome"]: v for labels, v in metric_samples(f)["llmgw_agent_dials_total"]}
-            logged = f.server.life_output()
-        finally:
-            sim.close()
+    with sim_fleet(tmp_path, nodes, replicas, lifecycle) as (f, sim):
+        sim.proc.start()
+        ready(f, sim, nodes, replicas)
+        st = sim.status()
+        dials = {labels["outcome"]: v for labels, v in metric_samples(f)["llmgw_agent_dials_total"]}
+        logged = f.server.life_output()
     assert dials["shed"] == 0 and st["connect_errors"] == 0, (dials, st)  # none dropped
     assert dials["waiting"] > 0, dials  # the burst was held at the cap
     assert dials["registered"] == nodes, dials
