@@ -16,22 +16,24 @@ handshakes and dialling back kept the control plane busy with handshakes
 it then refused, and the fleet never converged.  So while the loop runs
 behind, or ``BURST_FACTOR`` times the cap are under way (and for
 ``LOADED_HOLD`` seconds after either), TLS handshakes run at most
-``max_tls_handshakes`` at once; a connection beyond waits, accepted
-and unread, for one of them to end (``WAIT``: ``tlssite.HandshakeQueue``,
-newest first, a few seconds at most).  While the loop runs later than
+``max_tls_handshakes`` at once; a connection beyond waits, accepted and
+unread, for one of them to end (``WAIT``: ``tlssite.HandshakeQueue``, newest
+first, ten seconds at most).  While the loop runs later than
 ``max_loop_lag`` handshakes run at a trickle of the admission rate and a
 connection beyond is dropped at accept, before its handshake (``DROP``), and
-its agent backs off exponentially, with jitter.  A cap on handshakes at once, not a
-rate: a control plane with less CPU finishes them more slowly and so starts
-fewer, whatever rate is configured.  Waiting, not dropping, below the lag:
-at 10,000 agents dialling at once, dropped dials came back on their backoff
-in waves and the control plane sat idle between them, and before the loop
-could read as behind 9,786 handshakes had begun together, none finished for
-29 s, and three thousand timed out at their agents.  Counting at most a few
-handshakes from any one address, and none older than a couple of seconds
-(``tlssite.HandshakesRunning``): a client holding handshakes open without a
-word costs no CPU, and must not lock everyone else out.  A stream whose handshake ran is not refused for the
-loop's lag (only for the rate): that was judged before the handshake.  Where
+its agent backs off exponentially, with jitter.  A cap on handshakes at
+once, not a rate: a control plane with less CPU finishes them more slowly
+and so starts fewer, whatever rate is configured.  Waiting, not dropping,
+below the lag: at 10,000 agents dialling at once, dropped dials came back on
+their backoff in waves and the control plane sat idle between them, and
+before the loop could read as behind 9,786 handshakes had begun together,
+none finished for 29 s, and then 8,315 met the admission rate together and
+were refused after paying for their handshakes.  Counting
+at most a few handshakes from any one address, and none older than a couple
+of seconds (``tlssite.HandshakesRunning``): a client holding handshakes open
+without a word costs no CPU, and must not lock everyone else out.  A stream
+whose handshake ran is not refused for the loop's lag (only for the rate):
+that was judged before the handshake.  Where
 the API has no TLS (no handshake to spare), the lag is judged at the upgrade.
 
 Pure: every method takes ``now``.

@@ -68,8 +68,9 @@ class Loaded:
 
 PASS_SHARE = 0.5  # at most this share of the event loop goes to back-to-back reconcile passes
 # ... and this share while agents are being held or turned away at the door (dials waiting for, or
-# dropped before, their TLS handshake in the last SHEDDING_HOLD seconds): each pass walks the whole fleet whatever arrived since
-# the last, so fewer passes place the same replicas, and the loop's time goes to letting agents in.
+# dropped before, their TLS handshake in the last SHEDDING_HOLD seconds): each pass walks the whole
+# fleet whatever arrived since the last, so fewer passes place the same replicas, and the loop's time
+# goes to letting agents in.
 PASS_SHARE_SHEDDING = 0.2
 SHEDDING_HOLD = 2.0
 
