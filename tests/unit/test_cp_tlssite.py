@@ -168,7 +168,8 @@ def test_connections_wait_newest_first_and_none_past_max_wait():
     assert q.push("a") == [] and q.push("b") == []
     now[0] = 1.0
     assert q.push("c") == []
-    assert q.newest() == (1.0, "c")  # newest first: the oldest are likeliest to have given up
+    assert q.newest() == "c" and len(q) == 3  # newest first: the oldest are likeliest to have given up
+    assert q.take_newest() == "c" and q.newest() == "b"
     now[0] = q.MAX_WAIT + 0.5
     assert q.expired() == ["a", "b"] and len(q) == 0
     q.limit = 2

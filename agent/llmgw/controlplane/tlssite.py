@@ -167,9 +167,9 @@ class HandshakeQueue:
     def __len__(self) -> int:
         return len(self._waiting)
 
-    def push(self, conn: Any, since: float | None = None) -> list[Any]:
-        """Queue ``conn`` (waiting since ``since``, else now); those to drop: pushed out or waited too long."""
-        self._waiting.append((self._clock() if since is None else since, conn))
+    def push(self, conn: Any) -> list[Any]:
+        """Queue ``conn``; those to drop: pushed out or waited too long."""
+        self._waiting.append((self._clock(), conn))
         out = self.expired()
         while len(self._waiting) > self.limit:
             out.append(self._waiting.popleft()[1])
@@ -181,9 +181,12 @@ class HandshakeQueue:
             out.append(self._waiting.popleft()[1])
         return out
 
-    def newest(self) -> tuple[float, Any] | None:
-        """(since, connection) of the one that came last, taken off the queue; None: none waits."""
-        return self._waiting.pop() if self._waiting else None
+    def newest(self) -> Any | None:
+        """The connection that came last, left on the queue (``take_newest`` takes it); None: none waits."""
+        return self._waiting[-1][1] if self._waiting else None
+
+    def take_newest(self) -> Any:
+        return self._waiting.pop()[1]
 
 
 class HandshakeSlots:
@@ -208,40 +211,37 @@ class HandshakeSlots:
         return RUN if self._verdict is None else self._verdict(self.running.n)
 
     def wait(self, conn: _Upgrade) -> None:
-        for old in self.waiting.push(conn):
-            self._drop(old)
+        self._drop_all(self.waiting.push(conn))
         if self._sweep is None:  # one timer for the queue: nothing waits past MAX_WAIT, events or none
             self._sweep = asyncio.get_running_loop().call_later(self.waiting.max_wait / 2, self._swept)
 
     def _swept(self) -> None:
         self._sweep = None
-        for old in self.waiting.expired():
-            self._drop(old)
+        self._drop_all(self.waiting.expired())
         if len(self.waiting):
             self._sweep = asyncio.get_running_loop().call_later(self.waiting.max_wait / 2, self._swept)
 
     def ended(self) -> None:
         """A handshake ended: the newest connection waiting takes its place, if the shedding lets it."""
-        for old in self.waiting.expired():
-            self._drop(old)
-        while (top := self.waiting.newest()) is not None:
-            since, conn = top
+        self._drop_all(self.waiting.expired())
+        while (conn := self.waiting.newest()) is not None:
             if conn.closing:
+                self.waiting.take_newest()
                 continue
             verdict = self.verdict()
+            if verdict == WAIT:
+                return  # it stays where it is, as old as it was
+            self.waiting.take_newest()
             if verdict == RUN:
                 conn.begin()
-            elif verdict == WAIT:
-                self.waiting.push(top[1], since)
-            else:
-                conn.drop()  # counted by the verdict
-                continue
-            return
+                return
+            conn.drop()  # counted by the verdict
 
-    def _drop(self, conn: _Upgrade) -> None:
-        conn.drop()
-        if self._dropped is not None:
-            self._dropped()
+    def _drop_all(self, conns: list[_Upgrade]) -> None:
+        for conn in conns:
+            conn.drop()
+            if self._dropped is not None:
+                self._dropped()
 
 
 class _Upgrade(asyncio.Protocol):
