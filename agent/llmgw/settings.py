@@ -46,9 +46,10 @@ class Lifecycle:
     stream_grace: float = 60.0
     max_registrations_per_second: float = 500.0
     max_loop_lag: float = 1.0
-    # Each handshake costs about 2 ms of CPU, so 256 queue half a second of work on a full core: enough to
-    # keep it busy while each waits on its agent's replies (10,000 agents dialling at once: 64 left the
-    # control plane idle a third of the time; 256 and 512 took the same 64-67 s cold start).  Applies
+    # Each handshake costs about 1 ms of CPU (0.8 ms measured without session tickets, 1.1 with), so 256
+    # queue a quarter second of work on a full core: enough to keep it busy while each waits on its
+    # agent's replies (10,000 agents dialling at once: 64 left the control plane idle a third of the
+    # time; 256 and 512 took the same 64-67 s cold start).  Applies
     # while the loop runs behind or admission.BURST_FACTOR times as many are under way.
     max_tls_handshakes: int = 256
 

@@ -156,6 +156,24 @@ def test_tls12_client_is_refused_by_the_server_itself(tmp_path):
         assert f.server.alive()
 
 
+def test_the_control_plane_gives_no_session_tickets(tmp_path):
+    """No client of the control plane resumes a TLS session, so it sends no tickets: they cost a third
+    of a handshake's server CPU, and a resumed session would skip the certificate checks."""
+    with Fleet(tmp_path, nodes={}, replicas=0) as f:
+        f.start()
+        ctx = ssl.create_default_context(cafile=str(f.pki.ca_cert))
+        ctx.load_cert_chain(*map(str, f.pki.node(f"node-tickets-{f.suffix}")))
+        with socket.create_connection(("127.0.0.1", f.port), timeout=60) as raw, \
+                ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+            tls.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+            reply = b""
+            while chunk := tls.recv(65536):  # to the end: a ticket, had one been sent, came before the answer
+                reply += chunk
+            assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+            assert tls.version() == "TLSv1.3"
+            assert tls.session is not None and not tls.session.has_ticket  # before: two tickets
+
+
 async def _try_register(f: Fleet, cert: tuple[Path, Path], node_id: str) -> dict[str, Any]:
     ctx = client_context(f.pki.ca_cert, *cert)
     try:

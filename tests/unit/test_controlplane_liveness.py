@@ -263,3 +263,16 @@ def test_the_shedding_share_lapses_when_no_dial_was_dropped_of_late():
     cp.arriving("admitted")  # an agent let in says nothing of the door
     clock.t += SHEDDING_HOLD
     assert cp.pass_share() == PASS_SHARE
+
+
+def test_passes_take_the_small_share_while_the_startup_grace_holds():
+    """Nothing is placed in a grace, so its passes yield the loop to the registrations that end it."""
+    clock = Clock()
+    cp = ControlPlane(settings(replicas=1, startup_grace=30), clock=clock)
+    cp.tick()
+    assert cp.timers.evaluation.in_grace
+    assert cp.pass_share() == PASS_SHARE_SHEDDING  # before: PASS_SHARE
+    clock.t += 31
+    cp.tick()
+    assert not cp.timers.evaluation.in_grace
+    assert cp.pass_share() == PASS_SHARE

@@ -88,6 +88,18 @@ def test_loop_lateness_is_excused_once_it_adds_up_and_a_larger_fleet_stretches_t
     assert timers.lifecycle(lc) == lc.for_fleet(1000), "a timing never shrinks below what nodes were told"
 
 
+def test_a_growing_fleet_says_its_heartbeat_interval_once_a_second_of_growth(caplog):
+    timers = LifecycleTimers(started_at=0.0)
+    lc = Lifecycle(heartbeat_interval=5.0, max_heartbeats_per_second=500)
+    with caplog.at_level(logging.INFO, logger="llmgw.controlplane"):
+        for n in range(1, 10_001):  # nodes registering one by one: past 2,500 each one stretches the interval
+            timers.grown_to(n, lc)
+    said = [r.getMessage() for r in caplog.records if "heartbeat every" in r.getMessage()]
+    assert said[0].startswith("2501 nodes: heartbeat every 5.0s")
+    assert said[-1].startswith("10000 nodes: heartbeat every 20.0s")
+    assert len(said) == 16, said  # leaving 5 s, then reaching 6, 7 ... 20 s; before: 7,500 lines
+
+
 def test_the_startup_grace_holds_while_agents_refused_during_it_are_due_back():
     lc = Lifecycle(startup_grace=10.0)
     timers = LifecycleTimers(started_at=100.0)

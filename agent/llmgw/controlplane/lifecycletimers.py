@@ -14,6 +14,7 @@ judge the agents still in line, nor place their replicas again elsewhere.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 
 from llmgw.controlplane.lifecycle import Evaluation, NodeClock, evaluate, excuse
@@ -74,7 +75,10 @@ class LifecycleTimers:
         before = self.lifecycle(configured)
         self._fleet_size = nodes
         after = self.lifecycle(configured)
-        if after.heartbeat_interval != before.heartbeat_interval:
+        # The interval grows with every node past the cap; said once on leaving the configured one,
+        # then once a second of growth (a 10,000-node start once wrote this line 7,500 times).
+        grew_from_configured = before.heartbeat_interval == configured.heartbeat_interval < after.heartbeat_interval
+        if grew_from_configured or math.floor(after.heartbeat_interval) != math.floor(before.heartbeat_interval):
             log.info("%d nodes: heartbeat every %.1fs (max_heartbeats_per_second %g); unreachable after %.1fs, "
                      "lost after %.1fs", nodes, after.heartbeat_interval,
                      after.max_heartbeats_per_second, after.unreachable_after, after.lost_after)

@@ -70,7 +70,8 @@ PASS_SHARE = 0.5  # at most this share of the event loop goes to back-to-back re
 # ... and this share while agents are being held or turned away at the door (dials waiting for, or
 # dropped before, their TLS handshake in the last SHEDDING_HOLD seconds): each pass walks the whole
 # fleet whatever arrived since the last, so fewer passes place the same replicas, and the loop's time
-# goes to letting agents in.
+# goes to letting agents in.  The same during a startup grace: a pass then places nothing (it marks
+# adopted replicas ready and publishes endpoints), and registrations are what ends the grace.
 PASS_SHARE_SHEDDING = 0.2
 SHEDDING_HOLD = 2.0
 
@@ -213,7 +214,9 @@ class ControlPlane:
 
     def pass_share(self) -> float:
         """The share of the loop back-to-back reconcile passes may take now (``PASS_SHARE``)."""
-        return PASS_SHARE_SHEDDING if self.clock() < self.shedding_until else PASS_SHARE
+        if self.timers.evaluation.in_grace or self.clock() < self.shedding_until:
+            return PASS_SHARE_SHEDDING
+        return PASS_SHARE
 
     def message(self, node_id: str, epoch: int, msg: dict[str, Any]) -> bool:
         """A validated message after ``register``; False (and no effect) if its stream is superseded."""

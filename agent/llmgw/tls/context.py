@@ -67,9 +67,15 @@ def server_context(
     certificate it does present is still verified and refused if foreign.
     OpenSSL checks the client certificate's extended key usage here: a
     serverAuth-only certificate is refused as a client.
+
+    No session tickets: fleet clients never resume a session, so the two
+    tickets TLS 1.3 sends after every handshake were a third of its server
+    CPU (a registration storm is ten thousand handshakes), and a resumed
+    session would skip the certificate checks a fresh handshake makes.
     """
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     _harden(ctx, ca_file)
+    ctx.num_tickets = 0
     ctx.verify_mode = ssl.CERT_REQUIRED if require_client_cert else ssl.CERT_OPTIONAL
     _load_pair(ctx, cert_file, key_file)
     return ctx
