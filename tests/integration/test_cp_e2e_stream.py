@@ -128,6 +128,18 @@ def test_messages_on_a_superseded_stream_change_nothing(tmp_path):
         assert log.count(f"{out['spec']['shard_id']} on {node}: ready") == 1, log[-4000:]
 
 
+def _healthz(f: Fleet, ctx: ssl.SSLContext) -> tuple[str | None, str, ssl.SSLSession | None]:
+    """``GET /healthz`` over a raw TLS socket, read to the end: the protocol version, the status line
+    and the TLS session (with any tickets the server sent, which come before the answer)."""
+    with socket.create_connection(("127.0.0.1", f.port), timeout=60) as raw, \
+            ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+        tls.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        reply = b""
+        while chunk := tls.recv(65536):
+            reply += chunk
+        return tls.version(), reply.split(b"\r\n", 1)[0].decode(), tls.session
+
+
 def test_tls12_client_is_refused_by_the_server_itself(tmp_path):
     with Fleet(tmp_path, nodes={}, replicas=0) as f:
         f.start()
@@ -140,14 +152,8 @@ def test_tls12_client_is_refused_by_the_server_itself(tmp_path):
                 ctx.maximum_version = max_version
             ctx.load_verify_locations(str(f.pki.ca_cert))
             ctx.load_cert_chain(str(node_cert[0]), str(node_cert[1]))
-            with socket.create_connection(("127.0.0.1", f.port), timeout=60) as raw:
-                with ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
-                    tls.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
-                    reply = b""
-                    while chunk := tls.recv(65536):
-                        reply += chunk
-                    status = reply.split(b"\r\n", 1)[0].decode()
-                    return f"{tls.version()} {status}"
+            version, status, _ = _healthz(f, ctx)
+            return f"{version} {status}"
 
         with pytest.raises(ssl.SSLError):
             handshake(ssl.TLSVersion.TLSv1_2)
@@ -163,15 +169,10 @@ def test_the_control_plane_gives_no_session_tickets(tmp_path):
         f.start()
         ctx = ssl.create_default_context(cafile=str(f.pki.ca_cert))
         ctx.load_cert_chain(*map(str, f.pki.node(f"node-tickets-{f.suffix}")))
-        with socket.create_connection(("127.0.0.1", f.port), timeout=60) as raw, \
-                ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
-            tls.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
-            reply = b""
-            while chunk := tls.recv(65536):  # to the end: a ticket, had one been sent, came before the answer
-                reply += chunk
-            assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
-            assert tls.version() == "TLSv1.3"
-            assert tls.session is not None and not tls.session.has_ticket  # before: two tickets
+        version, status, session = _healthz(f, ctx)  # read to the end: a ticket would have come first
+        assert status.startswith("HTTP/1.1 200"), status
+        assert version == "TLSv1.3"
+        assert session is not None and not session.has_ticket  # before: two tickets
 
 
 async def _try_register(f: Fleet, cert: tuple[Path, Path], node_id: str) -> dict[str, Any]:
