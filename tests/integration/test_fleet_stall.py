@@ -47,10 +47,11 @@ NODES = 24
 REPLICAS = 12
 WAIT = 120.0
 # Short heartbeats, so the 30 s stall exceeds unreachable_after and lost_after; keepalive_interval and
-# stream_grace are the defaults (pings every 10 s).
+# stream_grace are the defaults (pings every 10 s). max_loop_lag is 1 s, a third of the default, so the
+# pauses of two or three seconds these tests make put the loop past it.
 LIFECYCLE = {"heartbeat_interval": 1.0, "keepalive_interval": 10.0, "unreachable_after": 15.0, "lost_after": 20.0,
              "startup_grace": 2.0, "max_unreachable_share": 0.55, "replacements_per_minute": 600,
-             "stream_grace": 60.0}
+             "stream_grace": 60.0, "max_loop_lag": 1.0}
 
 
 @contextmanager
