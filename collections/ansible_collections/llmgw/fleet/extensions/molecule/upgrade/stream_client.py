@@ -8,7 +8,9 @@ connection is a failure. With several --base-url (one per router) the client
 does what a client of redundant routers does: it spreads requests over them and,
 when one does not take the request (connection or TLS handshake failed, or closed
 before any answer: a restarting router), sends that request to the next; nothing
-else is retried, and a request any router took and failed is a failure. Writes a JSON report when the stop file appears.
+else is retried, and a request any router took and failed is a failure. Writes a JSON report when the stop file appears,
+or after --max-seconds: a converge that fails before it writes the stop file must not leave the client dialling
+routers that are gone (it did, at most of a core, until Ansible's async limit ended it half an hour later).
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ import httpx
 import openai
 
 
+# After a request no router took; a restart refuses connections for a second or two, so this costs
+# the test nothing, and a client whose fleet is gone waits instead of spinning.
+NONE_TOOK_IT_PAUSE = 0.2
+
+
 def one(clients: list[openai.OpenAI], start: int, model: str) -> tuple[str | None, int]:
     """One streamed completion, failing over between routers only on a refused connection.
 
@@ -33,7 +40,10 @@ def one(clients: list[openai.OpenAI], start: int, model: str) -> tuple[str | Non
     for i in range(len(clients)):
         client = clients[(start + i) % len(clients)]
         err, connected = _stream(client, model)
-        if connected or i == len(clients) - 1:
+        if connected:
+            return err, refused
+        if i == len(clients) - 1:
+            time.sleep(NONE_TOOK_IT_PAUSE)  # every router refused: no busy loop against a fleet that is down
             return err, refused
         refused += 1
     return "no router", refused
@@ -94,7 +104,10 @@ def main() -> None:
     ap.add_argument("--stop-file", required=True)
     ap.add_argument("--report", required=True)
     ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--max-seconds", type=float, default=1500.0,
+                    help="stop by itself after this long, stop file or not (the converge's async limit is 1800 s)")
     args = ap.parse_args()
+    deadline = time.monotonic() + args.max_seconds
 
     verify = ssl.create_default_context(cafile=args.ca) if args.ca else True
     clients = [openai.OpenAI(base_url=url, api_key=args.api_key, max_retries=0, timeout=60,
@@ -105,7 +118,7 @@ def main() -> None:
     errors: list[str] = []
 
     def worker(n: int) -> None:
-        while not os.path.exists(args.stop_file):
+        while not os.path.exists(args.stop_file) and time.monotonic() < deadline:
             err, refused = one(clients, n, args.model)
             n += 1
             with lock:
@@ -120,7 +133,8 @@ def main() -> None:
         t.start()
     for t in threads:
         t.join()
-    report = {**counts, "errors": errors, "started": started, "stopped": time.time()}
+    report = {**counts, "errors": errors, "started": started, "stopped": time.time(),
+              "deadline_reached": not os.path.exists(args.stop_file)}
     tmp = args.report + ".tmp"
     with open(tmp, "w") as f:
         json.dump(report, f)
