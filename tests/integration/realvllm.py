@@ -4,12 +4,14 @@
 once per session (minutes on a fresh machine, a no-op once cached), so ``make test`` needs
 nothing installed by hand; ``tiny_hf_model`` writes the tiny Llama of ``tinyhf.py`` with it.
 ``start_vllm`` starts one engine serving that model with prefix caching and KV events on
-``ipc://`` sockets, and returns once /health answers.
+``ipc://`` sockets, and returns once /health answers. ``shared_vllm`` is one such engine for
+the modules that only send it requests (each start costs about a minute of both cores).
 """
 
 from __future__ import annotations
 
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,34 @@ def vllm_python() -> Path:
 @pytest.fixture(scope="session")
 def tiny_hf_model(vllm_python: Path) -> Path:
     return tinyhf.model_dir(vllm_python)
+
+
+@dataclass(frozen=True)
+class SharedVllm:
+    """The shared engine: served as ``tiny``, its key in ``VLLM_API_KEY`` as an agent passes it
+    (vLLM asks for it on /v1 routes only), KV events under ``topic``."""
+    engine: SimProcess
+    kv: dict
+    key: str
+    topic: str
+    max_model_len: int
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.key}"}
+
+
+@pytest.fixture(scope="session")
+def shared_vllm(vllm_python: Path, tiny_hf_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    """One engine for every module that neither restarts nor reconfigures it (the fidelity
+    comparison, the KV-event checks): they run on one worker, one after another."""
+    key, topic, max_model_len = "fidelity-key", "kv@test@tiny", 512
+    engine, kv = start_vllm(vllm_python, tiny_hf_model, tmp_path_factory.mktemp("shared-vllm"), topic,
+                            env={"VLLM_API_KEY": key}, max_model_len=max_model_len)
+    try:
+        yield SharedVllm(engine=engine, kv=kv, key=key, topic=topic, max_model_len=max_model_len)
+    finally:
+        engine.stop(timeout=30)
 
 
 def start_vllm(python: Path, model: Path, work: Path, topic: str, *, env: dict | None = None, wait: bool = True,

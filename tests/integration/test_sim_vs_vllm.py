@@ -1,7 +1,7 @@
 """The simulator side by side with the real vLLM it imitates (the pinned CPU build).
 
-One real vLLM (the tiny HF Llama of ``tinyhf.py``) and one ``llmgw-engine-sim`` are started
-from the same argv and the same ``VLLM_API_KEY``; the same raw HTTP requests go to both, and
+One real vLLM (the tiny HF Llama of ``tinyhf.py``, the session's ``shared_vllm``) and one
+``llmgw-engine-sim`` are started from the same argv and the same ``VLLM_API_KEY``; the same raw HTTP requests go to both, and
 their answers are compared by SHAPE: keys, JSON types, and the values of the fields whose
 domain a client branches on (``object``, ``finish_reason``, ``role``, error ``type``/``param``/
 ``code``, id prefixes, the version). Generated text, token counts of free-running output and
@@ -30,14 +30,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import vllmcpu
 from llmgw.agent.liveness import PENDING, PROGRESS
-from realvllm import start_vllm, tiny_hf_model, vllm_python  # noqa: F401 (fixtures)
+from realvllm import shared_vllm, tiny_hf_model, vllm_python  # noqa: F401 (fixtures)
 from simproc import SimProcess, start_sim_argv
 from tests.support.dashboard import dashboard_metrics, scrape
 from tests.support.ports import free_port
 
 pytestmark = pytest.mark.integration
 
-KEY = "fidelity-key"
+KEY = "fidelity-key"  # the shared engine's
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MODEL = "tiny"
 MAX_LEN = 512
@@ -79,23 +79,18 @@ class Pair:
 
 
 @pytest.fixture(scope="module")
-def pair(vllm_python, tiny_hf_model, tmp_path_factory):  # noqa: F811
+def pair(shared_vllm, tiny_hf_model, tmp_path_factory):  # noqa: F811
+    assert (shared_vllm.key, shared_vllm.max_model_len) == (KEY, MAX_LEN)  # the argv the simulator is given
     root = tmp_path_factory.mktemp("vs")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_API_KEY", KEY)  # the engine key as the adapter passes it: in the environment
-        real, _ = start_vllm(vllm_python, tiny_hf_model, root, "vs", max_model_len=MAX_LEN)
+    port = free_port()
+    kv = vllmcpu.kv_events_config(f"ipc://{root}/sim-kv.sock", f"ipc://{root}/sim-kv-replay.sock", "vs")
+    argv = vllmcpu.command("python", tiny_hf_model, port, served_name=MODEL, kv_events=kv,
+                           max_model_len=MAX_LEN)
+    sim = start_sim_argv(["serve", *argv[3:]], port, env={"VLLM_API_KEY": KEY}, log_dir=root)
     try:
-        port = free_port()
-        kv = vllmcpu.kv_events_config(f"ipc://{root}/sim-kv.sock", f"ipc://{root}/sim-kv-replay.sock", "vs")
-        argv = vllmcpu.command("python", tiny_hf_model, port, served_name=MODEL, kv_events=kv,
-                               max_model_len=MAX_LEN)
-        sim = start_sim_argv(["serve", *argv[3:]], port, env={"VLLM_API_KEY": KEY}, log_dir=root)
-        try:
-            yield Pair(real, sim)
-        finally:
-            sim.stop()
+        yield Pair(shared_vllm.engine, sim)
     finally:
-        real.stop(timeout=30)
+        sim.stop()
 
 
 # ------------------------------------------------------------------------------ comparison

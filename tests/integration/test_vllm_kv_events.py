@@ -1,13 +1,14 @@
 """KV events from a live vLLM (the CPU build), decoded by llmgw.kvevents, replayed by sequence.
 
-One engine for the module (about a minute to start on 2 cores), serving the tiny random
-Llama with prefix caching and KV events on ipc:// sockets. What it proves against the real
-engine, not a recording: a SUB socket receives numbered batches; prompts that share a prefix
-publish BlockStored events whose token_ids are the prompt's and whose parent is the shared
-block; the prefix-cache counters on /metrics agree; and a subscriber that was away gets what
-it missed from the replay socket, by sequence number, then the end marker. And that the router's
-own tokenizer (``router.tokenize_model``, from the model directory) makes the engine's token ids
-of chat and completion requests, so the route keys it computes are those the engine's events give.
+The session's shared engine (``realvllm.shared_vllm``: a minute to start on 2 cores, so it is
+started once), serving the tiny random Llama with prefix caching and KV events on ipc:// sockets.
+What it proves against the real engine, not a recording: a SUB socket receives numbered batches;
+prompts that share a prefix publish BlockStored events whose token_ids are the prompt's and whose
+parent is the shared block; the prefix-cache counters on /metrics agree; and a subscriber that was
+away gets what it missed from the replay socket, by sequence number, then the end marker. And that
+the router's own tokenizer (``router.tokenize_model``, from the model directory) makes the engine's
+token ids of chat and completion requests, so the route keys it computes are those the engine's
+events give.
 """
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ from llmgw.kvroutekeys import chain_keys
 from llmgw.router.tokenize_model import ModelTokenizer
 from llmgw.router.tokenize_parity import ParityCheck
 from llmgw.router.upstream import Pool
-from realvllm import start_vllm, tiny_hf_model, vllm_python  # noqa: F401 (fixtures)
+from realvllm import shared_vllm, tiny_hf_model, vllm_python  # noqa: F401 (fixtures)
 from tests.support.kvsub import Subscriber, replay
 from tests.support.polling import until
 
 pytestmark = pytest.mark.integration
 
 TOPIC = "kv@test@tiny"
+AUTH = {"Authorization": "Bearer fidelity-key"}  # the shared engine's key, asked for on /v1 routes
 SHARED = [10 + (i * 7) % 400 for i in range(64)]  # two full blocks of 32
 _unique = count(1)
 
@@ -43,17 +45,15 @@ def tail(seed: int, n: int = 32) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def engine(vllm_python, tiny_hf_model, tmp_path_factory):  # noqa: F811
-    work = tmp_path_factory.mktemp("vllm")
-    eng, kv = start_vllm(vllm_python, tiny_hf_model, work, TOPIC)
+def engine(shared_vllm):  # noqa: F811
+    assert (shared_vllm.topic, shared_vllm.auth) == (TOPIC, AUTH)
     ctx = zmq.Context()
-    yield eng, kv, ctx
+    yield shared_vllm.engine, shared_vllm.kv, ctx
     ctx.destroy(linger=0)
-    eng.stop(timeout=30)
 
 
 def complete(eng, prompt: list[int], max_tokens: int = 1) -> dict:
-    r = httpx.post(f"{eng.base_url}/completions", timeout=120,
+    r = httpx.post(f"{eng.base_url}/completions", timeout=120, headers=AUTH,
                    json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
     r.raise_for_status()
     return r.json()
@@ -141,9 +141,9 @@ def test_the_routers_tokenizer_makes_the_engines_ids_and_route_keys(engine, tiny
         assert ours[name] == r.json()["tokens"], name
     assert len(ours["chat"]) > 64 and len(ours["prompt"]) > 64
 
-    httpx.post(f"{eng.base_url}/chat/completions", timeout=120,
+    httpx.post(f"{eng.base_url}/chat/completions", timeout=120, headers=AUTH,
                json={"model": "tiny", **chat, "max_tokens": 1, "temperature": 0}).raise_for_status()
-    httpx.post(f"{eng.base_url}/completions", timeout=120,
+    httpx.post(f"{eng.base_url}/completions", timeout=120, headers=AUTH,
                json={"model": "tiny", **prompt, "max_tokens": 1, "temperature": 0}).raise_for_status()
 
     def engine_keys() -> set[int]:  # the route keys the agent's map makes of every event so far
