@@ -67,8 +67,8 @@ def _serve_throughout(call, stop: threading.Event) -> list:
             except Exception as e:  # noqa: BLE001 - recorded, asserted on
                 results.append(e)
     t = threading.Thread(target=loop, daemon=True)
+    results.append(t)  # first, before the thread can append its first result
     t.start()
-    results.append(t)
     return results
 
 
