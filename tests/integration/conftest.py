@@ -75,3 +75,14 @@ def heavy_files_yield_the_cpu(request: pytest.FixtureRequest):
             os.setpriority(os.PRIO_PROCESS, 0, before)
         except PermissionError:
             pass
+
+
+@pytest.fixture(scope="session")
+def shared_vllm(tmp_path_factory: pytest.TempPathFactory):
+    """One real vLLM for the modules that only send it requests (``realvllm.shared_engine``).
+    Defined here, once: a fixture imported into a test module is that module's own, and each
+    definition of a session fixture starts its own engine (two did)."""
+    import realvllm  # here, not at the top: this file is also run on its own (test_integration_groups)
+
+    with realvllm.shared_engine(tmp_path_factory.mktemp("shared-vllm")) as shared:
+        yield shared

@@ -4,13 +4,16 @@
 once per session (minutes on a fresh machine, a no-op once cached), so ``make test`` needs
 nothing installed by hand; ``tiny_hf_model`` writes the tiny Llama of ``tinyhf.py`` with it.
 ``start_vllm`` starts one engine serving that model with prefix caching and KV events on
-``ipc://`` sockets, and returns once /health answers. ``shared_vllm`` is one such engine for
-the modules that only send it requests (each start costs about a minute of both cores).
+``ipc://`` sockets, and returns once /health answers. ``shared_engine`` is one such engine for
+the modules that only send it requests (each start costs about a minute of both cores), which
+they take as conftest's ``shared_vllm``.
 """
 
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,12 +53,14 @@ class SharedVllm:
         return {"Authorization": f"Bearer {self.key}"}
 
 
-@pytest.fixture(scope="session")
-def shared_vllm(vllm_python: Path, tiny_hf_model: Path, tmp_path_factory: pytest.TempPathFactory):
-    """One engine for every module that neither restarts nor reconfigures it (the fidelity
-    comparison, the KV-event checks): they run on one worker, one after another."""
+@contextmanager
+def shared_engine(work: Path) -> Iterator[SharedVllm]:
+    """The engine behind conftest's ``shared_vllm``, for every module that neither restarts nor
+    reconfigures it (the fidelity comparison, the KV-event checks): they run on one worker, one
+    after another."""
     key, topic, max_model_len = "fidelity-key", "kv@test@tiny", 512
-    engine, kv = start_vllm(vllm_python, tiny_hf_model, tmp_path_factory.mktemp("shared-vllm"), topic,
+    python = vllmcpu.install()
+    engine, kv = start_vllm(python, tinyhf.model_dir(python), work, topic,
                             env={"VLLM_API_KEY": key}, max_model_len=max_model_len)
     try:
         yield SharedVllm(engine=engine, kv=kv, key=key, topic=topic, max_model_len=max_model_len)

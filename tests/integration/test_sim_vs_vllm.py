@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import vllmcpu
 from llmgw.agent.liveness import PENDING, PROGRESS
-from realvllm import shared_vllm, tiny_hf_model, vllm_python  # noqa: F401 (fixtures)
+from realvllm import tiny_hf_model, vllm_python  # noqa: F401 (fixtures; shared_vllm is conftest's)
 from simproc import SimProcess, start_sim_argv
 from tests.support.dashboard import dashboard_metrics, scrape
 from tests.support.ports import free_port

@@ -28,7 +28,7 @@ from llmgw.kvroutekeys import chain_keys
 from llmgw.router.tokenize_model import ModelTokenizer
 from llmgw.router.tokenize_parity import ParityCheck
 from llmgw.router.upstream import Pool
-from realvllm import shared_vllm, tiny_hf_model, vllm_python  # noqa: F401 (fixtures)
+from realvllm import tiny_hf_model, vllm_python  # noqa: F401 (fixtures; shared_vllm is conftest's)
 from tests.support.kvsub import Subscriber, replay
 from tests.support.polling import until
 
@@ -45,7 +45,7 @@ def tail(seed: int, n: int = 32) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def engine(shared_vllm):  # noqa: F811
+def engine(shared_vllm):
     assert (shared_vllm.topic, shared_vllm.auth) == (TOPIC, AUTH)
     ctx = zmq.Context()
     yield shared_vllm.engine, shared_vllm.kv, ctx
