@@ -59,7 +59,7 @@ def _stream(client: openai.OpenAI, model: str) -> tuple[str | None, bool]:
     except openai.APIConnectionError as e:
         # No response head came back: refused, or a kept-alive connection the router
         # closed (or reset) as it stopped, before it read the request.
-        return f"{type(e).__name__}: {e}", not _refused(e)
+        return f"{type(e).__name__}: {e} ({_root(e)})", not _refused(e)
     except Exception as e:  # noqa: BLE001 - every failure is counted, with its kind
         return f"{type(e).__name__}: {e}", True
     try:
@@ -73,6 +73,13 @@ def _stream(client: openai.OpenAI, model: str) -> tuple[str | None, bool]:
     if not tokens or finish is None:
         return f"stream ended without tokens or finish_reason (tokens={tokens}, finish={finish})", True
     return None, True
+
+
+def _root(exc: BaseException) -> str:
+    """The innermost cause, named: openai says only "Connection error." for every kind."""
+    while exc.__cause__ or exc.__context__:
+        exc = exc.__cause__ or exc.__context__
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _refused(exc: BaseException) -> bool:
@@ -124,8 +131,8 @@ def main() -> None:
             with lock:
                 counts["failed" if err else "ok"] += 1
                 counts["failed_over"] += refused
-                if err and len(errors) < 20:
-                    errors.append(err)
+                if err and len(errors) < 20:  # when, so the log of the run says what was under way
+                    errors.append(f"{time.strftime('%H:%M:%S')} after {refused} refusal(s): {err}")
 
     started = time.time()
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(args.concurrency)]
