@@ -38,19 +38,20 @@ def tiny_hf_model(vllm_python: Path) -> Path:
     return tinyhf.model_dir(vllm_python)
 
 
+# The shared engine's settings, which the modules using it build their requests from: its key in
+# ``VLLM_API_KEY``, as an agent passes it (vLLM asks for it on /v1 routes only), its KV-event topic
+# and its context length.
+SHARED_KEY = "fidelity-key"
+SHARED_AUTH = {"Authorization": f"Bearer {SHARED_KEY}"}
+SHARED_TOPIC = "kv@test@tiny"
+SHARED_MAX_LEN = 512
+
+
 @dataclass(frozen=True)
 class SharedVllm:
-    """The shared engine: served as ``tiny``, its key in ``VLLM_API_KEY`` as an agent passes it
-    (vLLM asks for it on /v1 routes only), KV events under ``topic``."""
+    """The shared engine, served as ``tiny`` with the ``SHARED_*`` settings, and its KV-events config."""
     engine: SimProcess
     kv: dict
-    key: str
-    topic: str
-    max_model_len: int
-
-    @property
-    def auth(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.key}"}
 
 
 @contextmanager
@@ -58,12 +59,11 @@ def shared_engine(work: Path) -> Iterator[SharedVllm]:
     """The engine behind conftest's ``shared_vllm``, for every module that neither restarts nor
     reconfigures it (the fidelity comparison, the KV-event checks): they run on one worker, one
     after another."""
-    key, topic, max_model_len = "fidelity-key", "kv@test@tiny", 512
     python = vllmcpu.install()
-    engine, kv = start_vllm(python, tinyhf.model_dir(python), work, topic,
-                            env={"VLLM_API_KEY": key}, max_model_len=max_model_len)
+    engine, kv = start_vllm(python, tinyhf.model_dir(python), work, SHARED_TOPIC,
+                            env={"VLLM_API_KEY": SHARED_KEY}, max_model_len=SHARED_MAX_LEN)
     try:
-        yield SharedVllm(engine=engine, kv=kv, key=key, topic=topic, max_model_len=max_model_len)
+        yield SharedVllm(engine=engine, kv=kv)
     finally:
         engine.stop(timeout=30)
 

@@ -1,8 +1,8 @@
 """The simulator side by side with the real vLLM it imitates (the pinned CPU build).
 
 One real vLLM (the tiny HF Llama of ``tinyhf.py``, the session's ``shared_vllm``) and one
-``llmgw-engine-sim`` are started from the same argv and the same ``VLLM_API_KEY``; the same raw HTTP requests go to both, and
-their answers are compared by SHAPE: keys, JSON types, and the values of the fields whose
+``llmgw-engine-sim`` run from the same argv and the same ``VLLM_API_KEY``; the same raw HTTP
+requests go to both, and their answers are compared by SHAPE: keys, JSON types, and the values of the fields whose
 domain a client branches on (``object``, ``finish_reason``, ``role``, error ``type``/``param``/
 ``code``, id prefixes, the version). Generated text, token counts of free-running output and
 error wording are not compared. A difference names its path, e.g.
@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import vllmcpu
 from llmgw.agent.liveness import PENDING, PROGRESS
+from realvllm import SHARED_AUTH, SHARED_KEY, SHARED_MAX_LEN
 from realvllm import tiny_hf_model, vllm_python  # noqa: F401 (fixtures; shared_vllm is conftest's)
 from simproc import SimProcess, start_sim_argv
 from tests.support.dashboard import dashboard_metrics, scrape
@@ -37,10 +38,8 @@ from tests.support.ports import free_port
 
 pytestmark = pytest.mark.integration
 
-KEY = "fidelity-key"  # the shared engine's
-AUTH = {"Authorization": f"Bearer {KEY}"}
+KEY, AUTH, MAX_LEN = SHARED_KEY, SHARED_AUTH, SHARED_MAX_LEN  # the shared engine's
 MODEL = "tiny"
-MAX_LEN = 512
 CHAT = [{"role": "user", "content": "hello there"}]
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 # The random tiny model may sample its end-of-sequence token at any step: ignore it, so both
@@ -80,7 +79,6 @@ class Pair:
 
 @pytest.fixture(scope="module")
 def pair(shared_vllm, tiny_hf_model, tmp_path_factory):  # noqa: F811
-    assert (shared_vllm.key, shared_vllm.max_model_len) == (KEY, MAX_LEN)  # the argv the simulator is given
     root = tmp_path_factory.mktemp("vs")
     port = free_port()
     kv = vllmcpu.kv_events_config(f"ipc://{root}/sim-kv.sock", f"ipc://{root}/sim-kv-replay.sock", "vs")

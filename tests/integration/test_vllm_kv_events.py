@@ -1,6 +1,6 @@
 """KV events from a live vLLM (the CPU build), decoded by llmgw.kvevents, replayed by sequence.
 
-The session's shared engine (``realvllm.shared_vllm``: a minute to start on 2 cores, so it is
+The session's shared engine (conftest's ``shared_vllm``: a minute to start on 2 cores, so it is
 started once), serving the tiny random Llama with prefix caching and KV events on ipc:// sockets.
 What it proves against the real engine, not a recording: a SUB socket receives numbered batches;
 prompts that share a prefix publish BlockStored events whose token_ids are the prompt's and whose
@@ -28,14 +28,13 @@ from llmgw.kvroutekeys import chain_keys
 from llmgw.router.tokenize_model import ModelTokenizer
 from llmgw.router.tokenize_parity import ParityCheck
 from llmgw.router.upstream import Pool
+from realvllm import SHARED_AUTH as AUTH, SHARED_TOPIC as TOPIC
 from realvllm import tiny_hf_model, vllm_python  # noqa: F401 (fixtures; shared_vllm is conftest's)
 from tests.support.kvsub import Subscriber, replay
 from tests.support.polling import until
 
 pytestmark = pytest.mark.integration
 
-TOPIC = "kv@test@tiny"
-AUTH = {"Authorization": "Bearer fidelity-key"}  # the shared engine's key, asked for on /v1 routes
 SHARED = [10 + (i * 7) % 400 for i in range(64)]  # two full blocks of 32
 _unique = count(1)
 
@@ -46,7 +45,6 @@ def tail(seed: int, n: int = 32) -> list[int]:
 
 @pytest.fixture(scope="module")
 def engine(shared_vllm):
-    assert (shared_vllm.topic, shared_vllm.auth) == (TOPIC, AUTH)
     ctx = zmq.Context()
     yield shared_vllm.engine, shared_vllm.kv, ctx
     ctx.destroy(linger=0)
