@@ -107,6 +107,29 @@ def test_blocks_the_decoder_cannot_pull_end_in_a_local_prefill_not_an_error(flee
         assert decode.health_status() == 200
 
 
+def test_a_clients_own_transfer_parameters_are_refused_before_any_engine_sees_them(fleet):
+    """Parameters naming another engine's blocks would have the decoder pull them (another tenant's
+    prompt, or an address of the client's choosing), and a prefill engine hold blocks for nobody."""
+    import openai
+    prefill, _, decode, logs = fleet
+    eps = [{"id": "p", "model": "m", "url": prefill.url, "role": "prefill"},
+           {"id": "d", "model": "m", "url": decode.url, "role": "decode"}]
+    foreign = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "someone-elses",
+               "remote_block_ids": [0, 1, 2], "remote_host": "127.0.0.1", "remote_port": free_port(), "tp_size": 1}
+    with router_for(eps, logs) as router:
+        client = openai_client(router)
+        before = [metric(e, "vllm:prompt_tokens_total") for e in (prefill, decode)]
+        for extra in ({"kv_transfer_params": foreign}, {"kv_transfer_params": {"do_remote_decode": True}},
+                      {"bootstrap_host": "127.0.0.1", "bootstrap_room": 7}):
+            with pytest.raises(openai.BadRequestError) as e:
+                client.completions.create(model="m", prompt=LONG, max_tokens=6, extra_body=extra)
+            assert e.value.status_code == 400 and e.value.body["param"] == next(iter(extra))
+            assert e.value.body["code"] == "unsupported_parameter"
+        assert [metric(e, "vllm:prompt_tokens_total") for e in (prefill, decode)] == before
+        # the same request without them is served in two phases as ever
+        assert client.completions.create(model="m", prompt=LONG, max_tokens=6).choices[0].text == EXPECTED
+
+
 def test_a_role_the_router_does_not_know_is_refused_naming_the_key(tmp_path):
     import subprocess
     import sys

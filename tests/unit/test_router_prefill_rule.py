@@ -134,13 +134,10 @@ def test_no_usable_prefill_endpoint_is_its_own_reason():
     assert (decoder, reason) == ("d", NO_PREFILL_ENDPOINT)
 
 
-def test_the_body_gate_comes_first_and_a_clients_own_two_phases_pass_through():
+def test_the_body_gate_comes_first():
     prefill, _, _ = routed(held_blocks=0, min_prompt_bytes=1 << 20)
     assert decision(prefill, TURN2)[:1] == (None,)  # no decoder chosen ahead: the forwarder picks as ever
     assert prefill.metrics.prefill_decisions.labels("m", SHORT)._value.get() == 1
-    prefill, _, _ = routed(held_blocks=0)
-    with pytest.raises(ValueError):  # nothing counted at all
-        decision(prefill, TURN2, kv_transfer_params={"do_remote_prefill": True})
 
 
 def test_the_threshold_is_validated_with_its_pointer():

@@ -20,6 +20,13 @@ def test_reads_model_and_stream_only():
     (b'{"model": 3}', "model", "invalid_model"),
     (b'{"model": ""}', "model", "invalid_model"),
     (b'{"model": "m", "stream": "yes"}', "stream", "invalid_type"),
+    # steering a KV transfer is the router's alone (prefill/decode disaggregation)
+    (b'{"model": "m", "kv_transfer_params": {"do_remote_prefill": true}}', "kv_transfer_params",
+     "unsupported_parameter"),
+    (b'{"model": "m", "kv_transfer_params": null}', "kv_transfer_params", "unsupported_parameter"),
+    (b'{"model": "m", "bootstrap_host": "10.0.0.9", "bootstrap_room": 1}', "bootstrap_host", "unsupported_parameter"),
+    (b'{"model": "m", "bootstrap_port": 8998}', "bootstrap_port", "unsupported_parameter"),
+    (b'{"model": "m", "bootstrap_room": 1}', "bootstrap_room", "unsupported_parameter"),
     (b'{"a":' * 100_000, None, "invalid_json"),  # nested past the decoder's recursion limit
     (b'[' * 100_000, None, "invalid_json"),
 ])

@@ -164,18 +164,17 @@ class Prefill:
         self.routing = routing
         self.metrics = metrics
 
-    def applies(self, group: ModelGroup, target: bytes, payload: dict[str, Any]) -> bool:
-        """Whether the rule is asked at all: a disaggregated model, a completion not already carrying
-        transfer parameters (a client's own two phases pass through)."""
-        return (group.prefill is not None and target.split(b"?", 1)[0] in _PATHS
-                and "kv_transfer_params" not in payload)
+    def applies(self, group: ModelGroup, target: bytes) -> bool:
+        """Whether the rule is asked at all: a completion for a disaggregated model. (No client's request
+        carries transfer parameters: ``request.parse_body`` refuses them.)"""
+        return group.prefill is not None and target.split(b"?", 1)[0] in _PATHS
 
     async def before_decode(self, ctx: RequestContext, group: ModelGroup, target: bytes, body: bytes,
                             payload: dict[str, Any], route_payload: dict[str, Any] | None, headers: bytes,
                             total_deadline: float) -> tuple[EndpointRuntime | None, bytes]:
         """The decoder the decision was made for (None: none chosen yet) and the body for it: the
         client's, or the client's with a remote prefill's ``kv_transfer_params``."""
-        if not self.applies(group, target, payload):
+        if not self.applies(group, target):
             return None, body
         if len(body) < self.s.min_prompt_bytes:
             self._count(group.model, SHORT)

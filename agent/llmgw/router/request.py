@@ -23,6 +23,14 @@ _DECODER = json.JSONDecoder()
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
 _HEADER_VALUE = re.compile(r"^[\t\x20-\x7e]{1,1024}$")  # what may be copied into an engine request line
 
+# Fields of the engines' own request schemas that steer a KV transfer between engines
+# (vLLM's KV connectors; SGLang's disaggregation). Only the router sets them, for a
+# disaggregated model's two phases (``prefill``). From a client they would be acted on
+# unchecked: a decoder pulls KV blocks from whatever engine, host and block ids they name
+# (another tenant's prompt, or an address of the client's choosing), and a prefill engine
+# holds the blocks of every such request for a decoder that never comes.
+ROUTER_ONLY_FIELDS = ("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room")
+
 
 # Where the admission step leaves the principal it authenticated, so the proxy
 # does not hash the same key a second time (request state: no client can set it).
@@ -100,6 +108,10 @@ def parse_body(body: bytes) -> ParsedRequest:
     if not isinstance(stream, bool):
         raise bad_request(f"stream must be a boolean, got {_json_type(stream)}", param="stream",
                           code="invalid_type")
+    for name in ROUTER_ONLY_FIELDS:
+        if name in payload:
+            raise bad_request(f"Unsupported parameter: '{name}' steers KV transfers between engines and is set "
+                              "by the router only", param=name, code="unsupported_parameter")
     return ParsedRequest(model, stream, payload)
 
 
@@ -117,4 +129,4 @@ def _json_type(v: Any) -> str:
     return "object"
 
 
-__all__ = ["PRINCIPAL", "ParsedRequest", "RouterError", "authenticate", "engine_head", "parse_body", "request_id"]
+__all__ = ["PRINCIPAL", "ROUTER_ONLY_FIELDS", "ParsedRequest", "RouterError", "authenticate", "engine_head", "parse_body", "request_id"]
