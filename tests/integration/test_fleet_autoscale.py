@@ -65,3 +65,36 @@ def test_scale_up_under_load_and_down_when_idle_without_a_failed_request(tmp_pat
         assert "draining, scaled down to tiny/sim x1" in log, log[-5000:]
         assert f.wait_ready(1)
         print(f"\nautoscale up and down: {busy.count() + quiet.count()} streams served, none failed")
+
+
+def test_a_restarted_control_plane_measures_a_whole_window_before_scaling_down(tmp_path):
+    """A control plane that has just started (or taken the lead) has seconds of signal, at first one
+    instant that may fall between requests: it keeps the replicas that run until it has measured a
+    whole stable window, and only then scales down. Before, its first sample after the startup grace
+    (nothing in flight at that instant) drained the second replica at once."""
+    policy = {**AUTOSCALE, "stable_window": 8}
+    with Fleet(tmp_path, nodes={"a": 1, "b": 1}, replicas=1, router=True, profile=PROFILE,
+               lifecycle={"startup_grace": 1.0}) as f:
+        f.config["deployments"][0]["autoscale"] = policy
+        f.write_config()
+        f.start()
+        f.wait_ready(1)
+        busy = OpenAIStreams(f.router_url, verify=f.router_verify(), threads=4, max_tokens=30).start()
+        try:
+            two = {r["replica_id"] for r in f.wait_ready(2)}
+        finally:
+            busy.stop()
+        assert busy.failures == [], busy.failures[:5]
+        f.server.kill()  # before its own stable average of the busy minutes falls
+        f.server.start()
+        f.wait_healthy()
+
+        def measuring() -> bool:
+            why = (f.try_get("/v1/explain/tiny") or {}).get("autoscale") or [{}]
+            return "(measuring)" in why[0].get("text", "")
+
+        until(measuring, "the restarted control plane to hold its count while it measures", on_timeout=f.dump)
+        assert {r["replica_id"] for r in f.ready_replicas()} == two
+        assert "scaled down" not in f.server.life_output()
+        # a whole window of nothing in flight later, it scales down as ever
+        until(lambda: len(f.replicas()["replicas"]) == 1, "the scale-down after a whole window", on_timeout=f.dump)

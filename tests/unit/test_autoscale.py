@@ -69,6 +69,22 @@ def test_scale_down_waits_for_the_cooldown_then_goes_to_min():
     assert s.desired == 1
 
 
+def test_no_scale_down_before_a_whole_stable_window_is_measured():
+    """A scaler that has just begun (a control plane started or taken over) has seconds of signal,
+    often one instant between requests: it must not drain a busy model on that."""
+    s = Scaler(policy(stable_window=60, scale_down_cooldown=0), 4, 1000)
+    s.observe(1000, 0)  # the first sample happens to fall between requests
+    d = s.decide(1000)
+    assert (d.desired, d.reason) == (4, a.MEASURING)
+    d = feed(s, 1001, 1059, 14)  # busy: 14 in flight wants 4
+    assert s.desired == 4
+    d = feed(s, 1060, 1200, 0)  # a whole window measured, then idle: down it goes
+    assert s.desired == 1
+    up = Scaler(policy(stable_window=60), 1, 0)  # scaling up is never held back by it
+    up.observe(0, 40)
+    assert up.decide(0).desired > 1
+
+
 def test_tolerance_keeps_the_count_in_the_dead_band():
     s = Scaler(policy(tolerance=0.25, panic_threshold=100), 8, 0)
     d = feed(s, 0, 120, 36)  # wants 9 of 8: within 25 %

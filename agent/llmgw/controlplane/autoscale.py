@@ -10,6 +10,10 @@ down until a stable window has passed without one.  Damping, in order:
 
 - a dead band (``tolerance``): no change while the wanted count is within
   that fraction of the current one;
+- no scale-down before a whole stable window has been measured: a scaler
+  that has just begun (a control plane started or taken over, a policy
+  changed) has an average of seconds, often of one instant between
+  requests, and would otherwise drain replicas that serve a busy model;
 - a scale-down only ``scale_down_cooldown`` after the last change;
 - at most one reversal of direction per cooldown, so a signal that swings
   around the target cannot make the fleet load and unload a model in turn;
@@ -36,12 +40,13 @@ NO_SIGNAL = "no-signal"  # nothing measured in the stable window: the count stay
 STABLE = "stable"  # the stable window's average asks for this count
 PANIC = "panic"  # a burst: the panic window's average (never down)
 TOLERANCE = "tolerance"  # the wanted count is within the dead band: kept
+MEASURING = "measuring"  # a scale-down waits until a whole stable window has been measured
 COOLDOWN = "cooldown"  # a scale-down waits for the cooldown after the last change
 REVERSAL = "reversal"  # a second change of direction within one cooldown: refused
 STEP = "step"  # the change was capped at max_step
 MIN = "min"  # clamped up to min
 MAX = "max"  # clamped down to max
-REASONS = (START, NO_SIGNAL, STABLE, PANIC, TOLERANCE, COOLDOWN, REVERSAL, STEP, MIN, MAX)
+REASONS = (START, NO_SIGNAL, STABLE, PANIC, TOLERANCE, MEASURING, COOLDOWN, REVERSAL, STEP, MIN, MAX)
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,7 @@ class Scaler:
         self.policy = policy
         self.desired = policy.clamp(start)
         self.samples: deque[tuple[float, float]] = deque()
+        self.measured_from: float | None = None  # the first sample: no scale-down for a stable window after it
         self.last_change_at: float | None = None
         self.last_direction = 0
         self.last_reversal_at: float | None = None
@@ -79,6 +85,8 @@ class Scaler:
     def observe(self, now: float, total: float) -> None:
         """The deployment's signal now (requests in flight to all its replicas); it holds until the next."""
         self.samples.append((now, max(0.0, float(total))))
+        if self.measured_from is None:
+            self.measured_from = now
         horizon = now - self.policy.stable_window
         while len(self.samples) > 1 and self.samples[1][0] <= horizon:
             self.samples.popleft()  # the one before the horizon stays: it holds the value at the horizon
@@ -120,6 +128,8 @@ class Scaler:
         direction = (new > current) - (new < current)
         if direction and current and abs(new - current) <= p.tolerance * current:
             new, reason = current, TOLERANCE
+        elif direction < 0 and self.measured_from is not None and now - self.measured_from < p.stable_window:
+            new, reason = current, MEASURING
         elif direction < 0 and self.last_change_at is not None and now - self.last_change_at < p.scale_down_cooldown:
             new, reason = current, COOLDOWN
         elif (direction and self.last_direction and direction != self.last_direction
