@@ -36,11 +36,12 @@ import httpx
 import openai
 import pytest
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 import vllmcpu
-from fleet import Fleet, edit_agent_config, shard_identities, until
+from fleet import Fleet, edit_agent_config, router_endpoints, shard_identities, standalone_router, until
 from llmgw.kvevents import BlockStored
 from llmgw.tls.files import write_pair, write_public
 from llmgw.tls.issue import build_leaf, issue_engine, server_request
@@ -313,6 +314,48 @@ def test_kv_events_are_published_on_the_ipc_socket_the_agent_chose(served):
         assert details is not None and details.cached_tokens == vllmcpu.BLOCK_SIZE, again.usage
     finally:
         ctx.destroy(linger=0)
+
+
+def router_counter(port: int, name: str, model: str) -> float:
+    """A counter of a standalone router's /metrics (plain HTTP in these tests), for ``model``."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == name + "_total" and s.labels.get("model") == model)
+
+
+def test_a_router_on_the_watch_predicts_what_vllm_reports_cached_with_the_models_own_tokenizer(served):
+    """Cache-aware routing, the whole chain with a real engine: vLLM's KV events, made route keys by
+    the agent, reach a ``llmgw router`` on the control plane's watch; the router tokenizes with the
+    model's own tokenizer (its parity with the engine's /tokenize checked first), and for a prompt
+    vLLM holds, the tokens it predicts cached are the tokens vLLM reports cached."""
+    f = served.f
+    _, port = standalone_router(f, name="cache-router", extra={"balancing": {"cache_aware": {
+        "models": ["tiny"], "block_size": vllmcpu.BLOCK_SIZE, "model_tokenizers": {"tiny": str(served.model)}}}})
+    until(lambda: router_endpoints(port), "the router's endpoints from the watch")
+
+    def parity() -> str | None:
+        doc = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10).json()
+        return doc.get("tokenizer_parity", {}).get("tiny", {}).get("parity")
+
+    until(lambda: parity() not in (None, "unchecked"), "the router's tokenizer parity check against vLLM")
+    assert parity() == "ok"
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    prompt = f"request {next(_unique)}: " + "the quick brown fox jumps over the lazy dog " * 12  # a few blocks
+
+    def predicted_and_reported() -> tuple[float, float] | None:
+        """One request of the prompt: what the router predicted cached and what vLLM reported, once
+        the index placed it (its route keys arrived); None before."""
+        before = [router_counter(port, n, "tiny") for n in ("llmgw_router_cache_predicted_tokens",
+                                                            "llmgw_router_cache_reported_tokens")]
+        got = c.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0)
+        assert got.usage.prompt_tokens > 2 * vllmcpu.BLOCK_SIZE, got.usage
+        after = [router_counter(port, n, "tiny") for n in ("llmgw_router_cache_predicted_tokens",
+                                                           "llmgw_router_cache_reported_tokens")]
+        predicted, reported = after[0] - before[0], after[1] - before[1]
+        return (predicted, reported) if predicted else None
+
+    predicted, reported = until(predicted_and_reported, "a request placed by the engine's route keys", interval=0.5)
+    assert predicted == reported >= 2 * vllmcpu.BLOCK_SIZE, (predicted, reported)
 
 
 def served_serial(port: int, ca: ssl.SSLContext) -> int:
