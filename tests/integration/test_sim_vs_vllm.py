@@ -21,7 +21,6 @@ import fnmatch
 import json
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx

@@ -164,6 +164,22 @@ def test_the_openai_bodies_carry_kv_transfer_params_at_top_level(api, classes, w
         isinstance(s, ast.AnnAssign) and ast.unparse(s.target) == "kv_transfer_params" for s in c.body)}
     assert set(classes) <= carrying, f"{api}: kv_transfer_params is no longer a field of {set(classes) - carrying}"
 
+@pytest.mark.parametrize("which", ["VLLM", "VLLM_CPU"])
+def test_the_simulators_load_failure_policy_defaults_as_vllms(which):
+    """A decoder's failed pull is a 500 under ``fail`` and a silent local prefill under ``recompute``:
+    the simulator must default as the pinned vLLM does, or tests of the router's fallback pass on a
+    behaviour no real engine has (it once defaulted to ``recompute`` while 0.32 says ``fail``)."""
+    from llmgw.sim.sim_args import KVTransferConfig, kv_transfer_json
+
+    tree = ast.parse((vllm_python_root(which) / "vllm/config/kv_transfer.py").read_text())
+    (default,) = [ast.literal_eval(s.value) for c in tree.body if isinstance(c, ast.ClassDef)
+                  and c.name == "KVTransferConfig" for s in c.body if isinstance(s, ast.AnnAssign)
+                  and ast.unparse(s.target) == "kv_load_failure_policy" and s.value is not None]
+    assert KVTransferConfig("NixlConnector", "kv_consumer").load_failure_policy == default
+    assert kv_transfer_json('{"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}').load_failure_policy \
+        == default
+
+
 # The validator ------------------------------------------------------------------------------
 
 # Shaped as vLLM 0.32's pull mode builds its answer (pull_scheduler.request_finished); values made up.

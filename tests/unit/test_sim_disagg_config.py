@@ -16,9 +16,9 @@ def parse(**doc):
 
 def test_roles_and_the_default_policy():
     c = parse(kv_connector="NixlConnector", kv_role="kv_both", kv_buffer_device="cpu")
-    assert (c.producer, c.consumer, c.load_failure_policy, c.engine_id) == (True, True, "recompute", None)
-    c = parse(kv_connector="NixlConnector", kv_role="kv_consumer", kv_load_failure_policy="fail", engine_id="e1")
-    assert (c.producer, c.consumer, c.load_failure_policy, c.engine_id) == (False, True, "fail", "e1")
+    assert (c.producer, c.consumer, c.load_failure_policy, c.engine_id) == (True, True, "fail", None)  # vLLM 0.32's
+    c = parse(kv_connector="NixlConnector", kv_role="kv_consumer", kv_load_failure_policy="recompute", engine_id="e1")
+    assert (c.producer, c.consumer, c.load_failure_policy, c.engine_id) == (False, True, "recompute", "e1")
 
 
 @pytest.mark.parametrize("doc, says", [

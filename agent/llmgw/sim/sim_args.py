@@ -181,7 +181,7 @@ class KVTransferConfig:
 
     connector: str
     role: str
-    load_failure_policy: str = "recompute"
+    load_failure_policy: str = "fail"  # vLLM 0.32's default (vllm/config/kv_transfer.py)
     engine_id: str | None = None  # None: a fresh uuid per process, as vLLM's default
 
     @property
@@ -202,7 +202,7 @@ def kv_transfer_json(value: str) -> KVTransferConfig:
     role = doc.get("kv_role")
     if doc.get("kv_connector") is not None and role not in ROLES:
         raise argparse.ArgumentTypeError(f"KVTransferConfig.kv_role: {role!r} is not one of {', '.join(ROLES)}")
-    policy = doc.get("kv_load_failure_policy", "recompute")
+    policy = doc.get("kv_load_failure_policy", "fail")
     if policy not in POLICIES:
         raise argparse.ArgumentTypeError(
             f"KVTransferConfig.kv_load_failure_policy: {policy!r} is not one of {', '.join(POLICIES)}")

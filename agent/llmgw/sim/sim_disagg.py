@@ -15,8 +15,8 @@ side of a disaggregated pair. What a router sees is vLLM's (``toy_proxy_server.p
   by the transfer (``LLMGW_SIM_KV_TRANSFER_TOKEN_LATENCY`` seconds per token). A pull that
   fails (unreachable side channel, another engine's id, blocks expired or already taken, a
   prompt of another length) fails the request with HTTP 500 under
-  ``kv_load_failure_policy: "fail"`` (``"Internal server error"``, as vLLM says it; the reason
-  goes to the log) and is prefilled locally under ``"recompute"`` (vLLM's default); either way
+  ``kv_load_failure_policy: "fail"`` (vLLM 0.32's default; ``"Internal server error"``, as vLLM
+  says it; the reason goes to the log) and is prefilled locally under ``"recompute"``; either way
   the decoder stays healthy.
 
 vLLM's NIXL metrics are served beside the others: ``vllm:nixl_xfer_time_seconds`` and
