@@ -51,6 +51,27 @@ def test_sleep_mode_is_launched_but_the_router_never_forwards_dev_routes(tmp_pat
             assert r.status_code == 200, r.text
 
 
+def test_dev_mode_in_the_agents_own_environment_never_reaches_an_engine(tmp_path, monkeypatch):
+    """VLLM_SERVER_DEV_MODE is the adapter's to set (only for a sleep-mode deployment): set in the
+    agent's unit or shell it reached every engine the agent started, opening vLLM's unauthenticated
+    dev routes (/sleep, /collective_rpc, ...) on a replica that never asked for them."""
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")  # the fleet's processes inherit it, the agent included
+    monkeypatch.setenv("VLLM_API_KEY", "a-key-of-the-agents-environment")  # owned too: the replica's key only
+    with Fleet(tmp_path, nodes={"a": 1}, replicas=1, router=True, lifecycle={"startup_grace": 1.0}) as f:
+        f.start()
+        (replica,) = f.wait_ready(1)
+        engine = replica["endpoint"]
+        (pid,) = [s["pid"] for s in replica["shards"]]
+        environ = dict(e.split("=", 1) for e in open(f"/proc/{pid}/environ").read().split("\0") if "=" in e)
+        assert "VLLM_SERVER_DEV_MODE" not in environ, sorted(environ)
+        assert environ.get("VLLM_API_KEY") != "a-key-of-the-agents-environment"  # the replica's own key, or none
+        for method, path in DEV_ROUTES:
+            assert httpx.request(method, f"{engine}{path}", json={}, timeout=30).status_code == 404, path
+        r = httpx.post(f"{f.router_url}/v1/completions", verify=f.router_verify(), timeout=30,
+                       json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+
+
 def stream_first_token(client: openai.OpenAI) -> tuple[float, float, str]:
     """(seconds to the first token, seconds to the end, the text) of one streamed completion."""
     began = time.monotonic()

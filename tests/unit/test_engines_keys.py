@@ -107,3 +107,17 @@ def test_a_profile_cannot_set_the_key_variable(engine, var):
     with pytest.raises(ProfileError) as e:
         validate_profile(Profile("p", engine, env=((var, "mine"),)))
     assert e.value.paths == (f"env/{var}",)
+
+
+@pytest.mark.parametrize("engine,model,owned", [
+    ("vllm", HUB, {"VLLM_API_KEY", "VLLM_SERVER_DEV_MODE", "VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT"}),
+    ("llamacpp", GGUF, {"LLAMA_ARG_API_KEY", "LLAMA_ARG_SSL_KEY_FILE"}),
+])
+def test_the_launch_names_every_variable_the_adapter_owns_for_the_launcher_to_drop(engine, model, owned, tmp_path):
+    """What a profile may not set, the agent's own environment may not hand down either
+    (popendriver leaves ``owned_env`` out of what the engine inherits)."""
+    spec = launch(engine, model, tmp_path, api_key=None)
+    assert owned <= spec.owned_env, spec.owned_env
+    for var in spec.owned_env:
+        with pytest.raises(ProfileError):
+            validate_profile(Profile("p", engine, env=((var, "1"),)))

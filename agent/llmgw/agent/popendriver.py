@@ -187,7 +187,9 @@ class PopenDriver:
 
         for f in launch.files:
             write_atomic(f.path, f.data.encode(), mode=0o600)
-        env = {**os.environ, **launch.env, **offline_env(model), ENV_NODE_ID: self.config.node_id,
+        # the agent's own environment, less what the adapter owns: only the launch may set those
+        inherited = {k: v for k, v in os.environ.items() if k not in launch.owned_env}
+        env = {**inherited, **launch.env, **offline_env(model), ENV_NODE_ID: self.config.node_id,
                ENV_SHARD_ID: shard.shard_id, ENV_REPLICA_ID: str(spec["replica_id"])}
         marker = f"launch {secrets.token_hex(8)}"
         log_fd = self.statedir.open_log(shard.shard_id)

@@ -111,3 +111,6 @@ class LaunchSpec:
     port: int | None
     files: tuple[SecretFile, ...] = ()
     tls: bool = False  # rank 0 serves HTTPS with the context's certificate (the endpoint is https://)
+    # Variables the adapter owns (a profile's env may not set them): the launcher drops them from
+    # the environment the engine would otherwise inherit, so only ``env`` can set them.
+    owned_env: frozenset[str] = frozenset()

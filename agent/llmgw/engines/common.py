@@ -416,6 +416,12 @@ class Adapter:
     def key_env_owned(self) -> dict[str, str]:
         return {self.key_env: USE_KEY} if self.key_env else {}
 
+    def owned_env(self) -> frozenset[str]:
+        """Every variable the adapter owns: refused in a profile's ``env``, and never inherited by the
+        engine from the agent's own environment (a ``VLLM_SERVER_DEV_MODE=1`` in the agent's unit would
+        otherwise open vLLM's unauthenticated dev routes on every engine it starts)."""
+        return frozenset(self.forbidden_env) | frozenset(self.key_env_owned())
+
     def launch_env(self, ctx: LaunchContext) -> dict[str, str]:
         """Variables the engine needs for what the adapter turned on in ``ctx`` (names in ``forbidden_env``)."""
         return {}
@@ -487,4 +493,5 @@ class Adapter:
             port=ctx.port if serves else None,
             files=files,
             tls=self.serves_tls(ctx),
+            owned_env=self.owned_env(),
         )
