@@ -66,9 +66,10 @@ def test_a_created_key_serves_is_billed_and_once_revoked_is_refused_after_sighup
 
         def refused() -> bool:
             try:
-                openai_client(r, key).chat.completions.create(model="m", messages=MSG, max_tokens=1)
+                got = openai_client(r, key).chat.completions.create(model="m", messages=MSG, max_tokens=1)
             except openai.AuthenticationError:
                 return True
+            used.append(got.usage)  # a worker that had not reloaded yet served it: billed like the others
             return False
 
         until(refused, "the revoked key to be refused")
@@ -82,7 +83,7 @@ def test_a_created_key_serves_is_billed_and_once_revoked_is_refused_after_sighup
     assert billed.returncode == 0, billed.stderr
     [row] = list(csv.DictReader(io.StringIO(billed.stdout)))
     assert (row["key"], row["model"]) == ("team-a", "m")
-    assert int(row["requests"]) == 2 and len(used) == 2
+    assert int(row["requests"]) == len(used) >= 2
     assert int(row["prompt_tokens"]) == sum(u.prompt_tokens for u in used)
     assert int(row["completion_tokens"]) == sum(u.completion_tokens for u in used)
     # what the engine had cached of the prompt (the second request's, the first one's blocks)
