@@ -28,6 +28,7 @@ from llmgw.kvroutekeys import chain_keys, to_hex
 from llmgw.router.kvindex_tokens import simulator_token_ids
 from llmgw.sim.sim_kvcache import DEFAULT_BLOCK_SIZE
 from tests.integration.fleet import Fleet, router_endpoints, standalone_router
+from tests.support import procfs
 from tests.support.polling import until
 
 LONG = " ".join(f"w{i}" for i in range(600))  # well over min_prompt_bytes
@@ -40,7 +41,8 @@ OTHER = [{"role": "user", "content": " ".join(f"v{i}" for i in range(600))}]
 
 def engine(pid: int) -> tuple[list[str], dict[str, str]]:
     argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
-    env = dict(e.split("=", 1) for e in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0") if "=" in e)
+    env = procfs.environ(pid)
+    assert env is not None, f"engine {pid} is gone"
     return argv, env
 
 

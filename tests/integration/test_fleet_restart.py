@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import signal
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -19,15 +18,15 @@ import pytest
 from fleet import (Fleet, gpu_owners, process_start_time, router_endpoints, shard_identities,
                    standalone_router, until)
 from openai_load import LOAD_PROFILE, StreamingLoad
+from tests.support import procfs
 
 pytestmark = pytest.mark.integration
 
 
 def engine_gpus(pid: int) -> tuple[str, str] | None:
     """(node id, CUDA_VISIBLE_DEVICES) from an engine's own environment."""
-    try:
-        env = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
-    except OSError:
+    env = procfs.environ(pid)
+    if env is None:
         return None
     return env.get("LLMGW_NODE_ID", "?"), env.get("CUDA_VISIBLE_DEVICES", "?")
 

@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from fleet import Fleet, router_endpoints, standalone_router, until
+from tests.support import procfs
 
 pytestmark = pytest.mark.integration
 
@@ -62,7 +63,8 @@ def test_dev_mode_in_the_agents_own_environment_never_reaches_an_engine(tmp_path
         (replica,) = f.wait_ready(1)
         engine = replica["endpoint"]
         (pid,) = [s["pid"] for s in replica["shards"]]
-        environ = dict(e.split("=", 1) for e in open(f"/proc/{pid}/environ").read().split("\0") if "=" in e)
+        environ = procfs.environ(pid)
+        assert environ is not None
         assert "VLLM_SERVER_DEV_MODE" not in environ, sorted(environ)
         assert environ.get("VLLM_API_KEY") != "a-key-of-the-agents-environment"  # the replica's own key, or none
         for method, path in DEV_ROUTES:

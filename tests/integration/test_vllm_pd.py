@@ -34,6 +34,7 @@ from fleet import Fleet, metric_samples
 from realengine import client, engine_fleet
 from realvllm import tiny_hf_model, vllm_python  # noqa: F401 (fixtures)
 from tests.integration.router_support import RouterProcess, openai_client, router_doc
+from tests.support import procfs
 from tests.support.polling import until
 from tests.support.procfs import live, tree_pids
 
@@ -72,8 +73,9 @@ class Engine:
 
 
 def environ(pid: int) -> dict[str, str]:
-    raw = Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
-    return dict(e.split("=", 1) for e in raw if "=" in e)
+    env = procfs.environ(pid)
+    assert env is not None, f"engine {pid} is gone"
+    return env
 
 
 @dataclass

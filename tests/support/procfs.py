@@ -1,4 +1,4 @@
-"""What ``/proc`` says about a process: identity, state, CPU time, memory, its descendants.
+"""What ``/proc`` says about a process: identity, state, CPU time, memory, environment, its descendants.
 
 The ``/proc/<pid>/stat`` line is parsed once, by the agent's own parser
 (``llmgw.agent.procident.parse_stat``: the command name may hold spaces and
@@ -45,6 +45,15 @@ def cpu_seconds(pid: int | str = "self", children: bool = False) -> float | None
     if st is None:
         return None
     return (st.cpu_ticks + (st.cutime + st.cstime if children else 0)) / CLK_TCK
+
+
+def environ(pid: int) -> dict[str, str] | None:
+    """The environment ``pid`` was started with (``/proc/<pid>/environ``); None when there is no such process."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="surrogateescape")
+    except OSError:
+        return None
+    return dict(e.split("=", 1) for e in raw.split("\0") if "=" in e)
 
 
 def live() -> dict[int, ProcStat]:
