@@ -24,6 +24,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,13 @@ from tests.support.ports import closed_port
 
 HOST = "127.0.0.1"
 _LISTENING = re.compile(r"llmgw router listening on (https?)://([^:]+):(\d+)")
+
+
+def metric_sum(families: Iterable[Any], name: str, **labels: str) -> float:
+    """Sum of the samples called ``name`` whose labels include ``labels``, over parsed metric families
+    (``prometheus_client.parser.text_string_to_metric_families``): a router's ``/metrics``."""
+    return sum((s.value for fam in families for s in fam.samples
+                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())), 0.0)
 
 
 class RouterProcess:
@@ -98,12 +106,7 @@ class RouterProcess:
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of the samples called ``name`` whose labels include ``labels``."""
-        total = 0.0
-        for fam in self.metrics():
-            for s in fam.samples:
-                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                    total += s.value
-        return total
+        return metric_sum(self.metrics(), name, **labels)
 
     def stop(self, timeout: float = 60.0) -> int:
         if self.proc.poll() is None:

@@ -36,9 +36,9 @@ import httpx
 import openai
 import pytest
 import zmq
-from prometheus_client.parser import text_string_to_metric_families
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
+from prometheus_client.parser import text_string_to_metric_families
 
 import vllmcpu
 from fleet import Fleet, edit_agent_config, router_endpoints, shard_identities, standalone_router, until
@@ -47,6 +47,7 @@ from llmgw.tls.files import write_pair, write_public
 from llmgw.tls.issue import build_leaf, issue_engine, server_request
 from realengine import client, cmdline, engine_fleet, engine_log, shard_of
 from realvllm import tiny_hf_model, vllm_python  # noqa: F401 (fixtures)
+from tests.integration.router_support import metric_sum
 from tests.support import procfs
 from tests.support.kvsub import Subscriber
 
@@ -316,11 +317,13 @@ def test_kv_events_are_published_on_the_ipc_socket_the_agent_chose(served):
         ctx.destroy(linger=0)
 
 
-def router_counter(port: int, name: str, model: str) -> float:
-    """A counter of a standalone router's /metrics (plain HTTP in these tests), for ``model``."""
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-               if s.name == name + "_total" and s.labels.get("model") == model)
+CACHE_COUNTERS = ("llmgw_router_cache_predicted_tokens_total", "llmgw_router_cache_reported_tokens_total")
+
+
+def cache_counters(port: int) -> list[float]:
+    """A standalone router's predicted and reported cached tokens for ``tiny`` (/metrics over plain HTTP)."""
+    families = list(text_string_to_metric_families(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text))
+    return [metric_sum(families, name, model="tiny") for name in CACHE_COUNTERS]
 
 
 def test_a_router_on_the_watch_predicts_what_vllm_reports_cached_with_the_models_own_tokenizer(served):
@@ -345,12 +348,10 @@ def test_a_router_on_the_watch_predicts_what_vllm_reports_cached_with_the_models
     def predicted_and_reported() -> tuple[float, float] | None:
         """One request of the prompt: what the router predicted cached and what vLLM reported, once
         the index placed it (its route keys arrived); None before."""
-        before = [router_counter(port, n, "tiny") for n in ("llmgw_router_cache_predicted_tokens",
-                                                            "llmgw_router_cache_reported_tokens")]
+        before = cache_counters(port)
         got = c.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0)
         assert got.usage.prompt_tokens > 2 * vllmcpu.BLOCK_SIZE, got.usage
-        after = [router_counter(port, n, "tiny") for n in ("llmgw_router_cache_predicted_tokens",
-                                                           "llmgw_router_cache_reported_tokens")]
+        after = cache_counters(port)
         predicted, reported = after[0] - before[0], after[1] - before[1]
         return (predicted, reported) if predicted else None
 
