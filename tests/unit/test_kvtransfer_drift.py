@@ -164,6 +164,7 @@ def test_the_openai_bodies_carry_kv_transfer_params_at_top_level(api, classes, w
         isinstance(s, ast.AnnAssign) and ast.unparse(s.target) == "kv_transfer_params" for s in c.body)}
     assert set(classes) <= carrying, f"{api}: kv_transfer_params is no longer a field of {set(classes) - carrying}"
 
+
 @pytest.mark.parametrize("which", ["VLLM", "VLLM_CPU"])
 def test_the_simulators_load_failure_policy_defaults_as_vllms(which):
     """A decoder's failed pull is a 500 under ``fail`` and a silent local prefill under ``recompute``:

@@ -202,7 +202,7 @@ def kv_transfer_json(value: str) -> KVTransferConfig:
     role = doc.get("kv_role")
     if doc.get("kv_connector") is not None and role not in ROLES:
         raise argparse.ArgumentTypeError(f"KVTransferConfig.kv_role: {role!r} is not one of {', '.join(ROLES)}")
-    policy = doc.get("kv_load_failure_policy", "fail")
+    policy = doc.get("kv_load_failure_policy", KVTransferConfig.load_failure_policy)
     if policy not in POLICIES:
         raise argparse.ArgumentTypeError(
             f"KVTransferConfig.kv_load_failure_policy: {policy!r} is not one of {', '.join(POLICIES)}")
