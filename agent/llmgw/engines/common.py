@@ -416,11 +416,11 @@ class Adapter:
     def key_env_owned(self) -> dict[str, str]:
         return {self.key_env: USE_KEY} if self.key_env else {}
 
-    def owned_env(self) -> frozenset[str]:
-        """Every variable the adapter owns: refused in a profile's ``env``, and never inherited by the
-        engine from the agent's own environment (a ``VLLM_SERVER_DEV_MODE=1`` in the agent's unit would
-        otherwise open vLLM's unauthenticated dev routes on every engine it starts)."""
-        return frozenset(self.forbidden_env) | frozenset(self.key_env_owned())
+    def owned_env(self) -> dict[str, str]:
+        """Every variable the adapter owns, with why: refused in a profile's ``env``, and never inherited
+        by the engine from the agent's own environment (a ``VLLM_SERVER_DEV_MODE=1`` in the agent's unit
+        would otherwise open vLLM's unauthenticated dev routes on every engine it starts)."""
+        return {**self.forbidden_env, **self.key_env_owned()}
 
     def launch_env(self, ctx: LaunchContext) -> dict[str, str]:
         """Variables the engine needs for what the adapter turned on in ``ctx`` (names in ``forbidden_env``)."""
@@ -452,7 +452,7 @@ class Adapter:
         problems += args_type_problems(profile)
         problems += owned_problems(self.name, profile.extra_args, self.owned_flags(profile) + self.key_flags,
                                    self.syntax)
-        problems += env_problems(profile, {**self.forbidden_env, **self.key_env_owned()})
+        problems += env_problems(profile, self.owned_env())
         if self.memory_fraction_flag is not None:
             spellings = (self.memory_fraction_flag, *self.memory_fraction_aliases)
             found = find_memory_fraction(profile.extra_args, self.memory_fraction_flag, self.syntax,
@@ -493,5 +493,5 @@ class Adapter:
             port=ctx.port if serves else None,
             files=files,
             tls=self.serves_tls(ctx),
-            owned_env=self.owned_env(),
+            owned_env=frozenset(self.owned_env()),
         )
