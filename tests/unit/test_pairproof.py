@@ -62,7 +62,39 @@ def test_nothing_is_tried_without_a_ready_decoder_and_gone_replicas_are_forgotte
     proofs.record(trial, None, 2.0)
     del book.replicas[trial.prefill.replica_id]
     proofs.due(book, urls, 3.0)
-    assert proofs.proved == set()
+    assert proofs.proved == {}
+
+
+def test_an_engine_restarted_under_the_same_replica_is_proved_again():
+    f = ready_pair()
+    book, proofs = f.rec.book, PairProofs()
+    urls = urls_of(endpoints(book, f.nodes))
+    (pid,) = ids(f, "prefill")
+    shard = book.replicas[pid].shards[0]
+    shard.process = {"pid": 100, "start_time": 5, "boot_id": "b"}
+    (trial,) = proofs.due(book, urls, 2.0)
+    proofs.record(trial, None, 2.0)
+    assert proofs.held(book) == frozenset()
+    # the agent restarted the engine in place: same replica, shard and state, a new process
+    shard.process = {"pid": 200, "start_time": 9, "boot_id": "b"}
+    assert proofs.held(book) == {pid}
+    (again,) = proofs.due(book, urls, 3.0)
+    assert again.prefill.replica_id == pid
+    proofs.record(again, None, 3.0)
+    assert proofs.held(book) == frozenset()
+
+
+def test_a_proof_of_an_engine_that_restarted_meanwhile_does_not_release_the_new_one():
+    f = ready_pair()
+    book, proofs = f.rec.book, PairProofs()
+    urls = urls_of(endpoints(book, f.nodes))
+    (pid,) = ids(f, "prefill")
+    shard = book.replicas[pid].shards[0]
+    shard.process = None  # no process reported: the time rank 0 entered its state tells them apart
+    (trial,) = proofs.due(book, urls, 2.0)
+    shard.state_since += 7.0  # it left Ready and came back while the round trip ran
+    proofs.record(trial, None, 9.0)
+    assert proofs.held(book) == {pid}
 
 
 def test_plain_replicas_are_never_held():

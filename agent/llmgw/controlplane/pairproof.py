@@ -15,6 +15,11 @@ out of the endpoint set; the decode replicas serve at once, prefilling
 locally.  A failed proof is retried every ``retry_after`` seconds, and the
 reason is kept for ``/v1/replicas`` readers and the log.
 
+A proof holds for one engine process, not for a replica id: a failed engine
+is replaced under a new replica id today, but an engine that ever came back
+under the same one would be a new NIXL agent with a new engine id (and perhaps
+another environment), so it is held and proved again.
+
 ``PairProofs`` is the book (pure, explicit times); ``prove`` is the one
 round trip (I/O).
 """
@@ -50,6 +55,18 @@ def _ready(r: Replica) -> bool:
     return not r.retired and r.state is ReplicaState.READY
 
 
+def incarnation(r: Replica) -> tuple[Any, ...]:
+    """Which engine process serves the replica now: rank 0's process identity as its agent reports it,
+    else when rank 0 entered its state (a restart passes through another state)."""
+    r0 = r.shards.get(0)
+    if r0 is None:
+        return ()
+    p = r0.process
+    if isinstance(p, dict) and "pid" in p:
+        return ("process", p.get("pid"), p.get("start_time"), p.get("boot_id"))
+    return ("since", r0.state_since)
+
+
 @dataclass(frozen=True)
 class Endpoint:
     replica_id: str
@@ -64,6 +81,7 @@ class Trial:
     model: str
     prefill: Endpoint
     decode: Endpoint
+    incarnation: tuple[Any, ...] = ()  # the prefill engine process the proof is for (``incarnation``)
 
 
 class PairProofs:
@@ -71,20 +89,21 @@ class PairProofs:
 
     def __init__(self, retry_after: float = 5.0):
         self.retry_after = retry_after
-        self.proved: set[str] = set()
+        self.proved: dict[str, tuple[Any, ...]] = {}  # replica id -> the engine process a round trip proved
         self.failed: dict[str, tuple[float, str]] = {}  # replica id -> (when, why)
         self.running: set[str] = set()
 
     def held(self, book: ReplicaBook) -> frozenset[str]:
-        """Ready prefill replicas no round trip has proved yet: left out of the endpoint set."""
+        """Ready prefill replicas whose current engine process no round trip has proved: left out of the
+        endpoint set."""
         return frozenset(r.replica_id for r in book.replicas.values()
-                         if _ready(r) and role_of(r) == "prefill" and r.replica_id not in self.proved)
+                         if _ready(r) and role_of(r) == "prefill" and self.proved.get(r.replica_id) != incarnation(r))
 
     def due(self, book: ReplicaBook, urls: dict[str, str], now: float) -> list[Trial]:
         """The proofs to start now: each held prefill replica not running or backing off, with the
         first Ready decode replica (by id) of its model; none while the model has no Ready decoder."""
         live = set(book.replicas)
-        self.proved &= live
+        self.proved = {k: v for k, v in self.proved.items() if k in live}
         self.failed = {k: v for k, v in self.failed.items() if k in live}
         decoders: dict[str, Replica] = {}
         for r in sorted(book.replicas.values(), key=lambda r: r.replica_id):
@@ -102,14 +121,14 @@ class PairProofs:
             if d is None:
                 continue
             out.append(Trial(_served(p), Endpoint(rid, urls[rid], _key(p)),
-                             Endpoint(d.replica_id, urls[d.replica_id], _key(d))))
+                             Endpoint(d.replica_id, urls[d.replica_id], _key(d)), incarnation(p)))
         return out
 
     def record(self, trial: Trial, problem: str | None, now: float) -> None:
         rid = trial.prefill.replica_id
         self.running.discard(rid)
         if problem is None:
-            self.proved.add(rid)
+            self.proved[rid] = trial.incarnation
             self.failed.pop(rid, None)
             log.info("%s: transfer to %s proved (one-token prefill -> decode); routed as prefill",
                      rid, trial.decode.replica_id)
