@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import os
 import signal
 import socket
@@ -203,6 +204,8 @@ async def serve(cfg: SimConfig, knobs: Knobs) -> int:
                 return 1
             log.info("nixl_connector.py:412", f"NIXL side channel for engine {state.transfers.engine_id} "
                      f"({cfg.kv_transfer.role}) on {state.transfers.host}:{state.transfers.port}")
+        if state.pd is not None and not await _start_pd(state, cfg, log):
+            return 1
         # In-flight requests get a short grace on SIGTERM, then are cancelled.
         runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None,
                                shutdown_timeout=1.0)
@@ -231,9 +234,32 @@ async def serve(cfg: SimConfig, knobs: Knobs) -> int:
     await runner.cleanup()
     if state.transfers is not None:
         await state.transfers.close()
+    if state.pd is not None:
+        await state.pd.close()
     if publisher is not None:
         publisher.close()
     return 0
+
+
+async def _start_pd(state: SimState, cfg: SimConfig, log: Log) -> bool:
+    """Start an SGLang prefill server's bootstrap server (sim_disagg_sglang); False when it cannot listen."""
+    pd, mode = state.pd, cfg.disaggregation
+    assert pd is not None and mode is not None
+    try:
+        if pd.server is not None and mode.bootstrap_port == cfg.port:  # the API server's port, bound already
+            raise OSError(errno.EADDRINUSE, "address already in use (it is --port)")
+        await pd.start()
+    except OSError as e:
+        sys.stderr.write(f"RuntimeError: bootstrap server {cfg.host or '0.0.0.0'}:{mode.bootstrap_port}: "
+                         f"{e.strerror or e}\n")
+        sys.stderr.flush()
+        return False
+    log.info("disagg_service.py:43", f"PD disaggregation: mode {mode.mode}, transfer backend "
+             f"{mode.transfer_backend}, SGLANG_HOST_IP {pd.host_ip or '(unset: guessed)'}, "
+             f"bootstrap timeout {pd.timeouts.bootstrap:g}s, waiting timeout {pd.timeouts.waiting:g}s")
+    if pd.server is not None:
+        log.info("conn.py:3052", f"bootstrap server on {cfg.host or '0.0.0.0'}:{mode.bootstrap_port}")
+    return True
 
 
 def _arm_fault(loop: asyncio.AbstractEventLoop, state: SimState, knobs: Knobs) -> None:

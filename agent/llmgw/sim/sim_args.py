@@ -46,6 +46,21 @@ class KVEventsConfig:
 
 
 @dataclass(frozen=True)
+class DisaggregationConfig:
+    """SGLang's ``--disaggregation-*`` flags (``srt/arg_groups/fields/disagg.py``) for a prefill or
+    decode server; the simulator's side of the exchange is ``sim_disagg_sglang``."""
+
+    mode: str  # "prefill" | "decode"
+    transfer_backend: str = "mooncake"
+    bootstrap_port: int = 8998  # the prefill's bootstrap server, on --host
+    ib_device: str | None = None  # accepted; the simulator has no fabric to pick
+
+    @property
+    def prefill(self) -> bool:
+        return self.mode == "prefill"
+
+
+@dataclass(frozen=True)
 class SimConfig:
     """What the simulator needs from an engine command line, dialect-neutral."""
 
@@ -72,6 +87,7 @@ class SimConfig:
     num_gpu_blocks: int | None = None  # --num-gpu-blocks-override; None: LLMGW_SIM_PREFIX_CACHE_BLOCKS
     kv_events: KVEventsConfig | None = None  # None: no KV events published
     kv_transfer: KVTransferConfig | None = None  # None: not one side of a disaggregated pair
+    disaggregation: DisaggregationConfig | None = None  # SGLang's --disaggregation-*; None: mode null
     # PEM paths: serve HTTPS with them (vLLM's --ssl-keyfile/--ssl-certfile,
     # llama-server's --ssl-key-file/--ssl-cert-file); None: plain HTTP
     ssl_keyfile: str | None = None
@@ -399,6 +415,10 @@ def parse_vllm(args: Sequence[str], prog: str = "vllm serve") -> SimConfig:
 
 # --------------------------------------------------------------------------- SGLang
 
+# SGLang 0.5.23's DISAGG_TRANSFER_BACKEND_CHOICES (srt/arg_groups/choices.py)
+DISAGG_TRANSFER_BACKENDS = ["mooncake", "nixl", "ascend", "fake", "mori", "mooncake_tcp"]
+
+
 def _sglang_parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog)
     p.add_argument("--model-path", "--model", type=str, required=True)
@@ -432,7 +452,24 @@ def _sglang_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--log-requests", action="store_true")
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--attention-backend", type=str, default=None)
+    # PD disaggregation (SGLang 0.5.23's Disagg namespace)
+    p.add_argument("--disaggregation-mode", type=str, default="null", choices=["null", "prefill", "decode"])
+    p.add_argument("--disaggregation-transfer-backend", type=str, default="mooncake",
+                   choices=DISAGG_TRANSFER_BACKENDS)
+    p.add_argument("--disaggregation-bootstrap-port", type=int, default=8998)
+    p.add_argument("--disaggregation-ib-device", type=str, default=None)
+    p.add_argument("--disaggregation-decode-enable-radix-cache", action="store_true")
     return p
+
+
+def sglang_disaggregation(ns: argparse.Namespace) -> DisaggregationConfig | None:
+    """The prefill or decode side SGLang's flags ask for; None in mode null (aggregated)."""
+    if ns.disaggregation_mode == "null":
+        return None
+    if ns.disaggregation_mode == "prefill" and ns.disaggregation_transfer_backend == "fake":
+        raise ArgvError("Prefill server does not support 'fake' as the transfer backend")
+    return DisaggregationConfig(ns.disaggregation_mode, ns.disaggregation_transfer_backend,
+                                ns.disaggregation_bootstrap_port, ns.disaggregation_ib_device)
 
 
 def _sglang_config(args: Sequence[str]) -> list[str]:
@@ -475,6 +512,10 @@ def parse_sglang(args: Sequence[str], prog: str = "sglang.launch_server") -> Sim
             raise ArgvError(f"--dist-init-addr {ns.dist_init_addr!r} is not host:port")
         master_addr, master_port = host.strip("[]"), int(port)
     defaults = vars(parser.parse_args(["--model-path", ns.model_path]))
+    disaggregation = sglang_disaggregation(ns)
+    # SGLang: "Radix cache is disabled for decode server" unless asked for
+    radix = not ns.disable_radix_cache and (ns.disaggregation_mode != "decode"
+                                           or ns.disaggregation_decode_enable_radix_cache)
     return SimConfig(
         dialect="sglang",
         model=ns.model_path,
@@ -490,12 +531,13 @@ def parse_sglang(args: Sequence[str], prog: str = "sglang.launch_server") -> Sim
         master_port=master_port,
         headless=ns.node_rank > 0,  # SGLang's other ranks serve no HTTP
         api_keys=(ns.api_key,) if ns.api_key else (),
-        enable_prefix_caching=not ns.disable_radix_cache,
+        enable_prefix_caching=radix,
         block_size=ns.page_size or 16,
         max_num_seqs=ns.max_running_requests or 256,
         enable_prompt_tokens_details=ns.enable_cache_report,
         prefill_chunk_tokens=(None if ns.chunked_prefill_size == -1  # SGLang: -1 disables chunking
                               else ns.chunked_prefill_size or DEFAULT_CHUNK_TOKENS),
+        disaggregation=disaggregation,
         non_default=_non_default(vars(ns), defaults),
     )
 

@@ -4,7 +4,8 @@ Routes: GET /health, /ping (also POST), /load, /v1/models, /metrics, /version; P
 /v1/completions, /v1/embeddings, and with VLLM_SERVER_DEV_MODE=1 vLLM's dev routes:
 /reset_prefix_cache, and /sleep, /wake_up, /is_sleeping (``sim_sleep``).  Completions run
 through :meth:`SimState.run`: admission to a batch bounded by ``--max-num-seqs`` and KV blocks (sim_kvcache), prefill, and the KV events of
-each step (sim_kvpublish).  Errors use vLLM's body
+each step (sim_kvpublish); an SGLang prefill or decode server (``--disaggregation-mode``) meets its
+peer around them (sim_disagg_sglang).  Errors use vLLM's body
 ``{"error": {"message", "type", "param", "code"}}``; an API key is enforced on
 /v1 paths only, answering 401 ``{"error": "Unauthorized"}`` as vLLM's
 middleware does.  A failure mid-stream is reported in-band, the way vLLM's
@@ -52,6 +53,7 @@ from llmgw.sim.sim_output import (
 from llmgw.sim.sim_kvcache import Allocation, KVCache, token_id, token_ids
 from llmgw.sim.sim_kvpublish import KVEventPublisher
 from llmgw.sim.sim_disagg import TransferError, Transfers, request_params
+from llmgw.sim.sim_disagg_sglang import DisaggError, SGLangDisagg
 from llmgw.sim.sim_interference import Interference
 from llmgw.sim.sim_tokens import (
     PromptError,
@@ -70,6 +72,7 @@ SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Contro
 DONE = b"data: [DONE]\n\n"
 _TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
 ENGINE_DEAD = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+_NO_EXCHANGE = contextlib.nullcontext()  # a request of an engine that is no side of an SGLang pair
 
 
 def _dumps(obj: Any) -> str:
@@ -148,6 +151,11 @@ class SimState:
                                     refuse=lambda: self.faulting("kv-transfer-fail"),
                                     metrics=self.metrics.nixl())
                           if cfg.kv_transfer is not None else None)
+        # SGLang's --disaggregation-mode prefill|decode (sim_disagg_sglang)
+        self.pd = (SGLangDisagg(cfg.disaggregation, cfg.host, self.metrics.sglang_disagg(cfg.disaggregation.mode),
+                                token_latency=knobs.kv_transfer_token_latency,
+                                refuse=lambda: self.faulting("kv-transfer-fail"))
+                   if cfg.disaggregation is not None else None)
         self.sleep = SleepState(cfg.enable_sleep_mode, knobs.sleep_time, knobs.wake_time, knobs.wake_time_level2)
         # prefills queue on one lane and stall the decode steps beside them (sim_interference)
         self.interference = Interference(knobs.prefill_token_latency, cfg.prefill_chunk_tokens,
@@ -625,11 +633,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             raise Rejected(400, str(e), "messages") from None
         except BadRequest as e:
             raise Rejected(400, str(e), e.param) from None
+        if state.pd is not None:
+            body = state.pd.request_body(body)
         n, reason = budget(state, body, len(prompt), chat=True)
         top = requested_logprobs(body, chat=True)
         # the benchmarks' upstream: no coroutine for a request without a transfer
         transferred = await transfer_in(state, body, [prompt]) if state.transfers is not None else 0
-    except Rejected as r:
+        exchange = await state.pd.begin(body, [len(prompt)], choices) if state.pd is not None else None
+    except (Rejected, DisaggError) as r:
         return r.response
     hold = state.transfers is not None and holds_for_decode(state, body, stream, [prompt])
 
@@ -640,7 +651,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     finished = "abort"
     resp: web.StreamResponse | None = None
     hung = state.faulting("hang")
-    async with state.run([prompt], gen.n * choices, hung, choices, n, transferred=transferred) as run:
+    if exchange is not None:
+        transferred = exchange.transferred
+    async with exchange or _NO_EXCHANGE, state.run([prompt], gen.n * choices, hung, choices, n,
+                                                   transferred=transferred) as run:
+        if exchange is not None and (failed := await exchange.after_prefill()) is not None:
+            return failed
         cached = run.cached
         try:
             if stream:
@@ -752,10 +768,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
             prompts = completion_prompts(body.get("prompt"))
         except PromptError as e:
             raise Rejected(400, str(e), "prompt") from None
+        if state.pd is not None:
+            body = state.pd.request_body(body)
         gens = [Generation(state, *budget(state, body, len(p), chat=False), stops) for p in prompts]
         top = requested_logprobs(body, chat=False)
         transferred = await transfer_in(state, body, prompts) if state.transfers is not None else 0
-    except Rejected as r:
+        exchange = await state.pd.begin(body, [len(p) for p in prompts], choices) if state.pd is not None else None
+    except (Rejected, DisaggError) as r:
         return r.response
     hold = state.transfers is not None and holds_for_decode(state, body, stream, prompts)
 
@@ -766,8 +785,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
     finished = "abort"
     resp: web.StreamResponse | None = None
     hung = state.faulting("hang")
-    async with state.run(prompts, max(g.n for g in gens) * choices, hung, choices,
-                         max(g.n for g in gens), transferred=transferred) as run:
+    if exchange is not None:
+        transferred = exchange.transferred
+    async with exchange or _NO_EXCHANGE, state.run(prompts, max(g.n for g in gens) * choices, hung, choices,
+                                                   max(g.n for g in gens), transferred=transferred) as run:
+        if exchange is not None and (failed := await exchange.after_prefill()) is not None:
+            return failed
         cached = run.cached
         try:
             if stream:

@@ -10,7 +10,8 @@ LLMGW_SIM_DECODE_BATCH_SLOWDOWN 0       how much longer each token takes per oth
 LLMGW_SIM_PREFILL_TOKEN_LATENCY 0       seconds of prefill per prompt token not found in the
                                         prefix cache, before the first token
 LLMGW_SIM_KV_TRANSFER_TOKEN_LATENCY 0   seconds per prompt token a decoder pulls from a
-                                        remote prefill (--kv-transfer-config, sim_disagg)
+                                        remote prefill (--kv-transfer-config, sim_disagg;
+                                        SGLang's --disaggregation-mode, sim_disagg_sglang)
 LLMGW_SIM_PREFILL_INTERFERENCE  1       1: prompts prefill one at a time, in chunks of
                                         --max-num-batched-tokens, each chunk delaying the
                                         decode steps of the engine's running requests
@@ -46,7 +47,8 @@ Two more imitate a replica that served and then went bad, as vLLM does:
 ``/metrics`` included: an API server whose event loop is stuck) and
 ``engine-dead`` (``/health`` and every ``/v1`` request answer 500, as vLLM's
 API server does once its engine core died: ``EngineDeadError``).  ``kv-transfer-fail``
-makes a prefill engine's side channel refuse every pull (a broken fabric; sim_disagg).  A ``hang``
+makes a prefill engine's side channel refuse every pull (a broken fabric; sim_disagg), and fails every
+SGLang transfer to or from the engine (sim_disagg_sglang).  A ``hang``
 that begins after start is vLLM's engine core stuck in a collective: ``/health``
 still 200 (it only checks that the core has not errored), new requests queue
 and ``vllm:iteration_tokens_total`` stops moving.  With a later onset, requests

@@ -98,6 +98,10 @@ class SimMetrics:
         """vLLM's NIXL connector metrics (kv_connector/v1/nixl/stats.py), registered only with a connector."""
         return NixlMetrics(self.registry, self._values)
 
+    def sglang_disagg(self, mode: str) -> "SGLangDisaggMetrics":
+        """SGLang's PD-disaggregation metrics for a ``prefill`` or ``decode`` server (sim_disagg_sglang)."""
+        return SGLangDisaggMetrics(self.registry, self._values[0], mode)
+
     def interference(self) -> "InterferenceMetrics":
         """The simulator's own counts of prefill chunks and the decode steps they stalled (sim_interference)."""
         return InterferenceMetrics(self.registry, self._values)
@@ -139,3 +143,36 @@ class InterferenceMetrics:
         self.stalled = Counter("llmgw_sim:decode_steps_stalled",
                                "Decode steps of running requests delayed by a prefill chunk in the same step.",
                                labels, registry=registry).labels(*values)
+
+
+class SGLangDisaggMetrics:
+    """SGLang 0.5.23's PD-disaggregation metrics (srt/observability/metrics_collector.py), names, buckets and
+    labels as its scheduler registers them, so a router reads a simulated pair as it reads a real one.
+
+    SGLang registers every one of them on prefill and decode servers alike; each side moves its own.
+    """
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, mode: str) -> None:
+        labels = ["model_name", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank"]
+        values = (model_name, mode, "0", "0", "0")
+
+        def gauge(name: str, doc: str):
+            return Gauge(name, doc, labels, registry=registry).labels(*values)
+
+        def counter(name: str, doc: str):
+            return Counter(name, doc, labels, registry=registry).labels(*values)
+
+        self.bootstrap_queue = gauge("sglang:num_prefill_bootstrap_queue_reqs",
+                                     "The number of requests in the prefill bootstrap queue.")
+        self.inflight_queue = gauge("sglang:num_prefill_inflight_queue_reqs",
+                                    "The number of requests in the prefill inflight queue.")
+        self.transfer_queue = gauge("sglang:num_decode_transfer_queue_reqs",
+                                    "The number of requests in the decode transfer queue.")
+        self.bootstrap_failed = counter("sglang:num_bootstrap_failed_reqs_total",
+                                        "The number of bootstrap failed requests.")
+        self.transfer_failed = counter("sglang:num_transfer_failed_reqs_total",
+                                       "The number of transfer failed requests.")
+        self.transfer_latency_ms = Histogram(
+            "sglang:kv_transfer_latency_ms", "Histogram of KV cache transfer latency in ms.", labels,
+            buckets=[1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000], registry=registry,
+        ).labels(*values)
