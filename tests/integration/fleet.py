@@ -270,7 +270,7 @@ class Fleet:
             "engine_ports": {"first": first, "last": first + 99},
             "discovery": {"gpus": "simulated", "hardware_file": str(hardware_file(d / "hardware.yaml", node_id, gpus)),
                           "sysfs_root": str(d / "no-sysfs")},
-            "engines": {"vllm": [str(self.sim)]},
+            "engines": {"vllm": [str(self.sim)], "sglang": [str(self.sim), "sglang"]},
         }
         if self.agent_keepalive is not None:
             cfg["control_plane"]["keepalive_interval"] = self.agent_keepalive

@@ -20,6 +20,7 @@ import pytest
 from llmgw.agent.statedir import StateDir
 from fleet import Fleet, edit_agent_config
 from pinned import llama_server, version
+from tests.support import procfs
 
 LLAMA = llama_server()
 needs_llama_server = pytest.mark.skipif(
@@ -75,7 +76,7 @@ def exe(pid: int) -> str:
 
 
 def cmdline(pid: int) -> list[str]:
-    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+    return procfs.argv(pid)
 
 
 def start_llama_server(model: Path, served_name: str, log_dir: Path, extra_args: tuple[str, ...] = ()):

@@ -1,10 +1,15 @@
-"""Talking to a simulator that is one side of a prefill/decode pair: its connector flags, a completion, a metric."""
+"""Talking to a simulator that is one side of a prefill/decode pair: its connector flags, a completion, a metric,
+and load kept up while a fault strikes a pair."""
 
 from __future__ import annotations
 
 import json
+import threading
 import urllib.error
 import urllib.request
+from collections.abc import Callable
+
+from tests.support.polling import until
 
 
 def xfer_config(role: str, policy: str = "fail") -> list[str]:
@@ -28,3 +33,30 @@ def metric(url: str, name: str) -> float:
             if line.startswith(name + "{") or line.startswith(name + " "):
                 return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name} not in /metrics")
+
+
+def served_through(request: Callable[[], str], fault: Callable[[], None], after: int,
+                   on_timeout: Callable[[], str] = lambda: "") -> tuple[list[str], list[BaseException]]:
+    """Send ``request`` in a loop, strike ``fault`` once two answers came, and stop ``after`` answers later:
+    (every answer, every failure), each failure being the test's finding."""
+    failures: list[BaseException] = []
+    answers: list[str] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            try:
+                answers.append(request())
+            except BaseException as e:  # noqa: BLE001 - every failure is the test's finding
+                failures.append(e)
+    worker = threading.Thread(target=load)
+    worker.start()
+    try:
+        until(lambda: len(answers) >= 2, "requests flowing before the fault")
+        fault()
+        n = len(answers)
+        until(lambda: len(answers) >= n + after, "requests served after the fault", on_timeout=on_timeout)
+    finally:
+        stop.set()
+        worker.join(timeout=90)
+    return answers, failures

@@ -17,8 +17,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
-from pathlib import Path
 
 import httpx
 import openai
@@ -28,6 +26,7 @@ from llmgw.kvroutekeys import chain_keys, to_hex
 from llmgw.router.kvindex_tokens import simulator_token_ids
 from llmgw.sim.sim_kvcache import DEFAULT_BLOCK_SIZE
 from tests.integration.fleet import Fleet, router_endpoints, standalone_router
+from tests.integration.simdisagg import served_through
 from tests.support import procfs
 from tests.support.polling import until
 
@@ -40,7 +39,7 @@ OTHER = [{"role": "user", "content": " ".join(f"v{i}" for i in range(600))}]
 
 
 def engine(pid: int) -> tuple[list[str], dict[str, str]]:
-    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+    argv = procfs.argv(pid)
     env = procfs.environ(pid)
     assert env is not None, f"engine {pid} is gone"
     return argv, env
@@ -155,26 +154,9 @@ def test_a_disaggregated_model_is_placed_launched_and_served_in_two_phases(tmp_p
         the_decoders_cache_decides(f, by_role["decode"]["replica_id"], decode_url)
 
         # the prefill engine dies under load: no request is lost
-        failures: list[BaseException] = []
-        answers: list[str] = []
-        stop = threading.Event()
-
-        def load():
-            while not stop.is_set():
-                try:
-                    answers.append(client.completions.create(model="tiny", prompt=LONG, max_tokens=6).choices[0].text)
-                except BaseException as e:  # noqa: BLE001 - every failure is the test's finding
-                    failures.append(e)
-        worker = threading.Thread(target=load)
-        worker.start()
-        try:
-            until(lambda: len(answers) >= 2, "requests flowing before the kill")
-            os.killpg(seen["kv_producer"][4], signal.SIGKILL)
-            n = len(answers)
-            until(lambda: len(answers) >= n + 4, "requests served after the prefill engine died", on_timeout=f.dump)
-        finally:
-            stop.set()
-            worker.join(timeout=90)
+        answers, failures = served_through(
+            lambda: client.completions.create(model="tiny", prompt=LONG, max_tokens=6).choices[0].text,
+            lambda: os.killpg(seen["kv_producer"][4], signal.SIGKILL), 4, on_timeout=f.dump)
         assert failures == []
         assert set(answers) == {EXPECTED}
 

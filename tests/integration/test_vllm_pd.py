@@ -24,7 +24,6 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import httpx
 import pytest
@@ -127,7 +126,7 @@ def pair(vllm_python, tiny_hf_model, tmp_path_factory):  # noqa: F811
 def test_the_pair_is_launched_by_llmgw_as_the_two_sides_of_nixl(pair):
     seen = {}
     for eng in (pair.prefill, pair.decode):
-        argv = Path(f"/proc/{eng.pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+        argv = procfs.argv(eng.pid)
         env = environ(eng.pid)
         conf = json.loads(argv[argv.index("--kv-transfer-config") + 1])
         assert conf["kv_connector"] == "NixlConnector"

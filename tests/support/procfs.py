@@ -47,6 +47,11 @@ def cpu_seconds(pid: int | str = "self", children: bool = False) -> float | None
     return (st.cpu_ticks + (st.cutime + st.cstime if children else 0)) / CLK_TCK
 
 
+def argv(pid: int) -> list[str]:
+    """The command line ``pid`` runs (``/proc/<pid>/cmdline``)."""
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+
+
 def environ(pid: int) -> dict[str, str] | None:
     """The environment ``pid`` was started with (``/proc/<pid>/environ``); None when there is no such process."""
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from reconciler_fleet import Fleet, make_ready
 
 from llmgw.catalog import Catalog
-from llmgw.controlplane.pairproof import PairProofs, metric_total, urls_of
+from llmgw.controlplane.pairproof import PairProofs, bootstraps_of, metric_total, urls_of
 from llmgw.controlplane.reconcile.endpoints import endpoints
 
 
@@ -113,3 +113,13 @@ def test_metric_totals_sum_every_label_set_of_exactly_that_name():
             'vllm:nixl_xfer_time_seconds_count{engine="1"} 1.0\n'
             'vllm:nixl_xfer_time_seconds_count_other 9\n# HELP x\n')
     assert metric_total(text, "vllm:nixl_xfer_time_seconds_count") == 3.0
+
+
+def test_an_sglang_prefill_replica_is_tried_at_its_bootstrap():
+    f = ready_pair()
+    book, proofs = f.rec.book, PairProofs()
+    (pid,) = ids(f, "prefill")
+    eps = [{**e, "bootstrap_port": 20417} if e["replica_id"] == pid else e for e in endpoints(book, f.nodes)]
+    assert bootstraps_of(eps) == {pid: 20417}
+    (trial,) = proofs.due(book, urls_of(eps), 2.0, bootstraps_of(eps))
+    assert trial.prefill.bootstrap_port == 20417 and trial.decode.bootstrap_port is None

@@ -125,6 +125,17 @@ def offline_env(model: Model) -> dict[str, str]:
     return dict(OFFLINE_ENV)
 
 
+def _probe_fields(shard: Shard) -> dict[str, Any]:
+    """What the shard's engine needs on a probe's completion (an SGLang prefill/decode server: a fake peer)."""
+    from llmgw.engines import ProfileError, get_adapter
+
+    profile = shard.spec.get("profile", {})
+    try:
+        return get_adapter(str(profile.get("engine"))).probe_fields(profile)
+    except ProfileError:  # an engine this agent does not know was refused at the start
+        return {}
+
+
 class PopenDriver:
     """Engines as process groups of this node, their output in the state directory's logs."""
 
@@ -283,7 +294,7 @@ class PopenDriver:
                 return Readiness.TIMED_OUT
             if shard.port:
                 res = await completion_probe(self._http(), url, served, min(self.config.probe_timeout, remaining),
-                                             shard.spec.get("api_key"), self._engine_tls(shard))
+                                             shard.spec.get("api_key"), self._engine_tls(shard), _probe_fields(shard))
                 ok, shard.last_probe = res.ok, res.detail
             else:  # ranks > 0 serve no HTTP: liveness is all there is to check
                 ok = shard.identity is not None and procident.is_running(shard.identity)
@@ -325,7 +336,7 @@ class PopenDriver:
                     if status == 200 else None)
         if progress is None:  # nothing to read progress from: serving one token is the proof
             res = await completion_probe(self._http(), url, str(shard.spec["model"]["served_name"]), timeout,
-                                         shard.spec.get("api_key"), tls)
+                                         shard.spec.get("api_key"), tls, _probe_fields(shard))
             return liveness.Check(res.ok, res.detail)
         return liveness.judge_engine(True, "ok", before, progress)
 

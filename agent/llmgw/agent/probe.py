@@ -16,7 +16,7 @@ import ipaddress
 import json
 import ssl
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import aiohttp
 
@@ -71,13 +71,14 @@ def _tls_kwargs(tls: EngineTLSClient | None) -> dict[str, Any]:
 
 async def completion_probe(session: aiohttp.ClientSession, url: str, served_name: str,
                            timeout: float, api_key: str | None = None,
-                           tls: EngineTLSClient | None = None) -> ProbeResult:
+                           tls: EngineTLSClient | None = None, extra: Mapping[str, Any] | None = None) -> ProbeResult:
     """One attempt: does the engine at ``url`` complete one token for ``served_name``?
 
     With the replica's engine key, as the router sends it: a probe that got
-    in without it would prove nothing about the path traffic takes.
+    in without it would prove nothing about the path traffic takes.  ``extra``:
+    the adapter's fields for an engine that needs them (``Adapter.probe_fields``).
     """
-    body = {"model": served_name, "prompt": "ping", "max_tokens": 1}
+    body = {"model": served_name, "prompt": "ping", "max_tokens": 1, **(extra or {})}
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     try:
         async with session.post(f"{url}/v1/completions", json=body, headers=headers,

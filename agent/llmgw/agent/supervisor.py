@@ -94,6 +94,8 @@ class Supervisor:
                 msg["scheme"] = shard.scheme
         if shard.engine_version is not None and "engine_version" in self.accepted:
             msg["engine_version"] = shard.engine_version
+        if shard.side_port is not None and shard.identity is not None and "side_port" in self.accepted:
+            msg["side_port"] = shard.side_port
         if shard.spec.get("sleep_mode") and shard.port and "sleeping" in self.accepted:
             msg["sleeping"] = shard.sleeping and shard.state is ShardState.READY
         if reason:
@@ -103,13 +105,15 @@ class Supervisor:
         return msg
 
     def accept_fields(self, fields: Iterable[str]) -> None:
-        """What the control plane on this stream accepts; the Ready shards' versions go to one that
-        newly takes them (its ``register`` went out before it could say so)."""
+        """What the control plane on this stream accepts; the Ready shards' versions and the running
+        shards' side-channel ports go to one that newly takes them (its ``register`` went out before it
+        could say so)."""
         before, self.accepted = self.accepted, frozenset(fields)
-        if "engine_version" in self.accepted - before:
-            for shard in self.live_shards():
-                if shard.state is ShardState.READY and shard.engine_version is not None:
-                    self.emit(self.status_message(shard))
+        new = self.accepted - before
+        for shard in self.live_shards():
+            if (("engine_version" in new and shard.state is ShardState.READY and shard.engine_version is not None)
+                    or ("side_port" in new and shard.side_port is not None and shard.identity is not None)):
+                self.emit(self.status_message(shard))
 
     def gpus_held(self, exclude: str | None = None) -> dict[int, str]:
         """GPU index -> the live shard holding it (``exclude``: a shard asking about the others)."""

@@ -59,7 +59,7 @@ POLICY_VIOLATION = 1008  # WebSocket close code for refused identity / invalid m
 SEND_QUEUE = 1024  # messages buffered per stream before the stream counts as stuck
 PONG = {"type": "pong"}  # queued for the writer: an unsolicited WebSocket pong, not a message
 # Optional shard_status / shard_report fields this control plane takes, announced in ``accepts``.
-ACCEPTED_SHARD_FIELDS = ("engine_version", "sleeping")
+ACCEPTED_SHARD_FIELDS = ("engine_version", "sleeping", "side_port")
 
 
 class StreamSession:

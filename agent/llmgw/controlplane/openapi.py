@@ -121,7 +121,7 @@ SHAPES: dict[str, dict[str, Any]] = {
         "state": {"anyOf": [ref("stream", "state"), {"enum": [WAITING, GONE]}]},
         "state_for_s": OPT_SECONDS, "reason": OPT_STR, "output_tail": OPT_STR, "pid": {"type": ["integer", "null"]},
         "process": nullable(ref("stream", "process")), "port": {"type": ["integer", "null"]},
-        "master_port": {"type": ["integer", "null"]}, "address": OPT_STR,
+        "master_port": {"type": ["integer", "null"]}, "side_port": {"type": ["integer", "null"]}, "address": OPT_STR,
         "scheme": {"enum": ["http", "https", None]}, "engine_version": OPT_STR, "adopted": BOOL,
         "progress": {"type": ["object", "null"]},
     }),
@@ -168,7 +168,13 @@ SHAPES: dict[str, dict[str, Any]] = {
     "Endpoints": obj({"revision": INT, "epoch": STR, "endpoints": {"type": "array", "items": obj(
         {"id": STR, "model": STR, "url": STR, "replica_id": OPT_STR, "draining": BOOL,
          "max_concurrency": {"type": ["integer", "null"]}},
-        {"api_key": {"type": "string", "description": "only to a router certificate"}})}},
+        {"api_key": {"type": "string", "description": "only to a router certificate"},
+         "role": {"enum": ["prefill", "decode"], "description": "one side of a prefill/decode pair"},
+         "bootstrap_port": {"type": "integer", "description": "an SGLang prefill endpoint's bootstrap server, "
+                            "on the endpoint's host: routers name it in each request (dual dispatch)"},
+         "requires_prefill": {"type": "boolean", "description": "a decode endpoint that cannot compute a "
+                              "prompt itself (SGLang): its model needs a prefill endpoint"},
+         "sleeping": BOOL})}},
         {"route_keys": {**obj({"epoch": STR, "revision": INT, "full": BOOL, "replicas": {"type": "array", "items": obj(
             {"replica_id": STR}, {"reset": BOOL, "added": {"type": "array", "items": ref("stream", "route_key")},
                                   "removed": {"type": "array", "items": ref("stream", "route_key")}})}}),

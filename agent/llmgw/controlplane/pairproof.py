@@ -20,6 +20,15 @@ is replaced under a new replica id today, but an engine that ever came back
 under the same one would be a new NIXL agent with a new engine id (and perhaps
 another environment), so it is held and proved again.
 
+SGLang's pairs are proved the way its router uses them: one one-token
+request to both engines at once, naming the prefill's bootstrap server and a
+fresh room (``llmgw.kvbootstrap``); both must answer, the prefill engine must
+count the transfer (``sglang:kv_transfer_latency_ms_count`` up) and the decoder
+no failed one (``sglang:num_transfer_failed_reqs_total``,
+``sglang:num_bootstrap_failed_reqs_total`` unchanged).  An SGLang decoder
+cannot prefill locally, so until a prefill replica is proved its model has no
+usable pair and the routers answer 503.
+
 ``PairProofs`` is the book (pure, explicit times); ``prove`` is the one
 round trip (I/O).
 """
@@ -36,6 +45,7 @@ from typing import Any
 import aiohttp
 
 from llmgw.controlplane.replicas import Replica, ReplicaBook, ReplicaState
+from llmgw.kvbootstrap import bootstrap_fields, new_room
 from llmgw.kvtransfer import PREFILL_REQUEST, check_prefill_params
 
 log = logging.getLogger("llmgw.controlplane")
@@ -43,6 +53,8 @@ log = logging.getLogger("llmgw.controlplane")
 PROMPT = "llmgw pair check: " + "x " * 64  # a few KV blocks, so something is transferred
 XFER_COUNT = "vllm:nixl_xfer_time_seconds_count"
 FAILED = "vllm:nixl_num_failed_transfers_total"  # the counter as exposed
+SGLANG_XFER = "sglang:kv_transfer_latency_ms_count"  # observed by the prefill engine per transfer sent
+SGLANG_FAILED = ("sglang:num_transfer_failed_reqs_total", "sglang:num_bootstrap_failed_reqs_total")  # decoder's
 
 
 def role_of(r: Replica) -> str | None:
@@ -72,6 +84,7 @@ class Endpoint:
     replica_id: str
     url: str
     api_key: str | None
+    bootstrap_port: int | None = None  # an SGLang prefill replica's bootstrap server (``kvbootstrap``)
 
 
 @dataclass(frozen=True)
@@ -99,7 +112,8 @@ class PairProofs:
         return frozenset(r.replica_id for r in book.replicas.values()
                          if _ready(r) and role_of(r) == "prefill" and self.proved.get(r.replica_id) != incarnation(r))
 
-    def due(self, book: ReplicaBook, urls: dict[str, str], now: float) -> list[Trial]:
+    def due(self, book: ReplicaBook, urls: dict[str, str], now: float,
+            bootstraps: dict[str, int] | None = None) -> list[Trial]:
         """The proofs to start now: each held prefill replica not running or backing off, with the
         first Ready decode replica (by id) of its model; none while the model has no Ready decoder."""
         live = set(book.replicas)
@@ -120,7 +134,7 @@ class PairProofs:
             d = decoders.get(_served(p))
             if d is None:
                 continue
-            out.append(Trial(_served(p), Endpoint(rid, urls[rid], _key(p)),
+            out.append(Trial(_served(p), Endpoint(rid, urls[rid], _key(p), (bootstraps or {}).get(rid)),
                              Endpoint(d.replica_id, urls[d.replica_id], _key(d)), incarnation(p)))
         return out
 
@@ -182,6 +196,8 @@ async def prove(session: aiohttp.ClientSession, trial: Trial, timeout: float,
             except ValueError:
                 return r.status, None
 
+    if trial.prefill.bootstrap_port is not None:
+        return await _prove_pair(session, trial, t, ssl_context, complete)
     try:
         before = await metrics()
         status, doc = await complete(trial.prefill, {"kv_transfer_params": dict(PREFILL_REQUEST)})
@@ -202,6 +218,41 @@ async def prove(session: aiohttp.ClientSession, trial: Trial, timeout: float,
     if after[0] <= before[0]:
         return f"the decoder counted no transfer ({XFER_COUNT} unchanged)"
     return None
+
+
+async def _prove_pair(session: aiohttp.ClientSession, trial: Trial, t: aiohttp.ClientTimeout,
+                      ssl_context: ssl.SSLContext | None, complete: Callable[..., Any]) -> str | None:
+    """SGLang's round trip: both engines at once, one room; None when the transfer was made and counted."""
+    async def read(url: str, names: tuple[str, ...]) -> float:
+        async with session.get(f"{url}/metrics", timeout=t, ssl=ssl_context) as r:
+            text = await r.text()
+        return sum(metric_total(text, n) for n in names)
+
+    assert trial.prefill.bootstrap_port is not None
+    fields = bootstrap_fields(trial.prefill.url, trial.prefill.bootstrap_port, new_room())
+    try:
+        sent, failed = await read(trial.prefill.url, (SGLANG_XFER,)), await read(trial.decode.url, SGLANG_FAILED)
+        (pstatus, _), (dstatus, _) = await asyncio.gather(complete(trial.prefill, fields),
+                                                          complete(trial.decode, fields))
+        sent_after, failed_after = (await read(trial.prefill.url, (SGLANG_XFER,)),
+                                    await read(trial.decode.url, SGLANG_FAILED))
+    except (aiohttp.ClientError, TimeoutError, OSError) as e:
+        return f"{type(e).__name__}: {e}"
+    if failed_after > failed:
+        return (f"the decoder counted a failed transfer ({' or '.join(SGLANG_FAILED)}); "
+                f"it answered HTTP {dstatus}")
+    if pstatus != 200:
+        return f"the prefill engine answered HTTP {pstatus}"
+    if dstatus != 200:
+        return f"the decode engine answered HTTP {dstatus}"
+    if sent_after <= sent:
+        return f"the prefill engine counted no transfer ({SGLANG_XFER} unchanged)"
+    return None
+
+
+def bootstraps_of(eps: Iterable[dict[str, Any]]) -> dict[str, int]:
+    """replica id -> an SGLang prefill replica's bootstrap port, from the endpoint set."""
+    return {e["replica_id"]: e["bootstrap_port"] for e in eps if e.get("bootstrap_port") is not None}
 
 
 def urls_of(eps: Iterable[dict[str, Any]]) -> dict[str, str]:
@@ -233,7 +284,7 @@ class PairProver:
         else:
             running = True
         if running:
-            for trial in self.proofs.due(book, urls_of(eps), now):
+            for trial in self.proofs.due(book, urls_of(eps), now, bootstraps_of(eps)):
                 self.proofs.running.add(trial.prefill.replica_id)
                 task = asyncio.get_running_loop().create_task(self._run(trial, clock),
                                                               name=f"pair proof {trial.prefill.replica_id}")

@@ -118,6 +118,7 @@ class Shard:
     process: dict[str, Any] | None = None
     port: int | None = None
     master_port: int | None = None
+    side_port: int | None = None  # a prefill/decode replica's KV-transfer side channel (SGLang: its bootstrap)
     address: str | None = None
     scheme: str = "http"  # "https": rank 0 serves TLS with its node's engine certificate
     engine_version: str | None = None  # what rank 0 says it is (the agent reads it once after Ready)

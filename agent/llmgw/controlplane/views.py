@@ -157,6 +157,7 @@ def shard_view(s: Shard, now: float) -> dict[str, Any]:
         "process": s.process,
         "port": s.port,
         "master_port": s.master_port,
+        "side_port": s.side_port,
         "address": s.address,
         "scheme": s.scheme if s.port else None,
         "engine_version": s.engine_version,

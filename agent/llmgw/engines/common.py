@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 from urllib.parse import urlparse
 
 from llmgw.catalog import Model, Profile, SourceKind, source_kind
@@ -424,6 +424,11 @@ class Adapter:
 
     def launch_env(self, ctx: LaunchContext) -> dict[str, str]:
         """Variables the engine needs for what the adapter turned on in ``ctx`` (names in ``forbidden_env``)."""
+        return {}
+
+    def probe_fields(self, profile: Mapping[str, Any]) -> dict[str, Any]:
+        """Fields the agent's one-token readiness completion carries for a shard of ``profile`` (the
+        shard spec's form): what an engine needs to answer a request it would otherwise refuse."""
         return {}
 
     # -- shared -----------------------------------------------------------------

@@ -33,16 +33,29 @@ prefill/decode disaggregation, SGLang's counterpart of vLLM's
 ``--kv-transfer-config``: ``--disaggregation-mode`` (its role),
 ``--disaggregation-transfer-backend`` (the connector),
 ``--disaggregation-bootstrap-port`` (a port on the prefill node) and
-``--disaggregation-ib-device`` (its NICs).  They are owned though the adapter
-does not emit them yet; the decode-side tuning flags
+``--disaggregation-ib-device`` (its NICs); the decode-side tuning flags
 (``--disaggregation-decode-*``) stay the profile's.  ``--smg-grpc-mode``
 replaced ``--grpc-mode`` (kept as a deprecated alias): both are owned.
+
+One side of a prefill/decode pair (a profile with ``kv_transfer``, derived
+from a deployment's ``disaggregation``): ``--disaggregation-mode prefill`` or
+``decode`` and ``--disaggregation-transfer-backend nixl``; a prefill replica's
+bootstrap server (where decoders ask for a request's KV, on ``--host``) on the
+port the agent allocates for the replica's side channel, which the control
+plane publishes with the endpoint so the router can name it in each request's
+``bootstrap_port``.  ``SGLANG_HOST_IP`` is the node's address: SGLang's KV
+manager binds and advertises it for the transfer itself (else it guesses an
+interface).  ``--disaggregation-ib-device`` stays unset: for NIXL over UCX a
+non-empty ``UCX_NET_DEVICES``, which placement derives from the shared
+fabric's ports nearest the GPUs, takes precedence over it (SGLang's own help).
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any, Mapping
 
+from llmgw import kvbootstrap
 from llmgw.catalog import Model, Profile
 from llmgw.engines.base import LaunchContext, LaunchContextError, SecretFile
 from llmgw.engines.common import (
@@ -66,6 +79,11 @@ from llmgw.engines.common import (
     Adapter,
     OwnedFlag,
 )
+
+KV_MODES = {"prefill": "prefill", "decode": "decode"}  # --disaggregation-mode per KVTransfer.role
+KV_BACKENDS = {"nixl": "nixl"}  # --disaggregation-transfer-backend per connector
+HOST_IP_ENV = "SGLANG_HOST_IP"
+USE_HOST_IP = ("the KV-transfer address of a prefill/decode replica is the agent's: the node's address")
 
 _USE_NO_TLS = ("llmgw runs SGLang over plain HTTP (its endpoint is http://), so an engine switched to HTTPS "
                "would never pass the agent's probe")
@@ -107,6 +125,15 @@ class SGLangAdapter(Adapter):
     syntax = ARGPARSE
     key_flags = (OwnedFlag(("--api-key",), USE_KEY),)
     memory_fraction_flag = "--mem-fraction-static"
+    forbidden_env = {HOST_IP_ENV: USE_HOST_IP}
+    kv_transfer_capable = True
+
+    def launch_env(self, ctx: LaunchContext) -> dict[str, str]:
+        return {HOST_IP_ENV: ctx.kv_side_channel[0]} if ctx.kv_side_channel is not None else {}
+
+    def probe_fields(self, profile: Mapping[str, Any]) -> dict[str, Any]:
+        # every other request of a prefill or decode server waits for a peer; this one runs alone
+        return dict(kvbootstrap.FAKE) if profile.get("kv_transfer") else {}
 
     def key_launch(self, ctx: LaunchContext) -> tuple[list[str], dict[str, str], tuple[SecretFile, ...]]:
         if not ctx.api_key or not self.serves_http(ctx):
@@ -140,6 +167,8 @@ class SGLangAdapter(Adapter):
             args += ["--pp-size", str(profile.pipeline_parallel_size)]
         if model.max_model_len is not None:
             args += ["--context-length", str(model.max_model_len)]
+        if profile.kv_transfer is not None:
+            args += disaggregation_args(profile, ctx)
         if ctx.nnodes > 1:
             if ctx.master_port is None:
                 raise LaunchContextError(
@@ -151,6 +180,19 @@ class SGLangAdapter(Adapter):
                 "--dist-init-addr", _host_port(str(ctx.master_addr), ctx.master_port),
             ]
         return args
+
+
+def disaggregation_args(profile: Profile, ctx: LaunchContext) -> list[str]:
+    """SGLang's flags for one side of a prefill/decode pair (the side channel's port: the prefill's bootstrap)."""
+    kv = profile.kv_transfer
+    assert kv is not None
+    if ctx.kv_side_channel is None:
+        raise LaunchContextError(f"profile {profile.name!r} is one side of a prefill/decode pair: "
+                                 "its launch needs the side channel's host and port")
+    args = ["--disaggregation-mode", KV_MODES[kv.role], "--disaggregation-transfer-backend", KV_BACKENDS[kv.connector]]
+    if kv.role == "prefill":
+        args += ["--disaggregation-bootstrap-port", str(ctx.kv_side_channel[1])]
+    return args
 
 
 def _host_port(host: str, port: int) -> str:

@@ -134,7 +134,7 @@ class Attempts:
                             SERVER, "upstream_error", klass="upstream_error"))
                     held.append(complete)
         except asyncio.CancelledError:
-            if conn is not None and not conn.closed:
+            if conn is not None and not conn.closed and not ctx.abandoned:
                 # the client left before the first token; the engine may still be hung: let a
                 # verdict task watch the attempt to its first-token deadline (it closes and records)
                 self._start_verdict(conn, buf, rt, group, try_deadline)

@@ -20,7 +20,7 @@ access_log = logging.getLogger("llmgw.router.access")
 
 class RequestContext:
     __slots__ = ("rid", "t0", "t0_loop", "model", "model_label", "key", "status", "endpoint", "attempts", "ttft",
-                 "note", "delivered", "out", "limits", "cache")
+                 "note", "delivered", "out", "limits", "cache", "abandoned")
 
     def __init__(self, rid: str, t0_loop: float) -> None:
         self.rid = rid
@@ -38,6 +38,9 @@ class RequestContext:
         self.out: web.StreamResponse | None = None  # the client's stream, once the relay started
         self.limits: Any = None  # a limited key's reservation and headers (limitsgate.Limited)
         self.cache: Any = None  # a cache-aware model's predicted and reported hits (cachehits.CacheProbe)
+        # the try being cancelled is given up by the router (its SGLang prefill failed), not by the client:
+        # its engine is not watched for a verdict (router/dualdispatch.py)
+        self.abandoned = False
 
 
 def account(ctx: RequestContext, request: web.Request, metrics: RouterMetrics, log_access: bool) -> None:

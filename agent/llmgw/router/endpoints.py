@@ -46,6 +46,12 @@ class Endpoint:
     # A disaggregated model's endpoints: "prefill" only computes prompts for decoders
     # (router/prefill.py), "decode" and "both" take the model's requests.
     role: str = "both"
+    # An SGLang prefill endpoint's bootstrap server (on the URL's host): a request of its model goes to it and
+    # to a decoder at once, both naming it and one room (router/prefill.py, dual dispatch); None: vLLM's two phases.
+    bootstrap_port: int | None = None
+    # A decode endpoint that cannot compute a prompt itself (SGLang's decode mode): without a prefill endpoint
+    # its model cannot be served, where vLLM's decoders prefill locally.
+    requires_prefill: bool = False
     # Scale to sleep: the engine is asleep (docs/autoscaling.md); it takes nothing until it wakes,
     # and a request for a model whose endpoints all sleep waits in the hold queue (router/holdqueue.py).
     sleeping: bool = False
@@ -72,6 +78,14 @@ class Endpoint:
             raise EndpointError(f"endpoint {self.id!r}: max_concurrency: must be a positive integer")
         if self.role not in ROLES:
             raise EndpointError(f"endpoint {self.id!r}: role: must be one of {', '.join(ROLES)}")
+        if self.bootstrap_port is not None and (
+            not isinstance(self.bootstrap_port, int) or isinstance(self.bootstrap_port, bool)
+            or not 1 <= self.bootstrap_port <= 65535 or self.role != "prefill"
+        ):
+            raise EndpointError(f"endpoint {self.id!r}: bootstrap_port: must be a port number (1-65535), "
+                                "and only on a prefill endpoint")
+        if self.requires_prefill and self.role != "decode":
+            raise EndpointError(f"endpoint {self.id!r}: requires_prefill: only on a decode endpoint")
 
     @property
     def base_url(self) -> str:
@@ -91,6 +105,10 @@ class Endpoint:
             d["api_key"] = self.api_key
         if self.role != "both":  # only when set: a router that predates roles refuses the key
             d["role"] = self.role
+        if self.bootstrap_port is not None:  # likewise
+            d["bootstrap_port"] = self.bootstrap_port
+        if self.requires_prefill:  # likewise
+            d["requires_prefill"] = True
         if self.sleeping:  # only when set, likewise
             d["sleeping"] = True
         return d
@@ -101,7 +119,7 @@ class Endpoint:
         if not isinstance(d, Mapping):
             raise EndpointError(f"{where}: expected an object, got {type(d).__name__}")
         unknown = set(d) - {"id", "model", "url", "replica_id", "draining", "max_concurrency", "api_key", "role",
-                          "sleeping"}
+                          "sleeping", "bootstrap_port", "requires_prefill"}
         if unknown:
             raise EndpointError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
         for key in ("model", "url"):
@@ -118,11 +136,15 @@ class Endpoint:
             raise EndpointError(f"{where}/role: must be one of {', '.join(ROLES)}")
         if "draining" in d and not isinstance(d["draining"], bool):
             raise EndpointError(f"{where}/draining: must be a boolean")
-        if "sleeping" in d and not isinstance(d["sleeping"], bool):
-            raise EndpointError(f"{where}/sleeping: must be a boolean")
+        for key in ("sleeping", "requires_prefill"):
+            if key in d and not isinstance(d[key], bool):
+                raise EndpointError(f"{where}/{key}: must be a boolean")
         mc = d.get("max_concurrency")
         if mc is not None and (not isinstance(mc, int) or isinstance(mc, bool)):
             raise EndpointError(f"{where}/max_concurrency: must be an integer or null")
+        bp = d.get("bootstrap_port")
+        if bp is not None and (not isinstance(bp, int) or isinstance(bp, bool)):
+            raise EndpointError(f"{where}/bootstrap_port: must be an integer")
         try:
             return cls(
                 id=d.get("id") or f"{d['model']}@{d['url']}",
@@ -133,6 +155,8 @@ class Endpoint:
                 max_concurrency=mc,
                 api_key=api_key,
                 role=d.get("role", "both"),
+                bootstrap_port=bp,
+                requires_prefill=d.get("requires_prefill", False),
                 sleeping=d.get("sleeping", False),
             )
         except EndpointError as e:

@@ -17,6 +17,7 @@ from aiohttp import web
 from .attempts import Attempts
 from .budget import RetryBudget
 from .context import RequestContext
+from .dualdispatch import DualDispatch, Pair, prefill_unavailable
 from .errors import SERVER, RouterError
 from .failures import Failed
 from .metrics import RouterMetrics
@@ -36,6 +37,7 @@ class Forwarder:
         r = settings.retries
         self.budget = RetryBudget(r.budget_ratio, r.budget_min, r.budget_window)
         self.prefill = Prefill(settings, routing, metrics)
+        self.dual = DualDispatch(settings, routing, metrics)
 
     async def forward(self, request: web.Request, ctx: RequestContext, group: ModelGroup, body: bytes,
                       stream: bool, payload: dict) -> web.StreamResponse:
@@ -47,9 +49,10 @@ class Forwarder:
         whole = body  # what a retry sends: a decoder that failed may have lost the prefilled blocks
         route_payload = payload if self.routing.prepares is None else await self.routing.prepare(group, payload)
         decoder = None  # a disaggregated model's decoder, chosen before the remote-prefill decision
-        if group.prefill is not None:
+        if group.prefill is not None and not group.dual:
             decoder, body = await self.prefill.before_decode(ctx, group, target, body, payload, route_payload,
                                                              engine_head(request, False, ctx.rid), total_deadline)
+        prefilled: set[str] = set()  # SGLang's pairs: the prefill endpoints this request's tries used
         tried: set[str] = set()
         last: Failed | None = None
         max_attempts = self.s.retries.max_attempts
@@ -71,13 +74,26 @@ class Forwarder:
                 break
             if last is not None:
                 # A refused or timed-out connect sent nothing: its retry is the request's only
-                # load on an engine, so only retries after work was done spend the budget.
-                if last.outcome != "connect" and not self.budget.try_acquire():
+                # load on an engine, so only retries after work was done spend the budget. A failed
+                # SGLang prefill left its decoder waiting, not working: trying another prefill costs
+                # no more than vLLM's second prefill try, which spends none either.
+                if last.outcome not in ("connect", "prefill") and not self.budget.try_acquire():
                     self.metrics.retries_denied.labels(group.model).inc()
                     ctx.note = "retry_budget_exhausted"
                     break
                 self.metrics.retries.labels(group.model, last.outcome).inc()
             rt = pick
+            pair: Pair | None = None
+            if group.dual:  # SGLang: every try is a pair, its prefill sent now beside the decode
+                pair = self.dual.start(ctx, group, target, payload, engine_head(request, False, ctx.rid),
+                                       total_deadline, route_payload, prefilled)
+                if ctx.attempts == 0:
+                    self.dual.count(group.model, pair is not None)
+                if pair is None:
+                    if last is None:
+                        raise prefill_unavailable(group.model)
+                    break
+                body = pair.body
             carried = body is not whole
             if not carried:  # a decoder whose pull failed may take the request again, prefilling it
                 tried.add(rt.id)
@@ -87,17 +103,20 @@ class Forwarder:
             try:
                 if stream:
                     try_deadline = now + min(self.s.timeouts.per_try, self.s.timeouts.first_token)
-                    result = await self.attempts.stream(request, ctx, rt, group, target, body, headers,
-                                                       try_deadline, total_deadline)
+                    attempt = self.attempts.stream(request, ctx, rt, group, target, body, headers,
+                                                   try_deadline, total_deadline)
                 else:
-                    result = await self.attempts.plain(ctx, rt, group, target, body, headers,
-                                                      now + self.s.timeouts.per_try, total_deadline)
+                    attempt = self.attempts.plain(ctx, rt, group, target, body, headers,
+                                                  now + self.s.timeouts.per_try, total_deadline)
+                result = await (attempt if pair is None else self.dual.run(ctx, attempt, pair))
             finally:
                 rt.outstanding -= 1
             if not isinstance(result, Failed):
                 return result
             last = result
             body = whole
+            if pair is not None and pair.decoder_at_fault:  # its prefill answered: the decoder failed on its own
+                tried.add(rt.id)
             if not result.retryable or ctx.attempts >= max_attempts:
                 break
         if last is None:  # total deadline passed before any attempt

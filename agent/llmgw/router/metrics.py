@@ -79,7 +79,9 @@ class RouterMetrics:
             ["model", "endpoint"], buckets=ITL_BUCKETS, registry=r)
         self.prefill = Counter(
             "llmgw_router_prefill", "Remote prefills of disaggregated models, by outcome (ok; fallback: every "
-            "prefill endpoint tried failed and the decoder prefilled; unavailable: no prefill endpoint could take it).",
+            "prefill endpoint tried failed and the decoder prefilled; unavailable: no prefill endpoint could take it; "
+            "SGLang's pairs, one per try: failed: the prefill request failed; client_error: it refused the request; "
+            "cancelled: its decode try ended first).",
             ["model", "outcome"], registry=r)
         self.prefill_seconds = Histogram(
             "llmgw_router_prefill_seconds", "Time spent in the prefill phase, failed tries included.",

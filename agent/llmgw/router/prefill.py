@@ -54,7 +54,6 @@ from dataclasses import dataclass
 from collections.abc import Callable
 from typing import Any
 
-from llmgw import compat
 from llmgw.kvtransfer import PREFILL_REQUEST, check_prefill_params
 
 from .balancing import ByModel, CacheAware, prefix_text
@@ -64,7 +63,7 @@ from .failures import classify_exception, endpoint_fault, status_failure
 from .metrics import RouterMetrics
 from .runtime import EndpointRuntime, ModelGroup, Routing
 from .settings import Disaggregation, RouterSettings
-from .upstream import Connection
+from .upstream import request_whole
 
 log = logging.getLogger("llmgw.router")
 
@@ -229,20 +228,9 @@ class Prefill:
                 self.metrics.prefill_picks.labels(group.model, by).inc()
                 deadline = min(loop.time() + self.s.prefill_timeout, total_deadline)
                 rt.outstanding += 1
-                conn: Connection | None = None
                 try:
-                    async with compat.timeout_at(deadline):
-                        conn = await rt.get_pool().request(target, headers, body)
-                        data = await conn.read_all()
-                    head = conn.head
-                    conn.release()
-                except asyncio.CancelledError:
-                    if conn is not None:
-                        conn.close()
-                    raise
+                    head, data = await request_whole(rt.get_pool(), target, headers, body, deadline)
                 except Exception as e:  # noqa: BLE001 - classified; an unknown one (a bug) is raised again
-                    if conn is not None:
-                        conn.close()
                     failed = classify_exception(e, rt, "prefill timeout")
                     self.routing.record(rt, pgroup, failed.outcome, failure=failed.counts)
                     log.warning("rid=%s prefill on %s failed: %s", ctx.rid, rt.id, failed.error)

@@ -71,8 +71,9 @@ class Proxy:
         self.holds: HoldQueue | None = None  # scale to sleep: set by build_app
 
     async def close(self) -> None:
-        """Shutdown: stop watching abandoned attempts (their connections are closed)."""
+        """Shutdown: stop watching abandoned attempts and SGLang prefills (their connections are closed)."""
         await self.attempts.close()
+        await self.forwarder.dual.close()
 
     # -- entry points -------------------------------------------------------
 

@@ -16,6 +16,8 @@ from typing import Any
 
 from aiohttp import web
 
+from llmgw import kvbootstrap
+
 from .auth import AuthFailure, KeyRing, Principal
 from .errors import AUTHENTICATION, RouterError, bad_request
 
@@ -25,11 +27,11 @@ _HEADER_VALUE = re.compile(r"^[\t\x20-\x7e]{1,1024}$")  # what may be copied int
 
 # Fields of the engines' own request schemas that steer a KV transfer between engines
 # (vLLM's KV connectors; SGLang's disaggregation). Only the router sets them, for a
-# disaggregated model's two phases (``prefill``). From a client they would be acted on
+# disaggregated model's two phases (``prefill``) or pairs (``dualdispatch``). From a client they would be acted on
 # unchecked: a decoder pulls KV blocks from whatever engine, host and block ids they name
 # (another tenant's prompt, or an address of the client's choosing), and a prefill engine
 # holds the blocks of every such request for a decoder that never comes.
-ROUTER_ONLY_FIELDS = ("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room")
+ROUTER_ONLY_FIELDS = ("kv_transfer_params", *kvbootstrap.FIELDS)
 
 
 # Where the admission step leaves the principal it authenticated, so the proxy

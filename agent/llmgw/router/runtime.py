@@ -84,6 +84,9 @@ class ModelGroup:
     # Every member not draining is asleep (scale to sleep): only a wake helps (router/holdqueue.py).
     # Worked out once per table revision, so a request to a model that is awake pays nothing for it.
     asleep: bool = False
+    # Served by SGLang's prefill/decode protocol: each try goes to a prefill and a decode endpoint at once
+    # (router/dualdispatch.py), never to a decoder alone. Worked out once per table revision.
+    dual: bool = False
 
     def ejected_count(self, now: float) -> int:
         return sum(1 for m in self.members if m.health.is_ejected(now))
@@ -134,7 +137,7 @@ class Routing:
         self._runtimes = runtimes
         self._groups = {m: ModelGroup(m, tuple(groups.get(m, ())),
                                       ModelGroup(m, tuple(prefills[m])) if m in prefills else None,
-                                      _asleep(groups.get(m, ())))
+                                      _asleep(groups.get(m, ())), _dual(groups.get(m, ()), prefills.get(m, ())))
                         for m in {**groups, **prefills}}
         self._rev = rev
 
@@ -262,6 +265,14 @@ def choose_prefill(cands: list[Any], by_cache: tuple[Callable[[Any], int | None]
         return least
     best, _ = best_holder(cands, *by_cache)
     return best if best is not None else least
+
+
+def _dual(members: list[EndpointRuntime] | tuple[EndpointRuntime, ...],
+          prefills: list[EndpointRuntime] | tuple[EndpointRuntime, ...]) -> bool:
+    """Whether the model's pairs speak SGLang's protocol: its decoders need a prefill, or its prefill
+    endpoints name a bootstrap server."""
+    return (any(m.endpoint.requires_prefill for m in members)
+            or any(p.endpoint.bootstrap_port is not None for p in prefills))
 
 
 def _asleep(members: list[EndpointRuntime] | tuple[EndpointRuntime, ...]) -> bool:

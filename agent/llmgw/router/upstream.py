@@ -435,3 +435,22 @@ class Pool:
         for conn in self._idle:
             conn.close()
         self._idle = []
+
+
+async def request_whole(pool: Pool, target: bytes, headers: bytes, body: bytes, deadline: float) -> tuple[Head, bytes]:
+    """One request answered whole by ``deadline`` (the loop's clock): its head and body, the connection
+    back in the pool; on any failure (the deadline's ``TimeoutError`` included) the connection is closed
+    and the failure raised. For the side requests of disaggregation (a prefill), not the hot path."""
+    conn: Connection | None = None
+    try:
+        async with compat.timeout_at(deadline):
+            conn = await pool.request(target, headers, body)
+            data = await conn.read_all()
+    except BaseException:
+        if conn is not None:
+            conn.close()
+        raise
+    assert conn.head is not None
+    head = conn.head
+    conn.release()
+    return head, data

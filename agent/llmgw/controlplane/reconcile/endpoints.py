@@ -39,6 +39,14 @@ def endpoints(book: ReplicaBook, nodes: Mapping[str, NodeView]) -> list[dict[str
         kv = profile.get("kv_transfer")
         if kv:  # one side of a prefill/decode pair; only when set: a router that predates roles refuses the key
             ep["role"] = kv["role"]
+            if profile.get("engine") == "sglang" and kv["role"] == "prefill":
+                # SGLang's router names the prefill's bootstrap server in every request (dual dispatch);
+                # until the agent has said which port it is, the replica cannot be used
+                if r0.side_port is None:
+                    continue
+                ep["bootstrap_port"] = r0.side_port
+            elif profile.get("engine") == "sglang":
+                ep["requires_prefill"] = True  # an SGLang decode server cannot prefill a request itself
         if r0.sleeping:  # scale to sleep, only when set: a router that predates it refuses the key
             ep["sleeping"] = True
         out.append(ep)

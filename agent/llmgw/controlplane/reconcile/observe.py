@@ -114,7 +114,7 @@ def observe_status(book: ReplicaBook, node_id: str, msg: dict[str, Any], now: fl
             setattr(s, key, msg[key])
     if state == READY:
         s.reason, s.output_tail = None, None
-    for key in ("process", "port", "master_port", "address"):
+    for key in ("process", "port", "master_port", "address", "side_port"):
         if msg.get(key) is not None:
             setattr(s, key, msg[key])
     if msg.get("port") is not None:  # each report of an endpoint says how it serves (absent: http)
