@@ -17,8 +17,9 @@ from openai_load import OpenAIStreams
 
 pytestmark = pytest.mark.integration
 
-# 30 tokens at 20 ms: a stream lasts about 0.6 s, so four clients keep about four in flight
-PROFILE = {"env": {"LLMGW_SIM_TOKEN_LATENCY": "0.02"}}
+# 30 tokens at 20 ms: a stream lasts about 0.6 s, so four clients keep about four in flight; an engine
+# loads for a second before it serves (a replica's start, which the autoscaler measures as its lead time)
+PROFILE = {"env": {"LLMGW_SIM_TOKEN_LATENCY": "0.02", "LLMGW_SIM_STARTUP_DELAY": "1"}}
 AUTOSCALE = {"min": 1, "max": 2, "target": 1, "stable_window": 2, "panic_window": 1,
              "scale_down_cooldown": 2, "max_step": 1}
 
@@ -47,6 +48,13 @@ def test_scale_up_under_load_and_down_when_idle_without_a_failed_request(tmp_pat
             assert sum(got.values()) == 2 and set(got) <= {"panic", "stable", "max", "step", "cooldown"}, got
             assert any(lab == {"model": "tiny", "profile": "sim", "window": "stable"}
                        for lab, _ in metric_samples(f)["llmgw_autoscale_signal"])
+            # the replicas this control plane placed took their load and first answer to serve: the lead
+            # time a rising signal is followed ahead by, measured, not configured
+            (lead,) = [v for lab, v in metric_samples(f)["llmgw_autoscale_lead_seconds"]
+                       if lab == {"model": "tiny", "profile": "sim"}]
+            assert lead >= 1.0
+            (dep,) = [d for d in f.get("/v1/catalog")["deployments"] if d["model"] == "tiny"]
+            assert dep["scaling"]["lead_s"] >= 1.0
 
             # one client left: one replica is enough; the other drains while that client streams on
             quiet = OpenAIStreams(f.router_url, verify=f.router_verify(), threads=1, max_tokens=30).start()

@@ -133,3 +133,57 @@ def test_a_noisy_signal_around_the_target_does_not_flap():
         assert r2 - r1 >= p.scale_down_cooldown
     assert len(changes) <= 3600 // p.scale_down_cooldown + 2
     assert 2 <= s.desired <= 5
+
+
+def ramp(s: Scaler, start: float, end: float, slope: float, lead: float | None, base: float = 0.0):
+    """A signal rising ``slope`` a second from ``base``; the last decision, told ``lead``."""
+    t, d = start, None
+    while t <= end:
+        s.observe(t, base + slope * (t - start))
+        d = s.decide(t, lead)
+        t += 1.0
+    return d
+
+
+def test_a_rising_signal_is_followed_ahead_by_the_lead_time():
+    # 0.1 more in flight each second, target 4: at t=90 the stable average is 6 (2 replicas),
+    # the signal itself 9 (3), and 90 s on, when a replica placed now would serve, 18 (5)
+    p = policy(max=20, max_step=10, panic_threshold=100)  # no panic: the stable window alone
+    late, early = Scaler(p, 1, 0), Scaler(p, 1, 0)
+    d_late, d_early = ramp(late, 0, 90, 0.1, None), ramp(early, 0, 90, 0.1, 90.0)
+    assert (d_late.desired, d_late.reason, d_late.ahead) == (2, a.STABLE, None)
+    assert (d_early.desired, d_early.reason) == (5, a.AHEAD)
+    assert abs(d_early.ahead - 18.0) < 0.2 and d_early.lead == 90.0
+    assert "expected in 90s (a new replica's start)" in d_early.explain(p)
+
+
+def test_no_anticipation_without_a_lead_a_whole_window_or_a_rise():
+    p = policy(max=20, max_step=10, panic_threshold=100)
+    s = Scaler(p, 1, 0)
+    assert ramp(s, 0, 50, 0.1, 90.0).ahead is None  # less than a stable window measured
+    s = Scaler(p, 1, 0)
+    assert ramp(s, 0, 90, 0.1, 0.0).reason == a.STABLE  # no start measured yet
+    flat = Scaler(p, 1, 0)
+    assert ramp(flat, 0, 120, 0.0, 90.0, base=8.0).ahead is None
+
+
+def test_a_falling_signal_never_scales_down_early():
+    p = policy(max=20, max_step=10, panic_threshold=100, scale_down_cooldown=30)
+    told, blind = Scaler(p, 1, 0), Scaler(p, 1, 0)
+    for s, lead in ((told, 90.0), (blind, None)):
+        ramp(s, 0, 120, 0.0, lead, base=20.0)  # 5 replicas
+        ramp(s, 121, 200, -0.2, lead, base=20.0)
+    assert told.desired == blind.desired and told.decision.reason == blind.decision.reason
+
+
+def test_a_step_is_never_extrapolated_into_a_ramp():
+    # a burst or a batch job starting: flat before and after; wherever the step falls in the window,
+    # some quarter does not rise, so the rule is told the lead time and does exactly as without it
+    p = policy(max=20, max_step=10, panic_threshold=100)
+    for at in (61, 70, 80, 95, 110, 118):
+        told, blind = Scaler(p, 1, 0), Scaler(p, 1, 0)
+        for s, lead in ((told, 90.0), (blind, None)):
+            ramp(s, 0, at - 1, 0.0, lead, base=4.0)
+            ramp(s, at, 120, 0.0, lead, base=12.0)
+        assert told.decision.ahead is None, at
+        assert (told.desired, told.decision.reason) == (blind.desired, blind.decision.reason), at

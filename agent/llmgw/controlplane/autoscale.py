@@ -20,6 +20,18 @@ down until a stable window has passed without one.  Damping, in order:
 - at most ``max_step`` replicas per decision;
 - the result clamped to ``min``..``max``.
 
+A replica serves only minutes after it is placed (fetch, load), so a rule
+that waits to see the demand is late on every ramp by that long.  Given the
+deployment's *lead time* (how long its last replicas took from placement to
+Ready, ``autoscale_lead``), a rising signal is followed ahead: when the
+average of each quarter of the stable window is above the one before, the
+smallest of those rises is the trend, which extends the average to ``lead``
+seconds from now, and a count that asks for more than the average itself
+scales up early (reason ``ahead``).  Every quarter must rise, so a step (a
+burst, a batch job starting: flat before and after) is never extrapolated
+into a ramp; the panic window answers steps.  Only up: a falling trend never
+scales down early (the cooldown and the reversal rule stand as they are).
+
 No clock and no I/O here: ``observe`` and ``decide`` take ``now``, so every
 rule is unit-tested on a fake clock (``tests/unit/test_autoscale.py``).  The
 control plane feeds it (``controlplane/autoscaler.py``) and the reconciler
@@ -39,6 +51,7 @@ START = "start"  # the declared replicas, clamped: nothing measured yet
 NO_SIGNAL = "no-signal"  # nothing measured in the stable window: the count stays
 STABLE = "stable"  # the stable window's average asks for this count
 PANIC = "panic"  # a burst: the panic window's average (never down)
+AHEAD = "ahead"  # a rising signal, extended by the lead time: up before the demand arrives
 TOLERANCE = "tolerance"  # the wanted count is within the dead band: kept
 MEASURING = "measuring"  # a scale-down waits until a whole stable window has been measured
 COOLDOWN = "cooldown"  # a scale-down waits for the cooldown after the last change
@@ -46,7 +59,8 @@ REVERSAL = "reversal"  # a second change of direction within one cooldown: refus
 STEP = "step"  # the change was capped at max_step
 MIN = "min"  # clamped up to min
 MAX = "max"  # clamped down to max
-REASONS = (START, NO_SIGNAL, STABLE, PANIC, TOLERANCE, MEASURING, COOLDOWN, REVERSAL, STEP, MIN, MAX)
+QUARTERS = 4  # the stable window's parts that must each rise on the one before for a trend to count
+REASONS = (START, NO_SIGNAL, STABLE, PANIC, AHEAD, TOLERANCE, MEASURING, COOLDOWN, REVERSAL, STEP, MIN, MAX)
 
 
 @dataclass(frozen=True)
@@ -57,11 +71,15 @@ class Decision:
     stable: float | None = None  # the stable window's average signal (the deployment's total)
     panic: float | None = None  # the panic window's average signal
     panicking: bool = False
+    lead: float | None = None  # seconds a new replica takes to serve, as measured (None: not measured yet)
+    ahead: float | None = None  # the signal expected ``lead`` seconds from now, where the trend rises
 
     def explain(self, policy: Autoscale) -> str:
         seen = ("nothing measured yet" if self.stable is None else
                 f"{self.stable:.2f} in flight over {policy.stable_window:g}s, "
                 f"{self.panic:.2f} over {policy.panic_window:g}s, target {policy.target:g} per replica"
+                + (f", {self.ahead:.2f} expected in {self.lead:.0f}s (a new replica's start)"
+                   if self.ahead is not None and self.lead is not None else "")
                 + (f", asking for {self.wanted}" if self.wanted is not None else ""))
         return (f"autoscale {policy.min}..{policy.max}: {self.desired} replica(s) ({self.reason}"
                 f"{', panicking' if self.panicking else ''}); saw {seen}")
@@ -94,26 +112,51 @@ class Scaler:
     def _average(self, now: float, window: float) -> float | None:
         """Time-weighted over the last ``window`` seconds, so that passes run in a burst (kicks)
         weigh no more than one long quiet second; None before the first sample."""
+        return self._mean(now - window, now, now)
+
+    def _mean(self, start: float, stop: float, now: float) -> float | None:
+        """The time-weighted signal between ``start`` and ``stop`` (each sample holds until the next, the
+        last until ``now``); the last sample's value where nothing covers the span."""
         if not self.samples:
             return None
-        start, area, covered = now - window, 0.0, 0.0
+        area, covered = 0.0, 0.0
         samples = list(self.samples)
         for i, (t, v) in enumerate(samples):
             end = samples[i + 1][0] if i + 1 < len(samples) else now
-            a, b = max(t, start), min(end, now)
+            a, b = max(t, start), min(end, stop)
             if b > a:
                 area, covered = area + v * (b - a), covered + (b - a)
         return area / covered if covered > 0 else samples[-1][1]
+
+    def _ahead(self, now: float, stable: float, lead: float) -> float | None:
+        """The signal expected ``lead`` seconds from now where it rose through every quarter of the
+        stable window, else None.
+
+        The trend is the smallest rise between consecutive quarters' averages, so a step shows as
+        none (some quarter is flat). A linear ramp's average over the window is its value half a
+        window ago, so the expectation is that average moved on by the trend for half a window
+        plus the lead."""
+        w = self.policy.stable_window
+        if lead <= 0 or self.measured_from is None or now - self.measured_from < w:
+            return None  # no trend from less than a whole window
+        q = w / QUARTERS
+        means = [self._mean(now - w + i * q, now - w + (i + 1) * q, now) for i in range(QUARTERS)]
+        rises = [b - a for a, b in zip(means, means[1:]) if a is not None and b is not None]
+        if len(rises) < QUARTERS - 1 or min(rises) <= 0:
+            return None
+        return stable + min(rises) / q * (w / 2 + lead)
 
     def _want(self, average: float) -> int:
         # a hair below an integer is that integer: 16.000000001/8 must not ask for 3
         return max(0, math.ceil(average / self.policy.target - 1e-9))
 
-    def decide(self, now: float) -> Decision:
+    def decide(self, now: float, lead: float | None = None) -> Decision:
+        """The count for now; ``lead``: seconds a new replica of the deployment takes to serve (None or 0:
+        not known, nothing is anticipated)."""
         p, current = self.policy, self.desired
         stable, panic = self._average(now, p.stable_window), self._average(now, p.panic_window)
         if stable is None or panic is None:
-            self.decision = Decision(current, NO_SIGNAL)
+            self.decision = Decision(current, NO_SIGNAL, lead=lead)
             return self.decision
         want_stable, want_panic = self._want(stable), self._want(panic)
         if want_panic > current and want_panic >= p.panic_threshold * max(current, 1):
@@ -124,6 +167,9 @@ class Scaler:
         else:
             self.panic_until = None
             want, reason = want_stable, STABLE
+        ahead = self._ahead(now, stable, lead or 0.0)
+        if ahead is not None and not panicking and self._want(ahead) > want:
+            want, reason = self._want(ahead), AHEAD
         new = want
         direction = (new > current) - (new < current)
         if direction and current and abs(new - current) <= p.tolerance * current:
@@ -145,5 +191,5 @@ class Scaler:
                 self.last_reversal_at = now
             self.last_direction, self.last_change_at = moved, now
             self.desired = new
-        self.decision = Decision(new, reason, want, stable, panic, panicking)
+        self.decision = Decision(new, reason, want, stable, panic, panicking, lead, ahead)
         return self.decision

@@ -12,6 +12,10 @@ start and the replicas already reported (clamped): adopted replicas are not
 drained only because nothing was measured yet.  The first scaler starts
 from that count when the grace ends.
 
+Each scaler is told its deployment's lead time, how long its last replicas
+took from placement to Ready as this control plane saw them
+(``autoscale_lead``), so a rising signal is followed that far ahead.
+
 With a fleet GPU budget (``Catalog.autoscale_budget``) the scalers' counts
 are what each deployment's demand asks for; the counts returned are what
 ``autoscale_budget.Budget`` grants them from the pool by priority, and the
@@ -26,6 +30,7 @@ from collections.abc import Mapping
 from llmgw.catalog import Catalog
 from llmgw.controlplane.autoscale import Decision, Scaler
 from llmgw.controlplane.autoscale_budget import Budget, Grant, claims_of
+from llmgw.controlplane.autoscale_lead import LeadTimes
 from llmgw.controlplane.replicas import ReplicaBook
 
 
@@ -49,6 +54,7 @@ class Autoscaler:
         self.scalers: dict[str, Scaler] = {}
         self.budget = Budget()
         self.grants: dict[str, Grant] = {}  # the last pass's, by deployment key (only with a budget)
+        self.leads = LeadTimes()
 
     def counts(self, catalog: Catalog, book: ReplicaBook, now: float, totals: Mapping[str, float] | None,
                in_grace: bool = False) -> dict[str, int]:
@@ -57,12 +63,13 @@ class Autoscaler:
         ``totals`` None: no signal this pass (no router); the counts stay.
         """
         out: dict[str, int] = {}
-        keys = set()
+        keys = {dep.key for dep in catalog.deployments if dep.autoscale is not None}
+        self.leads.note(book, keys)
+        self.leads.forget(keys)
         for dep in catalog.deployments:
             policy = dep.autoscale
             if policy is None:
                 continue
-            keys.add(dep.key)
             scaler = self.scalers.get(dep.key)
             if in_grace and scaler is None:
                 live = sum(1 for r in book.live() if r.key == dep.key)
@@ -76,7 +83,7 @@ class Autoscaler:
                 scaler = self.scalers[dep.key] = Scaler(policy, start, now)
             if totals is not None:
                 scaler.observe(now, totals.get(dep.key, 0.0))
-                scaler.decide(now)
+                scaler.decide(now, self.leads.lead(dep.key))
             out[dep.key] = scaler.desired
         for key in set(self.scalers) - keys:
             del self.scalers[key]

@@ -78,8 +78,12 @@ class FleetCollector(Collector):
                                    "Replicas the autoscaler wants, labelled with why (autoscale.REASONS)",
                                    labels=["model", "profile", "reason"])
         seen = GaugeMetricFamily("llmgw_autoscale_signal",
-                                 "The autoscaler's signal: requests in flight to the deployment, averaged per window",
+                                 "The autoscaler's signal: requests in flight to the deployment, averaged per window "
+                                 "(stable, panic; ahead: expected one lead time from now, while it rises)",
                                  labels=["model", "profile", "window"])
+        lead = GaugeMetricFamily("llmgw_autoscale_lead_seconds",
+                                 "A new replica's start as measured (placement to Ready, median of the last starts): "
+                                 "how far ahead the autoscaler follows a rising signal", labels=["model", "profile"])
         granted = GaugeMetricFamily("llmgw_autoscale_granted_replicas",
                                     "Replicas the fleet GPU budget grants the deployment (autoscale_budget), "
                                     "labelled with why (autoscale_budget.REASONS)",
@@ -92,10 +96,14 @@ class FleetCollector(Collector):
             if d.stable is not None and d.panic is not None:
                 seen.add_metric([dep.model, dep.profile, "stable"], d.stable)
                 seen.add_metric([dep.model, dep.profile, "panic"], d.panic)
+            if d.ahead is not None:
+                seen.add_metric([dep.model, dep.profile, "ahead"], d.ahead)
+            if d.lead is not None:
+                lead.add_metric([dep.model, dep.profile], d.lead)
             g = cp.autoscaler.grant(dep.key)
             if g is not None:
                 granted.add_metric([dep.model, dep.profile, g.reason], g.granted)
-        yield from (scaled, seen, granted)
+        yield from (scaled, seen, lead, granted)
 
         damped = GaugeMetricFamily("llmgw_fleet_damped", "1 while too many nodes are unreachable to declare any lost")
         damped.add_metric([], 1.0 if cp.evaluation.damped else 0.0)

@@ -156,7 +156,7 @@ SHAPES: dict[str, dict[str, Any]] = {
             # only on an autoscaled deployment: its bounds (defaults filled in) and where its count stands
             "autoscale": ref("server", "autoscale"),
             "scaling": obj({"current": INT, "desired": INT, "reason": STR,
-                            "wanted": {"type": ["integer", "null"]}, "budget": {"type": ["object", "null"]}})})},
+                            "wanted": {"type": ["integer", "null"]}, "lead_s": {"type": ["number", "null"]}, "budget": {"type": ["object", "null"]}})})},
     }),
     "Reloaded": obj({"ok": {"const": True}, "errors": {"type": "array", "maxItems": 0},
                      "catalog": shape("Catalog")}),

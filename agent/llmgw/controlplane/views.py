@@ -263,7 +263,8 @@ def autoscale_view(cp: ControlPlane, dep: Any) -> dict[str, Any]:
     (and drift.yml comparing declared bounds) would need ``/v1/explain`` per model, which also runs
     placement for every empty slot. ``autoscale`` is the block with its defaults filled in;
     ``scaling.current`` the replicas not retired, ``desired`` the count the reconciler places (what
-    the budget granted, if any), ``reason`` the rule's last reason and ``budget`` the budget's grant.
+    the budget granted, if any), ``reason`` the rule's last reason, ``lead_s`` a new replica's start as
+    measured (what a rising signal is followed ahead by) and ``budget`` the budget's grant.
     """
     policy = dep.autoscale
     if policy is None:
@@ -280,6 +281,7 @@ def autoscale_view(cp: ControlPlane, dep: Any) -> dict[str, Any]:
         "desired": cp.replica_counts.get(dep.key, policy.clamp(dep.replicas)),
         "reason": d.reason if d is not None else "start",
         "wanted": d.wanted if d is not None else None,
+        "lead_s": d.lead if d is not None else None,
         "budget": None if g is None else {"desired": g.desired, "granted": g.granted, "reason": g.reason}}}
 
 
