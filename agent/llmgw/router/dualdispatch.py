@@ -32,7 +32,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -63,7 +63,6 @@ class Pair:
     task: "asyncio.Task[Failed | None]"  # the prefill request: None when it answered, else why the pair failed
     abandoned: bool = False  # the decode try was given up because its prefill failed first
     decoder_at_fault: bool = False  # the decode try failed while its prefill answered
-    started: float = field(default_factory=time.monotonic)
 
 
 def paired_bodies(payload: dict[str, Any], fields: dict[str, Any]) -> tuple[bytes, bytes]:
@@ -138,8 +137,8 @@ class DualDispatch:
                     result = attempt.result()
                     if not isinstance(result, Failed):  # it answered meanwhile after all
                         return result
-                log.warning("rid=%s prefill on %s failed before the decoder's first byte: %s; decode try abandoned",
-                            ctx.rid, pair.prefill.id, failed.error.message)
+                log.warning("rid=%s prefill on %s (room %d) failed before the decoder's first byte: %s; "
+                            "decode try abandoned", ctx.rid, pair.prefill.id, pair.room, failed.error.message)
                 return failed
             result = attempt.result()
             if isinstance(result, Failed):
