@@ -32,6 +32,7 @@ WATCH_PATH = "/v1/router/endpoints"  # routers' long poll of the endpoint set (?
 EJECTIONS_PATH = "/v1/router/ejections"  # routers' reports of the engines they ejected (POST)
 ALLOWANCE_PATH = "/v1/router/allowance"  # routers lease slices of per-key limits (POST)
 WAKE_PATH = "/v1/router/wake"  # routers holding requests for a sleeping model ask for its wake (POST)
+LOAD_PATH = "/v1/router/load"  # routers' requests in flight per replica, the autoscaler's signal (POST)
 # The leader's term on a watch answer: a router follows a deposed leader's answers no further.
 LEADER_EPOCH_HEADER = "X-Llmgw-Leader-Epoch"
 

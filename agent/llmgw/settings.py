@@ -370,9 +370,6 @@ def _autoscale_errors(doc: dict[str, Any]) -> list[ConfigError]:
         if not isinstance(a, dict):
             continue
         where = f"/deployments/{i}/autoscale"
-        if "router" not in doc:
-            errors.append(ConfigError(where, "needs the in-process router (a `router` section): its requests "
-                                      "in flight are the signal, and without it the count would never move"))
         if a["min"] > a["max"]:
             errors.append(ConfigError(f"{where}/min", f"{a['min']} is more than max ({a['max']})"))
         if a["panic_window"] > a["stable_window"]:

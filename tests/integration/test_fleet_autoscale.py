@@ -10,9 +10,11 @@ engine stops, and no request fails on the way up or down.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from fleet import Fleet, metric_samples, until
+from fleet import Fleet, metric_samples, router_endpoints, standalone_router, until
 from openai_load import OpenAIStreams
 
 pytestmark = pytest.mark.integration
@@ -106,3 +108,36 @@ def test_a_restarted_control_plane_measures_a_whole_window_before_scaling_down(t
         assert "scaled down" not in f.server.life_output()
         # a whole window of nothing in flight later, it scales down as ever
         until(lambda: len(f.replicas()["replicas"]) == 1, "the scale-down after a whole window", on_timeout=f.dump)
+
+
+def test_clients_behind_a_standalone_router_scale_the_deployment_and_its_silence_holds_the_count(tmp_path):
+    """No in-process router: every request goes through a standalone ``llmgw router``, whose workers report
+    their load (``POST /v1/router/load``). Before, the control plane saw nothing in flight and a busy
+    deployment never grew. Then the router is killed under load: its reports stop, and the count holds
+    rather than read the silence as idle."""
+    with Fleet(tmp_path, nodes={"a": 1, "b": 1}, replicas=1, profile=PROFILE,
+               lifecycle={"startup_grace": 1.0}) as f:
+        f.config["deployments"][0]["autoscale"] = AUTOSCALE
+        f.write_config()
+        f.start()
+        f.wait_ready(1)
+        router, port = standalone_router(f)
+        until(lambda: router_endpoints(port) == 1, "the router to see the replica", on_timeout=router.output)
+        busy = OpenAIStreams(f"http://127.0.0.1:{port}", threads=4, max_tokens=30).start()
+        try:
+            f.wait_ready(2)
+            (why,) = f.get("/v1/explain/tiny")["autoscale"]
+            assert why["desired"] == 2, why
+            router.kill()  # mid-load: its workers' reports stop
+            until(lambda: "stopped reporting their load" in f.server.output(200000),
+                  "the control plane to notice the silent router", on_timeout=f.dump)
+            # longer than the stable window and the cooldown: an idle signal would have drained one by now
+            seen = f.server.output(200000).count("scaled down to tiny/sim x1")
+            until(lambda: len(f.ready_replicas()) == 2 and desired(f) and sum(desired(f).values()) == 2,
+                  "the count to hold", timeout=10)
+            time.sleep(AUTOSCALE["stable_window"] + AUTOSCALE["scale_down_cooldown"] + 2)
+            assert sum(desired(f).values()) == 2
+            assert f.server.output(200000).count("scaled down to tiny/sim x1") == seen
+        finally:
+            busy.stop()
+        assert busy.count() > 0

@@ -40,9 +40,11 @@ from llmgw.controlplane.metrics import CONTENT_TYPE, registry_for, render
 from llmgw.controlplane.openapi import OPENAPI_PATH, document
 from llmgw.controlplane.requestcount import AdminRequests
 from llmgw.controlplane.revocation import install, unless_revoked
+from llmgw.controlplane.routerload_api import LoadAPI
 from llmgw.controlplane.state import ControlPlane
 from llmgw.controlplane.store import StoreError
-from llmgw.protocol import ALLOWANCE_PATH, EJECTIONS_PATH, SCHEDULABLE, STREAM_PATH, WAKE_PATH, WATCH_PATH, Cordon
+from llmgw.protocol import (ALLOWANCE_PATH, EJECTIONS_PATH, LOAD_PATH, SCHEDULABLE, STREAM_PATH, WAKE_PATH, WATCH_PATH,
+                            Cordon)
 from llmgw.router.watch import REVEAL_KEYS
 from llmgw.tls import IdentityError, Revocations, RevokedError, check_admin_identity, check_router_identity
 
@@ -219,8 +221,9 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
 
     @web.middleware
     async def admin_only(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path in OPEN_PATHS or request.path in (STREAM_PATH, EJECTIONS_PATH, ALLOWANCE_PATH, WAKE_PATH):
-            # the stream checks node identity itself; ejections, allowances and wakes a router's
+        if request.path in OPEN_PATHS or request.path in (STREAM_PATH, EJECTIONS_PATH, ALLOWANCE_PATH, WAKE_PATH,
+                                                          LOAD_PATH):
+            # the stream checks node identity itself; ejections, allowances, wakes and load a router's
             return await handler(request)
         router = auth.router_name(request) if request.path == WATCH_PATH else None
         if router is not None:
@@ -355,6 +358,7 @@ def build_api(cp: ControlPlane, *, require_identity: bool = True,
     app.router.add_post(EJECTIONS_PATH, EjectionsAPI(cp, auth.router_name).handle)
     app.router.add_post(ALLOWANCE_PATH, AllowanceAPI(cp, auth.router_name).handle)
     app.router.add_post(WAKE_PATH, WakeAPI(cp, auth.router_name).handle)
+    app.router.add_post(LOAD_PATH, LoadAPI(cp, auth.router_name).handle)
     app.router.add_get("/metrics", metrics)
     if watch_handler is not None:
         stopping = asyncio.Event()

@@ -301,6 +301,14 @@ ROUTES: tuple[Route, ...] = (
            429: "this router asks too often; again after Retry-After"},
           security=ROUTER, body=ref("router-wake"),
           headers={429: {"Retry-After": {"schema": {"type": "string", "pattern": "^[0-9]+$"}}}}),
+    Route("POST", "/v1/router/load", "A standalone router's worker reports its requests in flight per replica, "
+          "every second (the autoscaler's signal beside the control plane's own router; router certificate only)",
+          202, "EjectionsAccepted",
+          {400: "the body is not JSON or not a load report; `errors` lists each problem with its JSON pointer",
+           403: "not a router certificate", 413: "the body is too large",
+           429: "this router reports too often; again after Retry-After"},
+          security=ROUTER, body=ref("router-load"),
+          headers={429: {"Retry-After": {"schema": {"type": "string", "pattern": "^[0-9]+$"}}}}),
 )
 
 _PARAM = re.compile(r"{([^}]+)}")

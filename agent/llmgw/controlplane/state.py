@@ -45,6 +45,7 @@ from llmgw.controlplane.pairproof import PairProver
 from llmgw.controlplane.passgate import PassGate
 from llmgw.controlplane.reconciler import Context, NodeView, Plan, Reconciler, endpoints
 from llmgw.controlplane.routekeys import RouteKeyBook
+from llmgw.controlplane.routerload import RouterLoad
 from llmgw.controlplane.routerreports import RouterReports
 from llmgw.controlplane.sizing import WeightSizes
 from llmgw.controlplane.store import ControlPlaneStore, MemoryBackend
@@ -102,6 +103,8 @@ class ControlPlane:
                                    self._learn_reported_size)
         self.intent = OperatorIntent(self.store, self.reconciler, self.streams.nodes, clock, self.kick)
         self.router_reports = RouterReports(settings.router_ejections.replacements_per_minute)
+        # standalone routers' requests in flight per replica (POST /v1/router/load): the autoscaler's signal
+        self.router_load = RouterLoad()
         self.endpoint_feed = EndpointFeed()
         # Prefill replicas reach the routers once a prefill -> decode round trip proved them (``pairproof``).
         self.pair_prover = PairProver(lambda: self.kick(), ca=settings.tls.ca if settings.tls else None)
@@ -113,6 +116,7 @@ class ControlPlane:
         # The in-process router's requests in flight per replica id (``RouterHook.outstanding``): the
         # autoscaler's signal.  None without an in-process router: autoscaled counts then stay put.
         self.outstanding: Callable[[], Mapping[str, int]] | None = None
+        self._silent_routers: list[str] = []  # routers whose load reports stopped lately (autoscaling holds)
         self.replica_counts: dict[str, int] = {}  # autoscaled deployments' counts, as the last pass placed them
         self.sleep_planner = SleepPlanner()  # scale to sleep: which replica to sleep or wake (autoscale_sleep.py)
         self._totals: dict[str, float] | None = None  # the last pass's requests in flight per deployment
@@ -399,12 +403,24 @@ class ControlPlane:
             self.pair_prover.cancel()
 
     def _autoscale(self, now: float, in_grace: bool) -> dict[str, int]:
-        """Autoscaled deployments' counts, the router's load fed to their scalers first."""
+        """Autoscaled deployments' counts, the routers' load fed to their scalers first: this control
+        plane's own router's and the standalone routers' reports (``routerload``). While a router that
+        reported lately is silent nothing is sampled: its requests may still be in flight."""
         if not any(d.autoscale is not None for d in self.catalog.deployments):
             return {}
         totals = None
-        if self.outstanding is not None and not in_grace:
-            totals = totals_by_deployment(self.outstanding(), self.reconciler.book)
+        reported = self.router_load.totals(now)
+        silent = self.router_load.silent(now)
+        if silent and not in_grace:
+            if silent != self._silent_routers:
+                log.warning("autoscale: router(s) %s stopped reporting their load; counts hold until they report "
+                            "or are forgotten", ", ".join(silent))
+        elif (self.outstanding is not None or self.router_load.workers(now)) and not in_grace:
+            merged = dict(self.outstanding()) if self.outstanding is not None else {}
+            for rid, n in reported.items():
+                merged[rid] = merged.get(rid, 0) + n
+            totals = totals_by_deployment(merged, self.reconciler.book)
+        self._silent_routers = silent
         self._totals = totals
         return self.autoscaler.counts(self.catalog, self.reconciler.book, now, totals, in_grace)
 

@@ -29,6 +29,7 @@ import aiohttp
 
 from llmgw.protocol import EJECTIONS_PATH
 
+from .cpposts import ProblemLog, post_report
 from .runtime import Routing
 
 log = logging.getLogger("llmgw.router.ejectreport")
@@ -72,26 +73,12 @@ async def report_ejections(url: str, ssl_context: ssl.SSLContext | None, routing
     instance = secrets.token_hex(6)  # this worker: each worker of a router ejects on its own
     timeout = aiohttp.ClientTimeout(total=10)
     connector = aiohttp.TCPConnector(limit=1, ssl=ssl_context if ssl_context is not None else True)
-    last_problem = ""
+    problems = ProblemLog(log, target)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector, headers=dict(headers or {})) as s:
         while True:
             await asyncio.sleep(interval)
             entries = ejection_entries(routing, time.monotonic())
             if not entries:
                 continue
-            problem = ""
-            try:
-                async with s.post(target, json={"instance": instance, "ejections": entries}) as r:
-                    if r.status != 202:
-                        text = (await r.content.read(300)).decode("utf-8", "replace")
-                        problem = f"HTTP {r.status}: {text}"
-            except asyncio.CancelledError:
-                raise
-            except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
-                problem = f"{type(e).__name__}: {e}"
-            if problem and problem != last_problem:
-                log.warning("cannot report %d ejected endpoint(s) to %s: %s; retrying every %gs",
-                            len(entries), target, problem, interval)
-            elif not problem and last_problem:
-                log.info("reporting ejections to %s again", target)
-            last_problem = problem
+            problem = await post_report(s, target, {"instance": instance, "ejections": entries})
+            problems.note(problem, f"{len(entries)} ejected endpoint(s) not reported; retrying every {interval:g}s")

@@ -51,6 +51,7 @@ from .kvindex import KVIndex
 from .settings import ControlPlane, RouterSettings
 from .allowance import Allowance
 from .ejectreport import report_ejections
+from .loadreport import report_load
 from .holdqueue import ControlPlaneWaker
 from .usagelog import UsageLog
 from .limitsreload import reload_keys, reloaded_doc
@@ -195,6 +196,7 @@ async def serve_worker(settings: RouterSettings, sock: socket.socket, on_ready: 
         ctx = control_plane_ssl_context(settings.control_plane, revocations)
         cp_url = settings.control_plane.url
         background.append(lambda routing: report_ejections(cp_url, ctx, routing))
+        background.append(lambda routing: report_load(cp_url, ctx, routing))
         if settings.allowance.mode == "shared":  # limited keys spend slices leased from the control plane
             allowance = Allowance(settings.control_plane.urls or (cp_url,), ctx, settings.allowance.timeout,
                                   settings.allowance.on_outage)
