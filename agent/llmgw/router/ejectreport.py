@@ -23,13 +23,13 @@ import logging
 import secrets
 import ssl
 import time
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import aiohttp
 
 from llmgw.protocol import EJECTIONS_PATH
 
-from .cpposts import ProblemLog, post_report
+from .cpposts import ProblemLog, Targets, post_report
 from .runtime import Routing
 
 log = logging.getLogger("llmgw.router.ejectreport")
@@ -61,7 +61,7 @@ def ejection_entries(routing: Routing, now: float) -> list[dict[str, Any]]:
     return out[:MAX_ENTRIES]
 
 
-async def report_ejections(url: str, ssl_context: ssl.SSLContext | None, routing: Routing,
+async def report_ejections(urls: Sequence[str], ssl_context: ssl.SSLContext | None, routing: Routing,
                            headers: Mapping[str, str] | None = None, interval: float = REPORT_INTERVAL) -> None:
     """Report ejections to the control plane at ``url`` for as long as the router runs.
 
@@ -69,16 +69,18 @@ async def report_ejections(url: str, ssl_context: ssl.SSLContext | None, routing
     retried at the next interval: the report is re-sent whole every time,
     so nothing is lost by skipping one.
     """
-    target = url.rstrip("/") + EJECTIONS_PATH
+    targets = Targets(urls, EJECTIONS_PATH)
     instance = secrets.token_hex(6)  # this worker: each worker of a router ejects on its own
     timeout = aiohttp.ClientTimeout(total=10)
     connector = aiohttp.TCPConnector(limit=1, ssl=ssl_context if ssl_context is not None else True)
-    problems = ProblemLog(log, target)
+    problems = ProblemLog(log)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector, headers=dict(headers or {})) as s:
         while True:
             await asyncio.sleep(interval)
             entries = ejection_entries(routing, time.monotonic())
             if not entries:
                 continue
-            problem = await post_report(s, target, {"instance": instance, "ejections": entries})
-            problems.note(problem, f"{len(entries)} ejected endpoint(s) not reported; retrying every {interval:g}s")
+            target = targets.current
+            problem = await post_report(s, targets, {"instance": instance, "ejections": entries})
+            problems.note(target, problem,
+                          f"{len(entries)} ejected endpoint(s) not reported; retrying every {interval:g}s")

@@ -17,13 +17,14 @@ import asyncio
 import logging
 import secrets
 import ssl
+from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
 
 from llmgw.protocol import LOAD_PATH
 
-from .cpposts import ProblemLog, post_report
+from .cpposts import ProblemLog, Targets, post_report
 from .runtime import Routing
 
 log = logging.getLogger("llmgw.router.loadreport")
@@ -45,21 +46,23 @@ def load_entries(routing: Routing) -> dict[str, int]:
     return counts
 
 
-async def report_load(url: str, ssl_context: ssl.SSLContext | None, routing: Routing,
+async def report_load(urls: Sequence[str], ssl_context: ssl.SSLContext | None, routing: Routing,
                       interval: float = REPORT_INTERVAL) -> None:
-    """Report this worker's load to the control plane at ``url`` for as long as the router runs.
+    """Report this worker's load to the control plane (the leader among ``urls``) for as long as the
+    router runs.
 
-    A failed report (control plane down, a standby, refused) is logged once per kind and
-    not retried: the next one, a second later, says everything again."""
-    target = url.rstrip("/") + LOAD_PATH
+    A failed report (control plane down, refused) is logged once per kind and not retried: the
+    next one, a second later, says everything again, to the next address if this one was down."""
+    targets = Targets(urls, LOAD_PATH)
     instance = secrets.token_hex(6)  # this worker: each balances its own requests
     timeout = aiohttp.ClientTimeout(total=5)
     connector = aiohttp.TCPConnector(limit=1, ssl=ssl_context if ssl_context is not None else True)
-    problems = ProblemLog(log, target)
+    problems = ProblemLog(log)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as s:
         while True:
             await asyncio.sleep(interval)
             body: dict[str, Any] = {"instance": instance, "outstanding": load_entries(routing)}
-            problems.note(await post_report(s, target, body),
+            target = targets.current
+            problems.note(target, await post_report(s, targets, body),
                           f"load not reported: the autoscaler holds counts while this worker is silent; "
                           f"retrying every {interval:g}s")

@@ -195,8 +195,9 @@ async def serve_worker(settings: RouterSettings, sock: socket.socket, on_ready: 
         hangups.append(revocations.reload)  # checked at each handshake
         ctx = control_plane_ssl_context(settings.control_plane, revocations)
         cp_url = settings.control_plane.url
-        background.append(lambda routing: report_ejections(cp_url, ctx, routing))
-        background.append(lambda routing: report_load(cp_url, ctx, routing))
+        cp_urls = settings.control_plane.urls or (cp_url,)
+        background.append(lambda routing: report_ejections(cp_urls, ctx, routing))
+        background.append(lambda routing: report_load(cp_urls, ctx, routing))
         if settings.allowance.mode == "shared":  # limited keys spend slices leased from the control plane
             allowance = Allowance(settings.control_plane.urls or (cp_url,), ctx, settings.allowance.timeout,
                                   settings.allowance.on_outage)
