@@ -29,7 +29,8 @@ smallest of those rises is the trend, which extends the average to ``lead``
 seconds from now, and a count that asks for more than the average itself
 scales up early (reason ``ahead``).  Every quarter must rise, so a step (a
 burst, a batch job starting: flat before and after) is never extrapolated
-into a ramp; the panic window answers steps.  Only up: a falling trend never
+into a ramp (the panic window answers steps), and rise by more than its
+scatter, so noise is not either.  Only up: a falling trend never
 scales down early (the cooldown and the reversal rule stand as they are).
 
 No clock and no I/O here: ``observe`` and ``decide`` take ``now``, so every
@@ -60,6 +61,7 @@ STEP = "step"  # the change was capped at max_step
 MIN = "min"  # clamped up to min
 MAX = "max"  # clamped down to max
 QUARTERS = 4  # the stable window's parts that must each rise on the one before for a trend to count
+NOISE = 3.0  # standard errors of the two quarters' scatter a rise must exceed
 REASONS = (START, NO_SIGNAL, STABLE, PANIC, AHEAD, TOLERANCE, MEASURING, COOLDOWN, REVERSAL, STEP, MIN, MAX)
 
 
@@ -128,22 +130,45 @@ class Scaler:
                 area, covered = area + v * (b - a), covered + (b - a)
         return area / covered if covered > 0 else samples[-1][1]
 
+    def _quarter(self, start: float, stop: float, now: float) -> tuple[float, float] | None:
+        """(time-weighted mean, its standard error) of the signal between ``start`` and ``stop``;
+        None where nothing covers the span. The error treats each sample in the span as one
+        observation (they are correlated, which ``NOISE`` allows for)."""
+        samples = list(self.samples)
+        area = sq = covered = 0.0
+        n = 0
+        for i, (t, v) in enumerate(samples):
+            end = samples[i + 1][0] if i + 1 < len(samples) else now
+            a, b = max(t, start), min(end, stop)
+            if b > a:
+                area, sq, covered, n = area + v * (b - a), sq + v * v * (b - a), covered + (b - a), n + 1
+        if covered <= 0:
+            return None
+        mean = area / covered
+        return mean, math.sqrt(max(0.0, sq / covered - mean * mean) / n)
+
     def _ahead(self, now: float, stable: float, lead: float) -> float | None:
         """The signal expected ``lead`` seconds from now where it rose through every quarter of the
         stable window, else None.
 
         The trend is the smallest rise between consecutive quarters' averages, so a step shows as
-        none (some quarter is flat). A linear ramp's average over the window is its value half a
-        window ago, so the expectation is that average moved on by the trend for half a window
-        plus the lead."""
+        none (some quarter is flat), and each rise must stand ``NOISE`` standard errors above the
+        two quarters' own scatter, so a noisy flat signal whose quarters happen to climb is not
+        taken for a ramp (the projection multiplies whatever it is given). A linear ramp's average
+        over the window is its value half a window ago, so the expectation is that average moved
+        on by the trend for half a window plus the lead."""
         w = self.policy.stable_window
         if lead <= 0 or self.measured_from is None or now - self.measured_from < w:
             return None  # no trend from less than a whole window
         q = w / QUARTERS
-        means = [self._mean(now - w + i * q, now - w + (i + 1) * q, now) for i in range(QUARTERS)]
-        rises = [b - a for a, b in zip(means, means[1:]) if a is not None and b is not None]
-        if len(rises) < QUARTERS - 1 or min(rises) <= 0:
+        parts = [self._quarter(now - w + i * q, now - w + (i + 1) * q, now) for i in range(QUARTERS)]
+        if any(p is None for p in parts):
             return None
+        rises = []
+        for (a, ea), (b, eb) in zip(parts, parts[1:]):  # type: ignore[misc]
+            if b - a <= NOISE * math.hypot(ea, eb):
+                return None
+            rises.append(b - a)
         return stable + min(rises) / q * (w / 2 + lead)
 
     def _want(self, average: float) -> int:
