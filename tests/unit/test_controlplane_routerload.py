@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from llmgw.config import schema_errors
-from llmgw.controlplane.routerload import FRESH, REMEMBER, RouterLoad
+from llmgw.controlplane.routerload import FRESH, MAX_WORKERS, REMEMBER, RouterLoad
 from llmgw.controlplane.routerload_api import BURST, REFILL
 from llmgw.controlplane.routerposts import RouterBudget
 from llmgw.router.loadreport import REPORT_INTERVAL
@@ -53,3 +53,12 @@ def test_the_report_schema_refuses_what_no_router_sends():
     bad = {"instance": "", "outstanding": {"r": 0, "s": -1, "t": 10**7}, "extra": 1}
     pointers = {e.pointer for e in schema_errors(bad, "router-load")}
     assert {"/instance", "/outstanding/r", "/outstanding/s", "/outstanding/t"} <= pointers, pointers
+
+
+def test_a_router_inventing_workers_keeps_at_most_its_cap_and_its_newest():
+    load = RouterLoad()
+    load.report("other", "w", {"x": 1}, 0.0)
+    for i in range(10 * MAX_WORKERS):
+        load.report("r1", f"w{i}", {"a": 1}, 1.0 + i * 1e-3)
+    assert load.workers(2.0) == MAX_WORKERS + 1  # the other router's worker is untouched
+    assert load.totals(2.0) == {"a": MAX_WORKERS, "x": 1}

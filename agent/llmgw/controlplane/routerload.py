@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 FRESH = 3.0  # seconds: a worker reports every second; three missed reports make it silent
 REMEMBER = 60.0  # seconds: a worker silent this long is forgotten (stopped), no longer holding the signal
+MAX_WORKERS = 64  # workers kept per router certificate: a router inventing workers replaces its own oldest
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,12 @@ class RouterLoad:
         self._reports: dict[tuple[str, str], Report] = {}  # (router certificate name, worker) -> its last
 
     def report(self, router: str, instance: str, outstanding: Mapping[str, int], now: float) -> None:
-        self._reports[(router, instance)] = Report(now, dict(outstanding))
+        key = (router, instance)
+        if key not in self._reports:
+            mine = sorted((r.at, k) for k, r in self._reports.items() if k[0] == router)
+            for _, old in mine[:max(0, len(mine) - MAX_WORKERS + 1)]:
+                del self._reports[old]  # bounded memory whatever instance names a router sends
+        self._reports[key] = Report(now, dict(outstanding))
 
     def _prune(self, now: float) -> None:
         for key in [k for k, r in self._reports.items() if now - r.at > self.remember]:
