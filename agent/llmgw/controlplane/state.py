@@ -114,7 +114,8 @@ class ControlPlane:
         self.unplaced: dict[tuple[str, int], str] = {}
         self.autoscaler = Autoscaler()
         # The in-process router's requests in flight per replica id (``RouterHook.outstanding``): the
-        # autoscaler's signal.  None without an in-process router: autoscaled counts then stay put.
+        # autoscaler's signal with the standalone routers' reports (``router_load``).  None without an
+        # in-process router: the reports alone then (with neither, autoscaled counts stay put).
         self.outstanding: Callable[[], Mapping[str, int]] | None = None
         self._silent_routers: list[str] = []  # routers whose load reports stopped lately (autoscaling holds)
         self.replica_counts: dict[str, int] = {}  # autoscaled deployments' counts, as the last pass placed them
