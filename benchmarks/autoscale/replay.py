@@ -102,12 +102,13 @@ class Result:
 def replay(trace: list[dict], duration: float, pool: int, engine: Engine, lead: float,
            policies: dict[str, Autoscale] | None = None, fixed: dict[str, int] | None = None,
            start: dict[str, int] | None = None, priorities: dict[str, int] | None = None,
-           tick: float = 1.0) -> Result:
+           tick: float = 1.0, anticipate: bool = True) -> Result:
     """Serve ``trace`` (sorted Mooncake-shaped dicts with ``model``) for ``duration`` seconds.
 
     Exactly one of ``policies`` (autoscaled, each model starting with ``start`` ready
     replicas, default its ``min``) and ``fixed`` (that many ready replicas throughout) names
-    the models."""
+    the models. ``anticipate``: each scaler is told the start time, as the control plane tells
+    it the start it measured (``autoscale_lead``; here every start takes ``lead``)."""
     if (policies is None) == (fixed is None):
         raise ValueError("give policies or fixed counts, not both")
     names = list(policies or fixed)
@@ -226,7 +227,7 @@ def replay(trace: list[dict], duration: float, pool: int, engine: Engine, lead: 
                     if now < s.policy.stable_window:
                         continue  # the control plane's startup grace: a window measured first
                     before = s.desired
-                    d = s.decide(now)
+                    d = s.decide(now, lead if anticipate else None)
                     if d.desired != before or not runs[n].decisions:
                         runs[n].decisions.append((now, d.desired, d.reason))
                 reconcile(now)

@@ -18,7 +18,10 @@ For each seed: a trace from ``trace.py`` (or ``--trace``, a Mooncake-shaped JSON
    counts sized by the rule's own target (the autoscaled run's peak count of each model);
 3. **tight pool**: autoscaled again in a pool of 60 % of the most GPUs the autoscaled run
    held at once, arbitrated by the real fleet GPU budget (``autoscale_budget.Budget``,
-   equal priorities), to show what happens when the models' needs together exceed it.
+   equal priorities), to show what happens when the models' needs together exceed it;
+4. **blind**: autoscaled as in 1, the scalers told no start time (the rule before it
+   followed a rising signal ahead by the lead time the control plane measures), for the
+   side-by-side ratio of what anticipation saves.
 
 The TTFT objective: a 60 s window of a model's arrivals meets it when their TTFT p99 is
 at most 2 s; the target is 99 % of windows.  A reversal is a change of the decided count's
@@ -152,15 +155,18 @@ def one_seed(seed: int, day: float, peak_rps: float, engine: rp.Engine, trace_fi
         auto.pool = auto.peak_placed
     tight_pool = max(len(names), int(TIGHT * auto.peak_placed))
     tight = rp.replay(lines, duration, tight_pool, engine, LEAD_S, policies=policies, start=start)
+    blind = rp.replay(lines, duration, policy.max * len(names), engine, LEAD_S, policies=policies, start=start,
+                      anticipate=False)
     c = policy.scale_down_cooldown
-    a, s, t = summarize(auto, c), summarize(static, c), summarize(tight, c)
+    a, s, t, b = summarize(auto, c), summarize(static, c), summarize(tight, c), summarize(blind, c)
     same = {n: auto.models[n].peak_replicas for n in names}  # sized by the rule's own target at the peak
     same_hours = sum(same.values()) * duration / 3600.0
     return {"seed": seed, "requests": len(lines), "duration_s": duration, "static_counts": fixed, "opening_counts": start,
             "saving": round(1.0 - a["gpu_hours"] / s["gpu_hours"], 4),
             "static_same_target_counts": same, "static_same_target_gpu_hours": round(same_hours, 3),
             "saving_vs_same_target": round(1.0 - a["gpu_hours"] / same_hours, 4),
-            "autoscaled": a, "static": s, "tight": t}
+            "saving_blind": round(1.0 - b["gpu_hours"] / s["gpu_hours"], 4),
+            "autoscaled": a, "static": s, "tight": t, "blind": b}
 
 
 def cpu_seconds() -> float:
@@ -170,7 +176,8 @@ def cpu_seconds() -> float:
 
 def decision_rate(scalers: int, passes: int, policy: Autoscale) -> dict:
     """``scalers`` deployments, each observed and decided once a pass for ``passes`` passes
-    after a stable window of samples (untimed, as a running control plane would have)."""
+    after a stable window of samples (untimed, as a running control plane would have), each
+    told a measured start time, as the control plane tells it (the trend is then worked out)."""
     import random
     rng = random.Random(0)
     now = 0.0
@@ -185,7 +192,7 @@ def decision_rate(scalers: int, passes: int, policy: Autoscale) -> dict:
         now += 1.0
         for i, s in enumerate(fleet):
             s.observe(now, signal[(i * 7 + k) & 1023])
-            s.decide(now)
+            s.decide(now, LEAD_S)
     wall, cpu = time.perf_counter() - wall0, cpu_seconds() - cpu0
     n = scalers * passes
     return {"scalers": scalers, "passes": passes, "decisions": n, "wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
@@ -237,6 +244,10 @@ def report(r: dict) -> str:
         f"| the same, static sized by the rule's own target at each model's peak | (for scale) | "
         f"{100 * r['spread']['saving_vs_same_target']['median']:.1f} % ({100 * r['spread']['saving_vs_same_target']['min']:.1f}"
         f"-{100 * r['spread']['saving_vs_same_target']['max']:.1f}) | - |",
+        f"| the same, the rule told no start time (blind) | (for comparison) | "
+        f"{100 * r['spread']['saving_blind']['median']:.1f} % ({100 * r['spread']['saving_blind']['min']:.1f}"
+        f"-{100 * r['spread']['saving_blind']['max']:.1f}); windows met {100 * r['spread']['windows_meeting_blind']['median']:.2f} % "
+        f"({100 * r['spread']['windows_meeting_blind']['min']:.2f}-{100 * r['spread']['windows_meeting_blind']['max']:.2f}) | - |",
         f"| 60 s windows whose TTFT p99 <= {OBJECTIVE_S:g} s (both models) | >= 99 % | {100 * share['median']:.2f} % "
         f"({100 * share['min']:.2f}-{100 * share['max']:.2f}) | {'yes' if share['min'] >= SHARE_TARGET else 'no'} |",
         f"| reversals of the count in any cooldown ({p['scale_down_cooldown']:g} s) | <= 1 | {rev} | {'yes' if rev <= 1 else 'no'} |",
@@ -306,8 +317,8 @@ def report(r: dict) -> str:
         "here are replica-hours of that engine model. The shape (saving, windows met, reversals) is what carries over.",
         "- Decode time is fixed at admission from the batch then; a replica's batch is capped, KV memory is not "
         "modelled beyond that cap, nor the prefix cache.",
-        "- No lead-time anticipation: the rule scales on what it sees; a ramp is absorbed by the headroom "
-        "between the target (8) and the batch cap (16) while new replicas start.",
+        f"- Anticipation is told the true start time ({m['lead_s']:g} s, every start alike); the control plane "
+        "tells it the median of the last starts it saw, which a fleet with uneven nodes or caches spreads.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -337,10 +348,12 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         x = one_seed(seed, day, peak, engine, args.trace, policy)
         per_seed.append(x)
-        print(f"seed {seed}: {x['requests']} requests, saving {100 * x['saving']:.1f} %, "
+        print(f"seed {seed}: {x['requests']} requests, saving {100 * x['saving']:.1f} % "
+              f"(blind {100 * x['saving_blind']:.1f} %), "
               f"static {x['static_counts']}, {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     decisions = decision_rate(args.scalers or (1000 if q else 10_000), args.passes or (2 if q else 10), policy)
     shares = [m["windows_meeting"] for x in per_seed for m in x["autoscaled"]["models"].values()]
+    blind_shares = [m["windows_meeting"] for x in per_seed for m in x["blind"]["models"].values()]
     flags = " ".join(a for a in (argv if argv is not None else sys.argv[1:]))
     r = {
         "meta": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
@@ -353,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
         "seeds": per_seed,
         "spread": {"saving": spread([x["saving"] for x in per_seed]),
                    "saving_vs_same_target": spread([x["saving_vs_same_target"] for x in per_seed]),
-                   "windows_meeting": spread(shares)},
+                   "saving_blind": spread([x["saving_blind"] for x in per_seed]),
+                   "windows_meeting": spread(shares), "windows_meeting_blind": spread(blind_shares)},
         "decisions": decisions,
     }
     md = report(r)

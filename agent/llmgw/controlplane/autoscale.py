@@ -130,24 +130,33 @@ class Scaler:
                 area, covered = area + v * (b - a), covered + (b - a)
         return area / covered if covered > 0 else samples[-1][1]
 
-    def _quarter(self, start: float, stop: float, now: float) -> tuple[float, float] | None:
-        """(time-weighted mean, its standard error) of the signal between ``start`` and ``stop``;
-        None where nothing covers the span. The error treats each sample in the span as one
-        observation (they are correlated, which ``NOISE`` allows for)."""
-        samples = list(self.samples)
-        area = sq = covered = 0.0
-        n = 0
-        for i, (t, v) in enumerate(samples):
-            end = samples[i + 1][0] if i + 1 < len(samples) else now
-            a, b = max(t, start), min(end, stop)
-            if b > a:
-                area, sq, covered, n = area + v * (b - a), sq + v * v * (b - a), covered + (b - a), n + 1
-        if covered <= 0:
-            return None
-        mean = area / covered
-        return mean, math.sqrt(max(0.0, sq / covered - mean * mean) / n)
+    def _quarters(self, now: float) -> list[tuple[float, float]] | None:
+        """Per quarter of the stable window: (time-weighted mean, its standard error), in one pass
+        over the samples; None where a quarter is not covered. The error treats each sample in a
+        quarter as one observation (they are correlated, which ``NOISE`` allows for)."""
+        w = self.policy.stable_window
+        q, start = w / QUARTERS, now - w
+        area, sq, covered, n = [0.0] * QUARTERS, [0.0] * QUARTERS, [0.0] * QUARTERS, [0] * QUARTERS
+        samples = self.samples
+        nxt = iter(samples)
+        next(nxt, None)
+        for (t, v), following in zip(samples, [*(s[0] for s in nxt), now]):
+            a, b = max(t, start), min(following, now)
+            while b > a:
+                j = min(QUARTERS - 1, int((a - start) // q))
+                cut = min(b, start + (j + 1) * q)
+                d = cut - a
+                area[j], sq[j], covered[j], n[j] = area[j] + v * d, sq[j] + v * v * d, covered[j] + d, n[j] + 1
+                a = cut
+        out = []
+        for j in range(QUARTERS):
+            if covered[j] <= 0:
+                return None
+            mean = area[j] / covered[j]
+            out.append((mean, math.sqrt(max(0.0, sq[j] / covered[j] - mean * mean) / n[j])))
+        return out
 
-    def _ahead(self, now: float, stable: float, lead: float) -> float | None:
+    def _ahead(self, now: float, stable: float, panic: float, lead: float) -> float | None:
         """The signal expected ``lead`` seconds from now where it rose through every quarter of the
         stable window, else None.
 
@@ -160,16 +169,17 @@ class Scaler:
         w = self.policy.stable_window
         if lead <= 0 or self.measured_from is None or now - self.measured_from < w:
             return None  # no trend from less than a whole window
-        q = w / QUARTERS
-        parts = [self._quarter(now - w + i * q, now - w + (i + 1) * q, now) for i in range(QUARTERS)]
-        if any(p is None for p in parts):
+        if panic <= stable:
+            return None  # the latest seconds are not above the window's average: not rising now
+        parts = self._quarters(now)
+        if parts is None:
             return None
         rises = []
-        for (a, ea), (b, eb) in zip(parts, parts[1:]):  # type: ignore[misc]
+        for (a, ea), (b, eb) in zip(parts, parts[1:]):
             if b - a <= NOISE * math.hypot(ea, eb):
                 return None
             rises.append(b - a)
-        return stable + min(rises) / q * (w / 2 + lead)
+        return stable + min(rises) / (w / QUARTERS) * (w / 2 + lead)
 
     def _want(self, average: float) -> int:
         # a hair below an integer is that integer: 16.000000001/8 must not ask for 3
@@ -192,7 +202,7 @@ class Scaler:
         else:
             self.panic_until = None
             want, reason = want_stable, STABLE
-        ahead = self._ahead(now, stable, lead or 0.0)
+        ahead = self._ahead(now, stable, panic, lead or 0.0)
         if ahead is not None and not panicking and self._want(ahead) > want:
             want, reason = self._want(ahead), AHEAD
         new = want
