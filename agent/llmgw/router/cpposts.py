@@ -1,4 +1,4 @@
-"""A router worker's periodic posts to the control plane (ejections, load): one post, and its problems logged once.
+"""A router worker's posts to the control plane (ejections, load, wakes): one post, and its problems logged once.
 
 Each report is re-sent whole at its next interval, so a failed post is not
 retried: it is logged when its kind of failure first appears and when posts

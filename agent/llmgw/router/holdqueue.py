@@ -28,12 +28,13 @@ import logging
 import math
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import aiohttp
 
 from llmgw.protocol import WAKE_PATH
 
+from .cpposts import ProblemLog, Targets, post_report
 from .errors import SERVER, RouterError
 from .runtime import ModelGroup, Routing
 from .settings import Hold
@@ -108,16 +109,16 @@ class ControlPlaneWaker:
     The request being held does not wait on this call: it waits on the
     endpoint table, which the watch updates however the wake came about.  A
     failed call is logged once per kind of failure; the held request asks
-    again a second later.
+    again a second later, of the next control plane when this one was down.
     """
 
-    def __init__(self, url: str, ssl_context: ssl.SSLContext | None, timeout: float = 10.0) -> None:
-        self.target = url.rstrip("/") + WAKE_PATH
+    def __init__(self, urls: Sequence[str], ssl_context: ssl.SSLContext | None, timeout: float = 10.0) -> None:
+        self.targets = Targets(urls, WAKE_PATH)
         self.ssl_context = ssl_context
         self.timeout = timeout
         self._session: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._last_problem = ""
+        self._problems = ProblemLog(log)
 
     def __call__(self, model: str) -> None:
         task = asyncio.get_running_loop().create_task(self._post(model))
@@ -129,16 +130,9 @@ class ControlPlaneWaker:
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=self.timeout),
                 connector=aiohttp.TCPConnector(limit=4, ssl=self.ssl_context if self.ssl_context is not None else True))
-        problem = ""
-        try:
-            async with self._session.post(self.target, json={"model": model}) as r:
-                if r.status != 202:
-                    problem = f"HTTP {r.status}: {(await r.content.read(300)).decode('utf-8', 'replace')}"
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
-            problem = f"{type(e).__name__}: {e}"
-        if problem and problem != self._last_problem:
-            log.warning("cannot ask %s to wake %s: %s", self.target, model, problem)
-        self._last_problem = problem
+        target = self.targets.current
+        self._problems.note(target, await post_report(self._session, self.targets, {"model": model}),
+                            f"{model} not woken from here; the held request asks again")
 
     async def close(self) -> None:
         for task in list(self._tasks):

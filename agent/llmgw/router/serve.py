@@ -214,7 +214,7 @@ async def serve_worker(settings: RouterSettings, sock: socket.socket, on_ready: 
                         FIRST_ENDPOINTS_WAIT)
     waker = None
     if settings.control_plane is not None:  # a model whose endpoints all sleep: ask for its wake
-        waker = ControlPlaneWaker(settings.control_plane.url, ctx)
+        waker = ControlPlaneWaker(settings.control_plane.urls or (settings.control_plane.url,), ctx)
     app = build_app(settings, table, background=background, kv_index=kv_index, wake=waker)
     app[PROXY_KEY].limits_gate.allowance = allowance
     if settings.usage_log is not None:  # written each minute by a background job, and at the end
