@@ -183,8 +183,7 @@ async def prove(session: aiohttp.ClientSession, trial: Trial, timeout: float,
         return {"Authorization": f"Bearer {ep.api_key}"} if ep.api_key else {}
 
     async def metrics() -> tuple[float, float]:
-        async with session.get(f"{trial.decode.url}/metrics", timeout=t, ssl=ssl_context) as r:
-            text = await r.text()
+        text = await _metrics_page(session, trial.decode.url, t, ssl_context)
         return metric_total(text, XFER_COUNT), metric_total(text, FAILED)
 
     async def complete(ep: Endpoint, extra: dict[str, Any]) -> tuple[int, Any]:
@@ -220,12 +219,18 @@ async def prove(session: aiohttp.ClientSession, trial: Trial, timeout: float,
     return None
 
 
+async def _metrics_page(session: aiohttp.ClientSession, url: str, t: aiohttp.ClientTimeout,
+                        ssl_context: ssl.SSLContext | None) -> str:
+    """An engine's ``/metrics`` page, read as both kinds of proof read it."""
+    async with session.get(f"{url}/metrics", timeout=t, ssl=ssl_context) as r:
+        return await r.text()
+
+
 async def _prove_pair(session: aiohttp.ClientSession, trial: Trial, t: aiohttp.ClientTimeout,
                       ssl_context: ssl.SSLContext | None, complete: Callable[..., Any]) -> str | None:
     """SGLang's round trip: both engines at once, one room; None when the transfer was made and counted."""
     async def read(url: str, names: tuple[str, ...]) -> float:
-        async with session.get(f"{url}/metrics", timeout=t, ssl=ssl_context) as r:
-            text = await r.text()
+        text = await _metrics_page(session, url, t, ssl_context)
         return sum(metric_total(text, n) for n in names)
 
     assert trial.prefill.bootstrap_port is not None

@@ -61,7 +61,6 @@ class Pair:
     room: int
     body: bytes  # the decode try's: the client's request naming the bootstrap and room
     task: "asyncio.Task[Failed | None]"  # the prefill request: None when it answered, else why the pair failed
-    abandoned: bool = False  # the decode try was given up because its prefill failed first
     decoder_at_fault: bool = False  # the decode try failed while its prefill answered
 
 
@@ -129,7 +128,7 @@ class DualDispatch:
                 failed = pair.task.result()
                 if failed is None or ctx.status:  # it answered, or the decoder already answers the client
                     return await attempt
-                pair.abandoned = ctx.abandoned = True
+                ctx.abandoned = True
                 attempt.cancel()
                 await asyncio.wait({attempt})
                 ctx.abandoned = False

@@ -47,7 +47,7 @@ class Endpoint:
     # (router/prefill.py), "decode" and "both" take the model's requests.
     role: str = "both"
     # An SGLang prefill endpoint's bootstrap server (on the URL's host): a request of its model goes to it and
-    # to a decoder at once, both naming it and one room (router/prefill.py, dual dispatch); None: vLLM's two phases.
+    # to a decoder at once, both naming it and one room (router/dualdispatch.py); None: vLLM's two phases.
     bootstrap_port: int | None = None
     # A decode endpoint that cannot compute a prompt itself (SGLang's decode mode): without a prefill endpoint
     # its model cannot be served, where vLLM's decoders prefill locally.
