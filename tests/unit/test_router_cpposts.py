@@ -8,7 +8,7 @@ import logging
 import aiohttp
 from aiohttp import web
 
-from llmgw.router.cpposts import ProblemLog, Targets, post_report
+from llmgw.router.cpposts import ReportPoster
 from tests.support.ports import free_port
 
 
@@ -31,15 +31,14 @@ def test_a_post_that_finds_nobody_or_a_5xx_goes_to_the_next_control_plane(caplog
         port = free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         down = f"http://127.0.0.1:{free_port()}"  # nobody listens
-        targets = Targets([down, f"http://127.0.0.1:{port}/busy", f"http://127.0.0.1:{port}/ok/"], "/v1/router/load")
-        problems = ProblemLog(logging.getLogger("test.cpposts"))
+        poster = ReportPoster([down, f"http://127.0.0.1:{port}/busy", f"http://127.0.0.1:{port}/ok/"],
+                              "/v1/router/load", logging.getLogger("test.cpposts"))
         seen = []
         try:
             async with aiohttp.ClientSession() as s:
                 for n in range(4):
-                    target = targets.current
-                    problem = await post_report(s, targets, {"n": n})
-                    problems.note(target, problem, "retrying")
+                    target = poster.current
+                    problem = await poster.post(s, {"n": n}, "retrying")
                     seen.append((target.rsplit(":", 1)[1], problem.split(":")[0]))
         finally:
             await runner.cleanup()

@@ -18,51 +18,47 @@ from typing import Any
 import aiohttp
 
 
-class Targets:
-    """The control planes' addresses for one route, the one posted to now first."""
+class ReportPoster:
+    """One route's posts: the control planes' addresses (the one posted to now first) and the log of
+    what went wrong, once per kind of failure and once on recovery."""
 
-    def __init__(self, urls: Sequence[str], path: str) -> None:
+    def __init__(self, urls: Sequence[str], path: str, log: logging.Logger) -> None:
         self.targets = [u.rstrip("/") + path for u in urls]
         self.i = 0
+        self.log = log
+        self.last = ""  # the last post's problem ("" when it was taken)
 
     @property
     def current(self) -> str:
         return self.targets[self.i]
 
-    def next(self) -> None:
-        """The current one could not take a post: the next address for the next post."""
-        self.i = (self.i + 1) % len(self.targets)
-
-
-async def post_report(session: aiohttp.ClientSession, targets: Targets, body: dict[str, Any]) -> str:
-    """POST ``body`` to the current control plane; "" when it took it (202), else what went wrong (and
-    the next post goes to the next address when it was unreachable or could not take it: 5xx, 404)."""
-    try:
-        async with session.post(targets.current, json=body) as r:
-            if r.status != 202:
-                text = (await r.content.read(300)).decode("utf-8", "replace")
-                if r.status >= 500 or r.status == 404:
-                    targets.next()
-                return f"HTTP {r.status}: {text}"
-    except asyncio.CancelledError:
-        raise
-    except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
-        targets.next()
-        return f"{type(e).__name__}: {e}"
-    return ""
-
-
-class ProblemLog:
-    """Logs a report's failures once per kind, and its recovery."""
-
-    def __init__(self, log: logging.Logger) -> None:
-        self.log = log
-        self.last = ""
-
-    def note(self, target: str, problem: str, failing: str) -> None:
-        """``problem`` from ``post_report`` to ``target``; ``failing``: the warning's text after the problem."""
+    async def post(self, session: aiohttp.ClientSession, body: dict[str, Any], failing: str) -> str:
+        """POST ``body`` to the current control plane; "" when it took it (202), else what went wrong,
+        logged with ``failing`` after it. The next post goes to the next address when this one was
+        unreachable or could not take it (5xx, 404)."""
+        target = self.current
+        problem = await self._post(session, target, body)
         if problem and problem != self.last:
             self.log.warning("cannot report to %s: %s; %s", target, problem, failing)
         elif not problem and self.last:
             self.log.info("reporting to %s again", target)
         self.last = problem
+        return problem
+
+    async def _post(self, session: aiohttp.ClientSession, target: str, body: dict[str, Any]) -> str:
+        try:
+            async with session.post(target, json=body) as r:
+                if r.status != 202:
+                    text = (await r.content.read(300)).decode("utf-8", "replace")
+                    if r.status >= 500 or r.status == 404:
+                        self._next()
+                    return f"HTTP {r.status}: {text}"
+        except asyncio.CancelledError:
+            raise
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
+            self._next()
+            return f"{type(e).__name__}: {e}"
+        return ""
+
+    def _next(self) -> None:
+        self.i = (self.i + 1) % len(self.targets)

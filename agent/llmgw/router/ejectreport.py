@@ -29,7 +29,7 @@ import aiohttp
 
 from llmgw.protocol import EJECTIONS_PATH
 
-from .cpposts import ProblemLog, Targets, post_report
+from .cpposts import ReportPoster
 from .runtime import Routing
 
 log = logging.getLogger("llmgw.router.ejectreport")
@@ -69,18 +69,15 @@ async def report_ejections(urls: Sequence[str], ssl_context: ssl.SSLContext | No
     retried at the next interval: the report is re-sent whole every time,
     so nothing is lost by skipping one.
     """
-    targets = Targets(urls, EJECTIONS_PATH)
+    poster = ReportPoster(urls, EJECTIONS_PATH, log)
     instance = secrets.token_hex(6)  # this worker: each worker of a router ejects on its own
     timeout = aiohttp.ClientTimeout(total=10)
     connector = aiohttp.TCPConnector(limit=1, ssl=ssl_context if ssl_context is not None else True)
-    problems = ProblemLog(log)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector, headers=dict(headers or {})) as s:
         while True:
             await asyncio.sleep(interval)
             entries = ejection_entries(routing, time.monotonic())
             if not entries:
                 continue
-            target = targets.current
-            problem = await post_report(s, targets, {"instance": instance, "ejections": entries})
-            problems.note(target, problem,
-                          f"{len(entries)} ejected endpoint(s) not reported; retrying every {interval:g}s")
+            await poster.post(s, {"instance": instance, "ejections": entries},
+                              f"{len(entries)} ejected endpoint(s) not reported; retrying every {interval:g}s")

@@ -34,7 +34,7 @@ import aiohttp
 
 from llmgw.protocol import WAKE_PATH
 
-from .cpposts import ProblemLog, Targets, post_report
+from .cpposts import ReportPoster
 from .errors import SERVER, RouterError
 from .runtime import ModelGroup, Routing
 from .settings import Hold
@@ -113,12 +113,11 @@ class ControlPlaneWaker:
     """
 
     def __init__(self, urls: Sequence[str], ssl_context: ssl.SSLContext | None, timeout: float = 10.0) -> None:
-        self.targets = Targets(urls, WAKE_PATH)
+        self.poster = ReportPoster(urls, WAKE_PATH, log)
         self.ssl_context = ssl_context
         self.timeout = timeout
         self._session: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._problems = ProblemLog(log)
 
     def __call__(self, model: str) -> None:
         task = asyncio.get_running_loop().create_task(self._post(model))
@@ -130,9 +129,8 @@ class ControlPlaneWaker:
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=self.timeout),
                 connector=aiohttp.TCPConnector(limit=4, ssl=self.ssl_context if self.ssl_context is not None else True))
-        target = self.targets.current
-        self._problems.note(target, await post_report(self._session, self.targets, {"model": model}),
-                            f"{model} not woken from here; the held request asks again")
+        await self.poster.post(self._session, {"model": model},
+                               f"{model} not woken from here; the held request asks again")
 
     async def close(self) -> None:
         for task in list(self._tasks):

@@ -24,7 +24,7 @@ import aiohttp
 
 from llmgw.protocol import LOAD_PATH
 
-from .cpposts import ProblemLog, Targets, post_report
+from .cpposts import ReportPoster
 from .runtime import Routing
 
 log = logging.getLogger("llmgw.router.loadreport")
@@ -53,16 +53,13 @@ async def report_load(urls: Sequence[str], ssl_context: ssl.SSLContext | None, r
 
     A failed report (control plane down, refused) is logged once per kind and not retried: the
     next one, a second later, says everything again, to the next address if this one was down."""
-    targets = Targets(urls, LOAD_PATH)
+    poster = ReportPoster(urls, LOAD_PATH, log)
     instance = secrets.token_hex(6)  # this worker: each balances its own requests
     timeout = aiohttp.ClientTimeout(total=5)
     connector = aiohttp.TCPConnector(limit=1, ssl=ssl_context if ssl_context is not None else True)
-    problems = ProblemLog(log)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as s:
         while True:
             await asyncio.sleep(interval)
             body: dict[str, Any] = {"instance": instance, "outstanding": load_entries(routing)}
-            target = targets.current
-            problems.note(target, await post_report(s, targets, body),
-                          f"load not reported: the autoscaler holds counts while this worker is silent; "
-                          f"retrying every {interval:g}s")
+            await poster.post(s, body, "load not reported: the autoscaler holds counts while this worker is "
+                                       f"silent; retrying every {interval:g}s")
