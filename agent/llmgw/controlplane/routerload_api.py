@@ -27,7 +27,9 @@ __all__ = ["LoadAPI"]
 
 BURST = 5.0  # reports a worker may send at once (a control plane that stalled, then the backlog)
 REFILL = 2.0  # reports per second a worker may keep sending (it sends one)
-MAX_BODY = 256 * 1024  # 4,096 replicas at their longest ids
+# 4,096 replicas (the most a report names) with ids of up to about 50 characters, as llmgw makes them
+# (model.profile.slot-suffix); a router whose busiest 4,096 have longer ids is refused 413 (docs/autoscaling.md)
+MAX_BODY = 256 * 1024
 
 
 class LoadAPI:
