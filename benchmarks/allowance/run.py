@@ -11,10 +11,14 @@ limited key with ``--threads`` client threads spread over every router for
 ``--seconds``, far above its limit.  For each ``allowance.mode`` asked for it
 reports what was admitted against what the limit allows:
 
-* ``max_in_window``: the most 200s whose answers arrived within any
-  ``window_seconds`` (client clock; a request's admission precedes its
-  answer by its latency, a few ms), against the limit: over it is
-  over-admission;
+* ``max_admitted_in_window``: the most requests the routers served whose
+  admission fell within any ``window_seconds``, read from the routers'
+  access logs (each line's time, less its ``dur_ms``, plus its ``wait_ms``),
+  against the limit: over it is over-admission, and this is the judged
+  figure;
+* ``max_in_window``: the same on the client's clock, when answers
+  arrived: it adds the spread of answer times under load, so it can read
+  over a limit the books never pass; shown beside it;
 * ``admitted`` against ``allowed`` = limit x (seconds / window), the most a
   saturating client can get: under it is what slices held elsewhere cost.
 
@@ -29,6 +33,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import sys
 import tempfile
 import threading
@@ -83,6 +88,30 @@ def max_in_window(times: list[float], window: float) -> int:
     return best
 
 
+# an access-log line of a served request of the limited key (router/context.py ``account``)
+ACCESS = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) INFO llmgw\.router\.access(?:\[\d+\])?: rid=\S+ "
+                    r"key=bench \"POST [^\"]+\" model=\S+ status=200 .* dur_ms=([\d.]+) wait_ms=([\d.]+)")
+
+
+def admission_times(logs: list[Path]) -> list[float]:
+    """When each served request was admitted (epoch seconds), from the routers' access logs.
+
+    The line is written as the answer ends and says how long the request took
+    and how long it waited before its first upstream try (admission, with its
+    allowance exchange when the slices ran short): its time less the first
+    plus the second.  Every router runs on this host, so the times share one
+    clock (to the log's millisecond).
+    """
+    out = []
+    for path in logs:
+        for line in path.read_text(errors="replace").splitlines():
+            m = ACCESS.match(line)
+            if m:
+                t = time.mktime(time.strptime(m[1], "%Y-%m-%d %H:%M:%S")) + int(m[2]) / 1000
+                out.append(t - (float(m[3]) - float(m[4])) / 1000)
+    return sorted(out)
+
+
 def run(mode: str, args: argparse.Namespace, tmp: Path) -> dict:
     with Fleet(tmp / mode, nodes={"a": 1}, replicas=1) as f:
         f.config["router_allowance"] = {"lease_seconds": args.lease}
@@ -91,7 +120,7 @@ def run(mode: str, args: argparse.Namespace, tmp: Path) -> dict:
         f.wait_ready(1)
         keys = [{"name": "bench", "sha256": hash_key(KEY),
                  "limits": {"requests_per_minute": args.rpm, "window_seconds": args.window}}]
-        extra = {"workers": args.workers, "allow_unauthenticated": False, "api_keys": keys, "access_log": False,
+        extra = {"workers": args.workers, "allow_unauthenticated": False, "api_keys": keys, "access_log": True,
                  "allowance": {"mode": mode}}
         ports = [standalone_router(f, f"router-{i}", extra)[1] for i in range(args.routers)]
 
@@ -104,10 +133,17 @@ def run(mode: str, args: argparse.Namespace, tmp: Path) -> dict:
             until(lambda: all(serving(port) for _ in range(3 * args.workers)), "the router to know the engine")
         time.sleep(args.lease + 0.5)  # the books grant from one lease time after the control plane started
         ok, refused = drive(ports, args.threads, args.seconds)
+        time.sleep(0.5)  # the last access-log lines reach their files
+        admitted_at = admission_times([f.root / f"router-{i}.log" for i in range(args.routers)])
     allowed = args.rpm * args.seconds / args.window
     worst = max_in_window(sorted(ok), args.window)
+    worst_admitted = max_in_window(admitted_at, args.window)
+    if len(admitted_at) != len(ok):
+        raise SystemExit(f"{mode}: {len(ok)} requests served but {len(admitted_at)} in the routers' access logs")
     return {"mode": mode, "admitted": len(ok), "refused": refused, "allowed": round(allowed, 1),
             "admitted_vs_allowed_pct": round(100 * (len(ok) / allowed - 1), 2),
+            "max_admitted_in_window": worst_admitted,
+            "max_admitted_in_window_vs_limit_pct": round(100 * (worst_admitted / args.rpm - 1), 2),
             "max_in_window": worst, "limit": args.rpm,
             "max_in_window_vs_limit_pct": round(100 * (worst / args.rpm - 1), 2)}
 
@@ -126,27 +162,31 @@ def report(results: dict) -> str:
              f"`shared`: workers spend slices leased from the control plane; `local`: each worker enforces "
              f"the whole limit alone (before). {results['host']}.",
              "",
-             "| mode | repeat | admitted | allowed | admitted vs allowed | most in any window | vs limit | 429s |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| mode | repeat | admitted | allowed | admitted vs allowed | most admitted in any window "
+             "(routers' clock) | vs limit | most answered in any window (client's clock) | vs limit | 429s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         lines.append(f"| {r['mode']} | {r['repeat']} | {r['admitted']} | {r['allowed']:g} | "
-                     f"{r['admitted_vs_allowed_pct']:+.1f} % | {r['max_in_window']} | "
+                     f"{r['admitted_vs_allowed_pct']:+.1f} % | {r['max_admitted_in_window']} | "
+                     f"{r['max_admitted_in_window_vs_limit_pct']:+.1f} % | {r['max_in_window']} | "
                      f"{r['max_in_window_vs_limit_pct']:+.1f} % | {r['refused']} |")
     shared = [r for r in runs if r["mode"] == "shared"]
     lines += ["", "| figure | target | measured (shared: worst, range over repeats) | met |", "|---|---|---|---|"]
     if shared:
-        over = [r["max_in_window_vs_limit_pct"] for r in shared]
+        over = [r["max_admitted_in_window_vs_limit_pct"] for r in shared]
         got = [r["admitted_vs_allowed_pct"] for r in shared]
         worst_over = max(over, key=abs)
         worst_got = max(got, key=abs)
-        lines.append(f"| most 200s in any window against the limit | within ±{TARGET_PCT:g} % | "
+        lines.append(f"| most admitted in any window against the limit (routers' clock) | within ±{TARGET_PCT:g} % | "
                      f"{worst_over:+.1f} % ({min(over):+.1f} to {max(over):+.1f}) | "
                      f"{'yes' if abs(worst_over) <= TARGET_PCT else 'no'} |")
         lines.append(f"| admitted over the run against what the limit allows | within ±{TARGET_PCT:g} % | "
                      f"{worst_got:+.1f} % ({min(got):+.1f} to {max(got):+.1f}) | "
                      f"{'yes' if abs(worst_got) <= TARGET_PCT else 'no'} |")
-    lines += ["", "The window count is on the client's clock, when answers arrived: it includes the spread of "
-              "response times, so it can read a little over a limit the control plane's books never pass "
+    lines += ["", "The judged window count is on the routers' clock: each served request's admission (its "
+              "access-log line's time, less its duration, plus its wait before the first upstream try; every "
+              "router on this host, one clock, to the log's millisecond). The client's count, when answers arrived, adds the "
+              "spread of answer times under load and can read over a limit the control plane's books never pass "
               "(tests/unit/test_controlplane_allowance.py checks the books themselves).", ""]
     return "\n".join(lines)
 

@@ -12,6 +12,7 @@ import asyncio
 import gc
 import json
 import logging
+import re
 
 import pytest
 from aiohttp import web
@@ -966,6 +967,13 @@ async def test_gets_and_fallback_answers_are_access_logged_with_a_request_id(cap
             assert f"status={want}" in caplog.text.split(f"rid={rid}")[1].splitlines()[0]
         async with r.http.get(r.url + "/v1/models") as resp:
             assert len(resp.headers["X-Request-Id"]) == 24
+        st, _, _ = await r.post(body={"model": "m", "prompt": "hi"}, headers={"X-Request-Id": "rid-served"})
+        assert st == 200
+        served = caplog.text.split("rid=rid-served")[1].splitlines()[0]
+        # the time before the first upstream try, within the request's whole time
+        wait, dur = (float(re.search(rf" {f}=([\d.]+)", served)[1]) for f in ("wait_ms", "dur_ms"))
+        assert 0 <= wait <= dur, served
+        assert "wait_ms=-" in caplog.text.split("rid=rid-GET-404-5")[1].splitlines()[0]  # refused before it
         n = caplog.text.count("rid=")
         async with r.http.get(r.url + "/healthz") as resp:
             assert resp.status == 200

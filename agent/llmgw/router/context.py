@@ -20,7 +20,7 @@ access_log = logging.getLogger("llmgw.router.access")
 
 class RequestContext:
     __slots__ = ("rid", "t0", "t0_loop", "model", "model_label", "key", "status", "endpoint", "attempts", "ttft",
-                 "note", "delivered", "out", "limits", "cache", "abandoned")
+                 "admitted", "note", "delivered", "out", "limits", "cache", "abandoned")
 
     def __init__(self, rid: str, t0_loop: float) -> None:
         self.rid = rid
@@ -33,6 +33,9 @@ class RequestContext:
         self.endpoint: str | None = None
         self.attempts = 0
         self.ttft: float | None = None
+        # when the request was let through to its first upstream try (perf_counter): after the body's
+        # read, a hold for a waking model, a limited key's admission (which may wait for an allowance)
+        self.admitted: float | None = None
         self.note = ""
         self.delivered = False  # a stream relayed whole, [DONE] included
         self.out: web.StreamResponse | None = None  # the client's stream, once the relay started
@@ -49,8 +52,9 @@ def account(ctx: RequestContext, request: web.Request, metrics: RouterMetrics, l
     metrics.request_done(ctx.model_label, ctx.status, dur)
     if log_access:
         access_log.info(
-            'rid=%s key=%s "%s %s" model=%s status=%d endpoint=%s attempts=%d ttft_ms=%s dur_ms=%.1f%s',
+            'rid=%s key=%s "%s %s" model=%s status=%d endpoint=%s attempts=%d ttft_ms=%s dur_ms=%.1f wait_ms=%s%s',
             ctx.rid, ctx.key, request.method, request.path, ctx.model or "-", ctx.status,
             ctx.endpoint or "-", ctx.attempts,
             f"{(ctx.ttft * 1000):.1f}" if ctx.ttft is not None else "-", dur * 1000,
+            f"{(ctx.admitted - ctx.t0) * 1000:.1f}" if ctx.admitted is not None else "-",
             f" note={ctx.note}" if ctx.note else "")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Awaitable, Callable
 
 from aiohttp import web
@@ -172,4 +173,5 @@ class Proxy:
             body = await self.limits_gate.admit(ctx, state, principal.name, parsed, body, request.path)
         if self.cache_hits is not None:
             body = self.cache_hits.admit(ctx, parsed.model, parsed.stream, parsed.payload, body)
+        ctx.admitted = time.perf_counter()
         return await self.forwarder.forward(request, ctx, group, body, parsed.stream, parsed.payload)
