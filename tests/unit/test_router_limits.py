@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 
@@ -302,3 +303,32 @@ def test_a_limited_stream_asks_the_engine_for_usage_in_the_body_and_in_what_is_r
     assert json.loads(sent)["stream_options"] == {"include_usage": True}
     assert json.loads(decode_body(parsed.payload, {"x": 1}))["stream_options"] == {"include_usage": True}
     assert ctx.limits.meter.strip and ctx.limits.headers["x-ratelimit-remaining-requests"] == "4"
+
+
+def test_usage_counters_reach_prometheus_in_one_batch_a_second_after_the_first_request():
+    from prometheus_client import CollectorRegistry
+
+    from llmgw.router.limitsgate import UsageCounters
+    from llmgw.router.metrics import RouterMetrics
+
+    async def scenario() -> list[float]:
+        reg = CollectorRegistry()
+        counts = UsageCounters(RouterMetrics(reg))
+        counts.FLUSH_AFTER = 0.05
+
+        def seen() -> list[float]:
+            return [reg.get_sample_value(f"llmgw_router_key_{n}_total", {"key": "k", "model": "m"}) or 0
+                    for n in ("requests", "prompt_tokens", "completion_tokens", "cached_prompt_tokens")]
+        counts.add("k", "m", 10, 3, 4)
+        counts.add("k", "m", 5, 2, 0)
+        before = seen()
+        await asyncio.sleep(0.2)  # the timer the first add set
+        after = seen()
+        counts.add("k", "m", 1, 1, 0)
+        counts.flush()  # as at shutdown: nothing waits for the timer
+        return before + after + seen()
+
+    got = asyncio.run(scenario())
+    assert got[:4] == [0, 0, 0, 0]  # nothing per request
+    assert got[4:8] == [2, 15, 5, 4]  # both requests, in one batch
+    assert got[8:] == [3, 16, 6, 4]

@@ -51,7 +51,7 @@ from .request import ParsedRequest
 from .usage import StreamMeter, Usage, body_usage
 from .usagelog import UsageLog
 
-__all__ = ["LimitsGate", "Limited", "reset_text", "with_include_usage", "BYTES_PER_TOKEN"]
+__all__ = ["LimitsGate", "Limited", "UsageCounters", "reset_text", "with_include_usage", "BYTES_PER_TOKEN"]
 
 BYTES_PER_TOKEN = 4
 
@@ -71,7 +71,7 @@ class LimitsGate:
         self.metrics = metrics
         self.allowance: Allowance | None = None  # set by the worker when limits are shared
         self.usage_log: UsageLog | None = None  # set by a standalone worker with usage_log (router/usagelog.py)
-        self._usage: dict[tuple[str, str], tuple] = {}
+        self.usage_counts = UsageCounters(metrics)
 
     async def admit(self, ctx: RequestContext, state: KeyState, key: str, parsed: ParsedRequest, body: bytes,
               path: str) -> bytes:
@@ -148,22 +148,9 @@ class LimitsGate:
         used = self._used(lim, resp, status)
         cached = min(used.cached or 0, used.prompt)  # part of the prompt, never more than it
         self.limiter.settle(ticket, used.prompt, used.completion, asyncio.get_running_loop().time(), cached)
-        c = self._usage.get((ticket.key, ticket.model))
-        if c is None:  # label children resolved once per key and model (labels() takes a lock)
-            m = self.metrics
-            c = self._usage[(ticket.key, ticket.model)] = (
-                m.key_requests.labels(ticket.key, ticket.model), m.key_prompt_tokens.labels(ticket.key, ticket.model),
-                m.key_completion_tokens.labels(ticket.key, ticket.model),
-                m.key_cached_prompt_tokens.labels(ticket.key, ticket.model))
-        c[0].inc()
+        self.usage_counts.add(ticket.key, ticket.model, used.prompt, used.completion, cached)
         if self.usage_log is not None:
             self.usage_log.add(ticket.key, ticket.model, used.prompt, used.completion, cached)
-        if used.prompt:
-            c[1].inc(used.prompt)
-        if used.completion:
-            c[2].inc(used.completion)
-        if cached:
-            c[3].inc(cached)
 
     def _used(self, lim: Limited, resp: web.StreamResponse | None, status: int) -> Usage:
         ticket = lim.ticket
@@ -177,6 +164,53 @@ class LimitsGate:
         if status >= 400 and status != 499:
             return Usage(0, 0)  # refused or failed before any generation the router saw
         return Usage(ticket.prompt, 0)  # the client left before output: the prompt was sent
+
+
+class UsageCounters:
+    """A limited key's usage counters, summed per key and model and added at most once a second.
+
+    Each ``Counter.inc`` takes a lock (and with several workers writes a shared
+    file); three or four per request were a visible part of what limits cost a
+    one-token request.  Sums wait here instead and reach the counters in one
+    batch a second after the first of them (a timer, so an idle router still
+    adds the last ones): a scrape lags by at most a second, nothing is lost.
+    """
+
+    FLUSH_AFTER = 1.0
+
+    def __init__(self, metrics: RouterMetrics) -> None:
+        self.metrics = metrics
+        self._sums: dict[tuple[str, str], list[int]] = {}  # requests, prompt, completion, cached
+        self._children: dict[tuple[str, str], tuple] = {}  # label children, resolved once (labels() locks)
+        self._timer: asyncio.TimerHandle | None = None
+
+    def add(self, key: str, model: str, prompt: int, completion: int, cached: int) -> None:
+        s = self._sums.get((key, model))
+        if s is None:
+            s = self._sums[(key, model)] = [0, 0, 0, 0]
+        s[0] += 1
+        s[1] += prompt
+        s[2] += completion
+        s[3] += cached
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.FLUSH_AFTER, self.flush)
+
+    def flush(self) -> None:
+        """Add every sum to its counters (also at shutdown, so none is lost)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        sums, self._sums = self._sums, {}
+        m = self.metrics
+        for (key, model), s in sums.items():
+            c = self._children.get((key, model))
+            if c is None:
+                c = self._children[(key, model)] = (
+                    m.key_requests.labels(key, model), m.key_prompt_tokens.labels(key, model),
+                    m.key_completion_tokens.labels(key, model), m.key_cached_prompt_tokens.labels(key, model))
+            for child, amount in zip(c, s):
+                if amount:
+                    child.inc(amount)
 
 
 def refusal(got: Refused, headers: dict[str, str]) -> RouterError:

@@ -75,6 +75,7 @@ class Proxy:
         """Shutdown: stop watching abandoned attempts and SGLang prefills (their connections are closed)."""
         await self.attempts.close()
         await self.forwarder.dual.close()
+        self.limits_gate.usage_counts.flush()  # the last second's usage reaches the counters
 
     # -- entry points -------------------------------------------------------
 
