@@ -332,3 +332,19 @@ def test_usage_counters_reach_prometheus_in_one_batch_a_second_after_the_first_r
     assert got[:4] == [0, 0, 0, 0]  # nothing per request
     assert got[4:8] == [2, 15, 5, 4]  # both requests, in one batch
     assert got[8:] == [3, 16, 6, 4]
+
+
+def test_a_metered_buffer_takes_the_pending_bytes_counts_events_and_strips_a_split_usage_event():
+    from llmgw.router.sse import EventBuffer
+
+    buf = EventBuffer()
+    assert buf.feed(b'data: {"choices":[{"text":"a"}]}\n\ndata: {"cho') == b'data: {"choices":[{"text":"a"}]}\n\n'
+    meter = StreamMeter(strip=True)
+    metered = meter.wrap(buf)  # a buffer too: the splice feeds it as it feeds any
+    assert isinstance(metered, EventBuffer) and metered.pending == b'data: {"cho'
+    out = [metered.feed(b'ices":[{"text":"b"}]}\n\n'),
+           metered.feed(b'data: {"choices":[],"usage":{"prompt_tokens":7,'),
+           metered.feed(b'"completion_tokens":2}}\n\ndata: [DONE]\n\n')]
+    assert out == [b'data: {"choices":[{"text":"b"}]}\n\n', b"", b"data: [DONE]\n\n"]
+    assert meter.usage == Usage(7, 2) and meter.events == 3  # b, the usage event, [DONE]
+    assert meter.charged(99) == Usage(7, 2)
