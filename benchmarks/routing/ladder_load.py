@@ -24,7 +24,6 @@ class Record:
     turn: int
     ttft: float | None = None
     tokens: int = 0
-    done: float | None = None  # seconds after the run began
     error: str | None = None
 
 
@@ -41,8 +40,6 @@ async def _one(client: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: 
                 rec.tokens += 1
     except (openai.OpenAIError, httpx.HTTPError) as e:
         rec.error = f"{type(e).__name__}: {str(e)[:200]}"
-    finally:
-        rec.done = time.monotonic() - t0
 
 
 async def run_load(base_url: str, model: str, times: list[float], requests: list[tuple[int, int, str]],
