@@ -34,6 +34,7 @@ from llmgw.controlplane.autoscale_sleep import SleepPlanner
 from llmgw.controlplane.autoscaler import Autoscaler, totals_by_deployment
 from llmgw.controlplane.ejections import EjectionBook, Verdict
 from llmgw.controlplane.endpointfeed import EndpointFeed
+from llmgw.controlplane.enginesignals import Asked, SignalBook, Timing, timing, wanted
 from llmgw.controlplane.grants import GrantKeys
 from llmgw.controlplane.lifecycle import Evaluation, ReplacementLimiter
 from llmgw.controlplane.lifecycletimers import LifecycleTimers
@@ -113,6 +114,10 @@ class ControlPlane:
         self.sizes = WeightSizes(lambda: self.clock(), lambda: self.kick())  # placement waits on and reads these
         self.unplaced: dict[tuple[str, int], str] = {}
         self.autoscaler = Autoscaler()
+        # the engines' queue depth and KV-cache use, as agents report them (autoscale on an engine signal)
+        self.engine_signals = SignalBook(self._rank0_replica)
+        self.signals_asked = Asked()  # what each node's stream was told to read (engine_signals_wanted)
+        self._signal_nodes = 0  # nodes asked to read engine signals (the period stretches with them)
         # The in-process router's requests in flight per replica id (``RouterHook.outstanding``): the
         # autoscaler's signal with the standalone routers' reports (``router_load``).  None without an
         # in-process router: the reports alone then (with neither, autoscaled counts stay put).
@@ -231,6 +236,11 @@ class ControlPlane:
             if log.isEnabledFor(logging.DEBUG):  # opaque keys only: nothing a prompt could be read from
                 log.debug("kv_routes from %s: %s", node_id, json.dumps(msg, separators=(",", ":")))
             self.route_keys.apply(node_id, msg, self.clock())
+            return True
+        if msg["type"] == "engine_signals":  # news of the engines' load only, not of the node's health
+            if not self.streams.is_current(node_id, epoch):
+                return False
+            self.engine_signals.apply(node_id, epoch, msg, self.clock())
             return True
         return self.streams.message(node_id, epoch, msg)
 
@@ -362,6 +372,7 @@ class ControlPlane:
         self.endpoint_feed.publish(self._endpoints(views))
         for rid in [r for r in self.route_keys.replicas if r not in self.reconciler.book.replicas]:
             self.route_keys.forget(rid)
+        self._ask_for_engine_signals()
         self.gate.settled = (not plan.unplaced and not plan.drain_blocked and not plan.actions
                              and self.reconciler.book.settled())
         return plan
@@ -423,7 +434,28 @@ class ControlPlane:
             totals = totals_by_deployment(merged, self.reconciler.book)
         self._silent_routers = silent
         self._totals = totals
-        return self.autoscaler.counts(self.catalog, self.reconciler.book, now, totals, in_grace)
+        engine = None
+        if not in_grace:
+            self.engine_signals.forget(self.reconciler.book.replicas)
+            engine = self.engine_signals.samples(self.catalog, self.reconciler.book, now,
+                                                 self.signal_timing().stale_after, self.streams.is_current)
+        return self.autoscaler.counts(self.catalog, self.reconciler.book, now, totals, in_grace, engine)
+
+    def signal_timing(self) -> Timing:
+        """The engine signals' period for the nodes asked now (``enginesignals.timing``)."""
+        lc = self.settings.lifecycle
+        return timing(lc.engine_signal_period, lc.max_engine_signals_per_second, self._signal_nodes)
+
+    def _ask_for_engine_signals(self) -> None:
+        """Tell each connected node which engines to read for autoscaling, when that changed (``Asked``)."""
+        want = wanted(self.catalog, self.reconciler.book)
+        if not want and not self.signals_asked.told:
+            return
+        self._signal_nodes = len(want)
+        t = self.signal_timing()
+        epochs = {n: s.epoch for n, s in self.sessions.items()}
+        for node_id, msg in self.signals_asked.messages(want, epochs, t):
+            self.sessions[node_id].send({**msg, **self.leader_fields()})
 
     def _sleep_and_wake(self, now: float, in_grace: bool, counts: dict[str, int]) -> None:
         """Scale to sleep: feed the planner the router's load, send the agents what it decides."""
