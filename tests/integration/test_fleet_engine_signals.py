@@ -52,10 +52,11 @@ def test_requests_waiting_in_the_engines_scale_the_deployment_up(tmp_path):
             samples = metric_samples(f)
             assert [v for lab, v in samples["llmgw_engine_signal_messages_total"]][0] > 0
             assert sum(v for _, v in samples["llmgw_autoscale_desired_replicas"]) == 2
+            # the new replica's agent was asked to read its engine too: both count, and still queue
+            until(lambda: seen().get("reporting") == seen().get("replicas") == 2, "both replicas' engines "
+                  "reporting", on_timeout=f.dump)
         finally:
             busy.stop()
         assert busy.failures == [], busy.failures[:5]
         assert busy.count() > 0
-        # both engines are read now, the new one's agent asked for it as its replica was placed
-        until(lambda: seen().get("reporting") == 2, "both replicas' engines reporting", on_timeout=f.dump)
         print(f"\nqueue depth scaled 1 -> 2: {busy.count()} streams served, none failed")

@@ -13,7 +13,7 @@ from reconciler_fleet import Fleet, catalog, make_ready
 from llmgw.agent.stream import incoming_problems
 from llmgw.catalog import Autoscale, Catalog
 from llmgw.controlplane.autoscaler import Autoscaler
-from llmgw.controlplane.enginesignals import Asked, Sample, SignalBook, timing, wanted
+from llmgw.controlplane.enginesignals import Asked, Sample, SignalBook, Timing, timing, walk, wanted
 from llmgw.controlplane.messages import MessageProblem, dumps, parse_up
 from llmgw.settings import parse_server_settings
 
@@ -48,6 +48,17 @@ def owner_of(f: Fleet):
     return owner
 
 
+def deployment_of(f: Fleet):
+    return lambda rid: f.rec.book.replicas[rid].key if rid in f.rec.book.replicas else None
+
+
+def sampled(book: SignalBook, cat: Catalog, f: Fleet, now: float, current=lambda n, e: True) -> dict:
+    """What a pass reads, after the whole pass's members and a period's sweep."""
+    book.set_members(walk(cat, f.rec.book)[1])
+    book.sweep(now, Timing(5.0, 30.0, STALE), current, f.rec.book.replicas.__contains__)
+    return book.samples()
+
+
 def report(book: SignalBook, f: Fleet, values: dict[str, float | None], now: float, epoch: int = 1,
            signal: str = "queue_depth") -> None:
     where = rank0(f)
@@ -60,17 +71,17 @@ def report(book: SignalBook, f: Fleet, values: dict[str, float | None], now: flo
 def test_a_sample_sums_every_ready_replicas_fresh_value():
     cat = on_signal()
     f = two_ready(cat)
-    book = SignalBook(owner_of(f))
+    book = SignalBook(owner_of(f), deployment_of(f))
     a, b = sorted(rank0(f))
     report(book, f, {a: 3.0, b: 2.0}, now=10.0)
-    assert book.samples(cat, f.rec.book, 12.0, STALE, lambda n, e: True) == {KEY: Sample("queue_depth", 5.0, 2, 2)}
+    assert sampled(book, cat, f, 12.0) == {KEY: Sample("queue_depth", 5.0, 2, 2)}
 
 
 @pytest.mark.parametrize("why", ["missing", "stale", "old stream", "unreadable", "other signal"])
 def test_a_replica_without_a_value_that_counts_makes_the_sample_partial(why):
     cat = on_signal()
     f = two_ready(cat)
-    book = SignalBook(owner_of(f))
+    book = SignalBook(owner_of(f), deployment_of(f))
     a, b = sorted(rank0(f))
     report(book, f, {a: 3.0}, now=10.0)
     if why == "stale":
@@ -81,22 +92,55 @@ def test_a_replica_without_a_value_that_counts_makes_the_sample_partial(why):
         report(book, f, {b: None}, now=10.0)
     elif why == "other signal":  # sent before the agent heard of a changed policy
         report(book, f, {b: 0.5}, now=10.0, signal="kv_cache_use")
-    got = book.samples(cat, f.rec.book, 10.0, STALE, lambda n, e: e == 1)[KEY]
+    got = sampled(book, cat, f, 10.0, lambda n, e: e == 1)[KEY]
     assert (got.total, got.reporting, got.replicas, got.partial) == (None, 1, 2, True)
+
+
+def test_each_value_moves_its_deployments_sum_as_it_comes_and_a_sweep_drops_a_closed_streams():
+    cat = on_signal()
+    f = two_ready(cat)
+    book = SignalBook(owner_of(f), deployment_of(f))
+    a, b = sorted(rank0(f))
+    node_a = rank0(f)[a][0]
+    assert sampled(book, cat, f, 0.0)[KEY].partial
+    report(book, f, {a: 3.0, b: 2.0}, now=1.0)
+    assert book.samples()[KEY].total == 5.0  # read by the next pass, no sweep between
+    report(book, f, {a: 1.0}, now=2.0)
+    report(book, f, {b: None}, now=2.0)
+    assert book.samples()[KEY] == Sample("queue_depth", None, 1, 2)
+    report(book, f, {b: 4.0}, now=3.0)
+    assert book.samples()[KEY].total == 5.0
+    # a's stream closed: its value stops counting at the next sweep, a period after the last
+    book.sweep(4.0, Timing(5.0, 30.0, STALE), lambda n, e: n != node_a, f.rec.book.replicas.__contains__)
+    assert book.samples()[KEY].total == 5.0
+    book.sweep(5.0, Timing(5.0, 30.0, STALE), lambda n, e: n != node_a, f.rec.book.replicas.__contains__)
+    assert book.samples()[KEY] == Sample("queue_depth", None, 1, 2) and a not in book.values
+
+
+def test_a_replica_ready_since_the_last_walk_counts_as_soon_as_it_reports():
+    cat = on_signal()
+    f = two_ready(cat)
+    book = SignalBook(owner_of(f), deployment_of(f))
+    a, b = sorted(rank0(f))
+    book.set_members({KEY: ("queue_depth", 1)})  # the walk saw one Ready replica
+    report(book, f, {a: 1.0}, now=1.0)
+    assert book.samples()[KEY] == Sample("queue_depth", 1.0, 1, 1)
+    report(book, f, {b: 1.0}, now=1.0)  # Ready since, and reporting: not left out until the next walk
+    assert book.samples()[KEY] == Sample("queue_depth", 2.0, 2, 2)
 
 
 def test_only_ready_replicas_count_and_none_ready_is_no_sample():
     cat = on_signal()
     f = Fleet("a", "b", gpus=1)
     f.step(cat, 0.0, replica_counts={KEY: 2})  # placed, not Ready
-    book = SignalBook(owner_of(f))
-    assert book.samples(cat, f.rec.book, 1.0, STALE, lambda n, e: True) == {KEY: Sample("queue_depth", None, 0, 0)}
+    book = SignalBook(owner_of(f), deployment_of(f))
+    assert sampled(book, cat, f, 1.0) == {KEY: Sample("queue_depth", None, 0, 0)}
 
 
 def test_a_node_cannot_report_for_a_replica_it_does_not_run():
     cat = on_signal()
     f = two_ready(cat)
-    book = SignalBook(owner_of(f))
+    book = SignalBook(owner_of(f), deployment_of(f))
     a, b = sorted(rank0(f))
     (node_a, _), (_, sid_b) = rank0(f)[a], rank0(f)[b]
     book.apply(node_a, 1, {"type": "engine_signals", "shards": [{"shard_id": sid_b, "signal": "queue_depth",

@@ -93,7 +93,7 @@ class Autoscaler:
                 scaler = self.scalers[dep.key] = Scaler(policy, start, now)
             if policy.signal != "outstanding":
                 sample = self.engine.get(dep.key)
-                value = None if sample is None else sample.total
+                value = None if sample is None or sample.signal != policy.signal else sample.total
             else:
                 value = None if totals is None else totals.get(dep.key, 0.0)
             if value is not None:

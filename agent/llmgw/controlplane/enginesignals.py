@@ -8,7 +8,8 @@ the stream and the time it came on, and makes one sample per deployment:
 
 - a value counts while the stream that carried it is the node's current one and
   it is no older than ``stale_after`` (the refresh plus two periods: an agent that
-  stopped reading, or whose engine stopped answering, is not believed for long);
+  stopped reading, or whose engine stopped answering, is not believed for long),
+  both checked once a period;
 - only Ready replicas count (a draining one finishes its own queue; one starting
   has none yet), and a Ready replica without a value that counts makes the sample
   *partial*: the autoscaler then takes no sample and its count holds, as for a
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmgw.catalog import Catalog
-from llmgw.controlplane.replicas import ReplicaBook, ReplicaState
+from llmgw.controlplane.replicas import READY, ReplicaBook, ReplicaState
 from llmgw.enginesignals import ENGINE_SIGNALS
 
 MAX_SHARDS = 256  # rank-0 shards named to one node (the stream schema's bound)
@@ -59,6 +60,7 @@ def timing(base: float, max_per_second: float, nodes: int) -> Timing:
 
 @dataclass(frozen=True)
 class Value:
+    key: str  # the replica's deployment
     node_id: str
     epoch: int  # the node's stream it came on
     signal: str
@@ -68,12 +70,12 @@ class Value:
 
 @dataclass(frozen=True)
 class Sample:
-    """One deployment's signal now: ``total`` over its Ready replicas, None unless every one reported."""
+    """One deployment's signal now: ``total`` over its replicas, None unless every Ready one reported."""
 
     signal: str
     total: float | None
-    reporting: int  # Ready replicas with a value that counts
-    replicas: int  # Ready replicas
+    reporting: int  # replicas with a value that counts
+    replicas: int  # Ready replicas (at least those reporting)
 
     @property
     def partial(self) -> bool:
@@ -81,69 +83,115 @@ class Sample:
 
 
 class SignalBook:
-    def __init__(self, owner: Callable[[str, str], str | None]) -> None:
-        """``owner(node_id, shard_id)``: the replica whose rank 0 that is, booked on that node; else None."""
-        self.owner = owner
+    """Replicas' last values, and per deployment their sum, kept as values arrive.
+
+    A control plane passes once a second over what it holds; walking 80,000 replicas for this on each
+    pass cost 180 ms (benchmarks/results/engine-signals.md). So each value moves its deployment's sum
+    as it is applied, and values gone stale, sent on a stream that is no longer the node's or of
+    replicas gone from the book are dropped by a sweep once a period, which also adds the sums up
+    afresh (``sweep``). How many replicas are Ready comes from a walk of the book at most once a period
+    (``set_members``), so it may lag: a replica Ready since that reports counts at once (the sample is
+    whole when as many report as were Ready), and one that left without a value makes the sample
+    partial until the next walk, which holds the count rather than drop it. A pass reads the sums
+    (``samples``): as many steps as deployments.
+    """
+
+    def __init__(self, owner: Callable[[str, str], str | None], deployment: Callable[[str], str | None]) -> None:
+        """``owner(node_id, shard_id)``: the replica whose rank 0 that is, booked on that node, else None;
+        ``deployment(replica_id)``: its deployment key, else None."""
+        self.owner, self.deployment = owner, deployment
         self.values: dict[str, Value] = {}  # replica id -> its last value
+        self.signal: dict[str, str] = {}  # deployment key -> its engine signal
+        self.ready: dict[str, int] = {}  # deployment key -> Ready replicas, as the last walk counted
+        self.sums: dict[str, list[float]] = {}  # deployment key -> [total, replicas counted]
+        self.swept_at = float("-inf")
         self.messages = 0  # engine_signals messages applied
         self.refused = 0  # entries for a shard the node does not run as a rank 0
+
+    def _move(self, v: Value | None, sign: int) -> None:
+        if v is not None and v.value is not None and self.signal.get(v.key) == v.signal:
+            acc = self.sums[v.key]
+            acc[0] += sign * v.value
+            acc[1] += sign
 
     def apply(self, node_id: str, epoch: int, msg: Mapping[str, Any], now: float) -> None:
         """A validated ``engine_signals`` from ``node_id``'s current stream (``epoch``), received at ``now``."""
         self.messages += 1
         for e in msg["shards"]:
             rid = self.owner(node_id, e["shard_id"])
-            if rid is None:
+            key = None if rid is None else self.deployment(rid)
+            if rid is None or key is None:
                 self.refused += 1
                 continue
             v = e["value"]
-            self.values[rid] = Value(node_id, epoch, e["signal"], None if v is None else float(v), now)
+            self._move(self.values.get(rid), -1)
+            self.values[rid] = new = Value(key, node_id, epoch, e["signal"], None if v is None else float(v), now)
+            self._move(new, +1)
 
-    def forget(self, keep: Iterable[str]) -> None:
-        """Drop the values of replicas not in ``keep`` (gone from the book)."""
-        keep = set(keep)
-        for rid in [r for r in self.values if r not in keep]:
+    def set_members(self, members: Mapping[str, tuple[str, int]]) -> None:
+        """Per deployment on an engine signal: (its signal, its Ready replicas), as a walk of the book saw."""
+        signal = {key: sig for key, (sig, _) in members.items()}
+        self.ready = {key: n for key, (_, n) in members.items()}
+        if signal != self.signal:
+            self.signal = signal
+            self._add_up()
+
+    def _add_up(self) -> None:
+        self.sums = {key: [0.0, 0] for key in self.signal}
+        for v in self.values.values():
+            self._move(v, +1)
+
+    def sweep(self, now: float, t: Timing, current: Callable[[str, int], bool], known: Callable[[str], bool]) -> None:
+        """Once a period: drop values older than ``t.stale_after``, from a stream no longer current, or of
+        replicas the book no longer has (``known``); then add the sums up afresh."""
+        if now - self.swept_at < t.period:
+            return
+        self.swept_at = now
+        for rid in [rid for rid, v in self.values.items()
+                    if now - v.at > t.stale_after or not current(v.node_id, v.epoch) or not known(rid)]:
             del self.values[rid]
+        self._add_up()
 
-    def samples(self, catalog: Catalog, book: ReplicaBook, now: float, stale_after: float,
-                current: Callable[[str, int], bool]) -> dict[str, Sample]:
-        """A sample per deployment that autoscales on an engine signal (``current(node, epoch)``: that
-        stream is the node's live one)."""
-        signals = {d.key: d.autoscale.signal for d in catalog.deployments
-                   if d.autoscale is not None and d.autoscale.signal in ENGINE_SIGNALS}
-        if not signals:
-            return {}
-        sums = {key: [0.0, 0, 0] for key in signals}  # total, reporting, replicas
-        for r in book.replicas.values():
-            acc = sums.get(r.key)
-            if acc is None or r.state is not ReplicaState.READY:
-                continue
-            acc[2] += 1
-            v = self.values.get(r.replica_id)
-            if (v is not None and v.value is not None and v.signal == signals[r.key]
-                    and now - v.at <= stale_after and current(v.node_id, v.epoch)):
-                acc[0] += v.value
-                acc[1] += 1
-        return {key: Sample(signals[key], total if 0 < reporting == n else None, reporting, n)
-                for key, (total, reporting, n) in sums.items()}
+    def samples(self) -> dict[str, Sample]:
+        """A sample per deployment on an engine signal: the sum when as many replicas count as are Ready."""
+        out = {}
+        for key, (total, counted) in self.sums.items():
+            n, c = self.ready.get(key, 0), int(counted)
+            out[key] = Sample(self.signal[key], total if c > 0 and c >= n else None, c, max(n, c))
+        return out
+
+
+def walk(catalog: Catalog, book: ReplicaBook) -> tuple[dict[str, tuple[tuple[str, str, float], ...]],
+                                                      dict[str, tuple[str, int]]]:
+    """One pass over the book for the deployments on an engine signal: per node, the rank-0 shards to read
+    (shard id, signal, dead band), every replica not retired; and per deployment, (signal, how many
+    replicas are Ready). The dead band is the rule's own tolerance of a replica's target: errors that small,
+    summed over the replicas, stay within the count's dead band."""
+    policies = {(d.model, d.profile): (d.key, d.autoscale.signal, d.autoscale.tolerance * d.autoscale.target)
+                for d in catalog.deployments if d.autoscale is not None and d.autoscale.signal in ENGINE_SIGNALS}
+    if not policies:
+        return {}, {}
+    want: dict[str, list[tuple[str, str, float]]] = {}
+    counts: dict[str, int] = {key: 0 for key, _, _ in policies.values()}
+    for r in book.replicas.values():  # 80,000 replicas at 10,000 nodes: the properties are spelled out
+        p = policies.get((r.model, r.profile))
+        if p is None or r.retired:
+            continue
+        s = r.shards.get(0)
+        if s is None or s.node_id is None:
+            continue
+        ready = s.state == READY
+        if ready or s.on_node:
+            want.setdefault(s.node_id, []).append((s.shard_id, p[1], p[2]))
+        if ready and r.failed_at is None and (r.nnodes == 1 or r.state is ReplicaState.READY):
+            counts[p[0]] += 1
+    return {n: tuple(sorted(v)) for n, v in want.items()}, {key: (sig, counts[key]) for key, sig, _ in
+                                                           policies.values()}
 
 
 def wanted(catalog: Catalog, book: ReplicaBook) -> dict[str, tuple[tuple[str, str, float], ...]]:
-    """Per node, the rank-0 shards to read: (shard id, signal, dead band), for every replica not retired of
-    a deployment on an engine signal. The dead band is the rule's own tolerance of a replica's target:
-    errors that small, summed over the replicas, stay within the count's dead band."""
-    policies = {d.key: d.autoscale for d in catalog.deployments
-                if d.autoscale is not None and d.autoscale.signal in ENGINE_SIGNALS}
-    out: dict[str, list[tuple[str, str, float]]] = {}
-    if not policies:
-        return {}
-    for r in book.replicas.values():
-        p = policies.get(r.key)
-        s = r.shards.get(0)
-        if p is None or r.retired or s is None or not s.on_node:
-            continue
-        out.setdefault(s.node_id, []).append((s.shard_id, p.signal, p.tolerance * p.target))  # type: ignore[arg-type]
-    return {n: tuple(sorted(v)) for n, v in out.items()}
+    """Per node, the rank-0 shards to read (``walk``)."""
+    return walk(catalog, book)[0]
 
 
 class Asked:
