@@ -49,6 +49,7 @@ def test_requests_waiting_in_the_engines_scale_the_deployment_up(tmp_path):
             (why,) = f.get("/v1/explain/tiny")["autoscale"]  # what `ctl explain tiny` prints first
             assert why["desired"] == 2 and "waiting in the engines" in why["text"], why
             assert why["engine_signal"]["signal"] == "queue_depth", why
+            shown = why["text"]
             samples = metric_samples(f)
             assert [v for lab, v in samples["llmgw_engine_signal_messages_total"]][0] > 0
             assert sum(v for _, v in samples["llmgw_autoscale_desired_replicas"]) == 2
@@ -59,4 +60,4 @@ def test_requests_waiting_in_the_engines_scale_the_deployment_up(tmp_path):
             busy.stop()
         assert busy.failures == [], busy.failures[:5]
         assert busy.count() > 0
-        print(f"\nqueue depth scaled 1 -> 2: {busy.count()} streams served, none failed")
+        print(f"\nqueue depth scaled 1 -> 2: {busy.count()} streams served, none failed\n{shown}")
