@@ -78,7 +78,8 @@ class FleetCollector(Collector):
                                    "Replicas the autoscaler wants, labelled with why (autoscale.REASONS)",
                                    labels=["model", "profile", "reason"])
         seen = GaugeMetricFamily("llmgw_autoscale_signal",
-                                 "The autoscaler's signal: requests in flight to the deployment, averaged per window "
+                                 "The autoscaler's signal: the deployment's total (requests in flight, or its engines' "
+                                 "queue depth or KV-cache use summed), averaged per window "
                                  "(stable, panic; ahead: expected one lead time from now, while it rises)",
                                  labels=["model", "profile", "window"])
         lead = GaugeMetricFamily("llmgw_autoscale_lead_seconds",
