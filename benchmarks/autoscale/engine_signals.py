@@ -10,8 +10,8 @@ stream's messages and bytes at 10,000 nodes, and the agent per read of an engine
   heartbeat costs all in (docs/scale.md) holds those; this is what the new message adds on top.
 - **Control plane, per pass**: over a book of 10,000 nodes x 8 Ready replicas, what every pass
   reads (``SignalBook.samples``: the sums kept as values arrive), the sweep once a period
-  (``SignalBook.sweep``) and the walk of each whole-fleet pass (``walk``, ``set_members``).
-- **The stream at 10,000 nodes**: the period the control plane tells (``enginesignals.timing``,
+  (``SignalBook.sweep``) and the walk of each whole-fleet pass (``enginesignals_ask.walk``, ``set_members``).
+- **The stream at 10,000 nodes**: the period the control plane tells (``enginesignals_ask.timing``,
   the defaults 5 s and 250 messages/s), the messages a second at worst (every value moving every
   period) and at rest (the refresh only), and their bytes, from the messages' own encoding.
 - **Agent, per read**: ``EngineSignals.once`` against a real engine simulator over HTTP (the
@@ -46,7 +46,8 @@ from llmgw.agent.enginesignals import EngineSignals, read_page
 from llmgw.agent.procident import read_stat
 from llmgw.agent.shardstate import ShardState
 from llmgw.catalog import Autoscale, Catalog, Deployment, Model, Profile
-from llmgw.controlplane.enginesignals import SignalBook, timing, walk
+from llmgw.controlplane.enginesignals import SignalBook
+from llmgw.controlplane.enginesignals_ask import timing, walk
 from llmgw.controlplane.messages import dumps, parse_up
 from llmgw.controlplane.replicas import READY, Replica, ReplicaBook, Shard
 from llmgw.enginesignals import read_signal

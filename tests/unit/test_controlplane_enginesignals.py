@@ -13,7 +13,8 @@ from reconciler_fleet import Fleet, catalog, make_ready
 from llmgw.agent.stream import incoming_problems
 from llmgw.catalog import Autoscale, Catalog
 from llmgw.controlplane.autoscaler import Autoscaler
-from llmgw.controlplane.enginesignals import Asked, Sample, SignalBook, Timing, timing, walk, wanted
+from llmgw.controlplane.enginesignals import Sample, SignalBook
+from llmgw.controlplane.enginesignals_ask import Asked, Timing, timing, walk, wanted
 from llmgw.controlplane.messages import MessageProblem, dumps, parse_up
 from llmgw.settings import parse_server_settings
 

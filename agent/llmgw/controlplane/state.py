@@ -34,7 +34,8 @@ from llmgw.controlplane.autoscale_sleep import SleepPlanner
 from llmgw.controlplane.autoscaler import Autoscaler, totals_by_deployment
 from llmgw.controlplane.ejections import EjectionBook, Verdict
 from llmgw.controlplane.endpointfeed import EndpointFeed
-from llmgw.controlplane.enginesignals import Asked, SignalBook, Timing, timing, walk
+from llmgw.controlplane.enginesignals import SignalBook
+from llmgw.controlplane.enginesignals_ask import Asked, Timing, timing, walk
 from llmgw.controlplane.grants import GrantKeys
 from llmgw.controlplane.lifecycle import Evaluation, ReplacementLimiter
 from llmgw.controlplane.lifecycletimers import LifecycleTimers
@@ -447,7 +448,7 @@ class ControlPlane:
         return self.autoscaler.counts(self.catalog, self.reconciler.book, now, totals, in_grace, engine)
 
     def signal_timing(self) -> Timing:
-        """The engine signals' period for the nodes asked now (``enginesignals.timing``)."""
+        """The engine signals' period for the nodes asked now (``enginesignals_ask.timing``)."""
         lc = self.settings.lifecycle
         return timing(lc.engine_signal_period, lc.max_engine_signals_per_second, self._signal_nodes)
 
