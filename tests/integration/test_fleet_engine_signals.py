@@ -8,9 +8,17 @@ on ``signal: queue_depth``: the control plane asks each agent to read its
 engine, the agent reads ``/metrics`` with the engine key and sends what moved,
 and the count goes from 1 to 2.  The control plane's view of the signal is in
 ``/v1/catalog``, ``ctl explain`` and ``/metrics``.
+
+Then the new replica's agent is killed as the load stops (its engine serves
+on): its value stops counting, the sample is partial and the count holds past
+the stable window and the cooldown, where an idle reading would have drained
+a replica.  Restarted, the agent is asked again, reports, and the deployment
+scales back to 1.
 """
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -27,7 +35,7 @@ AUTOSCALE = {"min": 1, "max": 2, "signal": "queue_depth", "target": 1, "stable_w
 
 def test_requests_waiting_in_the_engines_scale_the_deployment_up(tmp_path):
     with Fleet(tmp_path, nodes={"a": 1, "b": 1}, replicas=1, router=True, profile=PROFILE,
-               lifecycle={"startup_grace": 1.0, "engine_signal_period": 0.5}) as f:
+               lifecycle={"startup_grace": 1.0, "engine_signal_period": 0.5, "lost_after": 120.0}) as f:
         f.config["deployments"][0]["autoscale"] = AUTOSCALE
         f.write_config()
         f.start()
@@ -56,8 +64,23 @@ def test_requests_waiting_in_the_engines_scale_the_deployment_up(tmp_path):
             # the new replica's agent was asked to read its engine too: both count, and still queue
             until(lambda: seen().get("reporting") == seen().get("replicas") == 2, "both replicas' engines "
                   "reporting", on_timeout=f.dump)
+            (second,) = [r for r in two if r["replica_id"] != first["replica_id"]]
+            (node,) = [n for n, nid in f.node_ids.items() if nid == second["shards"][0]["node_id"]]
+            f.agents[node].kill()  # its engine keeps serving; nobody reads it now
         finally:
             busy.stop()
         assert busy.failures == [], busy.failures[:5]
         assert busy.count() > 0
-        print(f"\nqueue depth scaled 1 -> 2: {busy.count()} streams served, none failed\n{shown}")
+        until(lambda: seen().get("partial") is True and seen().get("reporting") == 1, "the silent agent's "
+              "replica to stop counting", on_timeout=f.dump)
+        # longer than the stable window and the cooldown: a reading of nothing waiting would have drained one
+        time.sleep(AUTOSCALE["stable_window"] + AUTOSCALE["scale_down_cooldown"] + 2)
+        (why,) = f.get("/v1/explain/tiny")["autoscale"]
+        assert why["desired"] == 2 and "1 of 2 Ready replica(s) reporting" in why["text"], why
+        assert len(f.ready_replicas()) == 2 and "scaled down" not in f.server.output(200000)
+        held = why["text"]
+        f.agents[node].start()  # adopts its engine, is asked again on its new stream, reports nothing waiting
+        until(lambda: len(f.replicas()["replicas"]) == 1, "the scale-down once every engine reports",
+              on_timeout=f.dump)
+        assert "draining, scaled down to tiny/sim x1" in f.server.output(200000)
+        print(f"\nqueue depth scaled 1 -> 2: {busy.count()} streams served, none failed\n{shown}\n{held}")

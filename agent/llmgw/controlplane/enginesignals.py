@@ -6,7 +6,7 @@ sent on its stream as ``engine_signals``: only values that moved beyond a dead
 band, everything once a refresh.  This book keeps each replica's last value with
 the stream and the time it came on, and makes one sample per deployment:
 
-- a value counts while the stream that carried it is the node's current one and
+- a value counts while the stream that carried it is the node's current one, open, and
   it is no older than ``stale_after`` (the refresh plus two periods: an agent that
   stopped reading, or whose engine stopped answering, is not believed for long),
   both checked once a period;
