@@ -32,6 +32,9 @@ from collections.abc import Mapping
 QUEUE_DEPTH = "queue_depth"
 KV_CACHE_USE = "kv_cache_use"
 ENGINE_SIGNALS = (QUEUE_DEPTH, KV_CACHE_USE)
+# The most a value may be on the stream (its schema's bound): a page claiming more is read as this
+# much, since a message the control plane's schema refuses would close the agent's stream.
+MAX_VALUE = 1_000_000.0
 
 # signal -> engine -> the gauge names to read, the first present on the page wins
 NAMES: Mapping[str, Mapping[str, tuple[str, ...]]] = {
@@ -72,5 +75,5 @@ def read_signal(text: str, engine: str, signal: str) -> float | None:
             if math.isfinite(v) and v >= 0:
                 values.append(v)
         if values:
-            return sum(values) if signal == QUEUE_DEPTH else max(values)
+            return min(MAX_VALUE, sum(values) if signal == QUEUE_DEPTH else max(values))
     return None

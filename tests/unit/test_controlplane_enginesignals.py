@@ -199,6 +199,11 @@ def test_a_large_fleet_is_told_a_longer_period_doubling(nodes, period):
     assert nodes / t.period <= 250.0
 
 
+def test_the_period_stops_doubling_where_the_stream_schema_ends():
+    assert timing(5.0, 250.0, 10**9).period == 2560.0
+    assert timing(3600.0, 0.001, 10**6).period == 3600.0
+
+
 def test_the_message_is_checked_at_its_pointer():
     ok = {"type": "engine_signals", "shards": [{"shard_id": "m.p.1-ab/r0", "signal": "kv_cache_use", "value": 0.5}]}
     assert parse_up(dumps(ok)) == ok

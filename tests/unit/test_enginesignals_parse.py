@@ -37,6 +37,7 @@ LLAMACPP = "# TYPE llamacpp:requests_deferred gauge\nllamacpp:requests_deferred 
     (SGLANG, "sglang", KV_CACHE_USE, 0.61),
     (LLAMACPP, "llamacpp", QUEUE_DEPTH, 2.0),
     ("vllm:num_requests_waiting 4 1700000000000\n", "vllm", QUEUE_DEPTH, 4.0),  # a timestamp after the value
+    ("vllm:num_requests_waiting 1e12\n", "vllm", QUEUE_DEPTH, 1e6),  # no more than the stream's schema takes
 ])
 def test_each_engines_page_gives_its_signal(page, engine, signal, value):
     assert read_signal(page, engine, signal) == pytest.approx(value)

@@ -23,6 +23,7 @@ from llmgw.controlplane.replicas import READY, ReplicaBook, ReplicaState
 from llmgw.enginesignals import ENGINE_SIGNALS
 
 MAX_SHARDS = 256  # rank-0 shards named to one node (the stream schema's bound)
+MAX_PERIOD = 3600.0  # seconds: the longest period the stream schema lets an agent be told
 REFRESH_PERIODS = 6  # every value is sent again at least this many periods apart
 STALE_PERIODS = 2  # ... and counts for this many periods past its refresh
 
@@ -39,7 +40,7 @@ def timing(base: float, max_per_second: float, nodes: int) -> Timing:
     ``max_per_second`` messages even if every value moved every period.  Doubling, not dividing:
     a period that moved with every node placed would be sent to every node again each time."""
     period = base
-    while nodes / period > max_per_second:
+    while nodes / period > max_per_second and period * 2 <= MAX_PERIOD:
         period *= 2
     refresh = REFRESH_PERIODS * period
     return Timing(period, refresh, refresh + STALE_PERIODS * period)
