@@ -43,6 +43,8 @@ class Lifecycle:
     max_unreachable_share: float = 0.55
     replacements_per_minute: int = 10
     max_heartbeats_per_second: float = 500.0
+    engine_signal_period: float = 5.0  # seconds between agents' reads of engine signals (autoscale on one)
+    max_engine_signals_per_second: float = 250.0  # the fleet's engine_signals messages at most: the period stretches
     stream_grace: float = 60.0
     max_registrations_per_second: float = 500.0
     max_loop_lag: float = 3.0
@@ -377,6 +379,29 @@ def _autoscale_errors(doc: dict[str, Any]) -> list[ConfigError]:
                                       f"stable_window ({a['stable_window']}s): the panic window is the short one"))
         if isinstance(a.get("sleep"), dict):
             errors += _sleep_errors(doc, d, f"{where}/sleep")
+        errors += _signal_errors(doc, d, a, where)
+    return errors
+
+
+def _signal_errors(doc: dict[str, Any], dep: dict[str, Any], a: dict[str, Any], where: str) -> list[ConfigError]:
+    """An engine signal needs an engine that exposes it and one to read (min >= 1); KV use is a fraction."""
+    from llmgw.enginesignals import ENGINE_SIGNALS, KV_CACHE_USE, engines_for
+
+    signal = a["signal"]
+    if signal not in ENGINE_SIGNALS:
+        return []
+    errors = []
+    engine = next((p.get("engine") for p in doc.get("profiles", ()) if p.get("name") == dep["profile"]), None)
+    if isinstance(engine, str) and engine not in engines_for(signal):
+        errors.append(ConfigError(f"{where}/signal", f"profile {dep['profile']!r} runs {engine}, whose metrics "
+                                  f"have no {signal} (engines that have: {', '.join(engines_for(signal))}); "
+                                  "use another signal or profile"))
+    if a["min"] < 1:
+        errors.append(ConfigError(f"{where}/min", f"{signal} is read from the deployment's engines: min must be "
+                                  "at least 1 (with none running nothing can be read)"))
+    if signal == KV_CACHE_USE and a["target"] > 1:
+        errors.append(ConfigError(f"{where}/target", f"{a['target']:g} is not a share of the KV cache: "
+                                  "kv_cache_use's target is a fraction, at most 1 (e.g. 0.7)"))
     return errors
 
 

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import platform
@@ -67,6 +66,7 @@ def _sibling(name: str):
 
 rp = _sibling("replay")
 tr = _sibling("trace")
+machine = _sibling("machine")
 
 from llmgw.agent.procident import read_stat  # noqa: E402
 from llmgw.catalog import Autoscale  # noqa: E402
@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     flags = " ".join(a for a in (argv if argv is not None else sys.argv[1:]))
     r = {
         "meta": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
-                 "cpu_model": _cpu_model(), "python": platform.python_version(), "quick": q, "seeds": seeds,
+                 "cpu_model": machine.cpu_model(), "python": platform.python_version(), "quick": q, "seeds": seeds,
                  "day_s": day, "peak_rps": peak, "lead_s": LEAD_S, "objective_ttft_p99_s": OBJECTIVE_S,
                  "window_s": WINDOW_S, "engine": dataclasses.asdict(engine),
                  "policy": dataclasses.asdict(policy),
@@ -373,22 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     md = report(r)
     print(md)
     if not args.no_write:
-        from llmgw.durable import write_atomic  # noqa: PLC0415
-        out = Path(args.out_dir)
-        write_atomic(out / "autoscale.json", (json.dumps(r, indent=2) + "\n").encode(), mode=0o644)
-        write_atomic(out / "autoscale.md", md.encode(), mode=0o644)
+        machine.write_results(args.out_dir, "autoscale", r, md)
     return 0
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ Where the simulator differs on purpose, or cannot follow (what it does not model
 difference is listed in ``ALLOWED`` below with its reason, and in docs/testing.md.
 
 The same real engine's ``/metrics`` holds every ``vllm:*`` name the Grafana dashboard queries
-and every name the agent's liveness check reads.
+and every name the agent's liveness check and engine signals read.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import vllmcpu
 from llmgw.agent.liveness import PENDING, PROGRESS
+from llmgw.enginesignals import ENGINE_SIGNALS, NAMES
 from realvllm import SHARED_AUTH, SHARED_KEY, SHARED_MAX_LEN
 from realvllm import tiny_hf_model, vllm_python  # noqa: F401 (fixtures; shared_vllm is conftest's)
 from simproc import SimProcess, start_sim_argv
@@ -345,11 +346,12 @@ def test_metric_families_names_types_and_labels(pair):
     assert diffs == [], "the simulator's /metrics differs from vLLM's:\n" + "\n".join(diffs)
 
 
-def test_the_dashboard_and_the_liveness_check_read_names_the_real_engine_exports(pair):
+def test_the_dashboard_the_liveness_check_and_the_engine_signals_read_names_the_real_engine_exports(pair):
     real = scrape(f"{pair.real.url}/metrics")
     wanted = {n: sorted(p) for n, p in dashboard_metrics().items() if n.startswith("vllm:")}
     assert wanted, "the dashboard queries no vLLM metric"
     wanted.update({n: ["liveness"] for n in (*PENDING["vllm"], *PROGRESS["vllm"])})
+    wanted.update({NAMES[signal]["vllm"][0]: [f"autoscale.signal {signal}"] for signal in ENGINE_SIGNALS})
     missing = {n: p for n, p in wanted.items() if n not in real}
     assert missing == {}, f"names the real vLLM does not export: {missing}"
     sim = scrape(f"{pair.sim.url}/metrics")

@@ -52,6 +52,7 @@ from llmgw import __version__, compat
 from llmgw.agent import procident
 from llmgw.agent.backoff import Backoff
 from llmgw.agent.controlplanes import Addresses, DeposedLeader, LeaderFence, leader_hint
+from llmgw.agent.enginesignals import EngineSignals
 from llmgw.agent.enginesleep import EngineSleep
 from llmgw.agent.schema import definition_problems
 from llmgw.agent.supervisor import Supervisor
@@ -62,8 +63,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_GRACE = 60.0  # seconds past a ping an agent waits for a word before ``registered`` says otherwise
 MAX_RETRY_AFTER = 300.0  # the longest Retry-After obeyed (a server's mistake must not park a node for hours)
-DOWN_TYPES = ("registered", "liveness", "accepts", "answers_heartbeats", "kv_routes_accepted", "start", "stop",
-              "drain", "sleep", "wake", "error")
+DOWN_TYPES = ("registered", "liveness", "accepts", "answers_heartbeats", "kv_routes_accepted",
+              "engine_signals_wanted", "start", "stop", "drain", "sleep", "wake", "error")
 
 Discover = Callable[[], Awaitable[HardwareInventory]]
 
@@ -108,6 +109,7 @@ class StreamClient:
         self.ssl_context = ssl_context
         self.supervisor = supervisor
         self.engine_sleep = EngineSleep(supervisor)  # the control plane's sleep and wake of engines
+        self.engine_signals = EngineSignals(supervisor, self.send)  # queue depth, KV use: only when asked
         self.discover = discover
         self.backoff = Backoff(reconnect_initial, reconnect_max)
         self.keepalive = keepalive
@@ -288,6 +290,7 @@ class StreamClient:
                 log.warning("stream closed (code %s)", ws.close_code)
             finally:
                 self._queue = None
+                self.engine_signals.stop()  # the next control plane says what it wants, if anything
                 for t in (sender, heartbeat, rediscovery, pinger):
                     if t is not None:
                         t.cancel()
@@ -401,6 +404,8 @@ class StreamClient:
                       self._ping_interval())
         elif kind == "kv_routes_accepted":
             self.on_kv_routes_accepted(msg)
+        elif kind == "engine_signals_wanted":
+            self.engine_signals.want(msg)
         elif kind == "start":
             try:
                 self.supervisor.start(msg["spec"])

@@ -62,6 +62,9 @@ MIN = "min"  # clamped up to min
 MAX = "max"  # clamped down to max
 QUARTERS = 4  # the stable window's parts that must each rise on the one before for a trend to count
 NOISE = 3.0  # standard errors of the two quarters' scatter a rise must exceed
+# what the signal's total is, in ``ctl explain`` (a deployment's total: the target is per replica)
+SEEN = {"outstanding": "in flight", "queue_depth": "waiting in the engines",
+        "kv_cache_use": "KV-cache use summed over the replicas"}
 REASONS = (START, NO_SIGNAL, STABLE, PANIC, AHEAD, TOLERANCE, MEASURING, COOLDOWN, REVERSAL, STEP, MIN, MAX)
 
 
@@ -78,7 +81,7 @@ class Decision:
 
     def explain(self, policy: Autoscale) -> str:
         seen = ("nothing measured yet" if self.stable is None else
-                f"{self.stable:.2f} in flight over {policy.stable_window:g}s, "
+                f"{self.stable:.2f} {SEEN.get(policy.signal, policy.signal)} over {policy.stable_window:g}s, "
                 f"{self.panic:.2f} over {policy.panic_window:g}s, target {policy.target:g} per replica"
                 + (f", {self.ahead:.2f} expected in {self.lead:.0f}s (a new replica's start)"
                    if self.ahead is not None and self.lead is not None else "")

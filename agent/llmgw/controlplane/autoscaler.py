@@ -12,6 +12,11 @@ start and the replicas already reported (clamped): adopted replicas are not
 drained only because nothing was measured yet.  The first scaler starts
 from that count when the grace ends.
 
+A deployment on an engine signal (``queue_depth``, ``kv_cache_use``) is fed
+its ``enginesignals.Sample`` instead, whatever the routers say; a partial
+sample (a Ready replica without a fresh value) is no sample, and its count
+holds.  The last sample of each is kept for ``ctl explain`` and the metrics.
+
 Each scaler is told its deployment's lead time, how long its last replicas
 took from placement to Ready as this control plane saw them
 (``autoscale_lead``), so a rising signal is followed that far ahead.
@@ -31,6 +36,7 @@ from llmgw.catalog import Catalog
 from llmgw.controlplane.autoscale import Decision, Scaler
 from llmgw.controlplane.autoscale_budget import Budget, Grant, claims_of
 from llmgw.controlplane.autoscale_lead import LeadTimes
+from llmgw.controlplane.enginesignals import Sample
 from llmgw.controlplane.replicas import ReplicaBook
 
 
@@ -55,13 +61,17 @@ class Autoscaler:
         self.budget = Budget()
         self.grants: dict[str, Grant] = {}  # the last pass's, by deployment key (only with a budget)
         self.leads = LeadTimes()
+        self.engine: dict[str, Sample] = {}  # the last pass's engine-signal samples, by deployment key
 
     def counts(self, catalog: Catalog, book: ReplicaBook, now: float, totals: Mapping[str, float] | None,
-               in_grace: bool = False) -> dict[str, int]:
-        """The replica count of every autoscaled deployment, having fed it ``totals``.
+               in_grace: bool = False, engine: Mapping[str, Sample] | None = None) -> dict[str, int]:
+        """The replica count of every autoscaled deployment, having fed it ``totals`` (the routers' requests
+        in flight) or, for a deployment on an engine signal, its sample in ``engine``.
 
-        ``totals`` None: no signal this pass (no router); the counts stay.
+        ``totals`` None: no router signal this pass (no router, one silent); those counts stay. A
+        deployment on an engine signal without a whole sample keeps its count too.
         """
+        self.engine = dict(engine or {})
         out: dict[str, int] = {}
         keys = {dep.key for dep in catalog.deployments if dep.autoscale is not None}
         self.leads.note(book, keys)
@@ -81,8 +91,13 @@ class Autoscaler:
                 live = sum(1 for r in book.live() if r.key == dep.key)
                 start = scaler.desired if scaler is not None else max(dep.replicas, live)
                 scaler = self.scalers[dep.key] = Scaler(policy, start, now)
-            if totals is not None:
-                scaler.observe(now, totals.get(dep.key, 0.0))
+            if policy.signal != "outstanding":
+                sample = self.engine.get(dep.key)
+                value = None if sample is None or sample.signal != policy.signal else sample.total
+            else:
+                value = None if totals is None else totals.get(dep.key, 0.0)
+            if value is not None:
+                scaler.observe(now, value)
                 scaler.decide(now, self.leads.lead(dep.key))
             out[dep.key] = scaler.desired
         for key in set(self.scalers) - keys:
@@ -97,6 +112,10 @@ class Autoscaler:
     def decision(self, key: str) -> Decision | None:
         s = self.scalers.get(key)
         return s.decision if s is not None else None
+
+    def sample(self, key: str) -> Sample | None:
+        """The deployment's last engine-signal sample (None: it scales on the routers' load)."""
+        return self.engine.get(key)
 
     def grant(self, key: str) -> Grant | None:
         """What the fleet GPU budget granted the deployment last pass (None: no budget)."""

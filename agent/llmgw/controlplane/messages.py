@@ -13,7 +13,7 @@ from typing import Any
 from llmgw.config import fast_check, schema_errors
 from llmgw.protocol import MAX_MESSAGE
 
-UP_TYPES = ("register", "heartbeat", "shard_status", "progress", "hardware", "kv_routes")
+UP_TYPES = ("register", "heartbeat", "shard_status", "progress", "hardware", "kv_routes", "engine_signals")
 SHOWN_ERRORS = 5  # errors named in the refusal; validation stops looking after one more
 # No array in an agent's message is anywhere near this long (a node has a few GPUs and shards);
 # checked before the schema, whose validation of a 4 MiB array of valid items would hold the

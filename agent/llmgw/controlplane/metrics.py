@@ -78,7 +78,8 @@ class FleetCollector(Collector):
                                    "Replicas the autoscaler wants, labelled with why (autoscale.REASONS)",
                                    labels=["model", "profile", "reason"])
         seen = GaugeMetricFamily("llmgw_autoscale_signal",
-                                 "The autoscaler's signal: requests in flight to the deployment, averaged per window "
+                                 "The autoscaler's signal: the deployment's total (requests in flight, or its engines' "
+                                 "queue depth or KV-cache use summed), averaged per window "
                                  "(stable, panic; ahead: expected one lead time from now, while it rises)",
                                  labels=["model", "profile", "window"])
         lead = GaugeMetricFamily("llmgw_autoscale_lead_seconds",
@@ -88,7 +89,21 @@ class FleetCollector(Collector):
                                     "Replicas the fleet GPU budget grants the deployment (autoscale_budget), "
                                     "labelled with why (autoscale_budget.REASONS)",
                                     labels=["model", "profile", "reason"])
+        engine = GaugeMetricFamily("llmgw_autoscale_engine_signal",
+                                   "A deployment's engine signal as last sampled: requests waiting in its engines, or "
+                                   "their KV-cache use summed (autoscale.signal queue_depth, kv_cache_use); absent "
+                                   "while the sample is partial", labels=["model", "profile", "signal"])
+        reporting = GaugeMetricFamily("llmgw_autoscale_engine_signal_replicas",
+                                      "Ready replicas of a deployment on an engine signal by whether a fresh value "
+                                      "of theirs counts (reporting) or not (missing: the count holds)",
+                                      labels=["model", "profile", "state"])
         for dep in cp.catalog.deployments:
+            sample = cp.autoscaler.sample(dep.key)
+            if sample is not None:
+                if sample.total is not None:
+                    engine.add_metric([dep.model, dep.profile, sample.signal], sample.total)
+                reporting.add_metric([dep.model, dep.profile, "reporting"], sample.reporting)
+                reporting.add_metric([dep.model, dep.profile, "missing"], sample.replicas - sample.reporting)
             d = cp.autoscaler.decision(dep.key)
             if dep.autoscale is None or d is None:
                 continue
@@ -103,7 +118,12 @@ class FleetCollector(Collector):
             g = cp.autoscaler.grant(dep.key)
             if g is not None:
                 granted.add_metric([dep.model, dep.profile, g.reason], g.granted)
-        yield from (scaled, seen, lead, granted)
+        messages = CounterMetricFamily("llmgw_engine_signal_messages", "engine_signals messages applied from agents")
+        messages.add_metric([], cp.engine_signals.messages)
+        refused = CounterMetricFamily("llmgw_engine_signal_refused",
+                                      "engine_signals entries refused: a shard the node does not run as a rank 0")
+        refused.add_metric([], cp.engine_signals.refused)
+        yield from (scaled, seen, lead, granted, engine, reporting, messages, refused)
 
         damped = GaugeMetricFamily("llmgw_fleet_damped", "1 while too many nodes are unreachable to declare any lost")
         damped.add_metric([], 1.0 if cp.evaluation.damped else 0.0)

@@ -34,6 +34,8 @@ from llmgw.controlplane.autoscale_sleep import SleepPlanner
 from llmgw.controlplane.autoscaler import Autoscaler, totals_by_deployment
 from llmgw.controlplane.ejections import EjectionBook, Verdict
 from llmgw.controlplane.endpointfeed import EndpointFeed
+from llmgw.controlplane.enginesignals import SignalBook
+from llmgw.controlplane.enginesignals_ask import Asked, Timing, timing, walk
 from llmgw.controlplane.grants import GrantKeys
 from llmgw.controlplane.lifecycle import Evaluation, ReplacementLimiter
 from llmgw.controlplane.lifecycletimers import LifecycleTimers
@@ -113,6 +115,11 @@ class ControlPlane:
         self.sizes = WeightSizes(lambda: self.clock(), lambda: self.kick())  # placement waits on and reads these
         self.unplaced: dict[tuple[str, int], str] = {}
         self.autoscaler = Autoscaler()
+        # the engines' queue depth and KV-cache use, as agents report them (autoscale on an engine signal)
+        self.engine_signals = SignalBook(self._rank0_replica, self._deployment_of)
+        self.signals_asked = Asked()  # what each node's stream was told to read (engine_signals_wanted)
+        self._signal_nodes = 0  # nodes asked to read engine signals (the period stretches with them)
+        self._walked: tuple[float, Catalog | None, dict[str, int]] = (float("-inf"), None, {})  # the last walk's
         # The in-process router's requests in flight per replica id (``RouterHook.outstanding``): the
         # autoscaler's signal with the standalone routers' reports (``router_load``).  None without an
         # in-process router: the reports alone then (with neither, autoscaled counts stay put).
@@ -232,6 +239,11 @@ class ControlPlane:
                 log.debug("kv_routes from %s: %s", node_id, json.dumps(msg, separators=(",", ":")))
             self.route_keys.apply(node_id, msg, self.clock())
             return True
+        if msg["type"] == "engine_signals":  # news of the engines' load only, not of the node's health
+            if not self.streams.is_current(node_id, epoch):
+                return False
+            self.engine_signals.apply(node_id, epoch, msg, self.clock())
+            return True
         return self.streams.message(node_id, epoch, msg)
 
     def _rank0_replica(self, node_id: str, shard_id: str) -> str | None:
@@ -241,6 +253,15 @@ class ControlPlane:
         if s is None or s.rank != 0 or book.strays.get((node_id, shard_id)) is s:
             return None
         return s.replica_id
+
+    def _stream_open(self, node_id: str, epoch: int) -> bool:
+        """Whether ``epoch`` is the node's stream and it is still open (a closed one says nothing more)."""
+        rec = self.nodes.get(node_id)
+        return rec is not None and rec.epoch == epoch and rec.connected
+
+    def _deployment_of(self, replica_id: str) -> str | None:
+        r = self.reconciler.book.replicas.get(replica_id)
+        return None if r is None else r.key
 
     def frame(self, node_id: str, epoch: int) -> None:
         """A ping or pong on the node's current stream: the connection is alive (its silence is not reset)."""
@@ -362,6 +383,7 @@ class ControlPlane:
         self.endpoint_feed.publish(self._endpoints(views))
         for rid in [r for r in self.route_keys.replicas if r not in self.reconciler.book.replicas]:
             self.route_keys.forget(rid)
+        self._ask_for_engine_signals(now)
         self.gate.settled = (not plan.unplaced and not plan.drain_blocked and not plan.actions
                              and self.reconciler.book.settled())
         return plan
@@ -423,7 +445,37 @@ class ControlPlane:
             totals = totals_by_deployment(merged, self.reconciler.book)
         self._silent_routers = silent
         self._totals = totals
-        return self.autoscaler.counts(self.catalog, self.reconciler.book, now, totals, in_grace)
+        engine = None
+        if not in_grace:
+            self.engine_signals.sweep(now, self.signal_timing(), self._stream_open,
+                                      self.reconciler.book.replicas.__contains__)
+            engine = self.engine_signals.samples()
+        return self.autoscaler.counts(self.catalog, self.reconciler.book, now, totals, in_grace, engine)
+
+    def signal_timing(self) -> Timing:
+        """The engine signals' period for the nodes asked now (``enginesignals_ask.timing``)."""
+        lc = self.settings.lifecycle
+        return timing(lc.engine_signal_period, lc.max_engine_signals_per_second, self._signal_nodes)
+
+    def _ask_for_engine_signals(self, now: float) -> None:
+        """Tell each connected node which engines to read for autoscaling, when that changed (``Asked``), and
+        the signals' book which replicas are Ready. The walk over the book takes about 100 ms at 80,000
+        replicas, so it runs at most once a period in the whole-fleet passes, sooner only for a new stream
+        or a reloaded catalog: a replica placed or Ready since waits for it at most a period."""
+        epochs = {n: s.epoch for n, s in self.sessions.items()}
+        fresh = (self.catalog is self._walked[1] and epochs == self._walked[2]
+                 and now - self._walked[0] < self.signal_timing().period)
+        if fresh:
+            return
+        self._walked = (now, self.catalog, epochs)
+        want, members = walk(self.catalog, self.reconciler.book)
+        self.engine_signals.set_members(members)
+        if not want and not self.signals_asked.told:
+            return
+        self._signal_nodes = len(want)
+        t = self.signal_timing()
+        for node_id, msg in self.signals_asked.messages(want, epochs, t):
+            self.sessions[node_id].send({**msg, **self.leader_fields()})
 
     def _sleep_and_wake(self, now: float, in_grace: bool, counts: dict[str, int]) -> None:
         """Scale to sleep: feed the planner the router's load, send the agents what it decides."""

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from llmgw.catalog import Catalog
+from llmgw.controlplane.autoscale import SEEN
 from llmgw.controlplane.listquery import ListQuery, page
 from llmgw.controlplane.reconcile.placement import placed_nodes
 from llmgw.controlplane.reconciler import capacities, placement_request
@@ -282,7 +283,29 @@ def autoscale_view(cp: ControlPlane, dep: Any) -> dict[str, Any]:
         "reason": d.reason if d is not None else "start",
         "wanted": d.wanted if d is not None else None,
         "lead_s": d.lead if d is not None else None,
+        "engine_signal": engine_signal_view(cp.autoscaler.sample(dep.key)),
         "budget": None if g is None else {"desired": g.desired, "granted": g.granted, "reason": g.reason}}}
+
+
+def engine_signal_view(sample: Any) -> dict[str, Any] | None:
+    """What the autoscaler last saw of a deployment's engine signal (None: it scales on the routers' load):
+    ``total`` over its Ready replicas (None while ``partial``: some Ready replica has no fresh value)."""
+    if sample is None:
+        return None
+    return {"signal": sample.signal, "total": sample.total, "reporting": sample.reporting,
+            "replicas": sample.replicas, "partial": sample.partial}
+
+
+def engine_signal_line(sample: Any) -> str:
+    """The explain line's note on an engine signal's last sample ('' for the routers' load)."""
+    if sample is None:
+        return ""
+    if sample.replicas == 0:
+        return "; engines: no Ready replica to read, the count holds"
+    if sample.partial:
+        return (f"; engines: {sample.reporting} of {sample.replicas} Ready replica(s) reporting, "
+                "the count holds until all do")
+    return f"; engines now: {sample.total:.2f} {SEEN[sample.signal]} ({sample.replicas} replica(s) reporting)"
 
 
 def weights_line(weights: dict[str, Any], source: str, cp: ControlPlane) -> str:
@@ -379,9 +402,12 @@ def explain_view(cp: ControlPlane, model: str) -> dict[str, Any] | None:
             text = (d.explain(dep.autoscale) if d is not None else
                     f"autoscale {dep.autoscale.min}..{dep.autoscale.max}: {desired} replica(s) "
                     "(start; measuring after the startup grace)")
+            sample = cp.autoscaler.sample(dep.key)
+            text += engine_signal_line(sample)
             scaling.append({"deployment": dep.key, "desired": desired,
                             "reason": d.reason if d is not None else "start",
                             "signal": None if d is None else {"stable": d.stable, "panic": d.panic},
+                            "engine_signal": engine_signal_view(sample),
                             "budget": None if g is None else {"desired": g.desired, "granted": g.granted,
                                                               "reason": g.reason, "winners": list(g.winners)},
                             "text": text if g is None else f"{text}; {g.explain()}"})

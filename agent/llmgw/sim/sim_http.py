@@ -130,7 +130,7 @@ class SimState:
         self.knobs = knobs
         self.model_name = cfg.served_names[0]
         self.max_model_len = cfg.max_model_len or knobs.max_model_len
-        self.metrics = SimMetrics(self.model_name)
+        self.metrics = SimMetrics(self.model_name, dialect=cfg.dialect)
         self.kv = KVCache(cfg.num_gpu_blocks or knobs.prefix_cache_blocks, cfg.block_size,
                           enable_caching=cfg.enable_prefix_caching, record_events=publisher is not None)
         self.publisher = publisher
@@ -205,7 +205,7 @@ class SimState:
         finally:
             self._set_waiting(-1)
         self.running += 1
-        self.metrics.running.set(self.running)
+        self.metrics.set_running(self.running)
         run = Run(allocs, sum(a.cached_tokens for a in allocs))
         m = self.metrics
         first_token = None
@@ -228,7 +228,7 @@ class SimState:
             yield run
         finally:
             self.running -= 1
-            m.running.set(self.running)
+            m.set_running(self.running)
             if not run.held:
                 self._release(run.allocs, run.generated)
             self._slots.release()
@@ -247,8 +247,7 @@ class SimState:
 
     def _set_waiting(self, delta: int) -> None:
         self.waiting += delta
-        self.metrics.waiting.set(self.waiting)
-        self.metrics.waiting_capacity.set(self.waiting)
+        self.metrics.set_waiting(self.waiting)
 
     async def _kv_admit(self, ids: list[int] | list[str], max_new: int) -> Allocation:
         if not self._kv_waiters:
@@ -301,7 +300,7 @@ class SimState:
             m.prefix_queries.inc(kv.queries - q)
             m.prefix_hits.inc(kv.hits - h)
             self._seen = (kv.queries, kv.hits)
-        m.kv_cache_usage.set(kv.usage())
+        m.set_kv_usage(kv.usage())
         if self.publisher is not None:
             self.publisher.publish(kv.drain())
 

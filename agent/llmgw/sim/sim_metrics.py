@@ -4,7 +4,11 @@ vLLM declares counters without the ``_total`` suffix (``vllm:prompt_tokens``);
 prometheus_client appends it on the wire, exactly as here.  Labels are
 ``model_name`` (the first served name) and ``engine`` (the engine index, "0").
 Every dialect exposes these vLLM names: the simulator imitates one metrics
-surface, not three.
+surface, not three.  Beside them the SGLang and llama-server dialects expose
+their engine's own gauges of the scheduler's state (requests running and
+waiting, and SGLang's KV use), the ones an agent reads for autoscaling on an
+engine signal (``llmgw.enginesignals``), under the names and labels the pinned
+releases use; they move with the vLLM ones (``set_running`` and the others).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class SimMetrics:
-    def __init__(self, model_name: str, engine: str = "0") -> None:
+    def __init__(self, model_name: str, engine: str = "0", dialect: str = "vllm") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name", "engine"]
         values = (model_name, engine)
@@ -93,6 +97,23 @@ class SimMetrics:
             registry=self.registry,
         )
         self._success = {r: success.labels(*values, r) for r in ("stop", "length", "abort")}
+        self.own = DialectGauges(self.registry, model_name, dialect)
+
+    def set_running(self, n: int) -> None:
+        self.running.set(n)
+        if self.own.running is not None:
+            self.own.running.set(n)
+
+    def set_waiting(self, n: int) -> None:
+        self.waiting.set(n)
+        self.waiting_capacity.set(n)
+        if self.own.waiting is not None:
+            self.own.waiting.set(n)
+
+    def set_kv_usage(self, share: float) -> None:
+        self.kv_cache_usage.set(share)
+        if self.own.kv_usage is not None:
+            self.own.kv_usage.set(share)
 
     def nixl(self) -> "NixlMetrics":
         """vLLM's NIXL connector metrics (kv_connector/v1/nixl/stats.py), registered only with a connector."""
@@ -176,3 +197,30 @@ class SGLangDisaggMetrics:
             "sglang:kv_transfer_latency_ms", "Histogram of KV cache transfer latency in ms.", labels,
             buckets=[1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000], registry=registry,
         ).labels(*values)
+
+
+class DialectGauges:
+    """The scheduler gauges of the dialect's own engine, None where it has none (vLLM's are SimMetrics' own).
+
+    SGLang 0.5.23 (srt/observability/metrics_collector.py): ``sglang:num_running_reqs``,
+    ``sglang:num_queue_reqs``, ``sglang:token_usage``, labelled as its scheduler labels them
+    (engine_type "unified" outside a prefill/decode pair). llama-server (tools/server/server.cpp):
+    ``llamacpp:requests_processing``, ``llamacpp:requests_deferred``, no labels; it has no KV-use gauge.
+    """
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, dialect: str) -> None:
+        self.running = self.waiting = self.kv_usage = None
+        if dialect == "sglang":
+            labels = ["model_name", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank"]
+            values = (model_name, "unified", "0", "0", "0")
+
+            def gauge(name: str, doc: str):
+                return Gauge(name, doc, labels, registry=registry).labels(*values)
+
+            self.running = gauge("sglang:num_running_reqs", "The number of running requests.")
+            self.waiting = gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.")
+            self.kv_usage = gauge("sglang:token_usage", "The token usage.")
+        elif dialect == "llamacpp":
+            self.running = Gauge("llamacpp:requests_processing", "Number of requests processing.",
+                                 registry=registry)
+            self.waiting = Gauge("llamacpp:requests_deferred", "Number of requests deferred.", registry=registry)
