@@ -50,6 +50,11 @@ class NodeStreams:
         rec = self.nodes.get(node_id)
         return rec is not None and rec.epoch == epoch
 
+    def is_open(self, node_id: str, epoch: int) -> bool:
+        """``is_current``, and the stream still open (a closed one says nothing more)."""
+        rec = self.nodes.get(node_id)
+        return rec is not None and rec.epoch == epoch and rec.connected
+
     def register(self, msg: dict[str, Any], session: Session, peer: str | None = None,
                  certificate: dict[str, Any] | None = None) -> int:
         """A validated, identity-checked ``register``: open a new epoch for the node.

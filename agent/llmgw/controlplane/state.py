@@ -254,11 +254,6 @@ class ControlPlane:
             return None
         return s.replica_id
 
-    def _stream_open(self, node_id: str, epoch: int) -> bool:
-        """Whether ``epoch`` is the node's stream and it is still open (a closed one says nothing more)."""
-        rec = self.nodes.get(node_id)
-        return rec is not None and rec.epoch == epoch and rec.connected
-
     def _deployment_of(self, replica_id: str) -> str | None:
         r = self.reconciler.book.replicas.get(replica_id)
         return None if r is None else r.key
@@ -447,7 +442,7 @@ class ControlPlane:
         self._totals = totals
         engine = None
         if not in_grace:
-            self.engine_signals.sweep(now, self.signal_timing(), self._stream_open,
+            self.engine_signals.sweep(now, self.signal_timing(), self.streams.is_open,
                                       self.reconciler.book.replicas.__contains__)
             engine = self.engine_signals.samples()
         return self.autoscaler.counts(self.catalog, self.reconciler.book, now, totals, in_grace, engine)
