@@ -14,7 +14,7 @@ from llmgw.agent.stream import incoming_problems
 from llmgw.catalog import Autoscale, Catalog
 from llmgw.controlplane.autoscaler import Autoscaler
 from llmgw.controlplane.enginesignals import Sample, SignalBook
-from llmgw.controlplane.enginesignals_ask import Asked, Timing, timing, walk, wanted
+from llmgw.controlplane.enginesignals_ask import Asked, Timing, timing, walk
 from llmgw.controlplane.messages import MessageProblem, dumps, parse_up
 from llmgw.settings import parse_server_settings
 
@@ -173,10 +173,10 @@ def test_the_explain_line_says_what_the_engines_showed():
 def test_each_node_is_asked_for_its_rank0_shards_with_the_rules_tolerance_as_dead_band():
     cat = on_signal(tolerance=0.25)
     f = two_ready(cat)
-    want = wanted(cat, f.rec.book)
+    want = walk(cat, f.rec.book)[0]
     assert {n: [(sid, sig, band) for sid, sig, band in v] for n, v in want.items()} == {
         node: [(sid, "queue_depth", 0.5)] for node, sid in rank0(f).values()}
-    assert wanted(catalog(replicas=2), f.rec.book) == {}  # routers' load: nobody reads engines
+    assert walk(catalog(replicas=2), f.rec.book)[0] == {}  # routers' load: nobody reads engines
 
 
 def test_a_node_is_told_once_per_stream_and_again_on_a_change_an_empty_list_included():

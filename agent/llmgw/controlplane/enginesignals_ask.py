@@ -74,11 +74,6 @@ def walk(catalog: Catalog, book: ReplicaBook) -> tuple[dict[str, tuple[tuple[str
                                                            policies.values()}
 
 
-def wanted(catalog: Catalog, book: ReplicaBook) -> dict[str, tuple[tuple[str, str, float], ...]]:
-    """Per node, the rank-0 shards to read (``walk``)."""
-    return walk(catalog, book)[0]
-
-
 class Asked:
     """What each node's current stream has been told to read; ``messages`` says whom to tell what now.
 
