@@ -25,14 +25,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+from llmgw.enginesignals import NAMES, QUEUE_DEPTH
 from llmgw.settings import LivenessPolicy
 
+_WAITING = NAMES[QUEUE_DEPTH]  # the requests an engine holds waiting: the queue-depth signal's gauges
 # Per engine: gauges whose sum is "requests pending", counters whose sum moves
 # with every engine step.  Names as each engine exposes them on /metrics.
 PENDING = {
-    "vllm": ("vllm:num_requests_running", "vllm:num_requests_waiting"),
-    "sglang": ("sglang:num_running_reqs", "sglang:num_queue_reqs"),
-    "llamacpp": ("llamacpp:requests_processing", "llamacpp:requests_deferred"),
+    "vllm": ("vllm:num_requests_running", *_WAITING["vllm"]),
+    "sglang": ("sglang:num_running_reqs", *_WAITING["sglang"]),
+    "llamacpp": ("llamacpp:requests_processing", *_WAITING["llamacpp"]),
 }
 PROGRESS = {
     "vllm": ("vllm:iteration_tokens_total_count", "vllm:iteration_tokens_total_sum",
