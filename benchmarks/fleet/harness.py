@@ -196,7 +196,8 @@ class Fleet:
         self.server.wait()
         self.close_http()
 
-    def start_sim(self) -> None:
+    def start_sim(self, hold: bool = False) -> None:
+        """The simulator, its agents dialling; with ``hold`` built but waiting for ``go``."""
         cache = self.cert_cache
         log = open(self.root / "sim.log", "ab")
         self.sim = subprocess.Popen(
@@ -204,11 +205,18 @@ class Fleet:
              *(["--url", f"wss://127.0.0.1:{self.standby_port}/v1/agent/stream"] if self.standby_port else []),
              "--ca-dir", str(self.ca.directory), "--cert-cache", str(cache), "--nodes", str(self.nodes),
              "--procs", str(self.procs), "--status-file", str(self.status_path), "--control", str(self.control_path),
-             "--seed", "7", "--log-level", os.environ.get("FLEET_SIM_LOG", "WARNING"), *self.sim_args],
+             "--seed", "7", "--log-level", os.environ.get("FLEET_SIM_LOG", "WARNING"), *(["--hold"] if hold else []),
+             *self.sim_args],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         until(lambda: self.control_path.exists() or self.sim.poll() is not None, "the simulator's control socket", 600)
         if self.sim.poll() is not None:
             raise RuntimeError(f"fleet simulator exited {self.sim.returncode}; see {self.root / 'sim.log'}")
+
+    def go(self) -> None:
+        """The agents of a simulator started with ``hold`` make their first dial."""
+        reply = self.sim_command("go")
+        if "error" in reply:
+            raise RuntimeError(f"fleet simulator: go: {reply['error']}")
 
     def stop(self) -> None:
         self._unthrottle()
@@ -228,9 +236,10 @@ class Fleet:
     def sim_command(self, line: str) -> dict[str, Any]:
         return send_command(str(self.control_path), line, timeout=300)
 
-    def sim_cpu(self) -> float:
-        """The simulator's CPU: its coordinator and every worker process."""
-        status = self.sim_status()
+    def sim_cpu(self, fresh: bool = False) -> float:
+        """The simulator's CPU: its coordinator and every worker process (``fresh``: asked now, not
+        read from the status file it writes every second)."""
+        status = self.sim_command("stats") if fresh else self.sim_status()
         total = sum(p.get("cpu_seconds", 0.0) for p in status.get("procs", []))
         return total
 

@@ -277,7 +277,10 @@ def test_malformed_messages_close_only_their_senders_stream(fleet: tuple[Fleet, 
 
 
 def test_worker_processes_share_out_the_fleet_and_a_dead_one_stops_the_run(tmp_path: Path) -> None:
-    """--procs 2: agents in two worker processes, one status; a worker that dies ends the simulator (exit 1)."""
+    """--procs 2: agents in two worker processes, one status; a worker that dies ends the simulator (exit 1).
+
+    With --hold every agent is built and none dials until ``go``: what a benchmark needs to start
+    its clock after the simulator's own start."""
     import os
     import signal
 
@@ -289,13 +292,17 @@ def test_worker_processes_share_out_the_fleet_and_a_dead_one_stops_the_run(tmp_p
                     "--ca-dir", str(f.pki.ca.directory), "--cert-cache", str(tmp_path / "certs"), "--nodes", "20",
                     "--procs", "2", "--prefix", f"fw{f.suffix.replace('-', '')}", "--mix", "pcie-4gpu-nvlink-pairs",
                     "--start-seconds", "0.1", "--status-file", str(tmp_path / "st.json"),
-                    "--control", str(sock_dir / "ctl.sock")]
+                    "--control", str(sock_dir / "ctl.sock"), "--hold"]
             sim = Proc("fleet-sim", argv, tmp_path / "sim.log", tmp_path)
             f.extra.append(sim.start())
+            until(lambda: (sock_dir / "ctl.sock").exists(), "the control socket", WAIT, on_timeout=sim.output)
+            held = send_command(str(sock_dir / "ctl.sock"), "stats")
+            assert held["held"] == 20 and held["connections"] == 0 and held["connect_errors"] == 0, held
+            assert send_command(str(sock_dir / "ctl.sock"), "go")["ok"]
             st = until(lambda: (s := read_json(tmp_path / "st.json")) and s["registered"] == 20 and s,
                        "20 agents registered", WAIT, on_timeout=sim.output)
             workers = [p for p in st["procs"] if not p.get("coordinator")]
-            assert len(workers) == 2 and st["nodes"] == 20 and st["procs_total"] == 2
+            assert len(workers) == 2 and st["nodes"] == 20 and st["procs_total"] == 2 and st["held"] == 0
             assert all(p["pid"] != sim.pid and p["rss_kib"] > 0 for p in workers)
             f.wait_ready(4)
             assert len(send_command(str(sock_dir / "ctl.sock"), "silence n=5")["nodes"]) == 5

@@ -102,6 +102,7 @@ def test_node_ids_are_zero_padded_and_sort_in_order() -> None:
     ("slow 3 0.2", Command("slow", "0.2", 3.0)),
     ("malformed ids=a,b", Command("malformed", "ids=a,b")),
     ("heal", Command("heal")),
+    ("go", Command("go")),
 ])
 def test_commands_parse(line, cmd) -> None:
     assert parse_command(line) == cmd

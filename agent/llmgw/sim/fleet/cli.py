@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "own, 127.1.0.0 on, this many to one, as agents on their own machines do (default: 1; "
                         "0: all from the kernel's choice, one address for the whole fleet)")
     g.add_argument("--ramp", type=_seconds, default=0.0, help="spread the agents' first dial over this many seconds (default: 0)")
+    g.add_argument("--hold", action="store_true",
+                   help="build every agent (its certificate loaded, its TLS context made) and dial only at the `go` "
+                        "command: a benchmark that times a control plane's cold start leaves out the simulator's own "
+                        "start, which a fleet's agents make on machines of their own")
     g.add_argument("--seed", type=int, default=None, help="seed for choosing the nodes a fault applies to")
     g.add_argument("--duration", type=_seconds, default=0.0, help="exit after this many seconds (default: 0, run until quit or SIGTERM)")
     a = p.add_argument_group("agent behaviour")
@@ -256,7 +260,7 @@ async def _run(args: argparse.Namespace, ca: Any, assignment: list[str]) -> int:
                         ramp=args.ramp, engines=engines_per_proc[i], engine_command=[args.engine_command],
                         engine_dir=str(engine_dir) if engine_dir else None, engine_ports=args.engine_ports,
                         engine_models=[m for m in args.engine_models.split(",") if m],
-                        nodes_per_address=args.nodes_per_address)
+                        nodes_per_address=args.nodes_per_address, hold=args.hold)
              for i in range(args.procs)]
     handles: list[Any] = ([LocalHandle(specs[0])] if args.procs == 1
                           else [ProcessHandle(s, "DEBUG" if args.log_level == "DEBUG" else "WARNING") for s in specs])
@@ -274,7 +278,8 @@ async def _run(args: argparse.Namespace, ca: Any, assignment: list[str]) -> int:
             log.error("%s", e)
             coord.failed = str(e)
             return 1
-        log.info("%d agent(s) in %d process(es) dialling %s", args.nodes, args.procs, ", ".join(args.url))
+        log.info("%d agent(s) in %d process(es) %s %s", args.nodes, args.procs,
+                 "held until `go`, then dialling" if args.hold else "dialling", ", ".join(args.url))
         for cmd in start_commands(args):
             log.info("%s: %s", cmd.op, await coord.execute(cmd))
         if args.status_file is not None:

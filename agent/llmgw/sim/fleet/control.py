@@ -13,6 +13,7 @@ One command per line, answered by one line of JSON:
     malformed SHARE            SHARE send one message that breaks the stream schema
     oversized SHARE            SHARE send one message over the control plane's size limit
     heal                       end every fault: unsilence, restart the killed, stop flapping
+    go                         the agents held by --hold make their first dial now
     help                       this text
     quit                       stop the simulator
 
@@ -32,7 +33,7 @@ from typing import Any, Sequence
 USAGE = __doc__.split("\n\n", 2)[1]
 
 SHARE_OPS = ("silence", "kill", "restart", "flap", "malformed", "oversized")
-PLAIN_OPS = ("stats", "nodes", "heal", "help", "quit")
+PLAIN_OPS = ("stats", "nodes", "heal", "go", "help", "quit")
 
 
 class CommandError(ValueError):

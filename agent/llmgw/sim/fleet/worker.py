@@ -83,6 +83,7 @@ class WorkerSpec:
     engine_ports: tuple[int, int] = (40000, 49999)
     model_dir: str = "/nonexistent-model-dir"
     nodes_per_address: int = 1  # agents dialling from one loopback address; 0: all from the kernel's choice
+    hold: bool = False  # build every agent, dial only at ``go``
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -134,7 +135,13 @@ class Worker:
             ctx = self.contexts.context(creds[node_id])
             self.nodes[n] = self._node(n, node_id, template, ctx)
         self.contexts.close()
-        order = list(self.nodes.values())
+        if not spec.hold:
+            await self.go()
+
+    async def go(self) -> None:
+        """Every agent not started yet makes its first dial, spread over ``ramp`` seconds."""
+        spec = self.spec
+        order = [node for node in self.nodes.values() if node.lives == 0]
         for i, node in enumerate(order):
             node.start()
             if spec.ramp > 0 and i + 1 < len(order):
@@ -198,6 +205,8 @@ class Worker:
         elif op in ("malformed", "oversized"):
             for node in targets:
                 self._spawn(self._when_registered(node, op))
+        elif op == "go":
+            await self.go()
         elif op == "close":
             await self.close()
         else:
@@ -245,9 +254,10 @@ class Worker:
         shards: Counter = Counter({s.value: 0 for s in ShardState})
         hist: Counter = Counter()
         connected = registered = connect_errors = connections = registrations = refusals = 0
-        silenced = killed = flapping = slow = 0
+        silenced = killed = flapping = slow = held = 0
         for node in self.nodes.values():
             c = node.client
+            held += node.lives == 0
             connected += node.connected
             registered += c.registered
             registrations += c.registrations
@@ -262,7 +272,7 @@ class Worker:
             for s in node.supervisor.shards.values():
                 shards[s.state.value] += 1
         k = self.counters
-        return {"nodes": len(self.nodes), "connected": connected, "registered": registered,
+        return {"nodes": len(self.nodes), "held": held, "connected": connected, "registered": registered,
                 "registrations": registrations, "registrations_per_node": {str(n): v for n, v in sorted(hist.items())},
                 "connections": connections, "connect_errors": connect_errors, "refusals": refusals,
                 "messages_sent": dict(self.sent), "shards": dict(shards),
