@@ -29,6 +29,8 @@ import math
 import re
 from collections.abc import Mapping
 
+from llmgw import promtext
+
 QUEUE_DEPTH = "queue_depth"
 KV_CACHE_USE = "kv_cache_use"
 ENGINE_SIGNALS = (QUEUE_DEPTH, KV_CACHE_USE)
@@ -49,9 +51,6 @@ NAMES: Mapping[str, Mapping[str, tuple[str, ...]]] = {
     },
 }
 
-# a sample line: the name, optional labels, the value (a timestamp may follow)
-_LINE = {name: re.compile(rf"^{re.escape(name)}(\{{[^}}\n]*\}})?[ \t]+(\S+)", re.M)
-         for by_engine in NAMES.values() for names in by_engine.values() for name in names}
 _BREAKDOWN = re.compile(r'priority="[^"]')  # SGLang's per-priority series beside its total
 
 
@@ -63,17 +62,8 @@ def engines_for(signal: str) -> tuple[str, ...]:
 def read_signal(text: str, engine: str, signal: str) -> float | None:
     """``signal``'s value on one ``/metrics`` page of ``engine``; None when the page does not show it."""
     for name in NAMES.get(signal, {}).get(engine, ()):
-        values = []
-        for m in _LINE[name].finditer(text):
-            labels = m.group(1)
-            if labels is not None and _BREAKDOWN.search(labels):
-                continue
-            try:
-                v = float(m.group(2))
-            except ValueError:
-                continue
-            if math.isfinite(v) and v >= 0:
-                values.append(v)
+        values = [v for _, labels, v in promtext.samples(text, (name,))
+                  if not _BREAKDOWN.search(labels) and math.isfinite(v) and v >= 0]
         if values:
             return min(MAX_VALUE, sum(values) if signal == QUEUE_DEPTH else max(values))
     return None

@@ -44,6 +44,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "agent"), str(HERE)]
 from llmgw.durable import write_atomic  # noqa: E402
 from tests.support import procfs  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
+from tests.support.scrape import scrape  # noqa: E402
 
 import poisson_load  # noqa: E402
 import disagg_report as report  # noqa: E402
@@ -75,23 +76,6 @@ ENGINE_ARGS = ["--max-model-len", "16384", "--num-gpu-blocks-override", "30000",
                "--max-num-seqs", "1024"]
 COUNTERS = ("llmgw_sim:prefill_chunks_total", "llmgw_sim:decode_steps_stalled_total",
             "vllm:nixl_xfer_time_seconds_count", "vllm:nixl_num_failed_transfers_total")
-
-
-def scrape(url: str, names: tuple[str, ...]) -> dict[str, float]:
-    """Each named metric's samples summed (labels ignored), 0 where absent."""
-    out = {n: 0.0 for n in names}
-    try:
-        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
-            text = r.read().decode()
-    except OSError:
-        return out
-    for line in text.splitlines():
-        if line.startswith("#"):
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in out:
-            out[name] += float(line.rsplit(" ", 1)[1])
-    return out
 
 
 def router_outcomes(url: str) -> dict[str, float]:

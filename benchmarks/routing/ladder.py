@@ -33,7 +33,6 @@ import asyncio
 import json
 import os
 import platform
-import re
 import signal
 import sys
 import tempfile
@@ -52,6 +51,7 @@ from fleet import Fleet, router_endpoints, standalone_router  # noqa: E402
 from llmgw.durable import write_atomic  # noqa: E402
 from tests.support import procfs  # noqa: E402
 from tests.support.polling import until  # noqa: E402
+from tests.support.scrape import scrape  # noqa: E402
 
 import ladder_load  # noqa: E402
 import ladder_report as report  # noqa: E402
@@ -107,16 +107,6 @@ def _quiet_harness() -> None:
     """The harness runs its processes at DEBUG for tests' diagnostics (the control plane logs every
     route-key message there); a benchmark measures them at the level an operator runs."""
     harness.llmgw_argv = lambda *args: [sys.executable, "-m", "llmgw", "--log-level", "INFO", *args]
-
-
-def scrape(url: str, names: tuple[str, ...], labels: str = "") -> dict[str, float]:
-    """Each named metric's samples summed (those whose labels contain ``labels``), 0 where absent."""
-    out = {n: 0.0 for n in names}
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    for m in re.finditer(r"^([a-zA-Z_:]+)(\{[^}]*\})? (\S+)$", text, re.M):
-        if m.group(1) in out and labels in (m.group(2) or ""):
-            out[m.group(1)] += float(m.group(3))
-    return out
 
 
 def machine_cpu() -> tuple[float, float]:

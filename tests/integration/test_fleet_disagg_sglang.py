@@ -25,6 +25,7 @@ from tests.integration.fleet import Fleet
 from tests.integration.simdisagg import served_through
 from tests.support import procfs
 from tests.support.polling import until
+from tests.support.scrape import scrape
 
 LONG = " ".join(f"w{i}" for i in range(300))
 EXPECTED = "tok0 tok1 tok2 tok3 tok4 tok5"  # what the simulator answers aggregated, for any prompt
@@ -36,12 +37,6 @@ def engine(pid: int) -> tuple[list[str], dict[str, str]]:
     env = procfs.environ(pid)
     assert env is not None, f"engine {pid} is gone"
     return argv, env
-
-
-def metric_total(url: str, name: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
 
 
 def test_an_sglang_model_is_served_by_prefill_and_decode_replicas_at_once(tmp_path):
@@ -97,7 +92,7 @@ def test_an_sglang_model_is_served_by_prefill_and_decode_replicas_at_once(tmp_pa
                                http_client=httpx.Client(verify=f.router_verify()))
 
         def sent() -> float:
-            return sum(metric_total(url(rid), SENT) for rid in prefills)
+            return sum(scrape(url(rid), (SENT,))[SENT] for rid in prefills)
         before = sent()
         assert client.completions.create(model="tiny", prompt=LONG, max_tokens=6).choices[0].text == EXPECTED
         chunks = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": LONG}],

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from llmgw.agent.liveness import (
-    Check, Liveness, Progress, judge_engine, judge_process, observe, parse_samples,
+    Check, Liveness, Progress, judge_engine, judge_process, observe,
     progress_from_samples, stalled,
 )
+from llmgw.promtext import totals
 from llmgw.settings import LivenessPolicy, parse_agent_settings, policy_errors
 from llmgw.config import ConfigInvalid
 
@@ -80,24 +81,24 @@ def test_progress_survives_a_failed_check_without_metrics():
     assert live.progress == Progress(1, 7)
 
 
-def test_parse_samples_and_vllm_progress():
-    samples = parse_samples(VLLM_PAGE)
+def test_page_totals_and_vllm_progress():
+    samples = totals(VLLM_PAGE)
     assert samples["vllm:num_requests_running"] == 2.0
     p = progress_from_samples(samples, "vllm")
     assert p == Progress(pending=3, steps=42 + 97 + 50 + 47)
 
 
 def test_other_engines_names_and_fallback_to_any_known():
-    sg = parse_samples('sglang:num_running_reqs{model_name="m"} 1\nsglang:num_queue_reqs{model_name="m"} 4\n'
-                       'sglang:generation_tokens_total{model_name="m"} 9\n')
+    sg = totals('sglang:num_running_reqs{model_name="m"} 1\nsglang:num_queue_reqs{model_name="m"} 4\n'
+                'sglang:generation_tokens_total{model_name="m"} 9\n')
     assert progress_from_samples(sg, "sglang") == Progress(5, 9)
-    lc = parse_samples("llamacpp:requests_processing 1\nllamacpp:requests_deferred 0\n"
-                       "llamacpp:tokens_predicted_total 12\nllamacpp:prompt_tokens_total 3\n")
+    lc = totals("llamacpp:requests_processing 1\nllamacpp:requests_deferred 0\n"
+                "llamacpp:tokens_predicted_total 12\nllamacpp:prompt_tokens_total 3\n")
     assert progress_from_samples(lc, "llamacpp") == Progress(1, 15)
     # an engine exposing another engine's names (the simulator speaks vLLM's) is still read
-    assert progress_from_samples(parse_samples(VLLM_PAGE), "sglang") is not None
-    assert progress_from_samples(parse_samples("process_cpu_seconds_total 3\n"), "vllm") is None
-    assert progress_from_samples(parse_samples("not prometheus at all {{{"), "vllm") is None
+    assert progress_from_samples(totals(VLLM_PAGE), "sglang") is not None
+    assert progress_from_samples(totals("process_cpu_seconds_total 3\n"), "vllm") is None
+    assert progress_from_samples(totals("not prometheus at all {{{"), "vllm") is None
 
 
 def test_process_states():

@@ -5,7 +5,7 @@ from __future__ import annotations
 from reconciler_fleet import Fleet, make_ready
 
 from llmgw.catalog import Catalog
-from llmgw.controlplane.pairproof import PairProofs, bootstraps_of, metric_total, urls_of
+from llmgw.controlplane.pairproof import PairProofs, bootstraps_of, urls_of
 from llmgw.controlplane.reconcile.endpoints import endpoints
 
 
@@ -106,13 +106,6 @@ def test_plain_replicas_are_never_held():
     make_ready(f, 1.0)
     f.step(cat, 1.0)
     assert PairProofs().held(f.rec.book) == frozenset()
-
-
-def test_metric_totals_sum_every_label_set_of_exactly_that_name():
-    text = ('vllm:nixl_xfer_time_seconds_count{engine="0"} 2.0\n'
-            'vllm:nixl_xfer_time_seconds_count{engine="1"} 1.0\n'
-            'vllm:nixl_xfer_time_seconds_count_other 9\n# HELP x\n')
-    assert metric_total(text, "vllm:nixl_xfer_time_seconds_count") == 3.0
 
 
 def test_an_sglang_prefill_replica_is_tried_at_its_bootstrap():

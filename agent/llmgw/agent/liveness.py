@@ -42,6 +42,8 @@ PROGRESS = {
     "sglang": ("sglang:prompt_tokens_total", "sglang:generation_tokens_total"),
     "llamacpp": ("llamacpp:prompt_tokens_total", "llamacpp:tokens_predicted_total"),
 }
+# every name the judgement reads, whatever the engine: all a page is read for
+READ = frozenset(n for by_engine in (PENDING, PROGRESS) for names in by_engine.values() for n in names)
 
 
 @dataclass(frozen=True)
@@ -78,33 +80,6 @@ def progress_from_samples(samples: Mapping[str, float], engine: str) -> Progress
             return Progress(pending=sum(samples.get(n, 0.0) for n in pending_names),
                             steps=sum(samples.get(n, 0.0) for n in step_names))
     return None
-
-
-def parse_samples(text: str) -> dict[str, float]:
-    """Prometheus text exposition -> metric name -> value summed over label sets.
-
-    Only what the judgement reads needs to be right: names and numbers.  A line
-    that does not parse is skipped; a page with no sample at all is empty.
-    """
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        brace = line.find("{")
-        if brace >= 0:
-            name, rest = line[:brace], line[line.rfind("}") + 1:]
-        else:
-            name, _, rest = line.partition(" ")
-        fields = rest.split()
-        if not name or not fields:
-            continue
-        try:
-            value = float(fields[0])
-        except ValueError:
-            continue
-        out[name] = out.get(name, 0.0) + value
-    return out
 
 
 def stalled(before: Progress | None, now: Progress) -> bool:

@@ -31,7 +31,7 @@ from typing import Any
 
 import aiohttp
 
-from llmgw import compat
+from llmgw import compat, promtext
 from llmgw.agent import liveness, procident
 from llmgw.agent.driver import ExitReport, LaunchRefused, LaunchSteps, Readiness, Started
 from llmgw.agent.ports import choose_port
@@ -332,7 +332,7 @@ class PopenDriver:
         engine = str(shard.spec["profile"]["engine"])
         status, body = await get_text(self._http(), f"{url}/metrics", timeout, "metrics",
                                       shard.spec.get("api_key"), tls)
-        progress = (liveness.progress_from_samples(liveness.parse_samples(body), engine)
+        progress = (liveness.progress_from_samples(promtext.totals(body, liveness.READ), engine)
                     if status == 200 else None)
         if progress is None:  # nothing to read progress from: serving one token is the proof
             res = await completion_probe(self._http(), url, str(shard.spec["model"]["served_name"]), timeout,

@@ -44,6 +44,7 @@ from typing import Any
 
 import aiohttp
 
+from llmgw import promtext
 from llmgw.controlplane.replicas import Replica, ReplicaBook, ReplicaState
 from llmgw.kvbootstrap import bootstrap_fields, new_room
 from llmgw.kvtransfer import PREFILL_REQUEST, check_prefill_params
@@ -162,18 +163,6 @@ def _key(r: Replica) -> str | None:
     return r0.spec.get("api_key") if r0 is not None else None
 
 
-def metric_total(text: str, name: str) -> float:
-    """The sum of ``name``'s samples (every label set) in a Prometheus text exposition."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "):
-            try:
-                total += float(line.rsplit(" ", 1)[1])
-            except ValueError:
-                continue
-    return total
-
-
 async def prove(session: aiohttp.ClientSession, trial: Trial, timeout: float,
                 ssl_context: ssl.SSLContext | None = None) -> str | None:
     """One round trip; None when the decoder pulled the prefilled blocks, else why not."""
@@ -184,7 +173,7 @@ async def prove(session: aiohttp.ClientSession, trial: Trial, timeout: float,
 
     async def metrics() -> tuple[float, float]:
         text = await _metrics_page(session, trial.decode.url, t, ssl_context)
-        return metric_total(text, XFER_COUNT), metric_total(text, FAILED)
+        return promtext.total(text, XFER_COUNT), promtext.total(text, FAILED)
 
     async def complete(ep: Endpoint, extra: dict[str, Any]) -> tuple[int, Any]:
         body = {"model": trial.model, "prompt": PROMPT, "max_tokens": 1, "temperature": 0, "stream": False, **extra}
@@ -231,7 +220,7 @@ async def _prove_pair(session: aiohttp.ClientSession, trial: Trial, t: aiohttp.C
     """SGLang's round trip: both engines at once, one room; None when the transfer was made and counted."""
     async def read(url: str, names: tuple[str, ...]) -> float:
         text = await _metrics_page(session, url, t, ssl_context)
-        return sum(metric_total(text, n) for n in names)
+        return sum(promtext.total(text, n) for n in names)
 
     assert trial.prefill.bootstrap_port is not None
     fields = bootstrap_fields(trial.prefill.url, trial.prefill.bootstrap_port, new_room())
