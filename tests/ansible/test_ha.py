@@ -13,7 +13,8 @@ is on a CA of its own: its client port takes only the control planes' etcd clien
 certificates (an agent's, a router's, the control plane's server certificate and the
 operator's, all from the fleet CA, are refused), and its peer port only members'
 certificates. SIGKILL of the leader: a standby leads within the
-lease. upgrade.yml restarts the control planes one at a time, the leader last.
+lease. (upgrade.yml restarting the control planes one at a time, the leader last, under
+streaming load, is the molecule `fleet` scenario's.)
 And a fleet with one control plane is rendered as it always was: no `ha`,
 one control-plane URL as a string.
 """
@@ -43,7 +44,6 @@ from tests.support.ports import free_port
 from tests.support.procfs import processes_under
 
 SITE = REPO / "playbooks" / "site.yml"
-UPGRADE = REPO / "playbooks" / "upgrade.yml"
 LOCAL = REPO / "inventory" / "local"
 CPS = ("local-cp1", "local-cp2", "local-cp3")
 LEASE_TTL, RENEW = 4, 1
@@ -119,8 +119,6 @@ def ha(tmp_path_factory):
         runs["wrote-in-check"] = [p for p in (root / "fleet", root / "pki") if p.exists()]
         runs["apply"] = run_playbook(SITE, root / "runs", inventory=inv, extravars=extravars)
         runs["check-again"] = run_playbook(SITE, root / "runs", inventory=inv, extravars=extravars, check=True, diff=True)
-        if runs["apply"].rc == 0:
-            runs["upgrade"] = upgrade_the_control_planes(runs, inv, extravars)
         yield runs
     finally:
         stop_everything(root)
@@ -143,22 +141,6 @@ def roles(ha) -> dict[str, str]:
         except (OSError, urllib.error.URLError) as e:
             out[cp] = f"no answer: {e}"
     return out
-
-
-def server_pid(root: Path, cp: str) -> int:
-    return json.loads((root / "fleet" / cp / "var" / "lib" / "llmgw" / "run" / "llmgw-server.pid").read_text())["pid"]
-
-
-def upgrade_the_control_planes(ha, inv: Path, extravars: dict) -> dict:
-    """A new build reaches the control planes (their copies of the wheel are not the
-    controller's any more): upgrade.yml restarts each, the leader last."""
-    root = ha["root"]
-    before = {"roles": roles(ha), "pids": {cp: server_pid(root, cp) for cp in CPS}}
-    for cp in CPS:
-        for wheel in (root / "fleet" / cp / "opt" / "llmgw" / "wheels").glob("*.whl"):
-            wheel.write_bytes(b"an older build")
-    run = run_playbook(UPGRADE, root / "runs", inventory=inv, extravars=extravars)
-    return {"run": run, "before": before, "after": {"roles": roles(ha), "pids": {cp: server_pid(root, cp) for cp in CPS}}}
 
 
 def installed(ha, host: str, name: str) -> dict:
@@ -307,18 +289,6 @@ def test_etcd_refuses_a_certificate_its_crl_names(ha):
         staged.write_bytes(original)
         staged.replace(installed_crl)
     assert etcd_status(ha, "llmgw_etcd_client_port", RANGE[0], *client, body=RANGE[1]) == 200
-
-
-def test_upgrade_restarts_the_control_planes_one_at_a_time_the_leader_last(ha):
-    upgrade = ha["upgrade"]
-    run = upgrade["run"]
-    assert run.rc == 0, run.explain()
-    (leader,) = [cp for cp, role in upgrade["before"]["roles"].items() if role == "leader"]
-    back = [r.host for r in run.task("Wait until this control plane is back, as a standby or as the leader")
-            if r.status == "ok"]
-    assert len(back) == 3 and back[-1] == leader, (back, leader)
-    assert all(upgrade["after"]["pids"][cp] != upgrade["before"]["pids"][cp] for cp in CPS), upgrade
-    assert sorted(upgrade["after"]["roles"].values()) == ["leader", "standby", "standby"], upgrade
 
 
 def test_a_standby_leads_after_the_leader_is_killed(ha):
