@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # What the virtualenv gets: the runtime, the controller's tools and the tests'.
 EXTRAS ?= controller,test
 
-.PHONY: quickstart llamacpp-vars vllm-vars fleet-down test unit integration ansible molecule pythons prometheus etcd venv clean engines
+.PHONY: quickstart llamacpp-vars vllm-vars fleet-down test unit integration ansible ansible-playbooks molecule pythons prometheus etcd venv clean engines
 
 # CONSTRAINTS: a pip constraints file for the install (`pythons` installs the oldest Python's
 # virtualenv at the runtime's dependency floors, constraints/floor.txt, so the floors are tested).
@@ -90,8 +90,8 @@ INTEGRATION_ARGS = -n $(INTEGRATION_WORKERS) --dist loadgroup $(DURATIONS) $(cal
 test: $(STAMP) engines etcd
 	$(STAGE) unit $(PY) -m pytest tests/unit -q -n $(UNIT_WORKERS) $(DURATIONS)
 	$(STAGE) integration $(PY) -m pytest tests/integration -q $(INTEGRATION_ARGS)
-	$(MAKE) --no-print-directory ansible
-	$(MAKE) --no-print-directory pythons
+	$(MAKE) --no-print-directory ansible-playbooks
+	$(MAKE) --no-print-directory pythons PYTHONS_BESIDE='"ansible-lint" "$(ANSIBLE_LINT)"'
 	$(STAGE) molecule $(MAKE) --no-print-directory molecule
 
 ## What the real-engine tests and the flag drift checks read, at the versions pinned in
@@ -111,9 +111,12 @@ integration: $(STAMP) etcd
 
 ## The llmgw.fleet collection: real ansible-playbook runs (site.yml on this machine,
 ## every module and role), then ansible-lint and ansible-test sanity.
-ansible: $(STAMP) prometheus
+ansible: ansible-playbooks
+	$(STAGE) ansible-lint $(ANSIBLE_LINT)
+
+ANSIBLE_LINT = env VENV=$(abspath $(VENV)) bash tests/ansible/lint.sh lint sanity
+ansible-playbooks: $(STAMP) prometheus
 	$(STAGE) ansible $(PY) -m pytest tests/ansible tests/inventory -q -p no:cacheprovider -n $(ANSIBLE_WORKERS) --dist loadfile $(DURATIONS) $(call JUNIT,ansible)
-	$(STAGE) ansible-lint env VENV=$(abspath $(VENV)) bash tests/ansible/lint.sh lint sanity
 
 ## Debian's Prometheus, which the monitoring role's test runs (on loopback, from the
 ## test itself) against a local fleet. Installed only when missing.
@@ -140,18 +143,23 @@ molecule: $(STAMP)
 PYENV_VERSIONS ?= $(shell pyenv root 2>/dev/null)/versions
 OLDEST_PYTHON  ?= 3.10
 NEWEST_PYTHON  ?= 3.13
+## Each Python's steps one after another in a lane of its own, the lanes side by side
+## (tests/ci/side-by-side: each keeps the CPU about half busy alone); `make test` adds the
+## collection's lint as a third lane (PYTHONS_BESIDE), which needs neither.
+PYTHONS_BESIDE ?=
 pythons:
 	OLD=$$(ls -d $(PYENV_VERSIONS)/$(OLDEST_PYTHON).*/bin/python 2>/dev/null | sort -V | tail -1); \
 	  NEW=$$(ls -d $(PYENV_VERSIONS)/$(NEWEST_PYTHON).*/bin/python 2>/dev/null | sort -V | tail -1); \
 	  test -n "$$OLD" || { echo "no Python $(OLDEST_PYTHON) under $(PYENV_VERSIONS)"; exit 1; }; \
 	  test -n "$$NEW" || { echo "no Python $(NEWEST_PYTHON) under $(PYENV_VERSIONS)"; exit 1; }; \
-	  $(STAGE) "unit $(OLDEST_PYTHON) + $(NEWEST_PYTHON)" tests/ci/side-by-side \
-	    "unit $(OLDEST_PYTHON)" "$(MAKE) --no-print-directory PYTHON=$$OLD VENV=$(VENV)-$(OLDEST_PYTHON) EXTRAS=test CONSTRAINTS=constraints/floor.txt unit" \
-	    "unit $(NEWEST_PYTHON)" "$(MAKE) --no-print-directory PYTHON=$$NEW VENV=$(VENV)-$(NEWEST_PYTHON) unit"
-	$(STAGE) "smoke $(OLDEST_PYTHON)" $(VENV)-$(OLDEST_PYTHON)/bin/python -m pytest tests/integration/test_runtime_smoke.py -q
-	$(MAKE) --no-print-directory VENV=$(VENV)-$(NEWEST_PYTHON) fleet-down
-	$(STAGE) "quickstart $(NEWEST_PYTHON)" $(MAKE) --no-print-directory VENV=$(VENV)-$(NEWEST_PYTHON) quickstart; rc=$$?; \
-	  $(MAKE) --no-print-directory VENV=$(VENV)-$(NEWEST_PYTHON) fleet-down; exit $$rc
+	  $(STAGE) "pythons $(OLDEST_PYTHON) + $(NEWEST_PYTHON)$(if $(PYTHONS_BESIDE), + lint)" tests/ci/side-by-side \
+	    "$(OLDEST_PYTHON): unit, smoke" "$(MAKE) --no-print-directory PYTHON=$$OLD VENV=$(VENV)-$(OLDEST_PYTHON) EXTRAS=test CONSTRAINTS=constraints/floor.txt unit \
+	      && $(VENV)-$(OLDEST_PYTHON)/bin/python -m pytest tests/integration/test_runtime_smoke.py -q" \
+	    "$(NEWEST_PYTHON): unit, quickstart" "$(MAKE) --no-print-directory PYTHON=$$NEW VENV=$(VENV)-$(NEWEST_PYTHON) unit \
+	      && $(MAKE) --no-print-directory VENV=$(VENV)-$(NEWEST_PYTHON) fleet-down \
+	      && { $(MAKE) --no-print-directory VENV=$(VENV)-$(NEWEST_PYTHON) quickstart; rc=\$$?; \
+	           $(MAKE) --no-print-directory VENV=$(VENV)-$(NEWEST_PYTHON) fleet-down; exit \$$rc; }" \
+	    $(PYTHONS_BESIDE)
 
 clean:
 	rm -rf $(VENV) $(VENV)-*/ build *.egg-info .pytest_cache .hypothesis
