@@ -60,8 +60,11 @@ def shared_engine(work: Path) -> Iterator[SharedVllm]:
     reconfigures it (the fidelity comparison, the KV-event checks): they run on one worker, one
     after another."""
     python = vllmcpu.install()
+    # --trust-request-chat-template: the tiny model's own template reads neither tools nor kwargs,
+    # so the router's rendering of a tool-calling request is checked with one sent in the request
     engine, kv = start_vllm(python, tinyhf.model_dir(python), work, SHARED_TOPIC,
-                            env={"VLLM_API_KEY": SHARED_KEY}, max_model_len=SHARED_MAX_LEN)
+                            env={"VLLM_API_KEY": SHARED_KEY}, max_model_len=SHARED_MAX_LEN,
+                            extra=("--trust-request-chat-template",))
     try:
         yield SharedVllm(engine=engine, kv=kv)
     finally:

@@ -8,13 +8,14 @@ parent is the shared block; the prefix-cache counters on /metrics agree; and a s
 away gets what it missed from the replay socket, by sequence number, then the end marker. And that
 the router's own tokenizer (``router.tokenize_model``, from the model directory) makes the engine's
 token ids of chat and completion requests, so the route keys it computes are those the engine's
-events give.
+events give, tool-calling chat requests included.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
+import shutil
 from itertools import count
 from types import SimpleNamespace
 
@@ -25,13 +26,14 @@ import zmq
 from llmgw.agent.kvrelay_map import RouteMap
 from llmgw.kvevents import BlockStored, Message
 from llmgw.kvroutekeys import chain_keys
-from llmgw.router.tokenize_model import ModelTokenizer
+from llmgw.router.tokenize_model import EngineChatSettings, ModelTokenizer, Unrenderable
 from llmgw.router.tokenize_parity import ParityCheck
 from llmgw.router.upstream import Pool
 from realvllm import SHARED_AUTH as AUTH, SHARED_TOPIC as TOPIC
 from realvllm import tiny_hf_model, vllm_python  # noqa: F401 (fixtures; shared_vllm is conftest's)
 from tests.support.kvsub import Subscriber, replay
 from tests.support.polling import until
+from tests.support.tinytokenizer import TOOLS_TEMPLATE
 
 pytestmark = pytest.mark.integration
 
@@ -173,3 +175,55 @@ def test_the_routers_tokenizer_makes_the_engines_ids_and_route_keys(engine, tiny
         return parity.status()
 
     assert asyncio.run(check()) == {"tiny": {"parity": "ok", "replica": "vllm-0"}}
+
+
+def test_the_routers_tokenizer_renders_a_tool_calling_request_as_the_engine(engine, tiny_hf_model, tmp_path):  # noqa: F811
+    """The tiny model's own chat template reads neither tools, documents nor kwargs, so both sides
+    use one that does: the router a copy of the model directory whose chat_template.jinja it is,
+    the engine (started with --trust-request-chat-template) the same text as the request's
+    ``chat_template``, which vLLM renders exactly as its own (``resolve_chat_template``: a given
+    template first). /tokenize takes the chat fields the chat route renders, documents only through
+    chat_template_kwargs."""
+    eng, _kv, _ctx = engine
+    model = tmp_path / "tools-model"
+    shutil.copytree(tiny_hf_model, model)
+    (model / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
+    tok = ModelTokenizer.from_directory(str(model))
+    call = {"id": "call-1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": [1, 2], "ü": null}'}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather by city.",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}},
+                                               "strict": True}},
+             {"type": "function", "function": {"name": "now", "unknown": 1}}]  # null description, no parameters
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "content": [{"type": "text", "text": "Sunny"}, {"type": "text", "text": "20C"}],
+                 "tool_call_id": "call-1"},
+                {"role": "assistant", "content": "Sunny, 20C."}, {"role": "user", "content": "Thanks."}]
+    requests = [
+        {"messages": messages, "tools": tools, "chat_template_kwargs": {"enable_thinking": False}},
+        {"messages": messages, "tools": tools, "chat_template_kwargs": {"enable_thinking": True, "documents": [
+            {"title": "Forecast", "text": "Rain later."}]}},
+        {"messages": messages[:4], "tools": tools, "add_generation_prompt": False, "continue_final_message": True},
+    ]
+    for i, req in enumerate(requests):
+        ours = tok.token_ids(req, 10**6)
+        r = httpx.post(f"{eng.url}/tokenize", timeout=60,
+                       json={"model": "tiny", **req, "chat_template": TOOLS_TEMPLATE})
+        r.raise_for_status()
+        assert ours == r.json()["tokens"], i
+    assert tok.token_ids(requests[0], 10**6) != tok.token_ids(requests[1], 10**6)
+    # the chat route itself, with documents as a request field and tool_choice "none" (any other
+    # choice needs a tool parser): this engine keeps the tools, as it runs without
+    # --exclude-tools-when-tool-choice-none; a router not told so cannot say
+    chat = {"messages": messages, "tools": tools, "tool_choice": "none", "documents": [{"title": "A", "text": "B"}],
+            "chat_template_kwargs": {"enable_thinking": False}}
+    with pytest.raises(Unrenderable):
+        tok.token_ids(chat, 10**6)
+    told = ModelTokenizer.from_directory(str(model), EngineChatSettings(exclude_tools_when_tool_choice_none=False))
+    r = httpx.post(f"{eng.base_url}/chat/completions", timeout=120, headers=AUTH,
+                   json={"model": "tiny", **chat, "chat_template": TOOLS_TEMPLATE, "return_token_ids": True,
+                         "max_tokens": 1, "temperature": 0})
+    r.raise_for_status()
+    assert told.token_ids(chat, 10**6) == r.json()["prompt_token_ids"]

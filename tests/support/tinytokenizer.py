@@ -31,3 +31,18 @@ def model_dir(tmp_path: Path, config: dict | None = None, template: str | None =
     if template is not None:
         (d / "chat_template.jinja").write_text(template)
     return d
+
+# A template that reads what a tool-calling request carries beyond its messages: the tools (as
+# JSON), documents, an assistant's tool calls (arguments as JSON), a tool's call id, and a kwarg
+# (enable_thinking), so the router's rendering of each shows in the text.
+TOOLS_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\n' }}{% for t in tools %}{{ t | tojson }}{{ '\\n' }}{% endfor %}"
+    "{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% if documents %}{% for d in documents %}{{ 'doc ' + d.title + ': ' + d.text + '\\n' }}{% endfor %}{% endif %}"
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] }}"
+    "{% for c in message.tool_calls or [] %}{{ c.id + ' ' + c.function.name + ' ' + (c.function.arguments | tojson) }}"
+    "{% endfor %}{% if message.tool_call_id %}{{ ' for ' + message.tool_call_id }}{% endif %}"
+    "{{ '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}{{ 'a b\\n' }}{% endif %}{% endif %}"
+)

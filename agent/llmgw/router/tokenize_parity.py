@@ -4,9 +4,9 @@ A tokenizer directory that is not the served model's (another revision, a differ
 template, a template the engine was started with ``--chat-template`` over) makes every route
 key wrong without any error: the index never matches and the router routes blind while looking
 precise. So when a replica of a model with its own tokenizer first appears in the router's
-table, the router POSTs the engine's ``/tokenize`` (vLLM's: ``{"model", "messages"}`` and
-``{"model", "prompt"}``, with the replica's engine key) for a few canned conversations and
-compares the ids with its own. On a mismatch, or an engine that has no ``/tokenize`` (404, 405,
+table, the router POSTs the engine's ``/tokenize`` (vLLM's: ``{"model", "messages"}`` with
+``tools`` for one, and ``{"model", "prompt"}``, with the replica's engine key) for a few canned
+conversations and compares the ids with its own. On a mismatch, or an engine that has no ``/tokenize`` (404, 405,
 an answer without ``tokens``: the engine simulator), precise routing is turned off for that model
 (prefix affinity), the reason logged once, ``llmgw_router_cache_aware_parity{model}`` set to 0
 and the reason shown in ``/healthz``. A replica that cannot be reached is tried again at the
@@ -26,7 +26,10 @@ from llmgw import compat
 
 log = logging.getLogger("llmgw.router.parity")
 
-# Canned requests: plain chat, a system prompt, multi-turn, non-ASCII and the completion path.
+# Canned requests: plain chat, a system prompt, multi-turn, non-ASCII, the completion path, and a
+# tool-calling exchange (tools, a call with JSON arguments, its result): the engine's /tokenize
+# renders tools as its chat route does, so a template, a tool_use template or a transformers
+# release that renders them otherwise than the router shows here.
 CANNED: tuple[dict[str, Any], ...] = (
     {"messages": [{"role": "user", "content": "Hello there, how are you today?"}]},
     {"messages": [{"role": "system", "content": "You are a careful assistant. Answer briefly."},
@@ -35,6 +38,15 @@ CANNED: tuple[dict[str, Any], ...] = (
                   {"role": "user", "content": "And of Italy?  Spell it   out."}]},
     {"messages": [{"role": "user", "content": "Ünïcödé, emoji 🙂 and tabs\tand\nnewlines."}]},
     {"prompt": "The quick brown fox jumps over the lazy dog. 1234567890"},
+    {"messages": [{"role": "user", "content": "What is the weather in Paris?"},
+                  {"role": "assistant", "content": None, "tool_calls": [
+                      {"id": "call-1", "type": "function",
+                       "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                  {"role": "tool", "content": "Sunny, 20C.", "tool_call_id": "call-1"},
+                  {"role": "user", "content": "Thanks. And tomorrow?"}],
+     "tools": [{"type": "function", "function": {
+         "name": "get_weather", "description": "The weather in a city.",
+         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]},
 )
 
 
