@@ -246,6 +246,15 @@ def test_body_usage_reads_only_the_usage_object_and_is_not_fooled_by_text():
     (b'{"usage":{"prompt_tokens":7,"total_tokens":9,"completion_tokens":2}}', Usage(7, 2)),
     (b'{"usage": {"prompt_tokens": 7, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 3}}}',
      Usage(7, 2, 3)),  # nested details: the object is decoded, the cached tokens read
+    # vLLM's own compact serialisation (read without decoding), and near misses that are decoded
+    (b'{"x":1,"usage":{"prompt_tokens":7,"total_tokens":9,"completion_tokens":2,"prompt_tokens_details":null,'
+     b'"completion_tokens_details":null}}', Usage(7, 2)),
+    (b'{"usage":{"prompt_tokens":7,"total_tokens":9,"completion_tokens":2,'
+     b'"prompt_tokens_details":{"cached_tokens":3}}}', Usage(7, 2, 3)),
+    (b'{"usage":{"prompt_tokens":7,"total_tokens":9,"completion_tokens":2,'
+     b'"prompt_tokens_details":{"cached_tokens":3,"audio_tokens":1}}}', Usage(7, 2, 3)),
+    (b'{"usage":{"prompt_tokens":07,"total_tokens":9,"completion_tokens":2,"prompt_tokens_details":null}}', None),
+    (b'{"usage":{"prompt_tokens":7,"total_tokens":9,"completion_tokens":-2,"prompt_tokens_details":null}}', None),
     (b'{"usage":{"prompt_tokens":7.5,"completion_tokens":2}}', None),
     (b'{"usage":{"completion_tokens":2}}', None),
 ])
