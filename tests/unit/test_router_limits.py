@@ -246,6 +246,15 @@ def test_body_usage_reads_only_the_usage_object_and_is_not_fooled_by_text():
     (b'{"usage":{"prompt_tokens":7,"total_tokens":9,"completion_tokens":2}}', Usage(7, 2)),
     (b'{"usage": {"prompt_tokens": 7, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 3}}}',
      Usage(7, 2, 3)),  # nested details: the object is decoded, the cached tokens read
+    # vLLM's own compact serialisation (read without decoding), and near misses that are decoded
+    (b'{"x":1,"usage":{"prompt_tokens":7,"total_tokens":9,"completion_tokens":2,"prompt_tokens_details":null,'
+     b'"completion_tokens_details":null}}', Usage(7, 2)),
+    (b'{"usage":{"prompt_tokens":7,"total_tokens":9,"completion_tokens":2,'
+     b'"prompt_tokens_details":{"cached_tokens":3}}}', Usage(7, 2, 3)),
+    (b'{"usage":{"prompt_tokens":7,"total_tokens":9,"completion_tokens":2,'
+     b'"prompt_tokens_details":{"cached_tokens":3,"audio_tokens":1}}}', Usage(7, 2, 3)),
+    (b'{"usage":{"prompt_tokens":07,"total_tokens":9,"completion_tokens":2,"prompt_tokens_details":null}}', None),
+    (b'{"usage":{"prompt_tokens":7,"total_tokens":9,"completion_tokens":-2,"prompt_tokens_details":null}}', None),
     (b'{"usage":{"prompt_tokens":7.5,"completion_tokens":2}}', None),
     (b'{"usage":{"completion_tokens":2}}', None),
 ])
@@ -303,6 +312,43 @@ def test_a_limited_stream_asks_the_engine_for_usage_in_the_body_and_in_what_is_r
     assert json.loads(sent)["stream_options"] == {"include_usage": True}
     assert json.loads(decode_body(parsed.payload, {"x": 1}))["stream_options"] == {"include_usage": True}
     assert ctx.limits.meter.strip and ctx.limits.headers["x-ratelimit-remaining-requests"] == "4"
+
+
+def test_a_whole_answer_is_reserved_without_a_coroutine_settled_from_its_usage_and_refused_past_the_limit():
+    from aiohttp import web
+
+    from llmgw.router.context import RequestContext
+    from llmgw.router.errors import RouterError
+    from llmgw.router.limitsgate import LimitsGate
+    from llmgw.router.metrics import RouterMetrics
+    from llmgw.router.request import parse_body
+
+    lm, st = limiter(requests_per_minute=2, tokens_per_minute=1000, input_tokens_per_minute=1000)
+    gate = LimitsGate(lm, RouterMetrics())
+    body = b'{"model":"m","max_tokens":100,"messages":[]}'  # reserves 11 + 100 tokens
+    answer = (b'{"choices":[],"usage":{"prompt_tokens":7,"total_tokens":9,"completion_tokens":2,'
+              b'"prompt_tokens_details":{"cached_tokens":3},"completion_tokens_details":null}}')
+    (total,) = [w for dim, w in st.rule.windows if dim == TOTAL]
+    (prompts,) = [w for dim, w in st.rule.windows if dim == INPUT]
+
+    async def run():
+        seen = []
+        for _ in range(2):
+            ctx = RequestContext("r", 0.0)
+            assert gate.reserve(ctx, st, "k", parse_body(body), body, "/v1/chat/completions") == body
+            assert total.used == len(seen) * 9 + 111  # the estimate, until settled
+            resp = web.Response(body=answer)
+            gate.finish(ctx.limits, resp, 200)
+            seen.append((resp.headers["x-ratelimit-remaining-requests"], resp.headers["x-ratelimit-remaining-tokens"]))
+        assert total.used == 18 and prompts.used == 14  # the engine's 7 + 2, twice
+        assert seen == [("1", "889"), ("0", "880")]  # as of each admission
+        ctx = RequestContext("r", 0.0)
+        with pytest.raises(RouterError) as e:
+            gate.reserve(ctx, st, "k", parse_body(body), body, "/v1/chat/completions")
+        assert e.value.status == 429 and ctx.limits.headers["x-ratelimit-remaining-requests"] == "0"
+        gate.usage_counts.flush()
+
+    asyncio.run(run())
 
 
 def test_usage_counters_reach_prometheus_in_one_batch_a_second_after_the_first_request():

@@ -41,7 +41,7 @@ DAY = 86400.0
 _MINUTE_SLOTS = 60
 _DAY_SLOTS = 1440
 
-# the dimensions, indexes into the amounts of a request (``amounts``)
+# the dimensions, indexes into what a request counts in each (``Limiter.admit``'s ``need``)
 REQUESTS, INPUT, OUTPUT, TOTAL, BUDGET = range(5)
 NAMES = ("requests", "input_tokens", "output_tokens", "tokens", "tokens_per_day")
 
@@ -130,7 +130,8 @@ class Window:
 
     def adjust(self, entry: list, delta: int, now: float) -> None:
         """Correct what was counted in ``entry``'s slot, unless the slot has already aged out."""
-        self.expire(now)
+        if int(now // self.slot_len) != self.cur:
+            self.expire(now)
         if entry[0] >= self.cur - self.slots:
             entry[1] += delta
             self.used += delta
@@ -154,12 +155,6 @@ class Rule:
         self.windows = tuple(w)
         self.concurrent = rates.concurrent_requests
         self.in_flight = 0
-
-
-def amounts(prompt: int, completion: int) -> tuple[int, int, int, int, int]:
-    """What one request counts in each dimension (indexed by REQUESTS, INPUT, ...)."""
-    total = prompt + completion
-    return (1, prompt, completion, total, total)
 
 
 # (limit, remaining, reset seconds) of one window, as OpenAI's x-ratelimit-* headers show it
@@ -238,7 +233,8 @@ class Limiter:
         need = (1, prompt, completion, total, total)
         worst: Refused | None = None
         entries = []
-        req = tok = None  # the windows with the least room left, for the headers
+        req = tok = None  # the windows with the least room left once counted, for the headers
+        req_room = tok_room = 0
         for rule in rules:
             if rule.concurrent is not None and rule.in_flight >= rule.concurrent:
                 # ends when a request ends, not with a window: a second is a fair first retry
@@ -247,15 +243,16 @@ class Limiter:
                 if int(now // w.slot_len) != w.cur:
                     w.expire(now)
                 n = need[dim]
-                if w.used + n > w.limit:
+                room = w.limit - w.used - n  # what is left once this request is counted
+                if room < 0:
                     worst = _worse(worst, Refused(NAMES[dim], w.wait_now(n, now), w.limit))
                     continue
                 entries.append((w, w.add_now(n), dim))
                 if dim == REQUESTS:
-                    if req is None or w.limit - w.used < req.limit - req.used:
-                        req = w
-                elif dim != BUDGET and (tok is None or w.limit - w.used < tok.limit - tok.used):
-                    tok = w
+                    if req is None or room < req_room:
+                        req, req_room = w, room
+                elif dim != BUDGET and (tok is None or room < tok_room):
+                    tok, tok_room = w, room
         if worst is not None:
             for w, entry, dim in reversed(entries):
                 w.undo(entry, need[dim])
@@ -264,7 +261,8 @@ class Limiter:
         for rule in rules:
             rule.in_flight += 1
         return Ticket(key, model, prompt, completion, rules, entries,
-                      None if req is None else _view(req, now), None if tok is None else _view(tok, now),
+                      None if req is None else (req.limit, req_room, req.reset_now(now)),
+                      None if tok is None else (tok.limit, tok_room, tok.reset_now(now)),
                       cached_weight=state.limits.cached_prompt_weight)
 
     def settle(self, ticket: Ticket, prompt: int, completion: int, now: float, cached: int = 0) -> None:
@@ -275,14 +273,16 @@ class Limiter:
         if ticket.settled:
             return
         ticket.settled = True
-        reserved = amounts(ticket.prompt, ticket.completion)
         if cached > 0 and ticket.cached_weight < 1.0:
             prompt -= round(min(cached, prompt) * (1.0 - ticket.cached_weight))
-        used = amounts(prompt, completion)
-        for w, entry, dim in ticket.entries:
-            delta = used[dim] - reserved[dim]
-            if delta:
-                w.adjust(entry, delta, now)
+        dp = prompt - ticket.prompt
+        dc = completion - ticket.completion
+        if dp or dc:  # what was used, less what was reserved, in each dimension (REQUESTS, INPUT, ...)
+            delta = (0, dp, dc, dp + dc, dp + dc)
+            for w, entry, dim in ticket.entries:
+                d = delta[dim]
+                if d:
+                    w.adjust(entry, d, now)
         for rule in ticket.rules:
             rule.in_flight -= 1
         for slots in ticket.slots:
@@ -304,10 +304,6 @@ class Limiter:
 
 def _worse(a: Refused | None, b: Refused) -> Refused:
     return b if a is None or b.retry_after > a.retry_after else a
-
-
-def _view(w: Window, now: float) -> RateView:
-    return (w.limit, max(0, w.limit - w.used), w.reset_now(now))
 
 
 def _tighter(a: RateView | None, w: Window, now: float) -> RateView:

@@ -35,6 +35,7 @@ the slices held past their lease, then this worker's own windows;
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -56,9 +57,9 @@ __all__ = ["LimitsGate", "Limited", "UsageCounters", "reset_text", "with_include
 BYTES_PER_TOKEN = 4
 
 
-@dataclass
+@dataclass(slots=True)
 class Limited:
-    """What the request path keeps of a limited key's request (``RequestContext.limits``)."""
+    """What the request path keeps of a limited key's request (``RequestContext.limits``); one per request."""
 
     headers: dict[str, str]
     ticket: Ticket | None = None
@@ -73,6 +74,17 @@ class LimitsGate:
         self.usage_log: UsageLog | None = None  # set by a standalone worker with usage_log (router/usagelog.py)
         self.usage_counts = UsageCounters(metrics)
 
+    def reserve(self, ctx: RequestContext, state: KeyState, key: str, parsed: ParsedRequest, body: bytes,
+                path: str) -> bytes:
+        """``admit`` on this worker's own windows (no ``allowance``): nothing to wait for, so no coroutine.
+
+        The proxy calls this one directly: a one-token request is short enough that a
+        coroutine frame created and finished per request showed in its CPU.
+        """
+        prompt, completion = _estimate(state, parsed, body, path)
+        got = self.limiter.admit(state, key, parsed.model, prompt, completion, asyncio.get_running_loop().time())
+        return self._admitted(ctx, got, key, parsed, body)
+
     async def admit(self, ctx: RequestContext, state: KeyState, key: str, parsed: ParsedRequest, body: bytes,
               path: str) -> bytes:
         """Reserve for this request (``ctx.limits``) and return the body to send, or raise the refusal.
@@ -81,13 +93,14 @@ class LimitsGate:
         (``with_include_usage``), and the usage event is cut from what the
         client receives.
         """
-        now = asyncio.get_running_loop().time()
-        prompt = (len(body) + BYTES_PER_TOKEN - 1) // BYTES_PER_TOKEN
-        completion = 0 if path.endswith("/embeddings") else _max_tokens(parsed.payload, state.limits.default_max_tokens)
         if self.allowance is None:
-            got = self.limiter.admit(state, key, parsed.model, prompt, completion, now)
-        else:
-            got = await self._shared(self.allowance, state, key, parsed.model, prompt, completion)
+            return self.reserve(ctx, state, key, parsed, body, path)
+        prompt, completion = _estimate(state, parsed, body, path)
+        got = await self._shared(self.allowance, state, key, parsed.model, prompt, completion)
+        return self._admitted(ctx, got, key, parsed, body)
+
+    def _admitted(self, ctx: RequestContext, got: Ticket | Refused, key: str, parsed: ParsedRequest,
+                  body: bytes) -> bytes:
         headers = _headers(got.requests, got.tokens)
         if isinstance(got, Refused):
             ctx.limits = Limited(headers)
@@ -258,14 +271,25 @@ def with_include_usage(body: bytes, payload: dict[str, Any]) -> bytes:
     return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
 
 
+@functools.lru_cache(maxsize=1024)
 def reset_text(seconds: float) -> str:
-    """A duration as OpenAI writes it in ``x-ratelimit-reset-*``: ``20ms``, ``1.5s``, ``6m0s``."""
+    """A duration as OpenAI writes it in ``x-ratelimit-reset-*``: ``20ms``, ``1.5s``, ``6m0s``.
+
+    Cached: every answer of a limited key carries two, and uvloop's clock moves in
+    whole milliseconds, so the requests of one millisecond ask for the same few values.
+    """
     if seconds < 1:
         return f"{max(0, math.ceil(seconds * 1000))}ms"
     if seconds < 60:
         return f"{math.ceil(seconds * 1000) / 1000:g}s"
     m, s = divmod(math.ceil(seconds), 60)
     return f"{m}m{s}s"
+
+
+def _estimate(state: KeyState, parsed: ParsedRequest, body: bytes, path: str) -> tuple[int, int]:
+    """(prompt, completion) to reserve before the engine says what the request used."""
+    prompt = (len(body) + BYTES_PER_TOKEN - 1) // BYTES_PER_TOKEN
+    return prompt, 0 if path.endswith("/embeddings") else _max_tokens(parsed.payload, state.limits.default_max_tokens)
 
 
 def _max_tokens(payload: dict[str, Any], default: int) -> int:

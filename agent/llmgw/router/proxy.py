@@ -171,7 +171,11 @@ class Proxy:
             group = await self.holds.admit(parsed.model, group)
         state = self.limiter.keys.get(principal.name) if self.limiter.keys else None
         if state is not None:
-            body = await self.limits_gate.admit(ctx, state, principal.name, parsed, body, request.path)
+            gate = self.limits_gate
+            if gate.allowance is None:  # this worker's own windows: no await
+                body = gate.reserve(ctx, state, principal.name, parsed, body, request.path)
+            else:
+                body = await gate.admit(ctx, state, principal.name, parsed, body, request.path)
         if self.cache_hits is not None:
             body = self.cache_hits.admit(ctx, parsed.model, parsed.stream, parsed.payload, body)
         ctx.admitted = time.perf_counter()

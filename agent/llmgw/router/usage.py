@@ -17,6 +17,7 @@ and ``[DONE]`` are counted too: at most two tokens over).
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, NamedTuple
 
 from .sse import EventBuffer, event_data
@@ -53,13 +54,22 @@ def _fields(u: Any) -> Usage | None:
 
 _DECODER = json.JSONDecoder()
 
+_N = rb"(0|[1-9][0-9]*)"
+# vLLM's usage object as it serialises it (compact, in this order, details null or the cached tokens
+# alone): read by one match in C instead of decoding; any other shape is decoded
+_VLLM_USAGE = re.compile(rb'\{"prompt_tokens":' + _N + rb',"total_tokens":[0-9]+,"completion_tokens":' + _N +
+                         rb',"prompt_tokens_details":(?:null|\{"cached_tokens":' + _N +
+                         rb'\})(?:,"completion_tokens_details":null)?\}')
+
 
 def body_usage(body: bytes) -> Usage | None:
     """The usage of a whole (non-streamed) JSON answer, or None.
 
-    Only the ``usage`` object is decoded, found as the last ``"usage"`` followed
+    Only the ``usage`` object is read, found as the last ``"usage"`` followed
     by ``:`` and ``{`` (inside a JSON string a quote is escaped, so the marker is
-    a key); anything else falls back to decoding the whole answer.
+    a key); anything else falls back to decoding the whole answer.  vLLM's own
+    serialisation of the object is matched, not decoded: decoding it was the
+    larger part of settling a one-token request of a limited key.
     """
     i = body.rfind(b'"usage"')
     if i < 0:
@@ -67,6 +77,9 @@ def body_usage(body: bytes) -> Usage | None:
     j = body.find(b"{", i + 7)
     try:
         if j > 0 and body[i + 7:j].strip() == b":":
+            m = _VLLM_USAGE.match(body, j)
+            if m is not None:
+                return Usage(int(m[1]), int(m[2]), None if m[3] is None else int(m[3]))
             return _fields(_DECODER.raw_decode(body[j:].decode("utf-8", "replace"))[0])
         return usage_of(json.loads(body))
     except (ValueError, RecursionError):
