@@ -139,7 +139,7 @@ class ServerExited(Exception):
 def cold(f: Fleet, timeout: float) -> dict[str, Any]:
     """The control plane started with every agent ready to dial, to every replica Ready.
 
-    The simulator builds its agents first (each node's certificate and TLS context, about 3 ms
+    The simulator builds its agents first (each node's certificate and TLS context, 1-2 ms
     of CPU a node) and holds them: agents make that start on machines of their own, and timed
     here it put 12-15 s of the simulator's CPU on the control plane's two cores before its
     first registration at 10,000 nodes. The clock starts with the control plane."""
