@@ -46,8 +46,15 @@ def run_figures(run: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _median(values: list[float]) -> float | None:
-    return round(statistics.median(values), 2) if values else None
+def medians(figs: list[dict[str, Any]], names: Iterable[str], nd: int) -> dict[str, Any]:
+    """Each named figure's median over the repeats' figures (rounded to ``nd`` places) and its
+    ``_spread``, [min, max]; None for a figure no repeat had."""
+    out: dict[str, Any] = {}
+    for name in names:
+        vals = [f[name] for f in figs if f[name] is not None]
+        out[name] = round(statistics.median(vals), nd) if vals else None
+        out[name + "_spread"] = [min(vals), max(vals)] if vals else None
+    return out
 
 
 def summarize(runs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -62,10 +69,7 @@ def summarize(runs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"layout": layout, "rate": rate, "repeats": len(rs),
                                "requests": sum(r["requests"] for r in rs), "ok": sum(r["ok"] for r in rs),
                                "errors": sum(r["requests"] - r["ok"] for r in rs)}
-        for name in FIGURES:
-            vals = [f[name] for f in figs if f[name] is not None]
-            row[name] = _median(vals)
-            row[name + "_spread"] = [min(vals), max(vals)] if vals else None
+        row.update(medians(figs, FIGURES, 2))
         counters: dict[str, float] = {}
         for r in rs:
             for k, v in r.get("counters", {}).items():

@@ -17,7 +17,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Iterable
 
-from disagg_report import percentile
+from disagg_report import medians, percentile
 
 SCORERS = ("least-outstanding", "prefix-affinity", "cache-aware")
 FIGURES = ("ttft_p50_s", "ttft_p90_s", "output_tokens_per_s", "hit_rate", "router_cpu_us_per_request",
@@ -75,10 +75,7 @@ def summarize(runs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"scorer": scorer, "rate": rate, "repeats": len(rs),
                                "requests": sum(len(r["records"]) for r in rs),
                                "errors": sum(sum(1 for x in r["records"] if not x["ok"]) for r in rs)}
-        for name in FIGURES:
-            vals = [f[name] for f in figs if f[name] is not None]
-            row[name] = _r(statistics.median(vals), 4) if vals else None
-            row[name + "_spread"] = [min(vals), max(vals)] if vals else None
+        row.update(medians(figs, FIGURES, 4))
         row["cpu_share"] = {k: max(r["cpu_share"][k] for r in rs) for k in rs[0]["cpu_share"]}
         row["saturated"] = saturated(row)
         out.append(row)
