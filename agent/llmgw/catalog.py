@@ -190,6 +190,9 @@ class Autoscale:
     tolerance: float = 0.1
     scale_down_cooldown: float = 300.0
     max_step: int = 4
+    headroom: float = 0.0  # spare slots in standard deviations of the demand: target x count >= avg + h x sqrt(avg)
+    max_scale_up_rate: float = 0.0  # a scale-up asks for at most this many times the Ready replicas (0: no cap)
+    scale_down_stabilization: float = 0.0  # a scale-down no lower than the most wanted over these seconds (0: off)
     sleep: Sleep | None = None
     priority: int = 0  # who wins the fleet GPU budget (autoscale_budget): higher first
 
@@ -202,6 +205,8 @@ class Autoscale:
                    stable_window=float(d["stable_window"]), panic_window=float(d["panic_window"]),
                    panic_threshold=float(d["panic_threshold"]), tolerance=float(d["tolerance"]),
                    scale_down_cooldown=float(d["scale_down_cooldown"]), max_step=int(d["max_step"]),
+                   headroom=float(d["headroom"]), max_scale_up_rate=float(d["max_scale_up_rate"]),
+                   scale_down_stabilization=float(d["scale_down_stabilization"]),
                    sleep=(Sleep(after=float(d["sleep"]["after"]), level=int(d["sleep"]["level"]))
                           if d.get("sleep") is not None else None),
                    priority=int(d["priority"]))

@@ -377,6 +377,12 @@ def _autoscale_errors(doc: dict[str, Any]) -> list[ConfigError]:
         if a["panic_window"] > a["stable_window"]:
             errors.append(ConfigError(f"{where}/panic_window", f"{a['panic_window']}s is longer than "
                                       f"stable_window ({a['stable_window']}s): the panic window is the short one"))
+        if a["headroom"] and a["signal"] != "outstanding":
+            errors.append(ConfigError(f"{where}/headroom", f"headroom counts spare requests in flight; signal "
+                                      f"{a['signal']!r} is not a count of them (use signal: outstanding, or 0)"))
+        if 0 < a["max_scale_up_rate"] <= 1:
+            errors.append(ConfigError(f"{where}/max_scale_up_rate", f"{a['max_scale_up_rate']:g} would hold every "
+                                      "scale-up at the replicas already serving: more than 1, or 0 for no cap"))
         if isinstance(a.get("sleep"), dict):
             errors += _sleep_errors(doc, d, f"{where}/sleep")
         errors += _signal_errors(doc, d, a, where)

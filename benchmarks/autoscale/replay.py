@@ -176,6 +176,10 @@ def replay(trace: list[dict], duration: float, pool: int, engine: Engine, lead: 
 
     budget = Budget()
 
+    def serving(name: str, now: float) -> int:
+        """Replicas of ``name`` ready and not draining: the control plane's Ready count."""
+        return sum(1 for r in replicas[name] if not r.draining and r.stopped_at is None and r.ready_at <= now)
+
     def reconcile(now: float) -> None:
         short: dict[str, int] = {}
         claims = [Claim(n, s.desired, s.policy.min, (priorities or {}).get(n, 0), 1, s.policy.scale_down_cooldown)
@@ -227,7 +231,7 @@ def replay(trace: list[dict], duration: float, pool: int, engine: Engine, lead: 
                     if now < s.policy.stable_window:
                         continue  # the control plane's startup grace: a window measured first
                     before = s.desired
-                    d = s.decide(now, lead if anticipate else None)
+                    d = s.decide(now, lead if anticipate else None, serving(n, now))
                     if d.desired != before or not runs[n].decisions:
                         runs[n].decisions.append((now, d.desired, d.reason))
                 reconcile(now)

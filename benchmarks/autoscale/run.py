@@ -6,18 +6,19 @@
 For each seed: a trace from ``trace.py`` (or ``--trace``, a Mooncake-shaped JSONL with a
 ``model`` key), replayed by ``replay.py`` in simulated time, three ways on one engine model:
 
-1. **autoscaled**: each model under ``llmgw.controlplane.autoscale.Scaler`` with the
-   catalog's defaults (target 8 outstanding per replica, stable 60 s, panic 6 s, tolerance
-   0.1, cooldown 300 s, step 4) and ``min`` 1, ``max`` 32, in a pool as large as static
-   provisioning's (so the pool never binds: the rule alone sets the counts);
+1. **autoscaled**: each model under ``llmgw.controlplane.autoscale.Scaler`` with ``target``
+   16 (the engine's batch), ``headroom`` 2 (square-root staffing), ``max_scale_up_rate``
+   2 and ``scale_down_stabilization`` 300 s, the catalog's defaults otherwise (stable 60 s, panic 6 s, tolerance 0.1, cooldown
+   300 s, step 4), ``min`` 1, ``max`` 32, in a pool as large as static provisioning's (so
+   the pool never binds: the rule alone sets the counts); and again with the catalog's
+   defaults alone (target 8, none of those three), for the side-by-side ratio;
 2. **static peak**: each model at a fixed count, its *own* peak need: the fewest replicas
    that meet the TTFT objective over the whole day with the count never moving (searched
    down from the autoscaled run's peak).  This is the strict baseline: a static replica
-   may fill its whole batch, while the rule keeps headroom (target 8 of a batch of 16) for
-   the 90 s a new replica takes.  For scale, the saving is also given against static
-   counts sized by the rule's own target (the autoscaled run's peak count of each model);
-3. **tight pool**: autoscaled again in a pool of 60 % of the most GPUs the autoscaled run
-   held at once, arbitrated by the real fleet GPU budget (``autoscale_budget.Budget``,
+   may fill its whole batch, tuned with hindsight of the whole day.  For scale, the saving
+   is also given against static counts at the autoscaled run's peak count of each model;
+3. **tight pool**: autoscaled again in a pool of 75 % of static provisioning's GPUs (the
+   two models' peak needs together), arbitrated by the real fleet GPU budget (``autoscale_budget.Budget``,
    equal priorities), to show what happens when the models' needs together exceed it;
 4. **blind**: autoscaled as in 1, the scalers told no start time (the rule before it
    followed a rising signal ahead by the lead time the control plane measures), for the
@@ -70,7 +71,7 @@ machine = _sibling("machine")
 
 from llmgw.agent.procident import read_stat  # noqa: E402
 from llmgw.catalog import Autoscale  # noqa: E402
-from llmgw.controlplane.autoscale import Scaler  # noqa: E402
+from llmgw.controlplane.autoscale import Scaler, wanted  # noqa: E402
 from llmgw.sim.sim_timing import inter_token  # noqa: E402
 
 RESULTS = HERE.parent / "results"
@@ -79,8 +80,11 @@ WINDOW_S = 60.0
 SHARE_TARGET = 0.99
 SAVING_TARGET = 0.30
 LEAD_S = 90.0  # a new replica's time to ready: fetch from local cache and load
-POLICY = Autoscale(max=32)  # the catalog's defaults otherwise
-TIGHT = 0.6
+# the batch as the target, square-root headroom, scale-ups held to twice the serving replicas,
+# scale-downs to the most wanted over 5 minutes
+POLICY = Autoscale(max=32, target=16.0, headroom=2.0, max_scale_up_rate=2.0, scale_down_stabilization=300.0)
+DEFAULTS = Autoscale(max=32)  # the catalog's defaults alone: target 8 a replica, none of the three above
+TIGHT = 0.75  # of static provisioning's GPUs: the pool the tight run arbitrates
 
 
 def window_share(run: rp.ModelRun, duration: float) -> tuple[float, int, float]:
@@ -111,12 +115,12 @@ def static_need(lines: list[dict], name: str, start: int, duration: float, engin
 
 def opening_count(lines: list[dict], name: str, engine: rp.Engine, policy: Autoscale) -> int:
     """The count a model starts the replay with: what its first minute asks of the rule, by
-    Little's law (arrivals x service time at the target batch / target), as if the day
-    before had run; starting at ``min`` instead would replay a cold start into the load."""
+    Little's law (arrivals x service time at the target batch: the requests in flight), as if
+    the day before had run; starting at ``min`` instead would replay a cold start into the load."""
     itl = inter_token(engine.token, engine.slowdown, max(1, round(policy.target)))
     busy = sum(engine.prefill * d["input_length"] + d["output_length"] * itl
                for d in lines if d["model"] == name and d["timestamp"] < 60_000)
-    return policy.clamp(math.ceil(busy / 60.0 / policy.target))
+    return policy.clamp(wanted(policy, busy / 60.0))
 
 
 def summarize(res: rp.Result, cooldown: float) -> dict:
@@ -140,7 +144,7 @@ def summarize(res: rp.Result, cooldown: float) -> dict:
 
 
 def one_seed(seed: int, day: float, peak_rps: float, engine: rp.Engine, trace_file: str | None,
-             policy: Autoscale) -> dict:
+             policy: Autoscale, defaults: Autoscale = DEFAULTS) -> dict:
     lines = tr.read_jsonl(trace_file) if trace_file else tr.generate(tr.default_models(peak_rps), day, seed)
     duration = max(day, lines[-1]["timestamp"] / 1000.0) if trace_file else day
     names = sorted({d["model"] for d in lines}, key=lambda n: [d["model"] for d in lines].index(n)) \
@@ -153,12 +157,16 @@ def one_seed(seed: int, day: float, peak_rps: float, engine: rp.Engine, trace_fi
     auto.pool = sum(fixed.values())  # the same pool: the autoscaled run never held more than this at once
     if auto.peak_placed > auto.pool:
         auto.pool = auto.peak_placed
-    tight_pool = max(len(names), int(TIGHT * auto.peak_placed))
+    tight_pool = max(len(names), int(TIGHT * sum(fixed.values())))
     tight = rp.replay(lines, duration, tight_pool, engine, LEAD_S, policies=policies, start=start)
     blind = rp.replay(lines, duration, policy.max * len(names), engine, LEAD_S, policies=policies, start=start,
                       anticipate=False)
+    plain = rp.replay(lines, duration, defaults.max * len(names), engine, LEAD_S,
+                      policies={n: defaults for n in names},
+                      start={n: opening_count(lines, n, engine, defaults) for n in names})
     c = policy.scale_down_cooldown
     a, s, t, b = summarize(auto, c), summarize(static, c), summarize(tight, c), summarize(blind, c)
+    d = summarize(plain, defaults.scale_down_cooldown)
     same = {n: auto.models[n].peak_replicas for n in names}  # sized by the rule's own target at the peak
     same_hours = sum(same.values()) * duration / 3600.0
     return {"seed": seed, "requests": len(lines), "duration_s": duration, "static_counts": fixed, "opening_counts": start,
@@ -166,7 +174,8 @@ def one_seed(seed: int, day: float, peak_rps: float, engine: rp.Engine, trace_fi
             "static_same_target_counts": same, "static_same_target_gpu_hours": round(same_hours, 3),
             "saving_vs_same_target": round(1.0 - a["gpu_hours"] / same_hours, 4),
             "saving_blind": round(1.0 - b["gpu_hours"] / s["gpu_hours"], 4),
-            "autoscaled": a, "static": s, "tight": t, "blind": b}
+            "saving_defaults": round(1.0 - d["gpu_hours"] / s["gpu_hours"], 4),
+            "autoscaled": a, "static": s, "tight": t, "blind": b, "defaults": d}
 
 
 def cpu_seconds() -> float:
@@ -231,7 +240,10 @@ def report(r: dict) -> str:
         f"{m['engine']['prefill']:g} s/token, decode {m['engine']['token']:g} s/token alone x (1 + "
         f"{m['engine']['slowdown']:g} x (batch - 1)), at most {m['engine']['max_batch']} requests a replica, "
         f"one GPU a replica; a new replica serves {m['lead_s']:g} s after it is placed. Policy: target "
-        f"{p['target']:g} outstanding per replica, the catalog's defaults otherwise (stable {p['stable_window']:g} s, "
+        f"{p['target']:g} outstanding per replica (the engine's batch), headroom {p['headroom']:g} "
+        f"(`headroom` x sqrt(in flight) spare slots), max_scale_up_rate {p['max_scale_up_rate']:g}, "
+        f"scale_down_stabilization {p['scale_down_stabilization']:g} s, "
+        f"the catalog's defaults otherwise (stable {p['stable_window']:g} s, "
         f"panic {p['panic_window']:g} s, tolerance {p['tolerance']:g}, cooldown {p['scale_down_cooldown']:g} s, "
         f"step {p['max_step']}), min {p['min']}, max {p['max']}.",
         "",
@@ -241,9 +253,13 @@ def report(r: dict) -> str:
         "|---|---|---|---|",
         f"| GPU-hours saved against static peak provisioning | >= 30 % | {100 * sav['median']:.1f} % "
         f"({100 * sav['min']:.1f}-{100 * sav['max']:.1f}) | {'yes' if sav['min'] >= SAVING_TARGET else 'no'} |",
-        f"| the same, static sized by the rule's own target at each model's peak | (for scale) | "
+        f"| the same, static at the count the rule reached at each model's peak | (for scale) | "
         f"{100 * r['spread']['saving_vs_same_target']['median']:.1f} % ({100 * r['spread']['saving_vs_same_target']['min']:.1f}"
         f"-{100 * r['spread']['saving_vs_same_target']['max']:.1f}) | - |",
+        f"| the same, the catalog's defaults alone (target 8 a replica, no headroom, rate cap or stabilization) | (for comparison) | "
+        f"{100 * r['spread']['saving_defaults']['median']:.1f} % ({100 * r['spread']['saving_defaults']['min']:.1f}"
+        f"-{100 * r['spread']['saving_defaults']['max']:.1f}); windows met {100 * r['spread']['windows_meeting_defaults']['median']:.2f} % "
+        f"({100 * r['spread']['windows_meeting_defaults']['min']:.2f}-{100 * r['spread']['windows_meeting_defaults']['max']:.2f}) | - |",
         f"| the same, the rule told no start time (blind) | (for comparison) | "
         f"{100 * r['spread']['saving_blind']['median']:.1f} % ({100 * r['spread']['saving_blind']['min']:.1f}"
         f"-{100 * r['spread']['saving_blind']['max']:.1f}); windows met {100 * r['spread']['windows_meeting_blind']['median']:.2f} % "
@@ -280,8 +296,8 @@ def report(r: dict) -> str:
         "",
         "## When the pool is too small for both",
         "",
-        f"The same trace, autoscaled, in a pool of {int(TIGHT * 100)} % of the most GPUs the autoscaled run held "
-        "at once, arbitrated by the fleet GPU budget (`controlplane/autoscale_budget.py`, both models at "
+        f"The same trace, autoscaled, in a pool of {int(TIGHT * 100)} % of static provisioning's GPUs (both "
+        "models' peak needs together), arbitrated by the fleet GPU budget (`controlplane/autoscale_budget.py`, both models at "
         "priority 0: they share what is above their mins in proportion to demand). Cut: replica-hours a "
         "scaler asked for beyond its grant; waiting: granted replica-hours not yet placed because the GPUs "
         "were still draining from the other model.",
@@ -333,12 +349,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--passes", type=int, default=None, help="timed passes over them (default 10)")
     ap.add_argument("--target", type=float, default=POLICY.target,
                     help=f"outstanding requests per replica the rule aims for (default {POLICY.target:g})")
+    ap.add_argument("--headroom", type=float, default=POLICY.headroom,
+                    help=f"spare slots in standard deviations of the demand (default {POLICY.headroom:g})")
+    ap.add_argument("--rate", type=float, default=POLICY.max_scale_up_rate,
+                    help=f"max_scale_up_rate: a scale-up to at most this many times the serving replicas "
+                         f"(default {POLICY.max_scale_up_rate:g}; 0: no cap)")
     ap.add_argument("--trace", help="replay this Mooncake-shaped JSONL instead of generating")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--out-dir", default=str(RESULTS))
     args = ap.parse_args(argv)
     q = args.quick
-    policy = dataclasses.replace(POLICY, target=args.target)
+    policy = dataclasses.replace(POLICY, target=args.target, headroom=args.headroom, max_scale_up_rate=args.rate)
     seeds = args.seeds or ([1] if q else [1, 2, 3])
     day = args.day or (3600.0 if q else 14_400.0)
     peak = args.peak_rps or (30.0 if q else 60.0)
@@ -349,11 +370,12 @@ def main(argv: list[str] | None = None) -> int:
         x = one_seed(seed, day, peak, engine, args.trace, policy)
         per_seed.append(x)
         print(f"seed {seed}: {x['requests']} requests, saving {100 * x['saving']:.1f} % "
-              f"(blind {100 * x['saving_blind']:.1f} %), "
+              f"(blind {100 * x['saving_blind']:.1f} %, catalog defaults {100 * x['saving_defaults']:.1f} %), "
               f"static {x['static_counts']}, {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     decisions = decision_rate(args.scalers or (1000 if q else 10_000), args.passes or (2 if q else 10), policy)
     shares = [m["windows_meeting"] for x in per_seed for m in x["autoscaled"]["models"].values()]
     blind_shares = [m["windows_meeting"] for x in per_seed for m in x["blind"]["models"].values()]
+    default_shares = [m["windows_meeting"] for x in per_seed for m in x["defaults"]["models"].values()]
     flags = " ".join(a for a in (argv if argv is not None else sys.argv[1:]))
     r = {
         "meta": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
@@ -367,7 +389,9 @@ def main(argv: list[str] | None = None) -> int:
         "spread": {"saving": spread([x["saving"] for x in per_seed]),
                    "saving_vs_same_target": spread([x["saving_vs_same_target"] for x in per_seed]),
                    "saving_blind": spread([x["saving_blind"] for x in per_seed]),
-                   "windows_meeting": spread(shares), "windows_meeting_blind": spread(blind_shares)},
+                   "saving_defaults": spread([x["saving_defaults"] for x in per_seed]),
+                   "windows_meeting": spread(shares), "windows_meeting_blind": spread(blind_shares),
+                   "windows_meeting_defaults": spread(default_shares)},
         "decisions": decisions,
     }
     md = report(r)

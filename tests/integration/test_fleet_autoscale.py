@@ -26,6 +26,14 @@ AUTOSCALE = {"min": 1, "max": 2, "target": 1, "stable_window": 2, "panic_window"
              "scale_down_cooldown": 2, "max_step": 1}
 
 
+def start_autoscaled(f: Fleet, policy: dict) -> None:
+    """Declare ``policy`` on the fleet's one deployment, start it, and wait for its first replica."""
+    f.config["deployments"][0]["autoscale"] = policy
+    f.write_config()
+    f.start()
+    f.wait_ready(1)
+
+
 def desired(f: Fleet) -> dict[str, float]:
     """llmgw_autoscale_desired_replicas by reason, from one scrape."""
     return {lab["reason"]: v for lab, v in metric_samples(f).get("llmgw_autoscale_desired_replicas", [])}
@@ -85,10 +93,7 @@ def test_a_restarted_control_plane_measures_a_whole_window_before_scaling_down(t
     policy = {**AUTOSCALE, "stable_window": 8}
     with Fleet(tmp_path, nodes={"a": 1, "b": 1}, replicas=1, router=True, profile=PROFILE,
                lifecycle={"startup_grace": 1.0}) as f:
-        f.config["deployments"][0]["autoscale"] = policy
-        f.write_config()
-        f.start()
-        f.wait_ready(1)
+        start_autoscaled(f, policy)
         busy = OpenAIStreams(f.router_url, verify=f.router_verify(), threads=4, max_tokens=30).start()
         try:
             two = {r["replica_id"] for r in f.wait_ready(2)}
@@ -140,4 +145,37 @@ def test_clients_behind_a_standalone_router_scale_the_deployment_and_its_silence
             assert f.server.output(200000).count("scaled down to tiny/sim x1") == seen
         finally:
             busy.stop()
+        assert busy.count() > 0
+
+
+def test_a_scale_up_waits_for_the_replicas_it_asked_for_before_asking_again(tmp_path):
+    """``max_scale_up_rate: 2``: six clients want three replicas at once, but while only one serves the
+    count is held at two (reason ``rate``): the requests queued while a replica loads are not more
+    demand. Once the second serves, the third is placed. Before the cap the count jumped to max at
+    once, and a slow start let it climb on its own queue."""
+    profile = {"env": {**PROFILE["env"], "LLMGW_SIM_STARTUP_DELAY": "3"}}
+    policy = {**AUTOSCALE, "max": 3, "max_step": 4, "max_scale_up_rate": 2, "headroom": 1,
+              "scale_down_stabilization": 30}
+    with Fleet(tmp_path, nodes={"a": 1, "b": 1, "c": 1}, replicas=1, router=True, profile=profile,
+               lifecycle={"startup_grace": 1.0}) as f:
+        start_autoscaled(f, policy)
+        busy = OpenAIStreams(f.router_url, verify=f.router_verify(), threads=6, max_tokens=30).start()
+        held = []
+        try:
+            def rate_held() -> bool:
+                why = ((f.try_get("/v1/explain/tiny") or {}).get("autoscale") or [{}])[0]
+                if "(rate" in why.get("text", ""):
+                    held.append(why)
+                return bool(held)
+
+            until(rate_held, "the scale-up to be held at twice the serving replicas", on_timeout=f.dump)
+            assert held[0]["desired"] == 2, held[0]
+            assert "plus 1 x sqrt(in flight) spare" in held[0]["text"], held[0]
+            assert f.wait_ready(3)
+            (dep,) = [d for d in f.get("/v1/catalog")["deployments"] if d["model"] == "tiny"]
+            assert {k: dep["autoscale"][k] for k in ("headroom", "max_scale_up_rate", "scale_down_stabilization")} \
+                == {"headroom": 1, "max_scale_up_rate": 2, "scale_down_stabilization": 30}, dep["autoscale"]
+        finally:
+            busy.stop()
+        assert busy.failures == [], busy.failures[:5]
         assert busy.count() > 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from llmgw.catalog import Autoscale
@@ -208,3 +209,58 @@ def test_noise_whose_quarters_happen_to_climb_is_not_a_ramp():
         s.observe(float(t), max(0.0, 5.0 + 0.5 * t + rng.gauss(0.0, 4.5)))
         reasons.add(s.decide(float(t), 90.0).reason)
     assert a.AHEAD in reasons
+
+
+def test_headroom_adds_square_root_spare_slots():
+    """Square-root staffing: 36 in flight at a batch of 16 is 3 replicas without headroom; with 3
+    deviations (18 spare) 4; the spare shrinks against the load as it grows (400: 25 + 4 replicas)."""
+    assert a.wanted(policy(target=16, max=40), 36) == 3
+    assert a.wanted(policy(target=16, max=40, headroom=3), 36) == 4
+    assert a.wanted(policy(target=16, max=40, headroom=3), 400) == 29
+    assert a.wanted(policy(target=16, headroom=3), 0) == 0
+    s = Scaler(policy(target=16, max=40, headroom=3), 3, 0)
+    d = feed(s, 0, 120, 36)
+    assert (d.desired, d.wanted) == (4, 4) and "plus 3 x sqrt(in flight) spare" in d.explain(s.policy)
+
+
+def test_a_scale_up_is_held_to_the_rate_times_the_replicas_serving():
+    """Requests queue while new replicas load: without the cap each pass takes the queue for more
+    demand and asks again (up to max); with it, 2 x the Ready replicas until they serve."""
+    capped = Scaler(policy(max=32, max_scale_up_rate=2), 2, 0)
+    free = Scaler(policy(max=32), 2, 0)
+    for t in range(0, 30):
+        load = 8 + 4 * t  # the queue grows while the new replicas load
+        for s in (capped, free):
+            s.observe(t, load)
+        d = capped.decide(t, ready=2)
+        free.decide(t, ready=2)
+    assert (capped.desired, d.reason) == (4, a.RATE) and d.wanted > 4
+    assert free.desired >= 12
+    capped.observe(31, 130)
+    assert capped.decide(31, ready=4).desired == 8  # the first ones serve: the next step
+    assert Scaler(policy(max_scale_up_rate=2), 1, 0).decide(0, ready=0).reason == a.NO_SIGNAL
+    lone = Scaler(policy(max_scale_up_rate=2), 1, 0)
+    lone.observe(0, 40)
+    assert lone.decide(1, ready=0).desired == 2  # none serving yet: counted as one
+    assert lone.decide(2).desired > 2  # the ready count unknown: no cap
+
+
+def test_a_dip_between_busy_spells_keeps_the_replicas_the_next_spell_needs():
+    """A scale-down goes no lower than the most any decision wanted over the last cooldown. Before,
+    a dip of one stable window drained to what the dip wanted, and the next spell's scale-up,
+    within a cooldown of that reversal, was refused while its queue grew."""
+    p = policy(stable_window=10, panic_window=2, scale_down_cooldown=60, max_step=10, max=20,
+               scale_down_stabilization=60)
+    s = Scaler(p, 1, 0)
+    feed(s, 0, 70, 32)  # busy: 8 replicas
+    assert s.desired == 8
+    d = feed(s, 71, 100, 4)  # a 30 s dip that wants 1
+    assert (s.desired, d.reason) == (8, a.HOLD)
+    d = feed(s, 101, 130, 32)  # the next spell finds its replicas
+    assert s.desired == 8
+    d = feed(s, 131, 400, 4)  # a lasting dip: down once the busy wants leave the window
+    assert s.desired == 1 and s.decision.reason != a.HOLD
+    free = Scaler(dataclasses.replace(p, scale_down_stabilization=0), 1, 0)  # off: the dip drains
+    feed(free, 0, 70, 32)
+    feed(free, 71, 100, 4)
+    assert free.desired < 8

@@ -8,6 +8,10 @@ a burst that makes the panic average ask for ``panic_threshold`` times the
 current count starts a panic, which scales up on the short window and never
 down until a stable window has passed without one.  Damping, in order:
 
+- where set, a scale-down goes no lower than the most any decision wanted
+  over the last ``scale_down_stabilization`` seconds (Kubernetes' scale-down
+  stabilization window): a dip between two busy spells keeps the replicas
+  the next spell needs;
 - a dead band (``tolerance``): no change while the wanted count is within
   that fraction of the current one;
 - no scale-down before a whole stable window has been measured: a scaler
@@ -18,7 +22,21 @@ down until a stable window has passed without one.  Damping, in order:
 - at most one reversal of direction per cooldown, so a signal that swings
   around the target cannot make the fleet load and unload a model in turn;
 - at most ``max_step`` replicas per decision;
+- where set, a scale-up to at most ``max_scale_up_rate`` times the replicas
+  already Ready (Knative's max-scale-up-rate): the requests in flight keep
+  growing while the replicas asked for are still loading, and a rule that
+  took that queue for demand would ask again every pass, up to ``max``;
 - the result clamped to ``min``..``max``.
+
+The count wanted covers the average in flight at ``target`` per replica,
+plus ``headroom`` standard deviations of it (``headroom x sqrt(average)``:
+requests arriving at random have a Poisson count in flight).  This is the
+square-root staffing rule of queueing theory: the spare slots a pool needs
+to keep waiting rare grow with the square root of its load, not in
+proportion, so a fixed per-replica target is too tight for one replica and
+too loose for twenty.  With ``target`` set to the engine's batch and a
+``headroom`` of about 3, the count follows the demand at the efficiency of
+a well-sized static pool (``benchmarks/results/autoscale.md``).
 
 A replica serves only minutes after it is placed (fetch, load), so a rule
 that waits to see the demand is late on every ramp by that long.  Given the
@@ -60,12 +78,15 @@ REVERSAL = "reversal"  # a second change of direction within one cooldown: refus
 STEP = "step"  # the change was capped at max_step
 MIN = "min"  # clamped up to min
 MAX = "max"  # clamped down to max
+HOLD = "hold"  # a scale-down held to the most wanted over the last scale_down_stabilization
+RATE = "rate"  # a scale-up held to max_scale_up_rate x the Ready replicas: the last ones asked for do not serve yet
 QUARTERS = 4  # the stable window's parts that must each rise on the one before for a trend to count
 NOISE = 3.0  # standard errors of the two quarters' scatter a rise must exceed
 # what the signal's total is, in ``ctl explain`` (a deployment's total: the target is per replica)
 SEEN = {"outstanding": "in flight", "queue_depth": "waiting in the engines",
         "kv_cache_use": "KV-cache use summed over the replicas"}
-REASONS = (START, NO_SIGNAL, STABLE, PANIC, AHEAD, TOLERANCE, MEASURING, COOLDOWN, REVERSAL, STEP, MIN, MAX)
+REASONS = (START, NO_SIGNAL, STABLE, PANIC, AHEAD, HOLD, TOLERANCE, MEASURING, COOLDOWN, REVERSAL, STEP, RATE,
+           MIN, MAX)
 
 
 @dataclass(frozen=True)
@@ -83,11 +104,19 @@ class Decision:
         seen = ("nothing measured yet" if self.stable is None else
                 f"{self.stable:.2f} {SEEN.get(policy.signal, policy.signal)} over {policy.stable_window:g}s, "
                 f"{self.panic:.2f} over {policy.panic_window:g}s, target {policy.target:g} per replica"
+                + (f" plus {policy.headroom:g} x sqrt(in flight) spare" if policy.headroom else "")
                 + (f", {self.ahead:.2f} expected in {self.lead:.0f}s (a new replica's start)"
                    if self.ahead is not None and self.lead is not None else "")
                 + (f", asking for {self.wanted}" if self.wanted is not None else ""))
         return (f"autoscale {policy.min}..{policy.max}: {self.desired} replica(s) ({self.reason}"
                 f"{', panicking' if self.panicking else ''}); saw {seen}")
+
+
+def wanted(policy: Autoscale, average: float) -> int:
+    """Replicas whose ``target`` each covers ``average`` plus ``headroom`` x its square root."""
+    slots = average + policy.headroom * math.sqrt(max(0.0, average)) if policy.headroom else average
+    # a hair below an integer is that integer: 16.000000001/8 must not ask for 3
+    return max(0, math.ceil(slots / policy.target - 1e-9))
 
 
 class Scaler:
@@ -102,6 +131,7 @@ class Scaler:
         self.last_direction = 0
         self.last_reversal_at: float | None = None
         self.panic_until: float | None = None
+        self.wants: deque[tuple[float, int]] = deque()  # (when, wanted), wants falling: the window's max first
         reason = START if self.desired == start else (MIN if self.desired > start else MAX)
         self.decision = Decision(self.desired, reason)
 
@@ -185,12 +215,30 @@ class Scaler:
         return stable + min(rises) / (w / QUARTERS) * (w / 2 + lead)
 
     def _want(self, average: float) -> int:
-        # a hair below an integer is that integer: 16.000000001/8 must not ask for 3
-        return max(0, math.ceil(average / self.policy.target - 1e-9))
+        return wanted(self.policy, average)
 
-    def decide(self, now: float, lead: float | None = None) -> Decision:
+    def _hold(self, now: float, want: int) -> int:
+        """The most any decision wanted over the last ``scale_down_stabilization`` seconds, ``want``
+        included: a scale-down goes no lower (Kubernetes' scale-down stabilization window). A dip
+        between two busy spells would otherwise drain a replica the next spell needs, and the
+        scale-up that follows within the cooldown is a reversal the rule refuses: the queue grows
+        meanwhile. A deque whose wants fall from left to right: the window's maximum is its first."""
+        window = self.policy.scale_down_stabilization
+        if not window:
+            return want
+        wants = self.wants
+        while wants and wants[-1][1] <= want:
+            wants.pop()
+        wants.append((now, want))
+        horizon = now - window
+        while wants[0][0] < horizon:
+            wants.popleft()
+        return wants[0][1]
+
+    def decide(self, now: float, lead: float | None = None, ready: int | None = None) -> Decision:
         """The count for now; ``lead``: seconds a new replica of the deployment takes to serve (None or 0:
-        not known, nothing is anticipated)."""
+        not known, nothing is anticipated); ``ready``: its replicas serving now (None: not known, a
+        scale-up is not held to ``max_scale_up_rate`` of them)."""
         p, current = self.policy, self.desired
         stable, panic = self._average(now, p.stable_window), self._average(now, p.panic_window)
         if stable is None or panic is None:
@@ -208,7 +256,10 @@ class Scaler:
         ahead = self._ahead(now, stable, panic, lead or 0.0)
         if ahead is not None and not panicking and self._want(ahead) > want:
             want, reason = self._want(ahead), AHEAD
-        new = want
+        held = self._hold(now, want)  # recorded on every decision, used only on the way down
+        new = want if want >= current else min(current, held)
+        if new > want:
+            reason = HOLD
         direction = (new > current) - (new < current)
         if direction and current and abs(new - current) <= p.tolerance * current:
             new, reason = current, TOLERANCE
@@ -221,6 +272,10 @@ class Scaler:
             new, reason = current, REVERSAL
         elif abs(new - current) > p.max_step:
             new, reason = current + direction * p.max_step, STEP
+        if new > current and ready is not None and p.max_scale_up_rate:
+            cap = math.ceil(p.max_scale_up_rate * max(ready, 1) - 1e-9)
+            if new > cap:
+                new, reason = max(current, cap), RATE
         if p.clamp(new) != new:
             new, reason = p.clamp(new), (MIN if new < p.min else MAX)
         moved = (new > current) - (new < current)

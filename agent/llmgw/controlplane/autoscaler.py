@@ -30,6 +30,7 @@ something is measured, as above.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 
 from llmgw.catalog import Catalog
@@ -37,7 +38,7 @@ from llmgw.controlplane.autoscale import Decision, Scaler
 from llmgw.controlplane.autoscale_budget import Budget, Grant, claims_of
 from llmgw.controlplane.autoscale_lead import LeadTimes
 from llmgw.controlplane.enginesignals import Sample
-from llmgw.controlplane.replicas import ReplicaBook
+from llmgw.controlplane.replicas import ReplicaBook, ReplicaState
 
 
 def totals_by_deployment(outstanding: Mapping[str, int], book: ReplicaBook) -> dict[str, float]:
@@ -76,6 +77,8 @@ class Autoscaler:
         keys = {dep.key for dep in catalog.deployments if dep.autoscale is not None}
         self.leads.note(book, keys)
         self.leads.forget(keys)
+        # serving now, by deployment: a scale-up is held to max_scale_up_rate times these
+        ready = Counter(r.key for r in book.live() if r.state is ReplicaState.READY) if keys else Counter()
         for dep in catalog.deployments:
             policy = dep.autoscale
             if policy is None:
@@ -98,7 +101,7 @@ class Autoscaler:
                 value = None if totals is None else totals.get(dep.key, 0.0)
             if value is not None:
                 scaler.observe(now, value)
-                scaler.decide(now, self.leads.lead(dep.key))
+                scaler.decide(now, self.leads.lead(dep.key), ready.get(dep.key, 0))
             out[dep.key] = scaler.desired
         for key in set(self.scalers) - keys:
             del self.scalers[key]

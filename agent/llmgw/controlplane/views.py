@@ -272,6 +272,7 @@ def autoscale_view(cp: ControlPlane, dep: Any) -> dict[str, Any]:
         return {}
     block = {k: getattr(policy, k) for k in ("min", "max", "signal", "target", "stable_window", "panic_window",
                                              "panic_threshold", "tolerance", "scale_down_cooldown", "max_step",
+                                             "headroom", "max_scale_up_rate", "scale_down_stabilization",
                                              "priority")}
     if policy.sleep is not None:
         block["sleep"] = {"after": policy.sleep.after, "level": policy.sleep.level}
