@@ -91,19 +91,26 @@ def openai_client(f: Fleet) -> openai.OpenAI:
                          http_client=httpx.Client(verify=f.router_verify(), timeout=60))
 
 
+def start_asleep(f: Fleet, autoscale: dict, hold: dict) -> str:
+    """Declare ``autoscale`` and the router's ``hold``, start the fleet, and wait until its one engine
+    sleeps and the control plane knows; the engine's address."""
+    f.config["deployments"][0]["autoscale"] = autoscale
+    f.config["router"]["hold"] = hold
+    f.write_config()
+    f.start()
+    (replica,) = f.wait_ready(1)
+    engine = replica["endpoint"]
+    until(lambda: is_sleeping(engine), "the idle engine to be put to sleep", on_timeout=f.dump)
+    until(lambda: "ready, asleep" in f.server.output(200000), "the control plane to hear it sleeps",
+          on_timeout=f.dump)
+    return engine
+
+
 def test_an_idle_replica_sleeps_and_a_burst_is_held_through_its_wake_and_all_answered(tmp_path):
     profile = {"env": {"LLMGW_SIM_WAKE_TIME": str(WAKE_TIME)}}
     with Fleet(tmp_path, nodes={"a": 1}, replicas=1, router=True, profile=profile,
                lifecycle={"startup_grace": 1.0}) as f:
-        f.config["deployments"][0]["autoscale"] = {"min": 1, "max": 1, "sleep": {"after": 2}}
-        f.config["router"]["hold"] = {"max_requests": 16, "deadline": 30}
-        f.write_config()
-        f.start()
-        (replica,) = f.wait_ready(1)
-        engine = replica["endpoint"]
-        until(lambda: is_sleeping(engine), "the idle engine to be put to sleep", on_timeout=f.dump)
-        until(lambda: "ready, asleep" in f.server.output(200000), "the control plane to hear it sleeps",
-              on_timeout=f.dump)
+        engine = start_asleep(f, {"min": 1, "max": 1, "sleep": {"after": 2}}, {"max_requests": 16, "deadline": 30})
         client = openai_client(f)
         with ThreadPoolExecutor(BURST) as pool:
             results = list(pool.map(lambda _: stream_first_token(client), range(BURST)))
@@ -119,18 +126,36 @@ def test_an_idle_replica_sleeps_and_a_burst_is_held_through_its_wake_and_all_ans
         assert stream_first_token(client)[2]
 
 
+def test_requests_held_for_a_wake_count_as_demand_and_raise_the_count_before_it_ends(tmp_path):
+    """A burst against a sleeping model is demand while it waits: the held requests are in the router's
+    load, so the autoscaler asks for a second replica during a slow wake. Before, they reached the
+    signal only once they ran, and short requests that ran after the wake never raised the count."""
+    profile = {"env": {"LLMGW_SIM_WAKE_TIME": "6"}}
+    with Fleet(tmp_path, nodes={"a": 1, "b": 1}, replicas=1, router=True, profile=profile,
+               lifecycle={"startup_grace": 1.0}) as f:
+        engine = start_asleep(f, {"min": 1, "max": 2, "target": 1, "stable_window": 2, "panic_window": 1,
+                                  "scale_down_cooldown": 600, "sleep": {"after": 1}},
+                              {"max_requests": 16, "deadline": 60})
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+        with httpx.Client(base_url=f.router_url, verify=f.router_verify(), timeout=60) as router, \
+                ThreadPoolExecutor(4) as pool:
+            burst = [pool.submit(router.post, "/v1/completions", json=body) for _ in range(4)]
+
+            def second_asked_for() -> bool:
+                why = ((f.try_get("/v1/explain/tiny") or {}).get("autoscale") or [{}])[0]
+                return why.get("desired") == 2
+
+            until(second_asked_for, "the held burst to raise the count", timeout=5, on_timeout=f.dump)
+            assert not any(r.done() for r in burst) and is_sleeping(engine)  # still held: the wake takes 6 s
+            assert all(r.result().status_code == 200 for r in burst), [r.result().text for r in burst]
+        assert f.wait_ready(2)
+
+
 def test_past_the_hold_queue_bound_a_request_gets_503_with_retry_after_and_the_held_one_is_served(tmp_path):
     profile = {"env": {"LLMGW_SIM_WAKE_TIME": "2"}}
     with Fleet(tmp_path, nodes={"a": 1}, replicas=1, router=True, profile=profile,
                lifecycle={"startup_grace": 1.0}) as f:
-        f.config["deployments"][0]["autoscale"] = {"min": 1, "max": 1, "sleep": {"after": 1}}
-        f.config["router"]["hold"] = {"max_requests": 1, "deadline": 30}
-        f.write_config()
-        f.start()
-        (replica,) = f.wait_ready(1)
-        until(lambda: is_sleeping(replica["endpoint"]), "the idle engine to sleep", on_timeout=f.dump)
-        until(lambda: "ready, asleep" in f.server.output(200000), "the control plane to hear it sleeps",
-              on_timeout=f.dump)
+        start_asleep(f, {"min": 1, "max": 1, "sleep": {"after": 1}}, {"max_requests": 1, "deadline": 30})
         with httpx.Client(base_url=f.router_url, verify=f.router_verify(), timeout=60) as router:
             body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
             with ThreadPoolExecutor(1) as pool:

@@ -10,6 +10,7 @@ from llmgw.router.balancing import LeastOutstanding
 from llmgw.router.endpoints import Endpoint, EndpointTable
 from llmgw.router.errors import RouterError
 from llmgw.router.holdqueue import HoldQueue, all_asleep
+from llmgw.router.loadreport import in_flight
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.runtime import Routing
 from llmgw.router.settings import Hold, RouterSettings
@@ -40,9 +41,10 @@ def test_held_requests_are_released_together_when_the_table_shows_one_awake():
         held = [asyncio.ensure_future(q.admit("m", r.group("m"))) for _ in range(3)]
         await asyncio.sleep(0.05)
         assert q.held == {"m": 3} and woken == ["m"]  # one wake asked for the three
+        assert in_flight(r) == {"r1": 3}  # the autoscaler sees them while the model wakes
         r.table.replace([AWAKE])
         groups = await asyncio.wait_for(asyncio.gather(*held), 5)
-        assert all(not all_asleep(g) for g in groups) and q.held == {}
+        assert all(not all_asleep(g) for g in groups) and q.held == {} and in_flight(r) == {}
         assert r.pick(groups[0], set(), None).endpoint == AWAKE
     asyncio.run(run())
 

@@ -73,15 +73,9 @@ class RouterHook:
         if self.app is None:
             return {}
         from llmgw.router.app import PROXY_KEY
+        from llmgw.router.loadreport import in_flight
 
-        routing = self.app[PROXY_KEY].routing
-        routing.sync()
-        out: dict[str, int] = {}
-        for rt in routing.runtimes():
-            rid = rt.endpoint.replica_id
-            if rid:
-                out[rid] = out.get(rid, 0) + rt.outstanding
-        return out
+        return in_flight(self.app[PROXY_KEY].routing)
 
     def serve_route_keys(self, book: Any) -> None:
         """Offer ``book``'s route keys (``controlplane.routekeys``) on the watch to routers that ask."""

@@ -18,7 +18,9 @@ plane that someone wants it.  Here such a request:
   already or after ``hold.deadline`` seconds: the client is told to come
   back, the request is never dropped silently.
 
-``held`` counts the requests held per model now.
+``held`` counts the requests held per model now (the routing's own count: the load
+reports add them to the model's in-flight requests, so a burst against a sleeping model
+raises its count while it wakes, not only once its requests run).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ class HoldQueue:
         self.routing = routing
         self.hold = hold
         self.wake = wake
-        self.held: dict[str, int] = {}
+        self.held = routing.held
         self._asked: dict[str, float] = {}
 
     def _ask(self, model: str) -> None:

@@ -33,14 +33,27 @@ REPORT_INTERVAL = 1.0  # seconds between reports (the control plane samples once
 MAX_ENTRIES = 4096  # the schema's bound; past it, the replicas with the most in flight
 
 
-def load_entries(routing: Routing) -> dict[str, int]:
-    """Requests in flight per replica id, the busiest first when more than the report holds."""
+def in_flight(routing: Routing) -> dict[str, int]:
+    """Requests in flight per replica id (those with none left out), and the requests held for a
+    sleeping model counted on one of its replicas: demand that waits for a wake is demand, and the
+    autoscaler sums a deployment's replicas, so which one carries them does not matter."""
     routing.sync()
     counts: dict[str, int] = {}
     for rt in routing.runtimes():
         rid = rt.endpoint.replica_id
         if rid and rt.outstanding > 0:
             counts[rid] = counts.get(rid, 0) + rt.outstanding
+    for model, n in routing.held.items():
+        group = routing.group(model)
+        rid = next((m.endpoint.replica_id for m in group.members if m.endpoint.replica_id), None) if group else None
+        if rid and n > 0:
+            counts[rid] = counts.get(rid, 0) + n
+    return counts
+
+
+def load_entries(routing: Routing) -> dict[str, int]:
+    """Requests in flight per replica id (``in_flight``), the busiest first when more than the report holds."""
+    counts = in_flight(routing)
     if len(counts) > MAX_ENTRIES:
         counts = dict(sorted(counts.items(), key=lambda kv: -kv[1])[:MAX_ENTRIES])
     return counts

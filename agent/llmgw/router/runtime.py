@@ -104,6 +104,9 @@ class Routing:
         # a scorer that tokenizes off the loop before its pick (CacheAware with a model's tokenizer);
         # None for the rest, whose requests skip ``prepare`` altogether
         self.prepares = getattr(scorer, "prepare", None)
+        # requests held per model while one of its replicas wakes (router/holdqueue.py): in flight to
+        # the model as far as the autoscaler is concerned (router/loadreport.py)
+        self.held: dict[str, int] = {}
         self.policy = OutlierPolicy(settings.outlier)
         self.engine_ssl = engine_ssl_context(settings)  # loaded once: a bad CA file fails the start
         self._rev = -1
