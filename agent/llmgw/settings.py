@@ -377,6 +377,11 @@ def _autoscale_errors(doc: dict[str, Any]) -> list[ConfigError]:
         if a["panic_window"] > a["stable_window"]:
             errors.append(ConfigError(f"{where}/panic_window", f"{a['panic_window']}s is longer than "
                                       f"stable_window ({a['stable_window']}s): the panic window is the short one"))
+        if a["min"] < 1 and a["signal"] == "outstanding":
+            errors.append(ConfigError(f"{where}/min", "a deployment at 0 replicas has no endpoint a request can "
+                                      "reach, so no request would raise its count again (scale from zero is not "
+                                      "built): min must be at least 1; with sleep an idle replica gives its GPU "
+                                      "memory back"))
         if a["headroom"] and a["signal"] != "outstanding":
             errors.append(ConfigError(f"{where}/headroom", f"headroom counts spare requests in flight; signal "
                                       f"{a['signal']!r} is not a count of them (use signal: outstanding, or 0)"))

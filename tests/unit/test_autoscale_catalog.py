@@ -32,6 +32,7 @@ def test_defaults_are_the_schemas_and_a_plain_deployment_has_none():
     ({"max": 2, "signal": "queue_depth", "headroom": 3}, "/deployments/0/autoscale/headroom", "not a count"),
     ({"max": 2, "headroom": -1}, "/deployments/0/autoscale/headroom", ""),
     ({"max": 2, "max_scale_up_rate": 1}, "/deployments/0/autoscale/max_scale_up_rate", "more than 1, or 0"),
+    ({"max": 2, "min": 0}, "/deployments/0/autoscale/min", "scale from zero is not built"),
 ])
 def test_bad_blocks_are_refused_at_their_key(block, pointer, words):
     doc = copy.deepcopy(SERVER)
