@@ -175,9 +175,15 @@ class ParityCheck:
 
     async def sweep(self, routing: Any) -> None:
         """Check every replica of a checked model not yet compared; an unreachable one is tried
-        again ``timeout`` seconds later."""
+        again ``timeout`` seconds later. Replicas gone from the table are forgotten: replica ids
+        are never reused, and a fleet that rolls its replicas for months must not grow these sets."""
         loop = asyncio.get_running_loop()
-        for rt in routing.runtimes():
+        runtimes = list(routing.runtimes())
+        live = {rt.id for rt in runtimes}
+        self.checked &= live
+        for rid in set(self.deferred) - live:
+            del self.deferred[rid]
+        for rt in runtimes:
             if not self._due(rt, loop.time()):
                 continue
             try:
