@@ -313,21 +313,24 @@ def start_bare(fast: str, slow: str, workdir: Path, cpus: str | None) -> Target:
 
 
 def start_llmgw(name: str, endpoints: list[dict], workers: int, workdir: Path, cpus: str | None,
-                extra: dict | None = None) -> Target:
+                extra: dict | None = None, env: dict | None = None) -> Target:
     port = free_port()
     cfg = workdir / f"{name}.yaml"
     doc = {"listen": {"host": HOST, "port": port}, "allow_unauthenticated": True, "insecure_http": True,
            "access_log": False,
            "static_endpoints": endpoints, **(extra or {})}
     cfg.write_text(json.dumps(doc))
-    p = spawn(name, [PY, "-m", "llmgw.router", "--config", str(cfg), "--workers", str(workers)], workdir, cpus=cpus)
+    p = spawn(name, [PY, "-m", "llmgw.router", "--config", str(cfg), "--workers", str(workers)], workdir, env, cpus)
     url = f"http://{HOST}:{port}"
     wait_http(url + "/healthz", 120, p.proc, p.log)
     return Target(name, url, p, f"llmgw router, {workers} worker(s), access_log off")
 
 
-def start_llmgw_key(name: str, eps: list[dict], workdir: Path, cpus: str | None, limited: bool) -> Target:
-    """llmgw-1w with the load generator's key configured; ``limited``: on every dimension, none reached."""
+def start_llmgw_key(name: str, eps: list[dict], workdir: Path, cpus: str | None, limited: bool,
+                    env: dict | None = None) -> Target:
+    """llmgw-1w with the load generator's key configured; ``limited``: on every dimension, none reached.
+
+    ``env``: the router's environment on top of this one's (``PYTHONPATH``: another tree's router)."""
     import hashlib
     big = 10 ** 12
     key: dict[str, Any] = {"name": "bench", "sha256": hashlib.sha256(b"bench").hexdigest()}
@@ -335,7 +338,7 @@ def start_llmgw_key(name: str, eps: list[dict], workdir: Path, cpus: str | None,
         key["limits"] = {"requests_per_minute": big, "input_tokens_per_minute": big,
                          "output_tokens_per_minute": big, "tokens_per_minute": big, "concurrent_requests": big,
                          "tokens_per_day": big}
-    t = start_llmgw(name, eps, 1, workdir, cpus, {"api_keys": [key]})
+    t = start_llmgw(name, eps, 1, workdir, cpus, {"api_keys": [key]}, env)
     t.note = ("llmgw router, 1 worker, access_log off, the client's key " +
               ("under limits on every dimension (none reached)" if limited else "configured, no limits"))
     return t

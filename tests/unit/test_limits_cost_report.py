@@ -66,3 +66,16 @@ def test_the_in_process_steps_run_the_router_gate_and_the_limited_answer_carries
     ctx, resp = asyncio.run(one_answer())
     sent = [k for k in lp.wire_headers(resp) if k.startswith("x-ratelimit-")]
     assert len(sent) == 6 and ctx.limits.ticket.settled
+
+
+def test_a_base_trees_limited_router_is_judged_against_the_same_key_only_router_and_against_this_trees():
+    lc = load("limits_cost")
+
+    def three(key: float, limits: float, base: float) -> dict:
+        return {**pair(key, limits, 700), "llmgw-1w-limits-base": {"us": base, "rps": 700}}
+    doc = saved([([three(200, 220, 230)], [three(10.0, 10.5, 11.0)])])
+    doc["args"].update(rate_scale=0.7, base="main")
+    text = lc.report(doc, None)
+    assert "| CPU per request (1 token, not streamed, 700 requests/s) | 1.150 (1.150-1.150) | 0.957 (0.957-0.957) |" \
+        in text
+    assert "`llmgw-1w-limits-base` is the router of `main`" in text
