@@ -112,10 +112,23 @@ def spawn(name: str, argv: list[str], workdir: Path, env: dict | None = None, cp
     log = workdir / f"{name}.log"
     if cpus:
         argv = ["taskset", "-c", cpus, *argv]
+    env = {**os.environ, **(env or {})}
+    if "PYTHONPATH" in env:
+        env["PYTHONPATH"] = absolute_path_list(env["PYTHONPATH"])
     with open(log, "wb") as f:
         p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             env={**os.environ, **(env or {})}, start_new_session=True, cwd=workdir)
+                             env=env, start_new_session=True, cwd=workdir)
     return Proc(name, p, log)
+
+
+def absolute_path_list(paths: str) -> str:
+    """``paths`` (``os.pathsep``-separated) with each relative entry made absolute against this process's cwd.
+
+    Children run in the work directory: ``PYTHONPATH=agent`` would name a folder that is not
+    there, and a virtualenv with the package installed from another tree would silently serve
+    that tree's router in its place.
+    """
+    return os.pathsep.join(os.path.abspath(x) if x else x for x in paths.split(os.pathsep))
 
 
 # ------------------------------------------------------------------ CPU accounting
