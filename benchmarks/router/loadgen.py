@@ -27,6 +27,13 @@ proxy, the engine and this generator alike) rather than what one request pays
 for the hop.  Staggering over one request's length spreads arrivals evenly, as
 independent clients do; it belongs inside the warm-up.
 
+``--rate R``: requests are sent on a fixed schedule of R a second (the k-th
+at start + k/R, by whichever worker is free; one late is sent at once), not
+as fast as the workers' answers return.  A proxy's CPU per request depends on
+how many requests each wake of its event loop finds: in a closed loop that
+follows the speed of the engine and of this generator, which drift on a
+shared host; at a set rate two targets compared see the same arrivals.
+
 ``--check-tokens`` (streams against the engine simulator): every answer is
 read whole and checked against what the simulator generates (``tok0 tok1
 ...``, exactly ``--max-tokens`` of them): a stream that ends with an in-band
@@ -179,6 +186,8 @@ async def main(args: argparse.Namespace) -> dict:
                 await asyncio.sleep(i * args.stagger / args.concurrency)
             while time.perf_counter() < deadline and sent < args.max_requests and not stopped():
                 sent += 1
+                if args.rate > 0:
+                    await _until(start + sent / args.rate)
                 body = next(gen)
                 t0 = time.perf_counter()
                 first = None
@@ -245,6 +254,13 @@ async def main(args: argparse.Namespace) -> dict:
     }
 
 
+async def _until(when: float) -> None:
+    """Sleep until ``when`` (perf_counter seconds); return at once when it has passed."""
+    delay = when - time.perf_counter()
+    if delay > 0:
+        await asyncio.sleep(delay)
+
+
 def _ms(v: float | None) -> float | None:
     return None if v is None else v * 1000
 
@@ -261,6 +277,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--stagger", type=float, default=0.0,
                    help="spread the workers' first requests evenly over S seconds (keep S <= --warmup)")
     p.add_argument("--max-requests", type=int, default=1_000_000)
+    p.add_argument("--rate", type=float, default=0.0,
+                   help="send R requests a second on a fixed schedule (0: closed loop, as fast as answers return)")
     p.add_argument("--request-timeout", type=float, default=60.0)
     p.add_argument("--prefix-prompts", type=int, default=0, help="cycle through N shared system prompts")
     p.add_argument("--prefix-words", type=int, default=200)

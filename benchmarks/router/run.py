@@ -112,10 +112,23 @@ def spawn(name: str, argv: list[str], workdir: Path, env: dict | None = None, cp
     log = workdir / f"{name}.log"
     if cpus:
         argv = ["taskset", "-c", cpus, *argv]
+    env = {**os.environ, **(env or {})}
+    if "PYTHONPATH" in env:
+        env["PYTHONPATH"] = absolute_path_list(env["PYTHONPATH"])
     with open(log, "wb") as f:
         p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             env={**os.environ, **(env or {})}, start_new_session=True, cwd=workdir)
+                             env=env, start_new_session=True, cwd=workdir)
     return Proc(name, p, log)
+
+
+def absolute_path_list(paths: str) -> str:
+    """``paths`` (``os.pathsep``-separated) with each relative entry made absolute against this process's cwd.
+
+    Children run in the work directory: ``PYTHONPATH=agent`` would name a folder that is not
+    there, and a virtualenv with the package installed from another tree would silently serve
+    that tree's router in its place.
+    """
+    return os.pathsep.join(os.path.abspath(x) if x else x for x in paths.split(os.pathsep))
 
 
 # ------------------------------------------------------------------ CPU accounting
@@ -313,21 +326,24 @@ def start_bare(fast: str, slow: str, workdir: Path, cpus: str | None) -> Target:
 
 
 def start_llmgw(name: str, endpoints: list[dict], workers: int, workdir: Path, cpus: str | None,
-                extra: dict | None = None) -> Target:
+                extra: dict | None = None, env: dict | None = None) -> Target:
     port = free_port()
     cfg = workdir / f"{name}.yaml"
     doc = {"listen": {"host": HOST, "port": port}, "allow_unauthenticated": True, "insecure_http": True,
            "access_log": False,
            "static_endpoints": endpoints, **(extra or {})}
     cfg.write_text(json.dumps(doc))
-    p = spawn(name, [PY, "-m", "llmgw.router", "--config", str(cfg), "--workers", str(workers)], workdir, cpus=cpus)
+    p = spawn(name, [PY, "-m", "llmgw.router", "--config", str(cfg), "--workers", str(workers)], workdir, env, cpus)
     url = f"http://{HOST}:{port}"
     wait_http(url + "/healthz", 120, p.proc, p.log)
     return Target(name, url, p, f"llmgw router, {workers} worker(s), access_log off")
 
 
-def start_llmgw_key(name: str, eps: list[dict], workdir: Path, cpus: str | None, limited: bool) -> Target:
-    """llmgw-1w with the load generator's key configured; ``limited``: on every dimension, none reached."""
+def start_llmgw_key(name: str, eps: list[dict], workdir: Path, cpus: str | None, limited: bool,
+                    env: dict | None = None) -> Target:
+    """llmgw-1w with the load generator's key configured; ``limited``: on every dimension, none reached.
+
+    ``env``: the router's environment on top of this one's (``PYTHONPATH``: another tree's router)."""
     import hashlib
     big = 10 ** 12
     key: dict[str, Any] = {"name": "bench", "sha256": hashlib.sha256(b"bench").hexdigest()}
@@ -335,7 +351,7 @@ def start_llmgw_key(name: str, eps: list[dict], workdir: Path, cpus: str | None,
         key["limits"] = {"requests_per_minute": big, "input_tokens_per_minute": big,
                          "output_tokens_per_minute": big, "tokens_per_minute": big, "concurrent_requests": big,
                          "tokens_per_day": big}
-    t = start_llmgw(name, eps, 1, workdir, cpus, {"api_keys": [key]})
+    t = start_llmgw(name, eps, 1, workdir, cpus, {"api_keys": [key]}, env)
     t.note = ("llmgw router, 1 worker, access_log off, the client's key " +
               ("under limits on every dimension (none reached)" if limited else "configured, no limits"))
     return t

@@ -1,5 +1,6 @@
 """The router benchmark's report names a baseline that was asked for but did not run
-(benchmarks/router/run.py): its comparisons are marked not measured, not left out."""
+(benchmarks/router/run.py): its comparisons are marked not measured, not left out; and the
+processes it starts run the code it was pointed at."""
 
 from __future__ import annotations
 
@@ -73,3 +74,10 @@ def test_an_earlier_results_file_without_the_key_still_reports():
     del res["missing"]
     res["checks"] = bench.checks(res)
     assert bench.missing_lines(res) == [] and "# Router benchmark" in bench.report(res)
+
+
+def test_a_relative_pythonpath_reaches_a_child_run_in_the_work_directory_as_this_trees_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "agent" + bench.os.pathsep + "/abs/lib")
+    p = bench.spawn("child", [sys.executable, "-c", "import os; print(os.environ['PYTHONPATH'])"], tmp_path)
+    p.proc.wait(30)
+    assert p.log.read_text().strip() == bench.os.pathsep.join([bench.os.path.abspath("agent"), "/abs/lib"])

@@ -10,7 +10,7 @@ import pytest
 
 from llmgw.config import ConfigInvalid
 from llmgw.router.limits import BUDGET, DAY, INPUT, TOTAL, Limiter, Refused, Ticket, Window
-from llmgw.router.limitsgate import _max_tokens, reset_text
+from llmgw.router.limitsgate import _headers, _max_tokens, reset_text
 from llmgw.router.settings import ApiKey, KeyLimits, KeyRates, RouterSettings
 from llmgw.router.usage import StreamMeter, Usage, body_usage
 
@@ -257,6 +257,9 @@ def test_body_usage_reads_only_the_usage_object_and_is_not_fooled_by_text():
     (b'{"usage":{"prompt_tokens":7,"total_tokens":9,"completion_tokens":-2,"prompt_tokens_details":null}}', None),
     (b'{"usage":{"prompt_tokens":7.5,"completion_tokens":2}}', None),
     (b'{"usage":{"completion_tokens":2}}', None),
+    # vLLM's shape with a count too long for int(): not an answer to settle from, never an exception
+    (b'{"usage":{"prompt_tokens":' + b"1" * 5000 + b',"total_tokens":9,"completion_tokens":2,'
+     b'"prompt_tokens_details":null}}', None),
 ])
 def test_body_usage_shapes(body, usage):
     assert body_usage(body) == usage
@@ -394,3 +397,18 @@ def test_a_metered_buffer_takes_the_pending_bytes_counts_events_and_strips_a_spl
     assert out == [b'data: {"choices":[{"text":"b"}]}\n\n', b"", b"data: [DONE]\n\n"]
     assert meter.usage == Usage(7, 2) and meter.events == 3  # b, the usage event, [DONE]
     assert meter.charged(99) == Usage(7, 2)
+
+
+@pytest.mark.parametrize("req, tok, names", [
+    ((10, 9, 0.0005), (500, 400, 2.5), ["limit-requests", "remaining-requests", "reset-requests", "limit-tokens",
+                                         "remaining-tokens", "reset-tokens"]),
+    ((10, 9, 0.0005), None, ["limit-requests", "remaining-requests", "reset-requests"]),
+    (None, (500, 400, 2.5), ["limit-tokens", "remaining-tokens", "reset-tokens"]),
+    (None, None, []),
+])
+def test_rate_limit_headers_name_each_kind_the_key_is_limited_in_and_no_other(req, tok, names):
+    h = _headers(req, tok)
+    assert list(h) == [f"x-ratelimit-{n}" for n in names]
+    values = {"limit-requests": "10", "remaining-requests": "9", "reset-requests": "1ms", "limit-tokens": "500",
+              "remaining-tokens": "400", "reset-tokens": "2.5s"}
+    assert h == {f"x-ratelimit-{n}": values[n] for n in names}

@@ -130,7 +130,7 @@ class Window:
 
     def adjust(self, entry: list, delta: int, now: float) -> None:
         """Correct what was counted in ``entry``'s slot, unless the slot has already aged out."""
-        if int(now // self.slot_len) != self.cur:
+        if now // self.slot_len != self.cur:
             self.expire(now)
         if entry[0] >= self.cur - self.slots:
             entry[1] += delta
@@ -240,7 +240,7 @@ class Limiter:
                 # ends when a request ends, not with a window: a second is a fair first retry
                 worst = _worse(worst, Refused("concurrent_requests", 1.0, rule.concurrent))
             for dim, w in rule.windows:
-                if int(now // w.slot_len) != w.cur:
+                if now // w.slot_len != w.cur:  # a float's floor against the int slot: exact, no int()
                     w.expire(now)
                 n = need[dim]
                 room = w.limit - w.used - n  # what is left once this request is counted
