@@ -239,24 +239,16 @@ def refusal(got: Refused, headers: dict[str, str]) -> RouterError:
 
 
 def _headers(req: RateView | None, tok: RateView | None) -> dict[str, str]:
-    """OpenAI's ``x-ratelimit-*`` of the tightest window of each kind; a key limited in both, in one display
-    (every answer of a limited key carries them: six stores into an empty dict cost it more)."""
-    if req is None or tok is None:
-        return {**_kind(req, _REQUESTS), **_kind(tok, _TOKENS)}
-    return {"x-ratelimit-limit-requests": str(req[0]), "x-ratelimit-remaining-requests": str(req[1]),
-            "x-ratelimit-reset-requests": reset_text(req[2]), "x-ratelimit-limit-tokens": str(tok[0]),
-            "x-ratelimit-remaining-tokens": str(tok[1]), "x-ratelimit-reset-tokens": reset_text(tok[2])}
-
-
-_REQUESTS = ("x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests")
-_TOKENS = ("x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens")
-
-
-def _kind(view: RateView | None, names: tuple[str, str, str]) -> dict[str, str]:
-    """One kind's three headers, or none when the key has no window of that kind."""
-    if view is None:
-        return {}
-    return dict(zip(names, (str(view[0]), str(view[1]), reset_text(view[2]))))
+    h: dict[str, str] = {}
+    if req is not None:
+        h["x-ratelimit-limit-requests"] = str(req[0])
+        h["x-ratelimit-remaining-requests"] = str(req[1])
+        h["x-ratelimit-reset-requests"] = reset_text(req[2])
+    if tok is not None:
+        h["x-ratelimit-limit-tokens"] = str(tok[0])
+        h["x-ratelimit-remaining-tokens"] = str(tok[1])
+        h["x-ratelimit-reset-tokens"] = reset_text(tok[2])
+    return h
 
 
 _INCLUDE_USAGE = b'"stream_options":{"include_usage":true},'

@@ -16,7 +16,6 @@ and ``[DONE]`` are counted too: at most two tokens over).
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 from typing import Any, NamedTuple
@@ -58,12 +57,9 @@ _DECODER = json.JSONDecoder()
 _N = rb"(0|[1-9][0-9]*)"
 # vLLM's usage object as it serialises it (compact, in this order, details null or the cached tokens
 # alone): read by one match in C instead of decoding; any other shape is decoded
-_VLLM_OBJECT = (rb'\{"prompt_tokens":' + _N + rb',"total_tokens":[0-9]+,"completion_tokens":' + _N +
-                rb',"prompt_tokens_details":(?:null|\{"cached_tokens":' + _N +
-                rb'\})(?:,"completion_tokens_details":null)?\}')
-_VLLM_USAGE = re.compile(_VLLM_OBJECT)
-# the same with its member name, as vLLM writes it: matched where the marker is found
-_VLLM_MEMBER = re.compile(rb'"usage":' + _VLLM_OBJECT)
+_VLLM_USAGE = re.compile(rb'\{"prompt_tokens":' + _N + rb',"total_tokens":[0-9]+,"completion_tokens":' + _N +
+                         rb',"prompt_tokens_details":(?:null|\{"cached_tokens":' + _N +
+                         rb'\})(?:,"completion_tokens_details":null)?\}')
 
 
 def body_usage(body: bytes) -> Usage | None:
@@ -78,29 +74,16 @@ def body_usage(body: bytes) -> Usage | None:
     i = body.rfind(b'"usage"')
     if i < 0:
         return None
+    j = body.find(b"{", i + 7)
     try:
-        m = _VLLM_MEMBER.match(body, i)  # vLLM's answer: one match, no search for the brace
-        if m is not None:
-            return _matched(m)
-        j = body.find(b"{", i + 7)
         if j > 0 and body[i + 7:j].strip() == b":":
             m = _VLLM_USAGE.match(body, j)
             if m is not None:
-                return _matched(m)
+                return Usage(int(m[1]), int(m[2]), None if m[3] is None else int(m[3]))
             return _fields(_DECODER.raw_decode(body[j:].decode("utf-8", "replace"))[0])
         return usage_of(json.loads(body))
     except (ValueError, RecursionError):
         return None
-
-
-def _matched(m: re.Match) -> Usage:
-    """The usage of a match of vLLM's object: prompt, completion and cached tokens are its groups."""
-    prompt, completion, cached = m.groups()
-    return _usage((int(prompt), int(completion), None if cached is None else int(cached)))
-
-
-# ``Usage(...)`` without its generated ``__new__`` (a Python frame): once per settled request
-_usage = functools.partial(tuple.__new__, Usage)
 
 
 class StreamMeter:
