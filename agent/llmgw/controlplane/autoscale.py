@@ -34,9 +34,10 @@ requests arriving at random have a Poisson count in flight).  This is the
 square-root staffing rule of queueing theory: the spare slots a pool needs
 to keep waiting rare grow with the square root of its load, not in
 proportion, so a fixed per-replica target is too tight for one replica and
-too loose for twenty.  With ``target`` set to the engine's batch and a
-``headroom`` of about 3, the count follows the demand at the efficiency of
-a well-sized static pool (``benchmarks/results/autoscale.md``).
+too loose for twenty.  With ``target`` set to the engine's batch, a
+``headroom`` of 2 and a 300 s ``scale_down_stabilization`` (3 to 4 without
+it), the count follows the demand at close to the efficiency of a static
+pool sized with hindsight (``benchmarks/results/autoscale.md``).
 
 A replica serves only minutes after it is placed (fetch, load), so a rule
 that waits to see the demand is late on every ramp by that long.  Given the
