@@ -77,8 +77,12 @@ class Autoscaler:
         keys = {dep.key for dep in catalog.deployments if dep.autoscale is not None}
         self.leads.note(book, keys)
         self.leads.forget(keys)
-        # serving now, by deployment: a scale-up is held to max_scale_up_rate times these
-        ready = Counter(r.key for r in book.live() if r.state is ReplicaState.READY) if keys else Counter()
+        # serving now, by deployment, for those whose scale-up is held to max_scale_up_rate times it: a walk
+        # over the whole book, so only when some policy sets a rate
+        rated = {dep.key for dep in catalog.deployments
+                 if dep.autoscale is not None and dep.autoscale.max_scale_up_rate}
+        ready = Counter(k for r in book.live() if (k := r.key) in rated and r.state is ReplicaState.READY) \
+            if rated else Counter()
         for dep in catalog.deployments:
             policy = dep.autoscale
             if policy is None:
@@ -101,7 +105,7 @@ class Autoscaler:
                 value = None if totals is None else totals.get(dep.key, 0.0)
             if value is not None:
                 scaler.observe(now, value)
-                scaler.decide(now, self.leads.lead(dep.key), ready.get(dep.key, 0))
+                scaler.decide(now, self.leads.lead(dep.key), ready.get(dep.key, 0) if dep.key in rated else None)
             out[dep.key] = scaler.desired
         for key in set(self.scalers) - keys:
             del self.scalers[key]
