@@ -67,6 +67,7 @@ HOST = "127.0.0.1"
 
 sys.path.insert(0, str(ROOT))
 from tests.support import procfs  # noqa: E402
+from tests.support.childenv import absolute_path_list  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 
 
@@ -119,16 +120,6 @@ def spawn(name: str, argv: list[str], workdir: Path, env: dict | None = None, cp
         p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                              env=env, start_new_session=True, cwd=workdir)
     return Proc(name, p, log)
-
-
-def absolute_path_list(paths: str) -> str:
-    """``paths`` (``os.pathsep``-separated) with each relative entry made absolute against this process's cwd.
-
-    Children run in the work directory: ``PYTHONPATH=agent`` would name a folder that is not
-    there, and a virtualenv with the package installed from another tree would silently serve
-    that tree's router in its place.
-    """
-    return os.pathsep.join(os.path.abspath(x) if x else x for x in paths.split(os.pathsep))
 
 
 # ------------------------------------------------------------------ CPU accounting

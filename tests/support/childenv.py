@@ -1,0 +1,24 @@
+"""What the harnesses' child processes inherit: a ``PYTHONPATH`` that means the same in their directories.
+
+The harnesses start their processes in work directories of their own. ``PYTHONPATH=agent``
+(the README's form) names a folder that is not there, so the child silently imports the
+package installed in the virtualenv instead; a virtualenv shared by two checkouts then runs
+the other checkout's control plane, agent, router and engine simulator, and a test or a
+benchmark measures code it was not given.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import MutableMapping
+
+
+def absolute_path_list(paths: str) -> str:
+    """``paths`` (``os.pathsep``-separated) with each relative entry made absolute against this process's cwd."""
+    return os.pathsep.join(os.path.abspath(x) if x else x for x in paths.split(os.pathsep))
+
+
+def pin_pythonpath(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Make ``environ``'s ``PYTHONPATH`` absolute, so every child started from now on imports this tree."""
+    if environ.get("PYTHONPATH"):
+        environ["PYTHONPATH"] = absolute_path_list(environ["PYTHONPATH"])
