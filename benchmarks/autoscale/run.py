@@ -7,8 +7,8 @@ For each seed: a trace from ``trace.py`` (or ``--trace``, a Mooncake-shaped JSON
 ``model`` key), replayed by ``replay.py`` in simulated time, three ways on one engine model:
 
 1. **autoscaled**: each model under ``llmgw.controlplane.autoscale.Scaler`` with ``target``
-   16 (the engine's batch), ``headroom`` 2 (square-root staffing), ``max_scale_up_rate``
-   2 and ``scale_down_stabilization`` 300 s, the catalog's defaults otherwise (stable 60 s, panic 6 s, tolerance 0.1, cooldown
+   16 (the engine's batch), ``headroom`` 2.5 (square-root staffing), ``max_scale_up_rate``
+   2, ``scale_down_stabilization`` 120 s and ``panic_threshold`` 3, the catalog's defaults otherwise (stable 60 s, panic 6 s, tolerance 0.1, cooldown
    300 s, step 4), ``min`` 1, ``max`` 32, in a pool as large as static provisioning's (so
    the pool never binds: the rule alone sets the counts); and again with the catalog's
    defaults alone (target 8, none of those three), for the side-by-side ratio;
@@ -81,8 +81,10 @@ SHARE_TARGET = 0.99
 SAVING_TARGET = 0.30
 LEAD_S = 90.0  # a new replica's time to ready: fetch from local cache and load
 # the batch as the target, square-root headroom, scale-ups held to twice the serving replicas,
-# scale-downs to the most wanted over 5 minutes
-POLICY = Autoscale(max=32, target=16.0, headroom=2.0, max_scale_up_rate=2.0, scale_down_stabilization=300.0)
+# scale-downs to the most wanted over 2 minutes (longer than a replica's start), panic at 3 times
+# the count (at 2, one replica panicked at every burst its own batch absorbed)
+POLICY = Autoscale(max=32, target=16.0, headroom=2.5, max_scale_up_rate=2.0, scale_down_stabilization=120.0,
+                   panic_threshold=3.0)
 DEFAULTS = Autoscale(max=32)  # the catalog's defaults alone: target 8 a replica, none of the three above
 TIGHT = 0.75  # of static provisioning's GPUs: the pool the tight run arbitrates
 
@@ -242,7 +244,7 @@ def report(r: dict) -> str:
         f"one GPU a replica; a new replica serves {m['lead_s']:g} s after it is placed. Policy: target "
         f"{p['target']:g} outstanding per replica (the engine's batch), headroom {p['headroom']:g} "
         f"(`headroom` x sqrt(in flight) spare slots), max_scale_up_rate {p['max_scale_up_rate']:g}, "
-        f"scale_down_stabilization {p['scale_down_stabilization']:g} s, "
+        f"scale_down_stabilization {p['scale_down_stabilization']:g} s, panic_threshold {p['panic_threshold']:g}, "
         f"the catalog's defaults otherwise (stable {p['stable_window']:g} s, "
         f"panic {p['panic_window']:g} s, tolerance {p['tolerance']:g}, cooldown {p['scale_down_cooldown']:g} s, "
         f"step {p['max_step']}), min {p['min']}, max {p['max']}.",

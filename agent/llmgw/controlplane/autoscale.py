@@ -35,7 +35,7 @@ square-root staffing rule of queueing theory: the spare slots a pool needs
 to keep waiting rare grow with the square root of its load, not in
 proportion, so a fixed per-replica target is too tight for one replica and
 too loose for twenty.  With ``target`` set to the engine's batch, a
-``headroom`` of 2 and a 300 s ``scale_down_stabilization`` (3 to 4 without
+``headroom`` of 2.5 and a 120 s ``scale_down_stabilization`` (3 to 4 without
 it), the count follows the demand at close to the efficiency of a static
 pool sized with hindsight (``benchmarks/results/autoscale.md``).
 
