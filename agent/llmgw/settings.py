@@ -377,11 +377,13 @@ def _autoscale_errors(doc: dict[str, Any]) -> list[ConfigError]:
         if a["panic_window"] > a["stable_window"]:
             errors.append(ConfigError(f"{where}/panic_window", f"{a['panic_window']}s is longer than "
                                       f"stable_window ({a['stable_window']}s): the panic window is the short one"))
-        if a["min"] < 1 and a["signal"] == "outstanding":
-            errors.append(ConfigError(f"{where}/min", "a deployment at 0 replicas has no endpoint a request can "
-                                      "reach, so no request would raise its count again (scale from zero is not "
-                                      "built): min must be at least 1; with sleep an idle replica gives its GPU "
-                                      "memory back"))
+        if a["min"] < 1:  # whatever the signal, a deployment at 0 could never be raised again
+            errors.append(ConfigError(f"{where}/min", (
+                "a deployment at 0 replicas has no endpoint a request can reach, so no request would raise "
+                "its count again (scale from zero is not built): min must be at least 1; with sleep an idle "
+                "replica gives its GPU memory back") if a["signal"] == "outstanding" else (
+                f"{a['signal']} is read from the deployment's engines: min must be at least 1 (with none "
+                "running nothing can be read)")))
         if a["headroom"] and a["signal"] != "outstanding":
             errors.append(ConfigError(f"{where}/headroom", f"headroom counts spare requests in flight; signal "
                                       f"{a['signal']!r} is not a count of them (use signal: outstanding, or 0)"))
@@ -395,7 +397,8 @@ def _autoscale_errors(doc: dict[str, Any]) -> list[ConfigError]:
 
 
 def _signal_errors(doc: dict[str, Any], dep: dict[str, Any], a: dict[str, Any], where: str) -> list[ConfigError]:
-    """An engine signal needs an engine that exposes it and one to read (min >= 1); KV use is a fraction."""
+    """An engine signal needs an engine that exposes it (and one to read: ``min`` >= 1, checked for every
+    signal by ``_autoscale_errors``); KV use is a fraction."""
     from llmgw.enginesignals import ENGINE_SIGNALS, KV_CACHE_USE, engines_for
 
     signal = a["signal"]
@@ -407,9 +410,6 @@ def _signal_errors(doc: dict[str, Any], dep: dict[str, Any], a: dict[str, Any], 
         errors.append(ConfigError(f"{where}/signal", f"profile {dep['profile']!r} runs {engine}, whose metrics "
                                   f"have no {signal} (engines that have: {', '.join(engines_for(signal))}); "
                                   "use another signal or profile"))
-    if a["min"] < 1:
-        errors.append(ConfigError(f"{where}/min", f"{signal} is read from the deployment's engines: min must be "
-                                  "at least 1 (with none running nothing can be read)"))
     if signal == KV_CACHE_USE and a["target"] > 1:
         errors.append(ConfigError(f"{where}/target", f"{a['target']:g} is not a share of the KV cache: "
                                   "kv_cache_use's target is a fraction, at most 1 (e.g. 0.7)"))
