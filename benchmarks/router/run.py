@@ -67,7 +67,7 @@ HOST = "127.0.0.1"
 
 sys.path.insert(0, str(ROOT))
 from tests.support import procfs  # noqa: E402
-from tests.support.childenv import absolute_path_list  # noqa: E402
+from tests.support.childenv import child_env  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 
 
@@ -113,12 +113,9 @@ def spawn(name: str, argv: list[str], workdir: Path, env: dict | None = None, cp
     log = workdir / f"{name}.log"
     if cpus:
         argv = ["taskset", "-c", cpus, *argv]
-    env = {**os.environ, **(env or {})}
-    if "PYTHONPATH" in env:
-        env["PYTHONPATH"] = absolute_path_list(env["PYTHONPATH"])
     with open(log, "wb") as f:
         p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             env=env, start_new_session=True, cwd=workdir)
+                             env=child_env(env), start_new_session=True, cwd=workdir)
     return Proc(name, p, log)
 
 

@@ -44,14 +44,11 @@ from llmgw.tls import init_ca, issue_admin, issue_node, issue_router, issue_serv
 from llmgw.tls.ca import key_to_pem
 from llmgw.tls.context import client_context
 from llmgw.tls.files import write_pair
-from tests.support.childenv import pin_pythonpath
+from tests.support.childenv import child_env
 from tests.support.fleetclient import admin_client
 from tests.support.polling import WAIT, until
 from tests.support.ports import engine_port_block, free_port
 from tests.support.procfs import start_time as process_start_time  # noqa: F401 (tests import it from here)
-
-# every process a fleet starts runs in a directory of its own, and must import this tree
-pin_pythonpath()
 
 SIM_SCRIPT = Path(sys.executable).parent / "llmgw-engine-sim"
 ADMIN_TOKEN = "test-admin-token-" + "x" * 16
@@ -140,8 +137,9 @@ class Proc:
         with open(self.log_path, "ab") as log:
             log.write(f"----- {self.name} life {self.lives}\n".encode())
             log.flush()
+            # run in a directory of its own, it must still import this tree
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, cwd=self.cwd)
+                                         stdin=subprocess.DEVNULL, cwd=self.cwd, env=child_env())
         self.stopped = False
         return self
 

@@ -40,6 +40,7 @@ from llmgw.agent.statedir import ShardRecord, StateDir
 from llmgw.config import schema_errors
 from llmgw.tls import IdentityError, check_node_identity, init_ca, issue_node, issue_server, peer_identity, server_context
 from llmgw.tls.files import write_pair
+from tests.support.childenv import child_env
 from tests.support.ports import engine_port_block, free_port
 
 from fleet import until
@@ -271,7 +272,7 @@ class AgentProcess:
             log.flush()
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "llmgw", "--log-level", "DEBUG", "agent", "--config", str(self.config_path)],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.root)
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.root, env=child_env())
         return self
 
     def kill(self) -> None:

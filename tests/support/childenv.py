@@ -10,7 +10,7 @@ benchmark measures code it was not given.
 from __future__ import annotations
 
 import os
-from collections.abc import MutableMapping
+from collections.abc import Mapping
 
 
 def absolute_path_list(paths: str) -> str:
@@ -18,7 +18,10 @@ def absolute_path_list(paths: str) -> str:
     return os.pathsep.join(os.path.abspath(x) if x else x for x in paths.split(os.pathsep))
 
 
-def pin_pythonpath(environ: MutableMapping[str, str] = os.environ) -> None:
-    """Make ``environ``'s ``PYTHONPATH`` absolute, so every child started from now on imports this tree."""
-    if environ.get("PYTHONPATH"):
-        environ["PYTHONPATH"] = absolute_path_list(environ["PYTHONPATH"])
+def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment with ``extra`` on top, its ``PYTHONPATH`` made absolute: what a child
+    started in another directory needs to import the same tree."""
+    env = {**os.environ, **(extra or {})}
+    if env.get("PYTHONPATH"):
+        env["PYTHONPATH"] = absolute_path_list(env["PYTHONPATH"])
+    return env

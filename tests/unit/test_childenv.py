@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from tests.support.childenv import absolute_path_list, pin_pythonpath
+from tests.support.childenv import absolute_path_list, child_env
 
 
 def test_relative_entries_are_made_absolute_and_the_rest_kept(tmp_path, monkeypatch):
@@ -13,11 +13,13 @@ def test_relative_entries_are_made_absolute_and_the_rest_kept(tmp_path, monkeypa
     assert got.split(os.pathsep) == [str(tmp_path / "agent"), "/opt/x", "", str(tmp_path / "tests" / "unit")]
 
 
-def test_pinning_changes_only_a_pythonpath_that_is_set(tmp_path, monkeypatch):
+def test_a_childs_environment_has_the_pythonpath_absolute_and_only_when_one_is_set(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    env = {"PYTHONPATH": "agent"}
-    pin_pythonpath(env)
-    assert env == {"PYTHONPATH": str(tmp_path / "agent")}
-    empty: dict[str, str] = {}
-    pin_pythonpath(empty)
-    assert empty == {}
+    monkeypatch.setenv("PYTHONPATH", "agent")
+    monkeypatch.setenv("KEPT", "1")
+    env = child_env({"EXTRA": "2"})
+    assert (env["PYTHONPATH"], env["KEPT"], env["EXTRA"]) == (str(tmp_path / "agent"), "1", "2")
+    assert os.environ["PYTHONPATH"] == "agent"  # this process's own is left as it is
+    assert child_env({"PYTHONPATH": "lib"})["PYTHONPATH"] == str(tmp_path / "lib")
+    monkeypatch.delenv("PYTHONPATH")
+    assert "PYTHONPATH" not in child_env()
