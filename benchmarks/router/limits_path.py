@@ -25,7 +25,6 @@ figure is the median µs per request with its range over the repeats. Run by
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import hashlib
 import json
@@ -38,7 +37,7 @@ from aiohttp import web
 from aiohttp.http_writer import _serialize_headers
 from multidict import CIMultiDict
 
-from llmgw.eventloop import tune_gc
+from llmgw.eventloop import run_loop, tune_gc
 from llmgw.router.context import RequestContext
 from llmgw.router.limitsgate import LimitsGate
 from llmgw.router.limits import Limiter
@@ -196,11 +195,7 @@ def measure(n: int = 20_000, repeat: int = 7) -> list[dict]:
             out.append({"step": what, "key_us": a, "limits_us": b})
         return out
 
-    try:  # the router's loop (``eventloop.run_loop``): admission and settlement read its clock
-        import uvloop
-    except ImportError:
-        return asyncio.run(run())
-    return uvloop.run(run())
+    return run_loop(run())  # the router's loop: admission and settlement read its clock
 
 
 def added(rows: list[dict]) -> list[float]:
