@@ -377,13 +377,14 @@ def _autoscale_errors(doc: dict[str, Any]) -> list[ConfigError]:
         if a["panic_window"] > a["stable_window"]:
             errors.append(ConfigError(f"{where}/panic_window", f"{a['panic_window']}s is longer than "
                                       f"stable_window ({a['stable_window']}s): the panic window is the short one"))
-        if a["min"] < 1:  # whatever the signal, a deployment at 0 could never be raised again
+        if a["min"] < 1 and a["signal"] != "outstanding":  # at zero only the routers see a request
             errors.append(ConfigError(f"{where}/min", (
-                "a deployment at 0 replicas has no endpoint a request can reach, so no request would raise "
-                "its count again (scale from zero is not built): min must be at least 1; with sleep an idle "
-                "replica gives its GPU memory back") if a["signal"] == "outstanding" else (
                 f"{a['signal']} is read from the deployment's engines: min must be at least 1 (with none "
-                "running nothing can be read)")))
+                "running nothing can be read); scale from zero needs signal: outstanding")))
+        elif a["min"] < 1 and isinstance(a.get("sleep"), dict):
+            errors.append(ConfigError(f"{where}/min", (
+                "min 0 stops the last replica where sleep keeps it asleep at min: choose one (min: 1 with "
+                "sleep wakes in about a second; min: 0 starts a replica from scratch)")))
         if a["headroom"] and a["signal"] != "outstanding":
             errors.append(ConfigError(f"{where}/headroom", f"headroom counts spare requests in flight; signal "
                                       f"{a['signal']!r} is not a count of them (use signal: outstanding, or 0)"))
@@ -397,8 +398,8 @@ def _autoscale_errors(doc: dict[str, Any]) -> list[ConfigError]:
 
 
 def _signal_errors(doc: dict[str, Any], dep: dict[str, Any], a: dict[str, Any], where: str) -> list[ConfigError]:
-    """An engine signal needs an engine that exposes it (and one to read: ``min`` >= 1, checked for every
-    signal by ``_autoscale_errors``); KV use is a fraction."""
+    """An engine signal needs an engine that exposes it (and one to read: ``min`` >= 1, checked by
+    ``_autoscale_errors``); KV use is a fraction."""
     from llmgw.enginesignals import ENGINE_SIGNALS, KV_CACHE_USE, engines_for
 
     signal = a["signal"]

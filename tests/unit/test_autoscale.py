@@ -264,3 +264,30 @@ def test_a_dip_between_busy_spells_keeps_the_replicas_the_next_spell_needs():
     feed(free, 0, 70, 32)
     feed(free, 71, 100, 4)
     assert free.desired < 8
+
+
+def test_min_zero_scales_to_zero_only_after_a_whole_stable_window_idle():
+    s = Scaler(policy(min=0, scale_down_cooldown=10, stable_window=20, panic_window=2), 1, 0)
+    feed(s, 0, 25, 1)  # one request in flight all along: one replica
+    assert s.desired == 1
+    s.observe(26, 0)
+    d = s.decide(40)  # 14 s idle: the window still saw the request
+    assert (s.desired, d.reason) == (1, a.STABLE)
+    d = feed(s, 41, 47, 0)  # 21 s idle: a whole stable window with nothing in flight
+    assert (s.desired, d.reason) == (0, a.STABLE)
+
+
+def test_demand_at_zero_starts_a_replica_even_within_a_cooldown_of_a_reversal():
+    """Up, down, down to zero: a request held for the deployment then is a reversal within a cooldown
+    of the last one, which the rule refuses for a deployment that has replicas; at zero nothing else
+    would serve the request, so it is never refused there."""
+    s = Scaler(policy(min=0, max=10, scale_down_cooldown=30, stable_window=5, panic_window=1, max_step=10), 1, 0)
+    feed(s, 0, 10, 20)  # up to 5
+    t = 11
+    while s.desired != 0:  # down after the cooldown: a reversal; then on to zero
+        s.observe(t, 0)
+        s.decide(t)
+        t += 1
+    assert s.last_reversal_at is not None and t - 1 - s.last_reversal_at < 30
+    s.observe(t, 1)  # one request held: up from zero at once, on the sample just taken
+    assert (s.decide(t).reason, s.desired) == (a.FROM_ZERO, 1)

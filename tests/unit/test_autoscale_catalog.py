@@ -32,7 +32,8 @@ def test_defaults_are_the_schemas_and_a_plain_deployment_has_none():
     ({"max": 2, "signal": "queue_depth", "headroom": 3}, "/deployments/0/autoscale/headroom", "not a count"),
     ({"max": 2, "headroom": -1}, "/deployments/0/autoscale/headroom", ""),
     ({"max": 2, "max_scale_up_rate": 1}, "/deployments/0/autoscale/max_scale_up_rate", "more than 1, or 0"),
-    ({"max": 2, "min": 0}, "/deployments/0/autoscale/min", "scale from zero is not built"),
+    ({"max": 2, "min": 0, "signal": "queue_depth"}, "/deployments/0/autoscale/min", "needs signal: outstanding"),
+    ({"max": 2, "min": 0, "sleep": {"after": 60}}, "/deployments/0/autoscale/min", "choose one"),
 ])
 def test_bad_blocks_are_refused_at_their_key(block, pointer, words):
     doc = copy.deepcopy(SERVER)
@@ -46,3 +47,10 @@ def test_autoscale_without_the_in_process_router_is_accepted():
     doc = copy.deepcopy(SERVER)
     del doc["router"]
     parse_server_settings(doc)
+
+
+def test_min_zero_on_the_routers_signal_is_accepted():
+    """Scale from zero: the routers hold a request for a model at zero and its wake starts a replica."""
+    doc = copy.deepcopy(SERVER)
+    doc["deployments"][0]["autoscale"] = {"min": 0, "max": 2}
+    assert parse_server_settings(doc).catalog.deployments[0].autoscale.min == 0

@@ -73,3 +73,38 @@ def test_a_scale_up_that_does_not_fit_says_why():
     assert len(starts(plan)) == 2
     assert set(plan.unplaced) == {("tiny/sim", 2)}
     assert "GPU" in plan.unplaced[("tiny/sim", 2)], plan.unplaced
+
+
+def test_a_count_of_zero_drains_the_last_replica_and_one_places_it_again():
+    f = Fleet("a", "b", gpus=1)
+    cat = autoscaled(min=0)
+    f.step(cat, 0.0, replica_counts={"tiny/sim": 1})
+    make_ready(f, 1.0)
+    f.step(cat, 1.0, replica_counts={"tiny/sim": 1})
+    plan = f.step(cat, 2.0, replica_counts={"tiny/sim": 0})
+    assert [type(a) for a in plan.actions] == [Drain]
+    assert not list(f.rec.book.live())
+    plan = f.step(cat, 3.0, replica_counts={"tiny/sim": 1})
+    assert len(starts(plan)) == 1
+
+
+def test_requests_held_for_a_deployment_at_zero_are_its_demand_while_the_routers_keep_saying_so():
+    """At zero no replica carries the routers' count: a wake's held count is the signal, for a few
+    seconds after each (the router asks every second while it holds)."""
+    f = Fleet("a", "b", gpus=1)
+    cat = autoscaled(start=0, min=0, target=2, stable_window=10, panic_window=1)
+    scaler = Autoscaler()
+    book = f.rec.book
+    assert scaler.counts(cat, book, 0.0, {}) == {"tiny/sim": 0}
+    scaler.note_held("tiny/sim", "r1", 3, 1.0)
+    scaler.note_held("tiny/sim", "r2", 2, 1.0)
+    assert scaler.counts(cat, book, 1.0, {}) == {"tiny/sim": 1}  # the first replica, on the first word
+    assert scaler.decision("tiny/sim").reason == "from-zero"
+    scaler.note_held("tiny/sim", "r1", 3, 2.0)  # asked again a second later: 5 held / 2 per replica
+    scaler.note_held("tiny/sim", "r2", 2, 2.0)
+    assert scaler.counts(cat, book, 2.0, {}) == {"tiny/sim": 3}
+    assert scaler.decision("tiny/sim").panic == 5.0
+    scaler.counts(cat, book, 5.0, {})  # no word for 3 s: nothing held any more
+    scaler.counts(cat, book, 7.0, {})
+    assert scaler.decision("tiny/sim").panic == 0.0
+    assert scaler.held == {}

@@ -13,7 +13,7 @@ import logging
 
 from cp_state_fakes import Clock, settings
 
-from llmgw.controlplane.endpointfeed import EndpointFeed
+from llmgw.controlplane.endpointfeed import EndpointFeed, Published
 from llmgw.controlplane.leadership import LeaderHooks
 from llmgw.controlplane.lifecycle import NodeClock
 from llmgw.controlplane.lifecycletimers import MAX_GRACE_FACTOR, STALL_EXCUSED_FROM, LifecycleTimers
@@ -42,16 +42,18 @@ def test_a_settled_fleet_is_passed_whole_only_on_news_or_every_full_pass_period(
 def test_endpoints_reach_every_listener_once_per_change_even_when_one_fails():
     feed, heard = EndpointFeed(), []
 
-    def broken(eps):
-        if eps:
+    def broken(published):
+        if published.endpoints:
             raise RuntimeError("listener bug")
 
-    feed.subscribe(broken, [])
-    feed.subscribe(heard.append, [])
+    feed.subscribe(broken, Published([]))
+    feed.subscribe(heard.append, Published([]))
     eps = [{"model": "m", "url": "http://10.0.0.1:1", "draining": False}]
-    feed.publish(eps)
-    feed.publish(list(eps))
-    assert heard == [[], eps], "an unchanged set is not handed out again; a failing listener stops no other"
+    feed.publish(Published(eps))
+    feed.publish(Published(list(eps)))
+    feed.publish(Published(list(eps), ("z",)))
+    assert heard == [Published([]), Published(eps), Published(eps, ("z",))], \
+        "an unchanged set is not handed out again; a failing listener stops no other"
 
 
 def test_waiting_slots_are_logged_once_per_deployment_and_reason(caplog):

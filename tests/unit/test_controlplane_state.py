@@ -38,7 +38,7 @@ def test_endpoints_follow_ready_replicas():
     clock = Clock()
     cp = ControlPlane(settings(), clock=clock)
     seen: list[list[dict]] = []
-    cp.on_endpoints(seen.append)
+    cp.on_endpoints(lambda published: seen.append(published.endpoints))
     s = FakeSession()
     e = cp.register(register("n1"), s)
     cp.tick()

@@ -61,3 +61,26 @@ def test_past_either_bound_the_answer_is_503_with_retry_after(hold, words):
         assert (err.status, err.code, err.retry_after) == (503, "model_waking", 1 if hold.deadline < 1 else 30)
         assert words in err.message and q.held == {}
     asyncio.run(run())
+
+
+def test_a_model_that_scales_from_zero_is_known_without_endpoints_and_held_until_one_serves():
+    """The table's ``from_zero`` names it: listed, held (not 404) with the held count in its wake,
+    released when the replica its wake started appears; a model the table does not name stays unknown."""
+    async def run():
+        table = EndpointTable([])
+        table.replace([Endpoint("d", "m", "http://127.0.0.1:9002", replica_id="r0", draining=True)], ["m"])
+        r = Routing(table, RouterSettings(), RouterMetrics(), LeastOutstanding())
+        assert r.models() == ["m"] and r.group("other") is None
+        group = r.group("m")
+        assert all_asleep(group)  # its one endpoint drains away: held, not "no endpoint can take it"
+        woken: list[tuple] = []
+        q = HoldQueue(r, Hold(max_requests=8, deadline=30), lambda *a: woken.append(a))
+        held = [asyncio.ensure_future(q.admit("m", group)) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        assert woken == [("m", 1)] and q.held == {"m": 2}  # the first asked, holding one so far
+        r.table.replace([], ["m"])  # the draining one gone: still held
+        await asyncio.sleep(0.05)
+        r.table.replace([AWAKE], ["m"])
+        groups = await asyncio.wait_for(asyncio.gather(*held), 5)
+        assert r.pick(groups[0], set(), None).endpoint == AWAKE and q.held == {}
+    asyncio.run(run())

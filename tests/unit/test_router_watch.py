@@ -166,3 +166,28 @@ async def test_retries_against_a_dead_control_plane_stay_short_and_jittered(monk
     assert max(waits) <= 5.0, f"a restarted control plane must be seen within seconds: {waits}"
     assert len({round(w, 6) for w in waits[-10:]}) > 1, f"capped waits must stay jittered: {waits}"
     assert "retrying in" in caplog.text
+
+
+@run
+async def test_the_models_that_scale_from_zero_ride_on_the_watch_only_when_there_are_some():
+    remote = EndpointTable([ep(1)])
+    local = EndpointTable()
+    async with ControlPlane(remote, wait_s=0.5) as cp, aiohttp.ClientSession() as s:
+        async with s.get(cp.url + WATCH_PATH, params={"after": "-1"}) as r:
+            assert "from_zero" not in await r.json()  # the answer a router that predates it always got
+        task = asyncio.create_task(watch_endpoints(cp.url, None, None, local, backoff_initial=0.05))
+        await until_async(lambda: len(local.snapshot()[1]) == 1)
+        remote.replace([], ["m", "n"])
+        await until_async(lambda: local.from_zero == {"m", "n"} and not local.snapshot()[1])
+        async with s.get(cp.url + WATCH_PATH, params={"after": "-1"}) as r:
+            assert (await r.json())["from_zero"] == ["m", "n"]
+        task.cancel()
+
+
+def test_a_malformed_from_zero_is_refused_at_its_pointer():
+    import pytest
+    from llmgw.router.watch import WatchError, parse_from_zero
+    assert parse_from_zero({}) == frozenset()
+    for raw, where in [({"a": 1}, "/from_zero"), (["m", 3], "/from_zero/1"), ([""], "/from_zero/0")]:
+        with pytest.raises(WatchError, match=where):
+            parse_from_zero({"from_zero": raw})

@@ -20,7 +20,9 @@ down until a stable window has passed without one.  Damping, in order:
   requests, and would otherwise drain replicas that serve a busy model;
 - a scale-down only ``scale_down_cooldown`` after the last change;
 - at most one reversal of direction per cooldown, so a signal that swings
-  around the target cannot make the fleet load and unload a model in turn;
+  around the target cannot make the fleet load and unload a model in turn
+  (except from zero replicas, where any demand has nothing else to serve it:
+  there the latest sample, not a window, asks for the first replica);
 - at most ``max_step`` replicas per decision;
 - where set, a scale-up to at most ``max_scale_up_rate`` times the replicas
   already Ready (Knative's max-scale-up-rate): the requests in flight keep
@@ -81,13 +83,14 @@ MIN = "min"  # clamped up to min
 MAX = "max"  # clamped down to max
 HOLD = "hold"  # a scale-down held to the most wanted over the last scale_down_stabilization
 RATE = "rate"  # a scale-up held to max_scale_up_rate x the Ready replicas: the last ones asked for do not serve yet
+FROM_ZERO = "from-zero"  # demand at zero replicas (min 0): one at once, before any window has seen it
 QUARTERS = 4  # the stable window's parts that must each rise on the one before for a trend to count
 NOISE = 3.0  # standard errors of the two quarters' scatter a rise must exceed
 # what the signal's total is, in ``ctl explain`` (a deployment's total: the target is per replica)
 SEEN = {"outstanding": "in flight", "queue_depth": "waiting in the engines",
         "kv_cache_use": "KV-cache use summed over the replicas"}
 REASONS = (START, NO_SIGNAL, STABLE, PANIC, AHEAD, HOLD, TOLERANCE, MEASURING, COOLDOWN, REVERSAL, STEP, RATE,
-           MIN, MAX)
+           MIN, MAX, FROM_ZERO)
 
 
 @dataclass(frozen=True)
@@ -257,6 +260,10 @@ class Scaler:
         ahead = self._ahead(now, stable, panic, lead or 0.0)
         if ahead is not None and not panicking and self._want(ahead) > want:
             want, reason = self._want(ahead), AHEAD
+        if not current and not want and self.samples[-1][1] > 0:
+            # a request waits for a deployment with no replica: a sample just taken weighs nothing in
+            # either window yet, and a pass later is a second more of a cold start the client waits out
+            want, reason = 1, FROM_ZERO
         held = self._hold(now, want)  # recorded on every decision, used only on the way down
         new = want if want >= current else min(current, held)
         if new > want:
@@ -268,8 +275,9 @@ class Scaler:
             new, reason = current, MEASURING
         elif direction < 0 and self.last_change_at is not None and now - self.last_change_at < p.scale_down_cooldown:
             new, reason = current, COOLDOWN
-        elif (direction and self.last_direction and direction != self.last_direction
+        elif (direction and current and self.last_direction and direction != self.last_direction
               and self.last_reversal_at is not None and now - self.last_reversal_at < p.scale_down_cooldown):
+            # (never from zero: demand for a deployment with no replica has nothing else to serve it)
             new, reason = current, REVERSAL
         elif abs(new - current) > p.max_step:
             new, reason = current + direction * p.max_step, STEP

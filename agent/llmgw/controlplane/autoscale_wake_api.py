@@ -1,5 +1,9 @@
 """``POST /v1/router/wake``: a router holds requests for a sleeping model and asks for its wake.
 
+A router with no endpoint left of a model that scales from zero asks the
+same, with the number it holds (``held``): that is the demand that starts
+the deployment's first replica (``controlplane/autoscale_zero.py``).
+
 Scale to sleep (docs/autoscaling.md): a router whose endpoints for a model
 are all asleep holds the model's requests (``router/holdqueue.py``) and
 asks here, at most once a second per model and worker.  Only a router
@@ -8,8 +12,10 @@ bounded rate per worker, with a body valid against its schema (the checks
 every router route makes, ``controlplane/routerposts``), so a runaway router
 is answered 429 and hurts only itself.  What a
 router can make happen here is bounded: the replicas of a deployment with
-``autoscale.sleep`` wake, as they would for one request; nothing is placed
-or stopped.  A malformed body is refused with its JSON pointer.
+``autoscale.sleep`` wake, as they would for one request, and a deployment
+at zero counts the requests held as its demand for a few seconds (bounded
+by the schema; the autoscaler's ``max`` bounds what any demand can place);
+nothing is stopped.  A malformed body is refused with its JSON pointer.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ class WakeAPI:
         if not isinstance(got, RouterPost):
             return got
         router, doc = got.router, got.doc
-        waking = self.cp.wake_model(doc["model"])
+        waking = self.cp.wake_model(doc["model"], doc.get("held"), router)
         if waking:
             log.info("router %r holds requests for %s: waking it", router, doc["model"])
         return web.json_response({"waking": waking}, status=202)

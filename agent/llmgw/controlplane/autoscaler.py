@@ -17,6 +17,13 @@ its ``enginesignals.Sample`` instead, whatever the routers say; a partial
 sample (a Ready replica without a fresh value) is no sample, and its count
 holds.  The last sample of each is kept for ``ctl explain`` and the metrics.
 
+A deployment that scales to zero (``min: 0``) has, at zero, no replica a
+router's load could be counted on: the routers that hold requests for it
+say how many with each wake (``note_held``), and for ``HELD_FRESH`` seconds
+that count is the deployment's signal wherever the routers' own total is
+lower. It starts the first replica (the rule scales up from zero on any
+demand, reversal or not) and keeps the count off zero while requests wait.
+
 Each scaler is told its deployment's lead time, how long its last replicas
 took from placement to Ready as this control plane saw them
 (``autoscale_lead``), so a rising signal is followed that far ahead.
@@ -56,9 +63,14 @@ def totals_by_deployment(outstanding: Mapping[str, int], book: ReplicaBook) -> d
     return totals
 
 
+HELD_FRESH = 2.5  # s a router's held count stands for: it asks again each second while it holds
+
+
 class Autoscaler:
     def __init__(self) -> None:
         self.scalers: dict[str, Scaler] = {}
+        # requests held for a deployment at zero, by (deployment key, router): (when told, how many)
+        self.held: dict[tuple[str, str], tuple[float, int]] = {}
         self.budget = Budget()
         self.grants: dict[str, Grant] = {}  # the last pass's, by deployment key (only with a budget)
         self.leads = LeadTimes()
@@ -103,6 +115,9 @@ class Autoscaler:
                 value = None if sample is None or sample.signal != policy.signal else sample.total
             else:
                 value = None if totals is None else totals.get(dep.key, 0.0)
+                held = self._held(dep.key, now) if self.held else 0
+                if held and (value is None or held > value):
+                    value = float(held)
             if value is not None:
                 scaler.observe(now, value)
                 scaler.decide(now, self.leads.lead(dep.key), ready.get(dep.key, 0) if dep.key in rated else None)
@@ -115,6 +130,20 @@ class Autoscaler:
         gpus = {name: p.gpus_total for name, p in catalog.profiles.items()}
         self.grants = self.budget.grant(claims_of(catalog.deployments, out, gpus), catalog.autoscale_budget, now)
         return {key: (self.grants[key].granted if key in self.grants else n) for key, n in out.items()}
+
+    def note_held(self, key: str, router: str, held: int, now: float) -> None:
+        """A router holds ``held`` requests for ``key``, a deployment at zero replicas (its wake said so)."""
+        self.held[(key, router)] = (now, max(0, held))
+
+    def _held(self, key: str, now: float) -> int:
+        """Requests the routers said they hold for ``key`` within ``HELD_FRESH``; older word is forgotten."""
+        total = 0
+        for k, (at, n) in list(self.held.items()):
+            if now - at > HELD_FRESH:
+                del self.held[k]
+            elif k[0] == key:
+                total += n
+        return total
 
     def decision(self, key: str) -> Decision | None:
         s = self.scalers.get(key)

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from llmgw.clientbounds import LimitedTCPSite
 from llmgw.controlplane.api import startup_grace_left
+from llmgw.controlplane.endpointfeed import Published
 from llmgw.controlplane.startup import StartupRefused
 from llmgw.controlplane.state import ControlPlane
 from llmgw.settings import ServerSettings
@@ -27,7 +28,7 @@ class RouterHook:
     """The in-process router, when ``llmgw.router`` is available; endpoint updates go to its table."""
 
     def __init__(self, settings: ServerSettings, pending: Callable[[str], float] | None = None,
-                 wake: Callable[[str], object] | None = None):
+                 wake: Callable[..., object] | None = None):
         self.table: Any = None
         self.app: web.Application | None = None
         self.watch_handler: Any = None
@@ -84,16 +85,16 @@ class RouterHook:
 
             self.watch_handler = endpoints_watch_handler(self.table, route_keys=book)
 
-    def update(self, eps: list[dict[str, Any]]) -> None:
+    def update(self, published: Published) -> None:
         if self.table is None:
             return
         endpoints = []
-        for e in eps:
+        for e in published.endpoints:
             try:
                 endpoints.append(self._endpoint_cls(**e))
             except ValueError as err:  # one replica's unusable URL must not hide every other endpoint
                 log.warning("not routing to endpoint %s: %s", e.get("id", "?"), err)
-        self.table.replace(endpoints)
+        self.table.replace(endpoints, published.from_zero)
 
     async def start(self) -> web.AppRunner | None:
         if self.app is None:

@@ -31,9 +31,10 @@ from llmgw import compat
 from llmgw.catalog import Catalog
 from llmgw.controlplane import grantsecret
 from llmgw.controlplane.autoscale_sleep import SleepPlanner
+from llmgw.controlplane.autoscale_zero import from_zero_keys, from_zero_names
 from llmgw.controlplane.autoscaler import Autoscaler, totals_by_deployment
 from llmgw.controlplane.ejections import EjectionBook, Verdict
-from llmgw.controlplane.endpointfeed import EndpointFeed
+from llmgw.controlplane.endpointfeed import EndpointFeed, Published
 from llmgw.controlplane.enginesignals import SignalBook
 from llmgw.controlplane.enginesignals_ask import Asked, Timing, timing, walk
 from llmgw.controlplane.grants import GrantKeys
@@ -128,6 +129,7 @@ class ControlPlane:
         self.replica_counts: dict[str, int] = {}  # autoscaled deployments' counts, as the last pass placed them
         self.sleep_planner = SleepPlanner()  # scale to sleep: which replica to sleep or wake (autoscale_sleep.py)
         self._totals: dict[str, float] | None = None  # the last pass's requests in flight per deployment
+        self._counts: dict[str, int] = {}  # the last pass's autoscaled counts, to log each change once
         self.drain_blocked: dict[str, str] = {}  # draining node(s) -> why the next move waits
         self.reload_errors: list[str] = []
         self.stopping = False  # SIGTERM: no new stream is admitted, none registering is kept
@@ -185,14 +187,16 @@ class ControlPlane:
     def replaced_for_ejections(self) -> int:
         return self.router_reports.replaced
 
-    def on_endpoints(self, listener: Callable[[list[dict[str, Any]]], None]) -> None:
+    def on_endpoints(self, listener: Callable[[Published], None]) -> None:
         """Call ``listener`` with the rank-0 endpoint set whenever it changes (and now)."""
         self.endpoint_feed.subscribe(listener, self._endpoints(self.node_views()))
 
-    def _endpoints(self, views: dict[str, NodeView]) -> list[dict[str, Any]]:
-        """The endpoint set to publish: every Ready replica's rank 0, less prefill replicas not proved yet."""
-        return self.pair_prover.publishable(self.reconciler.book, endpoints(self.reconciler.book, views),
-                                            self.clock(), self.clock)
+    def _endpoints(self, views: dict[str, NodeView]) -> Published:
+        """The endpoint set to publish: every Ready replica's rank 0, less prefill replicas not proved yet;
+        and the served names of the deployments that scale from zero."""
+        return Published(self.pair_prover.publishable(self.reconciler.book, endpoints(self.reconciler.book, views),
+                                                      self.clock(), self.clock),
+                         from_zero_names(self.catalog))
 
     def node_views(self) -> dict[str, NodeView]:
         return self.streams.views()
@@ -445,7 +449,16 @@ class ControlPlane:
             self.engine_signals.sweep(now, self.signal_timing(), self.streams.is_open,
                                       self.reconciler.book.replicas.__contains__)
             engine = self.engine_signals.samples()
-        return self.autoscaler.counts(self.catalog, self.reconciler.book, now, totals, in_grace, engine)
+        counts = self.autoscaler.counts(self.catalog, self.reconciler.book, now, totals, in_grace, engine)
+        for key, n in counts.items():
+            was = self._counts.get(key)
+            if was is not None and n != was:  # a change of count, with what the rule saw: the operator's why
+                scaler, grant = self.autoscaler.scalers.get(key), self.autoscaler.grant(key)
+                log.info("autoscale %s: %d -> %d replica(s)%s%s", key, was, n,
+                         f": {scaler.decision.explain(scaler.policy)}" if scaler is not None else "",
+                         f"; {grant.explain()}" if grant is not None else "")
+        self._counts = counts
+        return counts
 
     def signal_timing(self) -> Timing:
         """The engine signals' period for the nodes asked now (``enginesignals_ask.timing``)."""
@@ -484,13 +497,19 @@ class ControlPlane:
             log.info("%s: asking %s to %s its engine", a.replica_id, a.node_id, type(a).__name__.lower())
         self.streams.dispatch(actions, self.leader_fields())  # type: ignore[arg-type]
 
-    def wake_model(self, model: str) -> bool:
-        """A router holds a request for ``model`` (a served name): wake its sleeping replicas now.
-        False when no scale-to-sleep deployment serves it."""
+    def wake_model(self, model: str, held: int | None = None, router: str = "") -> bool:
+        """A router holds requests for ``model`` (a served name): wake its sleeping replicas now, and
+        count ``held`` (sent by a router with no endpoint of it left) as the demand of the deployments
+        serving it that scale from zero. False when no such deployment serves it."""
         keys = self.sleep_planner.sleeping_keys(self.catalog, model)
-        if not keys or not self.authority():
+        zero = from_zero_keys(self.catalog, model)
+        if not (keys or zero) or not self.authority():
             return False
-        self.sleep_planner.wake_requested(keys, self.clock())
+        now = self.clock()
+        if keys:
+            self.sleep_planner.wake_requested(keys, now)
+        for key in zero:
+            self.autoscaler.note_held(key, router, 1 if held is None else held, now)
         self.kick()
         return True
 

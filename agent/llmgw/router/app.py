@@ -63,7 +63,7 @@ def metrics_allowed(cfg: RouterSettings, authorization: str | None) -> bool:
 def build_app(cfg: RouterSettings, table: EndpointTable, metrics: RouterMetrics | None = None,
               pending: Callable[[str], float] | None = None,
               background: Sequence[Callable[[Routing], Awaitable[None]]] = (),
-              kv_index: KVIndex | None = None, wake: Callable[[str], None] | None = None) -> web.Application:
+              kv_index: KVIndex | None = None, wake: Callable[..., object] | None = None) -> web.Application:
     """An application routing by ``model`` to the endpoints in ``table``.
 
     ``table`` is read on every request (one integer comparison when it did

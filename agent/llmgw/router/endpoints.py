@@ -13,7 +13,7 @@ import secrets
 import threading
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 from urllib.parse import urlsplit
 
 from llmgw import compat
@@ -168,6 +168,9 @@ class _Snapshot:
     revision: int
     endpoints: tuple[Endpoint, ...]
     by_model: Mapping[str, tuple[Endpoint, ...]]
+    # served names of deployments that scale to zero (autoscale min 0): a request for one with no
+    # endpoint is held while a replica starts (router/holdqueue.py), not answered "no such model"
+    from_zero: frozenset[str] = frozenset()
 
 
 class EndpointTable:
@@ -180,13 +183,13 @@ class EndpointTable:
     def __init__(self, endpoints: list[Endpoint] | tuple[Endpoint, ...] = ()) -> None:
         self._lock = threading.Lock()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
-        self._snap = self._build(0, tuple(endpoints))
+        self._snap = self._build(0, tuple(endpoints), frozenset())
         # Identifies this table for its lifetime: after a control-plane restart
         # revisions start over, and watchers must not mistake an old number for news.
         self.epoch = secrets.token_hex(8)
 
     @staticmethod
-    def _build(revision: int, endpoints: tuple[Endpoint, ...]) -> _Snapshot:
+    def _build(revision: int, endpoints: tuple[Endpoint, ...], from_zero: frozenset[str]) -> _Snapshot:
         seen: set[str] = set()
         by_model: dict[str, list[Endpoint]] = {}
         for ep in endpoints:
@@ -200,20 +203,22 @@ class EndpointTable:
             revision,
             endpoints,
             MappingProxyType({m: tuple(v) for m, v in by_model.items()}),
+            from_zero,
         )
 
     @property
     def revision(self) -> int:
         return self._snap.revision
 
-    def replace(self, endpoints: list[Endpoint] | tuple[Endpoint, ...]) -> int:
-        """Set the whole endpoint set at once; returns the new revision.
+    def replace(self, endpoints: list[Endpoint] | tuple[Endpoint, ...], from_zero: Iterable[str] = ()) -> int:
+        """Set the whole endpoint set (and the models that scale from zero) at once; returns the new
+        revision.
 
         Raises (and changes nothing) on duplicate ids, so a bad update never
         half-applies.
         """
         with self._lock:
-            snap = self._build(self._snap.revision + 1, tuple(endpoints))
+            snap = self._build(self._snap.revision + 1, tuple(endpoints), frozenset(from_zero))
             self._snap = snap
             waiters, self._waiters = self._waiters, []
         for loop, fut in waiters:
@@ -230,9 +235,19 @@ class EndpointTable:
         """Model names with at least one endpoint (draining included)."""
         return sorted(self._snap.by_model)
 
+    @property
+    def from_zero(self) -> frozenset[str]:
+        """Served names of the deployments that scale to zero, as of this revision."""
+        return self._snap.from_zero
+
     def snapshot(self) -> tuple[int, list[Endpoint]]:
         snap = self._snap
         return snap.revision, list(snap.endpoints)
+
+    def snapshot_from_zero(self) -> tuple[int, list[Endpoint], frozenset[str]]:
+        """``snapshot`` and the models that scale from zero, of one revision."""
+        snap = self._snap
+        return snap.revision, list(snap.endpoints), snap.from_zero
 
     async def wait_changed(self, after_revision: int, timeout: float | None) -> tuple[int, list[Endpoint]]:
         """Return the snapshot as soon as its revision exceeds ``after_revision``.

@@ -1,4 +1,4 @@
-"""Holding requests for a model whose replicas are all asleep, while one wakes (scale to sleep).
+"""Holding requests for a model whose replicas are all asleep, or that is at zero, while one wakes.
 
 An engine put to sleep by the control plane (docs/autoscaling.md) is in the
 endpoint table marked ``sleeping``; the pick never chooses it.  A request
@@ -17,6 +17,12 @@ plane that someone wants it.  Here such a request:
   ``model_waking``) when ``hold.max_requests`` are held for the model
   already or after ``hold.deadline`` seconds: the client is told to come
   back, the request is never dropped silently.
+
+A model that scales to zero (``autoscale.min: 0``, named in the table's
+``from_zero``) and has no endpoint left is held the same way: its wake
+carries the number held (``wake(model, held)``), the only demand the
+control plane can see for a deployment with no replica to count it on, and
+the request goes on once the replica it starts is Ready.
 
 ``held`` counts the requests held per model now (the routing's own count: the load
 reports add them to the model's in-flight requests, so a burst against a sleeping model
@@ -58,20 +64,23 @@ def waking(model: str, why: str, retry_after: float) -> RouterError:
 
 
 class HoldQueue:
-    def __init__(self, routing: Routing, hold: Hold, wake: Callable[[str], None] | None = None) -> None:
+    def __init__(self, routing: Routing, hold: Hold, wake: Callable[..., object] | None = None) -> None:
         self.routing = routing
         self.hold = hold
         self.wake = wake
         self.held = routing.held
         self._asked: dict[str, float] = {}
 
-    def _ask(self, model: str) -> None:
+    def _ask(self, model: str, group: ModelGroup) -> None:
         now = time.monotonic()
         if self.wake is None or now - self._asked.get(model, -math.inf) < WAKE_EVERY:
             return
         self._asked[model] = now
         try:
-            self.wake(model)
+            if any(not m.endpoint.draining for m in group.members):
+                self.wake(model)
+            else:  # none left but draining: the held count is the only demand the control plane can see
+                self.wake(model, self.held.get(model, 0))
         except Exception:  # noqa: BLE001 - the request still waits; the next one asks again
             log.exception("asking for a wake of %s failed", model)
 
@@ -87,7 +96,7 @@ class HoldQueue:
         deadline = loop.time() + self.hold.deadline
         try:
             while True:
-                self._ask(model)
+                self._ask(model, group)
                 left = deadline - loop.time()
                 if left <= 0:
                     raise waking(model, f"not awake within {self.hold.deadline:g} s", self.hold.deadline)
@@ -99,6 +108,7 @@ class HoldQueue:
                     raise waking(model, "its endpoints left the table", self.hold.deadline)
                 if not all_asleep(now):
                     return now
+                group = now
         finally:
             self.held[model] -= 1
             if not self.held[model]:
@@ -121,18 +131,20 @@ class ControlPlaneWaker:
         self._session: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def __call__(self, model: str) -> None:
-        task = asyncio.get_running_loop().create_task(self._post(model))
+    def __call__(self, model: str, held: int | None = None) -> None:
+        task = asyncio.get_running_loop().create_task(self._post(model, held))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _post(self, model: str) -> None:
+    async def _post(self, model: str, held: int | None) -> None:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=self.timeout),
                 connector=aiohttp.TCPConnector(limit=4, ssl=self.ssl_context if self.ssl_context is not None else True))
-        await self.poster.post(self._session, {"model": model},
-                               f"{model} not woken from here; the held request asks again")
+        # ``held`` only for a model at zero replicas: a control plane that predates scale from zero
+        # refuses the key, and has no such model to start
+        body = {"model": model} if held is None else {"model": model, "held": held}
+        await self.poster.post(self._session, body, f"{model} not woken from here; the held request asks again")
 
     async def close(self) -> None:
         for task in list(self._tasks):

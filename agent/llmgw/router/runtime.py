@@ -81,7 +81,8 @@ class ModelGroup:
     # A disaggregated model's prefill endpoints, a group of their own (ejected on their own
     # failures); None: the model is served whole by each member.
     prefill: "ModelGroup | None" = None
-    # Every member not draining is asleep (scale to sleep): only a wake helps (router/holdqueue.py).
+    # Every member not draining is asleep (scale to sleep), or none is left of a model that scales from
+    # zero: only a wake (or a start) helps (router/holdqueue.py).
     # Worked out once per table revision, so a request to a model that is awake pays nothing for it.
     asleep: bool = False
     # Served by SGLang's prefill/decode protocol: each try goes to a prefill and a decode endpoint at once
@@ -111,6 +112,7 @@ class Routing:
         self.engine_ssl = engine_ssl_context(settings)  # loaded once: a bad CA file fails the start
         self._rev = -1
         self._groups: dict[str, ModelGroup] = {}
+        self._from_zero: frozenset[str] = frozenset()
         # keyed by (id, url, model, engine key): a changed key is a new pool, never a mixed one
         self._runtimes: dict[tuple[str, str, str, str | None], EndpointRuntime] = {}
         self._retired: list[EndpointRuntime] = []
@@ -120,7 +122,7 @@ class Routing:
         """Follow the table; cheap when the revision did not move."""
         if self.table.revision == self._rev:
             return
-        rev, eps = self.table.snapshot()
+        rev, eps, from_zero = self.table.snapshot_from_zero()
         runtimes: dict[tuple[str, str, str, str | None], EndpointRuntime] = {}
         groups: dict[str, list[EndpointRuntime]] = {}
         prefills: dict[str, list[EndpointRuntime]] = {}
@@ -140,8 +142,10 @@ class Routing:
         self._runtimes = runtimes
         self._groups = {m: ModelGroup(m, tuple(groups.get(m, ())),
                                       ModelGroup(m, tuple(prefills[m])) if m in prefills else None,
-                                      _asleep(groups.get(m, ())), _dual(groups.get(m, ()), prefills.get(m, ())))
-                        for m in {**groups, **prefills}}
+                                      _asleep(groups.get(m, ()), m in from_zero),
+                                      _dual(groups.get(m, ()), prefills.get(m, ())))
+                        for m in {**groups, **prefills, **dict.fromkeys(from_zero)}}
+        self._from_zero = from_zero
         self._rev = rev
 
     @property
@@ -152,8 +156,10 @@ class Routing:
         return self._groups.get(model)
 
     def models(self) -> list[str]:
-        """Models with at least one endpoint not draining."""
-        return sorted(m for m, g in self._groups.items() if any(not r.endpoint.draining for r in g.members))
+        """Models with at least one endpoint not draining, and those that scale from zero (a request
+        for one starts a replica)."""
+        return sorted(m for m, g in self._groups.items()
+                      if m in self._from_zero or any(not r.endpoint.draining for r in g.members))
 
     def runtimes(self) -> list[EndpointRuntime]:
         return list(self._runtimes.values())
@@ -278,9 +284,11 @@ def _dual(members: list[EndpointRuntime] | tuple[EndpointRuntime, ...],
             or any(p.endpoint.bootstrap_port is not None for p in prefills))
 
 
-def _asleep(members: list[EndpointRuntime] | tuple[EndpointRuntime, ...]) -> bool:
+def _asleep(members: list[EndpointRuntime] | tuple[EndpointRuntime, ...], from_zero: bool = False) -> bool:
+    """No member awake and taking requests, and a wake (or a start) would bring one: some asleep, or
+    none at all (draining ones aside) of a model that scales from zero."""
     awake_or_asleep = [m for m in members if not m.endpoint.draining]
-    return bool(awake_or_asleep) and all(m.endpoint.sleeping for m in awake_or_asleep)
+    return (bool(awake_or_asleep) or from_zero) and all(m.endpoint.sleeping for m in awake_or_asleep)
 
 
 def _eligible(tried: set[str], now: float) -> Callable[[EndpointRuntime], bool]:

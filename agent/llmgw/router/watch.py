@@ -18,6 +18,10 @@ epoch differs). A route-key change answers a waiting poll after ``KV_BATCH_S``, 
 takes a batch of changes per request, not one request per change. A router that does not ask
 gets the answer it always got, and a control plane that predates route keys answers without
 them: the router's index then stays empty and it balances as before.
+
+``from_zero`` (only when some deployment has ``autoscale.min: 0``) names the models that scale
+to zero: a request for one with no endpoint is held while a replica starts, where a model the
+answer does not name is unknown. A router that predates it ignores the key.
 """
 
 from __future__ import annotations
@@ -123,6 +127,8 @@ def endpoints_watch_handler(table: EndpointTable, wait_s: float = WATCH_WAIT_S,
             rev, eps = await _wait_either(table, after, kv_signal, wait_s, kv_batch_s)
         with_key = request.get(REVEAL_KEYS) is True
         doc: dict[str, Any] = {"revision": rev, "epoch": epoch, "endpoints": [e.to_dict(with_key) for e in eps]}
+        if table.from_zero:  # only when some deployment scales to zero: the answer is as it was otherwise
+            doc["from_zero"] = sorted(table.from_zero)
         if kv_after is not None:
             kv_rev, full, replicas = route_keys.since(kv_after, kv_epoch)
             doc["route_keys"] = {"epoch": route_keys.epoch, "revision": kv_rev, "full": full, "replicas": replicas}
@@ -182,6 +188,21 @@ def parse_watch_response(doc: Any) -> tuple[int, str, list[Endpoint]]:
         seen.add(ep.id)
         eps.append(ep)
     return rev, epoch, eps
+
+
+MAX_FROM_ZERO = 10000  # served names in one answer's ``from_zero``: far above any catalog, a bound on a bad answer
+
+
+def parse_from_zero(doc: Mapping[str, Any]) -> frozenset[str]:
+    """The answer's ``from_zero`` (served names of deployments that scale to zero); none when absent
+    (a control plane that predates it, or no such deployment). Errors name the offending field."""
+    raw = doc.get("from_zero", [])
+    if not isinstance(raw, list) or len(raw) > MAX_FROM_ZERO:
+        raise WatchError(f"/from_zero: expected an array of at most {MAX_FROM_ZERO} model names")
+    for i, name in enumerate(raw):
+        if not isinstance(name, str) or not name or len(name) > 256:
+            raise WatchError(f"/from_zero/{i}: expected a model name (a string of 1-256 characters)")
+    return frozenset(raw)
 
 
 def apply_route_keys(index: KVIndex, doc: Mapping[str, Any], eps: Sequence[Endpoint], now: float) -> None:
@@ -263,10 +284,11 @@ async def watch_endpoints(
                     terms.admit(r.headers.get(LEADER_EPOCH_HEADER))
                     doc = await r.json(content_type=None)
                 rev, new_epoch, eps = parse_watch_response(doc)
+                from_zero = parse_from_zero(doc)
                 if kv_index is not None:
                     apply_route_keys(kv_index, doc, eps, time.monotonic())  # the scorer's clock
                 if (rev, new_epoch) != (after, epoch):
-                    table.replace(eps)
+                    table.replace(eps, from_zero)
                     if after == -1 or failing_since_logged:
                         log.info("endpoint watch: %d endpoint(s) at revision %d from %s", len(eps), rev, target)
                     after, epoch = rev, new_epoch

@@ -1,0 +1,91 @@
+"""Scale to zero and back through real processes: control plane, its router or a standalone one, an agent,
+the engine simulator, the official ``openai`` client.
+
+A deployment with ``autoscale.min: 0`` stops its last engine after a whole
+stable window with nothing in flight; the model stays listed, a request for
+it is held by the router while the wake it asks for starts a replica, and is
+answered by that replica.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from fleet import Fleet, router_endpoints, standalone_router, until
+
+pytestmark = pytest.mark.integration
+
+AUTOSCALE = {"min": 0, "max": 2, "target": 1, "stable_window": 3, "panic_window": 1, "scale_down_cooldown": 1}
+STARTUP = 3.0  # s: the simulator's weight load, so the held requests wait for a real start
+
+
+def at_zero(f: Fleet, times: int = 1) -> None:
+    """Wait until the deployment was scaled to zero ``times`` and has no replica and no engine process."""
+    until(lambda: f.server.output(400000).count("-> 0 replica(s)") >= times and not f.replicas()["replicas"]
+          and not f.engine_pids(), "the idle deployment to stop its last engine", timeout=60, on_timeout=f.dump)
+
+
+def stream(client: openai.OpenAI) -> tuple[float, str]:
+    began, first, text = time.monotonic(), None, ""
+    for chunk in client.completions.create(model="tiny", prompt="hello", max_tokens=4, stream=True):
+        if chunk.choices and chunk.choices[0].text:
+            first = first if first is not None else time.monotonic() - began
+            text += chunk.choices[0].text
+    assert first is not None, "no token"
+    return first, text
+
+
+def test_an_idle_deployment_goes_to_zero_and_a_held_burst_starts_a_replica_that_answers_it(tmp_path):
+    profile = {"env": {"LLMGW_SIM_STARTUP_DELAY": str(STARTUP)}}
+    with Fleet(tmp_path, nodes={"a": 1, "b": 1}, replicas=1, router=True, profile=profile,
+               lifecycle={"startup_grace": 1.0}) as f:
+        f.config["deployments"][0]["autoscale"] = AUTOSCALE
+        f.config["router"]["hold"] = {"max_requests": 16, "deadline": 60}
+        f.write_config()
+        f.start()
+        at_zero(f)  # (its first replica may not even have loaded: nothing asked for it)
+        assert "models that scale from zero: tiny" in f.server.output(200000)
+        client = openai.OpenAI(base_url=f"{f.router_url}/v1", api_key="unused", max_retries=0,
+                               http_client=httpx.Client(verify=f.router_verify(), timeout=90))
+        assert [m.id for m in client.models.list().data] == ["tiny"]  # still listed at zero
+        with pytest.raises(openai.NotFoundError):  # a model nobody declared is still unknown
+            client.completions.create(model="other", prompt="hi", max_tokens=1)
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(lambda _: stream(client), range(4)))
+        assert all(text for _, text in results), results
+        assert f.engine_pids()  # an engine again, started for them
+        firsts = sorted(first for first, _ in results)
+        print(f"\nfrom zero to the first token of a held request (simulator load {STARTUP} s): "
+              f"first {firsts[0]:.2f} s, slowest {firsts[-1]:.2f} s of {len(results)}")
+        # four held at a target of 1 per replica: the held count is demand, so the count rose to 2
+        # while the first replica was still loading (not only once the requests ran on it)
+        log = f.server.output(400000)
+        woke = log.index("autoscale tiny/sim: 0 -> ")
+        assert "autoscale tiny/sim: 1 -> 0 replica(s)" in log[:woke], log[-4000:]
+        first_ready = log.index(": ready\n", woke)
+        assert "-> 2 replica(s)" in log[woke:first_ready], log[woke:]
+        at_zero(f, 2)  # idle again: back to zero
+
+
+def test_a_standalone_router_holds_a_request_for_a_model_at_zero_and_its_wake_starts_one(tmp_path):
+    with Fleet(tmp_path, nodes={"a": 1}, replicas=1, router=True, lifecycle={"startup_grace": 1.0}) as f:
+        f.config["deployments"][0]["autoscale"] = AUTOSCALE
+        f.write_config()
+        f.start()
+        f.wait_ready(1)
+        router, port = standalone_router(f, extra={"hold": {"max_requests": 4, "deadline": 60}})
+        until(lambda: router_endpoints(port), "the standalone router to learn the endpoint", on_timeout=router.output)
+        at_zero(f)
+        until(lambda: router_endpoints(port) == 0, "the standalone router to see no endpoint", on_timeout=router.output)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=90,
+                       json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["choices"], r.text
+        assert "holds requests for tiny" in f.server.output(200000)  # asked by its certificate
+        with f.client(cert=f.pki.router) as as_router:
+            bad = as_router.post("/v1/router/wake", json={"model": "tiny", "held": -1})
+            assert bad.status_code == 400 and bad.json()["errors"][0]["pointer"] == "/held", bad.text
