@@ -50,6 +50,8 @@ def test_an_idle_deployment_goes_to_zero_and_a_held_burst_starts_a_replica_that_
         f.start()
         at_zero(f)  # (its first replica may not even have loaded: nothing asked for it)
         assert "models that scale from zero: tiny" in f.server.output(200000)
+        explain = f.ctl("explain", "tiny").stdout
+        assert "autoscale 0..2: 0 replica(s)" in explain and "at zero: the routers hold a request" in explain, explain
         client = openai.OpenAI(base_url=f"{f.router_url}/v1", api_key="unused", max_retries=0,
                                http_client=httpx.Client(verify=f.router_verify(), timeout=90))
         assert [m.id for m in client.models.list().data] == ["tiny"]  # still listed at zero

@@ -113,7 +113,8 @@ class Decision:
                    if self.ahead is not None and self.lead is not None else "")
                 + (f", asking for {self.wanted}" if self.wanted is not None else ""))
         return (f"autoscale {policy.min}..{policy.max}: {self.desired} replica(s) ({self.reason}"
-                f"{', panicking' if self.panicking else ''}); saw {seen}")
+                f"{', panicking' if self.panicking else ''}); saw {seen}"
+                + ("; at zero: the routers hold a request while a replica starts" if not self.desired else ""))
 
 
 def wanted(policy: Autoscale, average: float) -> int:
