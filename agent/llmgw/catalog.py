@@ -170,6 +170,9 @@ class Sleep:
 
     after: float
     level: int = 1
+    # A deployment asleep whole may be stopped to free its GPUs for another deployment that cannot be placed
+    # (controlplane/autoscale_lend.py); it comes back from zero on its next request. False: held for it.
+    lend: bool = False
 
 
 @dataclass(frozen=True)
@@ -207,7 +210,8 @@ class Autoscale:
                    scale_down_cooldown=float(d["scale_down_cooldown"]), max_step=int(d["max_step"]),
                    headroom=float(d["headroom"]), max_scale_up_rate=float(d["max_scale_up_rate"]),
                    scale_down_stabilization=float(d["scale_down_stabilization"]),
-                   sleep=(Sleep(after=float(d["sleep"]["after"]), level=int(d["sleep"]["level"]))
+                   sleep=(Sleep(after=float(d["sleep"]["after"]), level=int(d["sleep"]["level"]),
+                                lend=bool(d["sleep"]["lend"]))
                           if d.get("sleep") is not None else None),
                    priority=int(d["priority"]))
 

@@ -195,6 +195,14 @@ def test_an_autoscaled_count_outside_the_declared_bounds_is_drift():
     assert high["message"] == "qwen/tp1: 4 replicas running, above the declared max of 3 (autoscale 2..3, desired 3 (stable))"
 
 
+def test_a_deployment_that_lent_its_gpus_is_below_min_by_its_own_setting_not_drift():
+    declared = [_dep(autoscale={"min": 1, "max": 2, "sleep": {"after": 60, "lend": True}})]
+    live = {"qwen/tp1": _scaled(0, 0, 0, reason="lent", max=2, sleep={"after": 60.0, "level": 1, "lend": True})}
+    assert drift.drift_deployments(declared, live) == []
+    live["qwen/tp1"]["reason"] = "min"  # at zero for any other reason it is
+    assert [d["kind"] for d in drift.drift_deployments(declared, live)] == ["autoscale_below_min"]
+
+
 def test_declared_bounds_that_differ_from_the_live_catalogs_are_drift():
     live = {"qwen/tp1": _scaled(2, 2, 2)}
     (diff,) = drift.drift_deployments([_dep(autoscale={"max": 6, "target": 8, "sleep": {"after": 300}})],

@@ -9,6 +9,7 @@ answered by that replica.
 
 from __future__ import annotations
 
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -91,3 +92,38 @@ def test_a_standalone_router_holds_a_request_for_a_model_at_zero_and_its_wake_st
         with f.client(cert=f.pki.router) as as_router:
             bad = as_router.post("/v1/router/wake", json={"model": "tiny", "held": -1})
             assert bad.status_code == 400 and bad.json()["errors"][0]["pointer"] == "/held", bad.text
+
+
+def test_a_sleeping_deployment_lends_its_gpu_to_one_that_waits_and_comes_back_from_zero(tmp_path):
+    """One GPU, two models: ``tiny`` sleeps and lends (``sleep.lend``); ``other`` waits for a GPU. The lender's
+    engine stops and ``other`` is placed on its GPU; a request for ``tiny`` while ``other`` holds it is held,
+    ends the loan, and gets 503 ``model_waking`` at the hold deadline; once ``other`` is gone, ``tiny`` starts
+    again from zero and answers."""
+    with Fleet(tmp_path, nodes={"a": 1}, replicas=1, router=True, lifecycle={"startup_grace": 1.0}) as f:
+        f.config["models"].append({"name": "other", "source": "org/other"})
+        f.config["deployments"][0]["autoscale"] = {"min": 1, "max": 1, "sleep": {"after": 1, "lend": True}}
+        f.config["deployments"].append({"model": "other", "profile": "sim", "replicas": 1})
+        f.config["router"]["hold"] = {"max_requests": 4, "deadline": 3}
+        f.write_config()
+        f.start()
+        until(lambda: "tiny/sim: every replica asleep; lending its GPUs to other/sim" in f.server.output(200000),
+              "the sleeping deployment to lend its GPU", on_timeout=f.dump)
+        until(lambda: [r["model"] for r in f.ready_replicas()] == ["other"], "the borrower to be placed and Ready",
+              on_timeout=f.dump)
+        explain = f.ctl("explain", "tiny").stdout
+        assert "lent: its GPUs went to other/sim" in explain, explain
+        with httpx.Client(base_url=f.router_url, verify=f.router_verify(), timeout=30) as router:
+            body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+            r = router.post("/v1/completions", json=body)  # held; the GPU is the borrower's
+            assert r.status_code == 503 and r.json()["error"]["code"] == "model_waking", r.text
+            assert "tiny/sim: asked for again; its GPUs' loan to other/sim ends" in f.server.output(200000)
+            f.config["deployments"].pop()  # the borrower goes: its GPU is free for the lender
+            f.write_config()
+            f.server.signal(signal.SIGHUP)
+            r = router.post("/v1/completions", json=body)  # held while tiny starts again, then answered
+            for _ in range(5):  # each try holds up to the deadline: a whole start may take a few
+                if r.status_code == 200:
+                    break
+                assert r.json()["error"]["code"] == "model_waking", r.text
+                r = router.post("/v1/completions", json=body)
+            assert r.status_code == 200 and r.json()["choices"], r.text

@@ -6,21 +6,28 @@ whole stable window with nothing in flight.  Its served name is published
 with the endpoint set (``from_zero``) so that a router holds a request for
 it, rather than answer that the model does not exist, and asks for a wake
 (``router/holdqueue.py``); the wake's held count is the deployment's demand
-(``autoscaler.Autoscaler.note_held``), which starts a replica.
+(``autoscaler.Autoscaler.note_held``), which starts a replica.  A sleeping
+deployment that lends its GPUs (``autoscale_lend``) is at zero while they
+are lent, and comes back the same way.
 """
 
 from __future__ import annotations
 
-from llmgw.catalog import Catalog
+from llmgw.catalog import Catalog, Deployment
 
 _names: tuple[Catalog | None, tuple[str, ...]] = (None, ())  # the last catalog asked about, and its answer
 
 
+def can_reach_zero(d: Deployment) -> bool:
+    """``min: 0``, or a sleeping deployment that lends its GPUs (``autoscale_lend``): at zero when lent."""
+    a = d.autoscale
+    return a is not None and (a.min == 0 or (a.sleep is not None and a.sleep.lend))
+
+
 def from_zero_keys(catalog: Catalog, model: str) -> list[str]:
-    """The deployments serving ``model`` (a served name) that scale from zero."""
+    """The deployments serving ``model`` (a served name) that can be at zero replicas."""
     return [d.key for d in catalog.deployments
-            if d.autoscale is not None and d.autoscale.min == 0
-            and (m := catalog.models.get(d.model)) is not None and m.served_name == model]
+            if can_reach_zero(d) and (m := catalog.models.get(d.model)) is not None and m.served_name == model]
 
 
 def from_zero_names(catalog: Catalog) -> tuple[str, ...]:
@@ -29,6 +36,6 @@ def from_zero_names(catalog: Catalog) -> tuple[str, ...]:
     global _names
     if _names[0] is not catalog:
         names = {m.served_name for d in catalog.deployments
-                 if d.autoscale is not None and d.autoscale.min == 0 and (m := catalog.models.get(d.model)) is not None}
+                 if can_reach_zero(d) and (m := catalog.models.get(d.model)) is not None}
         _names = (catalog, tuple(sorted(names)))
     return _names[1]

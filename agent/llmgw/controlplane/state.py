@@ -30,6 +30,7 @@ from typing import Any
 from llmgw import compat
 from llmgw.catalog import Catalog
 from llmgw.controlplane import grantsecret
+from llmgw.controlplane.autoscale_lend import Lending
 from llmgw.controlplane.autoscale_sleep import SleepPlanner
 from llmgw.controlplane.autoscale_zero import from_zero_keys, from_zero_names
 from llmgw.controlplane.autoscaler import Autoscaler, totals_by_deployment
@@ -116,6 +117,7 @@ class ControlPlane:
         self.sizes = WeightSizes(lambda: self.clock(), lambda: self.kick())  # placement waits on and reads these
         self.unplaced: dict[tuple[str, int], str] = {}
         self.autoscaler = Autoscaler()
+        self.lending = Lending()  # sleeping deployments' GPUs lent to others (autoscale.sleep.lend)
         # the engines' queue depth and KV-cache use, as agents report them (autoscale on an engine signal)
         self.engine_signals = SignalBook(self._rank0_replica, self._deployment_of)
         self.signals_asked = Asked()  # what each node's stream was told to read (engine_signals_wanted)
@@ -357,7 +359,7 @@ class ControlPlane:
         if self.store.intent.drains and self.intent.resume_drains(ev.in_grace):
             self.gate.mark()
         self.streams.note_transitions(ev.transitions)
-        counts = self._autoscale(now, ev.in_grace)
+        counts = self._lend(now, ev.in_grace, self._autoscale(now, ev.in_grace))
         if counts != self.replica_counts:
             self.replica_counts = counts
             self.gate.mark()
@@ -460,6 +462,21 @@ class ControlPlane:
         self._counts = counts
         return counts
 
+    def _lend(self, now: float, in_grace: bool, counts: dict[str, int]) -> dict[str, int]:
+        """``counts`` with the deployments that lent their GPUs at zero (``autoscale_lend``), a new loan made
+        where the last pass left a slot unplaced that a sleeping lender's GPUs would place."""
+        if not self.lending.loans and not any(d.autoscale is not None and d.autoscale.sleep is not None
+                                              and d.autoscale.sleep.lend for d in self.catalog.deployments):
+            return counts
+        self.lending.forget(self.catalog)
+        if not in_grace:
+            loan = self.lending.lend(self.catalog, self.reconciler.book, self.node_views(), self.unplaced, now,
+                                     self.settings.memory_headroom, self.sizes.bytes)
+            if loan is not None:
+                log.info("%s: every replica asleep; lending its GPUs to %s, which cannot be placed without them "
+                         "(back from zero replicas on its next request)", loan.lender, loan.borrower)
+        return self.lending.counts(counts)
+
     def signal_timing(self) -> Timing:
         """The engine signals' period for the nodes asked now (``enginesignals_ask.timing``)."""
         lc = self.settings.lifecycle
@@ -508,6 +525,10 @@ class ControlPlane:
         now = self.clock()
         if keys:
             self.sleep_planner.wake_requested(keys, now)
+        for key in keys:
+            loan = self.lending.end(key)
+            if loan is not None:
+                log.info("%s: asked for again; its GPUs' loan to %s ends and it is placed again", key, loan.borrower)
         for key in zero:
             self.autoscaler.note_held(key, router, 1 if held is None else held, now)
         self.kick()

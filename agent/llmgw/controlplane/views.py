@@ -264,7 +264,8 @@ def autoscale_view(cp: ControlPlane, dep: Any) -> dict[str, Any]:
     (and drift.yml comparing declared bounds) would need ``/v1/explain`` per model, which also runs
     placement for every empty slot. ``autoscale`` is the block with its defaults filled in;
     ``scaling.current`` the replicas not retired, ``desired`` the count the reconciler places (what
-    the budget granted, if any), ``reason`` the rule's last reason, ``lead_s`` a new replica's start as
+    the budget granted, if any), ``reason`` the rule's last reason (``lent`` while its GPUs are lent,
+    ``autoscale_lend``), ``lead_s`` a new replica's start as
     measured (what a rising signal is followed ahead by) and ``budget`` the budget's grant.
     """
     policy = dep.autoscale
@@ -275,13 +276,13 @@ def autoscale_view(cp: ControlPlane, dep: Any) -> dict[str, Any]:
                                              "headroom", "max_scale_up_rate", "scale_down_stabilization",
                                              "priority")}
     if policy.sleep is not None:
-        block["sleep"] = {"after": policy.sleep.after, "level": policy.sleep.level}
+        block["sleep"] = {"after": policy.sleep.after, "level": policy.sleep.level, "lend": policy.sleep.lend}
     d = cp.autoscaler.decision(dep.key)
     g = cp.autoscaler.grant(dep.key)
     return {"autoscale": block, "scaling": {
         "current": sum(1 for r in cp.reconciler.book.live() if r.key == dep.key),
         "desired": cp.replica_counts.get(dep.key, policy.clamp(dep.replicas)),
-        "reason": d.reason if d is not None else "start",
+        "reason": "lent" if dep.key in cp.lending.loans else d.reason if d is not None else "start",
         "wanted": d.wanted if d is not None else None,
         "lead_s": d.lead if d is not None else None,
         "engine_signal": engine_signal_view(cp.autoscaler.sample(dep.key)),
@@ -405,8 +406,12 @@ def explain_view(cp: ControlPlane, model: str) -> dict[str, Any] | None:
                     "(start; measuring after the startup grace)")
             sample = cp.autoscaler.sample(dep.key)
             text += engine_signal_line(sample)
+            loan = cp.lending.loans.get(dep.key)
+            if loan is not None:
+                text += (f"; lent: its GPUs went to {loan.borrower} while every replica slept (back from zero "
+                         "replicas on its next request)")
             scaling.append({"deployment": dep.key, "desired": desired,
-                            "reason": d.reason if d is not None else "start",
+                            "reason": "lent" if loan is not None else d.reason if d is not None else "start",
                             "signal": None if d is None else {"stable": d.stable, "panic": d.panic},
                             "engine_signal": engine_signal_view(sample),
                             "budget": None if g is None else {"desired": g.desired, "granted": g.granted,

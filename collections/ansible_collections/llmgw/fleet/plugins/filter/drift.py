@@ -218,7 +218,7 @@ def _autoscaled_differences(key, d, live):
     current = ready if current is None else int(current)
     now = "desired %s (%s)" % (live.get("desired"), live.get("reason")) if live.get("desired") is not None else "no decision"
     extra = {"min": low, "max": high, "ready": ready, "current": current, "desired": live.get("desired")}
-    if ready < low:
+    if ready < low and live.get("reason") != "lent":  # lent: its GPUs serve another model, by its own setting
         lines = ["%s: %d Ready, below the declared min of %d (autoscale %d..%d, %s)" % (key, ready, low, low, high, now)]
         return [_deployment("autoscale_below_min", d, "\n".join(lines + _detail_lines(key, live)), **extra)]
     if current > high:

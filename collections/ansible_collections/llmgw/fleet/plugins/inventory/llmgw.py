@@ -28,7 +28,8 @@ description:
     control plane's catalog holds it (C(min), C(max), C(target) and the rest, defaults filled in); C(current), the
     replicas it runs (draining and stopping ones aside); C(desired), the count the autoscaler decided and the
     reconciler places (after the fleet GPU budget, when there is one); C(reason), why the count is what it is
-    (the autoscaler's reason as C(ctl explain) shows it, for example C(start), C(stable), C(panic), C(cooldown), C(min));
+    (the autoscaler's reason as C(ctl explain) shows it, for example C(start), C(stable), C(panic), C(cooldown), C(min),
+    C(lent) while a sleeping deployment's GPUs are lent to another);
     C(wanted), what the signal asked for before damping and bounds; and with a budget C(budget) (C(desired),
     C(granted), C(reason)). There C(replicas) is only the count it started from. Query them with
     C(ansible-inventory --host NODE) or C(--list), e.g. C(llmgw_live_fleet.deployments['qwen-7b/vllm-tp1'].desired)."
