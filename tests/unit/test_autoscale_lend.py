@@ -96,3 +96,18 @@ def test_a_lend_setting_removed_by_a_reload_ends_the_loan():
 def test_lend_is_read_from_the_catalog_and_defaults_to_held():
     assert two_models().deployments[0].autoscale.sleep == Sleep(after=60, level=1, lend=True)
     assert Autoscale(max=1, sleep=Sleep(after=60)).sleep.lend is False
+
+
+def test_the_same_waiting_slots_beside_the_same_lenders_are_looked_at_again_only_after_a_while():
+    """A slot that waits for good must not cost a walk of the fleet every pass: when a look made no loan,
+    the same slots beside the same sleeping lenders are looked at again after ``retry_after``."""
+    cat = two_models()
+    f, unplaced = fleet_with_a_sleeping_lender(cat)
+    lending = Lending(retry_after=10)
+    r = [r for r in f.rec.book.live() if r.key == "tiny/sim"][0]
+    shard = r.shards[0]
+    gpus, shard.gpu_indices = shard.gpu_indices, ()  # its GPU shown free: the borrower waits for something else
+    assert lending.lend(cat, f.rec.book, f.nodes, unplaced, 3.0, 0.2) is None
+    shard.gpu_indices = gpus
+    assert lending.lend(cat, f.rec.book, f.nodes, unplaced, 5.0, 0.2) is None  # not looked at again yet
+    assert lending.lend(cat, f.rec.book, f.nodes, unplaced, 13.0, 0.2) is not None

@@ -92,6 +92,21 @@ def test_a_request_that_brought_no_report_is_asked_again_after_resend_after():
     assert p.decide(cat, f.rec.book, {KEY: 1}, 15.5) == [act]  # the stream that carried it dropped
 
 
+def test_a_replica_whose_ready_report_the_reconciler_has_not_noted_yet_is_not_put_to_sleep():
+    """The pass hears a replica's Ready report, then decides sleep, then reconciles (which notes ready_since):
+    a replica Ready since the last pass had no ready_since and was slept at once, though the deployment had
+    been idle only while the replica loaded, perhaps for the very request it came up for."""
+    cat = sleepy(after=5)
+    f = ready_fleet(cat, 1)
+    (r,) = f.rec.book.replicas.values()
+    r.ready_since = None  # its report heard this pass, before the reconcile that notes it
+    p = SleepPlanner()
+    p.observe(KEY, 0.0, 0)
+    assert p.decide(cat, f.rec.book, {KEY: 1}, 10.0) == []
+    r.ready_since = 10.0
+    assert p.decide(cat, f.rec.book, {KEY: 1}, 14.0) == [] and len(p.decide(cat, f.rec.book, {KEY: 1}, 15.0)) == 1
+
+
 def test_a_replica_that_stops_being_ready_is_no_longer_asleep_and_deployments_without_sleep_are_left_alone():
     cat = sleepy(after=5)
     f = ready_fleet(cat, 1)

@@ -23,6 +23,9 @@ with the lender's GPUs released, so a loan is made only where it places the
 borrower (the right node, enough GPUs on one node, its fabric), never on a
 GPU count alone.  At most one loan a pass, and none for a borrower whose
 last lender is still stopping: the GPUs it freed have not been counted yet.
+The same waiting slots beside the same sleeping lenders are looked at again
+only ``RETRY_AFTER`` (10 s) later when no loan placed them (each look walks
+the fleet's GPUs); a lender that falls asleep is looked at on the next pass.
 Loans live in memory: a control plane that restarts forgets them, and a
 lender then starts again where GPUs are free.
 
@@ -61,9 +64,16 @@ def _priority(dep: Deployment) -> int:
     return dep.autoscale.priority if dep.autoscale is not None else 0
 
 
+RETRY_AFTER = 10.0  # s before the same waiting slots are looked at again when no loan placed them
+
+
 class Lending:
-    def __init__(self) -> None:
+    def __init__(self, retry_after: float = RETRY_AFTER) -> None:
         self.loans: dict[str, Loan] = {}  # by lender key
+        self.retry_after = retry_after
+        # the waiting slots and sleeping lenders of the last look that made no loan, and when: a slot that
+        # waits for good (a model too big for any node) must not cost a walk of the fleet on every pass
+        self._looked: tuple[tuple[frozenset[tuple[str, int]], frozenset[str]], float] | None = None
 
     def counts(self, counts: Mapping[str, int]) -> dict[str, int]:
         """``counts`` with every lender's at zero."""
@@ -95,6 +105,10 @@ class Lending:
         asleep = {d.key: live[d.key] for d in lenders if live.get(d.key) and all(_asleep(r) for r in live[d.key])}
         if not asleep:
             return None
+        look = (frozenset(unplaced), frozenset(asleep))
+        if self._looked is not None and self._looked[0] == look and now - self._looked[1] < self.retry_after:
+            return None
+        self._looked = (look, now)
         stopping = {loan.borrower for loan in self.loans.values() if live.get(loan.lender)}
         waiting = {key for key, _slot in unplaced}
         claimed = {n: set(book.claimed(n)) for n in nodes}
@@ -115,5 +129,6 @@ class Lending:
                             freed[s.node_id] -= set(s.gpu_indices)
                 if place_one(FleetCapacity.of(freed, nodes), book, request).placement is not None:
                     loan = self.loans[lender.key] = Loan(lender.key, dep.key, now)
+                    self._looked = None
                     return loan
         return None

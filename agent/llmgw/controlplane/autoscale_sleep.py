@@ -128,8 +128,10 @@ class SleepPlanner:
                     self.asked[r.replica_id] = (want, now)
             if asleep and not pending_sleep:
                 for r in mine:
-                    # a replica just Ready gets the whole idle time too: it may have come for a request
-                    fresh_ready = r.ready_since is not None and now - r.ready_since < policy.sleep.after
+                    # a replica just Ready gets the whole idle time too: it may have come for a request. No
+                    # ready_since yet is the newest of all: its report came since the last reconcile, which
+                    # notes it after this runs in the same pass
+                    fresh_ready = r.ready_since is None or now - r.ready_since < policy.sleep.after
                     if not r.shards[0].sleeping and not fresh_ready:
                         r0 = r.shards[0]
                         actions.append(Sleep(str(r0.node_id), r0.shard_id, r.replica_id, policy.sleep.level))
