@@ -202,6 +202,11 @@ class Autoscale:
     def clamp(self, n: int) -> int:
         return max(self.min, min(self.max, n))
 
+    @property
+    def lends(self) -> bool:
+        """Asleep whole, its GPUs may go to a deployment that waits for them (``sleep.lend``)."""
+        return self.sleep is not None and self.sleep.lend
+
     @classmethod
     def from_config(cls, d: Mapping[str, Any]) -> "Autoscale":
         return cls(max=int(d["max"]), min=int(d["min"]), signal=d["signal"], target=float(d["target"]),
@@ -285,6 +290,11 @@ class Catalog:
         budget = cfg.get("autoscale_budget")
         return cls(models=models, profiles=profiles, deployments=tuple(deployments),
                    autoscale_budget=budget["gpus"] if budget is not None else None)
+
+    def serving(self, served_name: str) -> list[Deployment]:
+        """The deployments of the model clients call ``served_name``."""
+        return [d for d in self.deployments
+                if (m := self.models.get(d.model)) is not None and m.served_name == served_name]
 
 
 def _role_deployments(d: Mapping[str, Any], profiles: dict[str, Profile]) -> list[Deployment]:

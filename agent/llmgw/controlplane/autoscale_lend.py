@@ -18,7 +18,7 @@ held request gets its 503 at the hold deadline and the lender waits,
 unplaced, as any deployment does; the fleet GPU budget decides between
 priorities where one is set).
 
-``would_fit`` asks placement itself, on the fleet as it is and on the fleet
+``Lending.lend`` asks placement itself, on the fleet as it is and on the fleet
 with the lender's GPUs released, so a loan is made only where it places the
 borrower (the right node, enough GPUs on one node, its fabric), never on a
 GPU count alone.  At most one loan a pass, and none for a borrower whose
@@ -34,7 +34,6 @@ No I/O and no clock (``tests/unit/test_autoscale_lend.py``).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -42,10 +41,8 @@ from llmgw.catalog import Catalog, Deployment
 from llmgw.controlplane.capacity import FleetCapacity
 from llmgw.controlplane.reconcile.plan import NodeView
 from llmgw.controlplane.reconcile.placement import place_one, placement_request
-from llmgw.controlplane.replicas import READY, Replica, ReplicaBook
-from llmgw.protocol import ReplicaState
-
-log = logging.getLogger("llmgw.controlplane")
+from llmgw.controlplane.autoscale_sleep import serving
+from llmgw.controlplane.replicas import Replica, ReplicaBook
 
 
 @dataclass(frozen=True)
@@ -53,11 +50,6 @@ class Loan:
     lender: str  # the deployment key whose GPUs were lent (its count is 0 while the loan stands)
     borrower: str  # the deployment key that could not be placed without them
     since: float
-
-
-def _asleep(r: Replica) -> bool:
-    r0 = r.shards.get(0)
-    return r.state is ReplicaState.READY and r0 is not None and r0.state == READY and r0.sleeping
 
 
 def _priority(dep: Deployment) -> int:
@@ -85,8 +77,7 @@ class Lending:
 
     def forget(self, catalog: Catalog) -> None:
         """Loans of lenders the catalog no longer has, or no longer lets lend."""
-        keep = {d.key for d in catalog.deployments if d.autoscale is not None and d.autoscale.sleep is not None
-                and d.autoscale.sleep.lend}
+        keep = {d.key for d in catalog.deployments if d.autoscale is not None and d.autoscale.lends}
         for key in [k for k in self.loans if k not in keep]:
             del self.loans[key]
 
@@ -94,15 +85,15 @@ class Lending:
              unplaced: Mapping[tuple[str, int], str], now: float, memory_headroom: float,
              weight_sizes: Mapping[str, int] | None = None) -> Loan | None:
         """A new loan when a deployment waiting for a slot would be placed on a sleeping lender's GPUs."""
-        lenders = [d for d in catalog.deployments if d.autoscale is not None and d.autoscale.sleep is not None
-                   and d.autoscale.sleep.lend and d.key not in self.loans]
+        lenders = [d for d in catalog.deployments
+                   if d.autoscale is not None and d.autoscale.lends and d.key not in self.loans]
         if not lenders or not unplaced:
             return None
         live: dict[str, list[Replica]] = {}
         for r in book.live():
             live.setdefault(r.key, []).append(r)
         # every replica asleep: an idle lender (one awake, or still starting, is serving or about to)
-        asleep = {d.key: live[d.key] for d in lenders if live.get(d.key) and all(_asleep(r) for r in live[d.key])}
+        asleep = {d.key: live[d.key] for d in lenders if live.get(d.key) and all(serving(r) and r.shards[0].sleeping for r in live[d.key])}
         if not asleep:
             return None
         look = (frozenset(unplaced), frozenset(asleep))
@@ -122,11 +113,11 @@ class Lending:
             for lender in sorted(lenders, key=lambda d: (_priority(d), d.key)):
                 if lender.key == dep.key or lender.key not in asleep or _priority(lender) > _priority(dep):
                     continue
-                freed = {n: set(gpus) for n, gpus in claimed.items()}
+                freed = dict(claimed)  # a new set only on the lender's nodes: the rest are read, not changed
                 for r in asleep[lender.key]:
                     for s in r.shards.values():
                         if s.node_id in freed:
-                            freed[s.node_id] -= set(s.gpu_indices)
+                            freed[s.node_id] = freed[s.node_id] - set(s.gpu_indices)
                 if place_one(FleetCapacity.of(freed, nodes), book, request).placement is not None:
                     loan = self.loans[lender.key] = Loan(lender.key, dep.key, now)
                     self._looked = None

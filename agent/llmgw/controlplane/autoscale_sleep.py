@@ -64,7 +64,7 @@ class Wake:
 SleepAction = Sleep | Wake
 
 
-def _serving(r: Replica) -> bool:
+def serving(r: Replica) -> bool:
     """Ready, kept, and its rank 0 placed: the replicas sleep is about."""
     r0 = r.shards.get(0)
     return (not r.retired and r.state is ReplicaState.READY and r0 is not None and r0.node_id is not None
@@ -106,7 +106,7 @@ class SleepPlanner:
             keys.add(dep.key)
             # a replica whose agent has not said on its current stream whether it sleeps (just restarted,
             # or this control plane just started) is left alone until it does: no sleep or wake on a guess
-            mine = [r for r in replicas if r.key == dep.key and _serving(r) and r.shards[0].sleep_known]
+            mine = [r for r in replicas if r.key == dep.key and serving(r) and r.shards[0].sleep_known]
             at_min = counts.get(dep.key, policy.min) <= policy.min
             asleep = at_min and self.should_sleep(dep.key, policy.sleep.after, now)
             pending_sleep = False
@@ -145,6 +145,4 @@ class SleepPlanner:
 
     def sleeping_keys(self, catalog: Catalog, model: str) -> list[str]:
         """The scale-to-sleep deployments serving ``model`` (a served name): what a wake request wakes."""
-        return [d.key for d in catalog.deployments
-                if d.autoscale is not None and d.autoscale.sleep is not None
-                and catalog.models.get(d.model) is not None and catalog.models[d.model].served_name == model]
+        return [d.key for d in catalog.serving(model) if d.autoscale is not None and d.autoscale.sleep is not None]

@@ -15,27 +15,19 @@ from __future__ import annotations
 
 from llmgw.catalog import Catalog, Deployment
 
-_names: tuple[Catalog | None, tuple[str, ...]] = (None, ())  # the last catalog asked about, and its answer
-
-
 def can_reach_zero(d: Deployment) -> bool:
     """``min: 0``, or a sleeping deployment that lends its GPUs (``autoscale_lend``): at zero when lent."""
     a = d.autoscale
-    return a is not None and (a.min == 0 or (a.sleep is not None and a.sleep.lend))
+    return a is not None and (a.min == 0 or a.lends)
 
 
 def from_zero_keys(catalog: Catalog, model: str) -> list[str]:
     """The deployments serving ``model`` (a served name) that can be at zero replicas."""
-    return [d.key for d in catalog.deployments
-            if can_reach_zero(d) and (m := catalog.models.get(d.model)) is not None and m.served_name == model]
+    return [d.key for d in catalog.serving(model) if can_reach_zero(d)]
 
 
 def from_zero_names(catalog: Catalog) -> tuple[str, ...]:
-    """Served names of the deployments that scale from zero, sorted; worked out once per catalog (every
-    pass publishes them, and a catalog changes only on a reload)."""
-    global _names
-    if _names[0] is not catalog:
-        names = {m.served_name for d in catalog.deployments
-                 if can_reach_zero(d) and (m := catalog.models.get(d.model)) is not None}
-        _names = (catalog, tuple(sorted(names)))
-    return _names[1]
+    """Served names of the deployments that scale from zero, sorted (a walk over the deployments, as each
+    pass makes for its autoscaled ones)."""
+    return tuple(sorted({m.served_name for d in catalog.deployments
+                         if can_reach_zero(d) and (m := catalog.models.get(d.model)) is not None}))

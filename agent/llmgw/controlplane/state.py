@@ -465,11 +465,11 @@ class ControlPlane:
     def _lend(self, now: float, in_grace: bool, counts: dict[str, int]) -> dict[str, int]:
         """``counts`` with the deployments that lent their GPUs at zero (``autoscale_lend``), a new loan made
         where the last pass left a slot unplaced that a sleeping lender's GPUs would place."""
-        if not self.lending.loans and not any(d.autoscale is not None and d.autoscale.sleep is not None
-                                              and d.autoscale.sleep.lend for d in self.catalog.deployments):
+        if not self.lending.loans and not any(d.autoscale is not None and d.autoscale.lends
+                                              for d in self.catalog.deployments):
             return counts
         self.lending.forget(self.catalog)
-        if not in_grace:
+        if not in_grace and self.unplaced:  # (the node views are built only when a slot waits)
             loan = self.lending.lend(self.catalog, self.reconciler.book, self.node_views(), self.unplaced, now,
                                      self.settings.memory_headroom, self.sizes.bytes)
             if loan is not None:
