@@ -28,6 +28,7 @@ import signal
 import ssl
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -251,6 +252,13 @@ class Fleet:
 
     def router_verify(self) -> ssl.SSLContext:
         return ssl.create_default_context(cafile=str(self.pki.ca_cert))
+
+    def openai_client(self, timeout: float = 60) -> Any:
+        """The official ``openai`` client on the in-process router (no retries: a test sees every answer)."""
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.router_url}/v1", api_key="unused", max_retries=0,
+                             http_client=httpx.Client(verify=self.router_verify(), timeout=timeout))
 
     # -- setup ---------------------------------------------------------------
     def write_config(self, doc: dict[str, Any] | None = None) -> None:
@@ -505,6 +513,18 @@ def standalone_router(f: Fleet, name: str = "router", extra: dict[str, Any] | No
     proc = Proc(name, llmgw_argv("router", "--config", str(path)), f.root / f"{name}.log", f.root)
     f.extra.append(proc)
     return proc.start(), port
+
+
+def stream_first_token(client: Any, model: str = "tiny") -> tuple[float, float, str]:
+    """(seconds to the first token, seconds to the end, the text) of one streamed completion."""
+    began = time.monotonic()
+    first, text = None, ""
+    for chunk in client.completions.create(model=model, prompt="hello", max_tokens=4, stream=True):
+        if chunk.choices and chunk.choices[0].text:
+            first = first if first is not None else time.monotonic() - began
+            text += chunk.choices[0].text
+    assert first is not None, "no token"
+    return first, time.monotonic() - began, text
 
 
 def router_endpoints(port: int) -> int | None:

@@ -10,14 +10,13 @@ answered by that replica.
 from __future__ import annotations
 
 import signal
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
 
-from fleet import Fleet, router_endpoints, standalone_router, until
+from fleet import Fleet, router_endpoints, standalone_router, stream_first_token, until
 
 pytestmark = pytest.mark.integration
 
@@ -29,16 +28,6 @@ def at_zero(f: Fleet, times: int = 1) -> None:
     """Wait until the deployment was scaled to zero ``times`` and has no replica and no engine process."""
     until(lambda: f.server.output(400000).count("-> 0 replica(s)") >= times and not f.replicas()["replicas"]
           and not f.engine_pids(), "the idle deployment to stop its last engine", timeout=60, on_timeout=f.dump)
-
-
-def stream(client: openai.OpenAI) -> tuple[float, str]:
-    began, first, text = time.monotonic(), None, ""
-    for chunk in client.completions.create(model="tiny", prompt="hello", max_tokens=4, stream=True):
-        if chunk.choices and chunk.choices[0].text:
-            first = first if first is not None else time.monotonic() - began
-            text += chunk.choices[0].text
-    assert first is not None, "no token"
-    return first, text
 
 
 def test_an_idle_deployment_goes_to_zero_and_a_held_burst_starts_a_replica_that_answers_it(tmp_path):
@@ -53,16 +42,15 @@ def test_an_idle_deployment_goes_to_zero_and_a_held_burst_starts_a_replica_that_
         assert "models that scale from zero: tiny" in f.server.output(200000)
         explain = f.ctl("explain", "tiny").stdout
         assert "autoscale 0..2: 0 replica(s)" in explain and "at zero: the routers hold a request" in explain, explain
-        client = openai.OpenAI(base_url=f"{f.router_url}/v1", api_key="unused", max_retries=0,
-                               http_client=httpx.Client(verify=f.router_verify(), timeout=90))
+        client = f.openai_client(timeout=90)
         assert [m.id for m in client.models.list().data] == ["tiny"]  # still listed at zero
         with pytest.raises(openai.NotFoundError):  # a model nobody declared is still unknown
             client.completions.create(model="other", prompt="hi", max_tokens=1)
         with ThreadPoolExecutor(4) as pool:
-            results = list(pool.map(lambda _: stream(client), range(4)))
-        assert all(text for _, text in results), results
+            results = list(pool.map(lambda _: stream_first_token(client), range(4)))
+        assert all(text for _, _, text in results), results
         assert f.engine_pids()  # an engine again, started for them
-        firsts = sorted(first for first, _ in results)
+        firsts = sorted(first for first, _, _ in results)
         print(f"\nfrom zero to the first token of a held request (simulator load {STARTUP} s): "
               f"first {firsts[0]:.2f} s, slowest {firsts[-1]:.2f} s of {len(results)}")
         # four held at a target of 1 per replica: the held count is demand, so the count rose to 2

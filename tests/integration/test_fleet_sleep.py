@@ -10,14 +10,12 @@ stays awake.
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import openai
 import pytest
 
-from fleet import Fleet, router_endpoints, standalone_router, until
+from fleet import Fleet, router_endpoints, standalone_router, stream_first_token, until
 from tests.support import procfs
 
 pytestmark = pytest.mark.integration
@@ -74,23 +72,6 @@ def test_dev_mode_in_the_agents_own_environment_never_reaches_an_engine(tmp_path
         assert r.status_code == 200, r.text
 
 
-def stream_first_token(client: openai.OpenAI) -> tuple[float, float, str]:
-    """(seconds to the first token, seconds to the end, the text) of one streamed completion."""
-    began = time.monotonic()
-    first, text = None, ""
-    for chunk in client.completions.create(model="tiny", prompt="hello", max_tokens=4, stream=True):
-        if chunk.choices and chunk.choices[0].text:
-            first = first if first is not None else time.monotonic() - began
-            text += chunk.choices[0].text
-    assert first is not None, "no token"
-    return first, time.monotonic() - began, text
-
-
-def openai_client(f: Fleet) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{f.router_url}/v1", api_key="unused", max_retries=0,
-                         http_client=httpx.Client(verify=f.router_verify(), timeout=60))
-
-
 def start_asleep(f: Fleet, autoscale: dict, hold: dict) -> str:
     """Declare ``autoscale`` and the router's ``hold``, start the fleet, and wait until its one engine
     sleeps and the control plane knows; the engine's address."""
@@ -111,7 +92,7 @@ def test_an_idle_replica_sleeps_and_a_burst_is_held_through_its_wake_and_all_ans
     with Fleet(tmp_path, nodes={"a": 1}, replicas=1, router=True, profile=profile,
                lifecycle={"startup_grace": 1.0}) as f:
         engine = start_asleep(f, {"min": 1, "max": 1, "sleep": {"after": 2}}, {"max_requests": 16, "deadline": 30})
-        client = openai_client(f)
+        client = f.openai_client()
         with ThreadPoolExecutor(BURST) as pool:
             results = list(pool.map(lambda _: stream_first_token(client), range(BURST)))
         assert len(results) == BURST and all(text for _, _, text in results), results
