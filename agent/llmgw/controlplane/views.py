@@ -282,11 +282,20 @@ def autoscale_view(cp: ControlPlane, dep: Any) -> dict[str, Any]:
     return {"autoscale": block, "scaling": {
         "current": sum(1 for r in cp.reconciler.book.live() if r.key == dep.key),
         "desired": cp.replica_counts.get(dep.key, policy.clamp(dep.replicas)),
-        "reason": "lent" if dep.key in cp.lending.loans else d.reason if d is not None else "start",
+        "reason": scaling_reason(cp, dep.key),
         "wanted": d.wanted if d is not None else None,
         "lead_s": d.lead if d is not None else None,
         "engine_signal": engine_signal_view(cp.autoscaler.sample(dep.key)),
         "budget": None if g is None else {"desired": g.desired, "granted": g.granted, "reason": g.reason}}}
+
+
+def scaling_reason(cp: ControlPlane, key: str) -> str:
+    """Why an autoscaled deployment's count is what it is: ``lent`` while its GPUs are lent
+    (``autoscale_lend``), else the rule's last reason, ``start`` before its first decision."""
+    if key in cp.lending.loans:
+        return "lent"
+    d = cp.autoscaler.decision(key)
+    return d.reason if d is not None else "start"
 
 
 def engine_signal_view(sample: Any) -> dict[str, Any] | None:
@@ -411,7 +420,7 @@ def explain_view(cp: ControlPlane, model: str) -> dict[str, Any] | None:
                 text += (f"; lent: its GPUs went to {loan.borrower} while every replica slept (back from zero "
                          "replicas on its next request)")
             scaling.append({"deployment": dep.key, "desired": desired,
-                            "reason": "lent" if loan is not None else d.reason if d is not None else "start",
+                            "reason": scaling_reason(cp, dep.key),
                             "signal": None if d is None else {"stable": d.stable, "panic": d.panic},
                             "engine_signal": engine_signal_view(sample),
                             "budget": None if g is None else {"desired": g.desired, "granted": g.granted,
